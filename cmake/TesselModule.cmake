@@ -1,0 +1,53 @@
+# tessel_module(NAME DEPS ...): one static library per folder of src/tessel,
+# built from every .cpp in that folder (recursively). Each module names the
+# modules and packages it depends on, so a module builds and tests alone.
+function(tessel_module name)
+  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  file(GLOB_RECURSE sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/*.cpp)
+  if(NOT sources)  # a header-only module
+    add_library(tessel_${name} INTERFACE)
+    target_include_directories(tessel_${name} INTERFACE ${PROJECT_SOURCE_DIR}/src)
+    target_link_libraries(tessel_${name} INTERFACE ${ARG_DEPS})
+    return()
+  endif()
+  add_library(tessel_${name} STATIC ${sources})
+  target_include_directories(tessel_${name} PUBLIC ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(tessel_${name} PUBLIC ${ARG_DEPS} PRIVATE tessel_warnings)
+endfunction()
+
+# tessel_unit_tests(MODULE DEPS ...): tests/unit/<module>/*.cpp -> one gtest binary.
+function(tessel_unit_tests module)
+  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  file(GLOB sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/unit/${module}/*.cpp)
+  if(NOT sources)
+    return()
+  endif()
+  add_executable(unit_${module} ${sources})
+  target_link_libraries(unit_${module} PRIVATE ${ARG_DEPS} GTest::gtest_main tessel_warnings)
+  target_include_directories(unit_${module} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  add_test(NAME unit_${module} COMMAND unit_${module})
+  set_tests_properties(unit_${module} PROPERTIES ENVIRONMENT "OMP_NUM_THREADS=2;TESSEL_SOURCE_DIR=${PROJECT_SOURCE_DIR}"
+                       LABELS unit)
+endfunction()
+
+# tessel_mpi_tests(MODULE DEPS ...): tests/mpi/<module>/*.cpp -> one gtest binary
+# with an MPI main, registered twice: under mpirun with 2 and with 4 ranks.
+function(tessel_mpi_tests module)
+  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  file(GLOB sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/mpi/${module}/*.cpp)
+  if(NOT sources)
+    return()
+  endif()
+  add_executable(mpi_${module} ${sources} ${CMAKE_CURRENT_SOURCE_DIR}/mpi/mpi_test_main.cpp)
+  target_link_libraries(mpi_${module} PRIVATE ${ARG_DEPS} tessel_comm GTest::gtest tessel_warnings)
+  target_include_directories(mpi_${module} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  foreach(np 2 4)
+    add_test(NAME mpi_${module}_np${np}
+             COMMAND ${MPIEXEC_EXECUTABLE} --oversubscribe --bind-to none -np ${np}
+                     -x OMP_NUM_THREADS=1 -x TESSEL_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+                     $<TARGET_FILE:mpi_${module}>)
+    set_tests_properties(mpi_${module}_np${np} PROPERTIES
+      ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1"
+      LABELS mpi PROCESSORS ${np})
+  endforeach()
+endfunction()
