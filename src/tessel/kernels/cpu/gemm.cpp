@@ -1,0 +1,46 @@
+#include "tessel/kernels/cpu/gemm.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+
+#include "tessel/core/error.hpp"
+#include "tessel/kernels/cpu/column_sums.hpp"
+
+namespace tessel::kernels {
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  TESSEL_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm sizes ", M, "x", N, "x", K);
+  TESSEL_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
+               "gemm leading dimensions lda=", lda, " ldb=", ldb, " ldc=", ldc);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // C = beta * C; BLAS rejects a zero leading dimension, so do it here
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A,
+              int(std::max<int64_t>(lda, 1)), B, int(std::max<int64_t>(ldb, 1)), beta, C,
+              int(std::max<int64_t>(ldc, 1)));
+}
+
+void linear_forward(float* y, const float* x, const float* W, const float* b, int64_t N, int64_t in,
+                    int64_t out) {
+  if (b) {  // y = b broadcast, then y += x W^T
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) std::copy(b, b + out, y + n * out);
+  }
+  gemm(false, true, N, out, in, 1.0f, x, in, W, in, b ? 1.0f : 0.0f, y, out);
+}
+
+void linear_backward(float* dx, float* dW, float* db, const float* dy, const float* x,
+                     const float* W, int64_t N, int64_t in, int64_t out) {
+  gemm(false, false, N, in, out, 1.0f, dy, out, W, in, 1.0f, dx, in);
+  gemm(true, false, out, in, N, 1.0f, dy, out, x, in, 1.0f, dW, in);
+  if (db)
+    detail::add_column_sums(db, N, out, [=](int64_t n, int64_t j) { return dy[n * out + j]; });
+}
+
+}  // namespace tessel::kernels
