@@ -1,0 +1,31 @@
+#include "tessel/optim/lr_schedule.hpp"
+
+#include <cmath>
+#include <numbers>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::optim {
+
+LrSchedule::LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t total_steps)
+    : lr_(lr), min_lr_(min_lr), warmup_(warmup_steps), total_(total_steps) {
+  if (!(std::isfinite(lr) && lr > 0)) input_error("optim.lr = ", lr, " must be > 0");
+  if (!(min_lr >= 0 && min_lr <= lr)) {
+    input_error("optim.min_lr = ", min_lr, " must be in [0, optim.lr = ", lr, "]");
+  }
+  if (total_steps < 1) input_error("train.steps = ", total_steps, " must be >= 1");
+  if (warmup_steps < 0 || warmup_steps >= total_steps) {
+    input_error("optim.warmup_steps = ", warmup_steps,
+                " must be >= 0 and < train.steps = ", total_steps);
+  }
+}
+
+double LrSchedule::lr(int64_t step) const {
+  TESSEL_CHECK(step >= 0, "negative schedule step ", step);
+  if (step < warmup_) return lr_ * double(step) / double(warmup_);
+  if (step >= total_) return min_lr_;
+  double progress = double(step - warmup_) / double(total_ - warmup_);
+  return min_lr_ + (lr_ - min_lr_) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+}  // namespace tessel::optim
