@@ -1,0 +1,181 @@
+// tessel — the command-line front end. Subcommands:
+//   prepare     text corpus -> token shards (train.tok, val.tok)
+//   train       train a GPT (one process, or under mpirun: data parallel)
+//   generate    sample text from a run's latest checkpoint
+//   bench-gemm  this machine's GEMM peak, the denominator of MFU
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "tessel/comm/world.hpp"
+#include "tessel/core/error.hpp"
+#include "tessel/core/threading.hpp"
+#include "tessel/data/byte_tokenizer.hpp"
+#include "tessel/data/prepare.hpp"
+#include "tessel/kernels/cpu/gemm_peak.hpp"
+#include "tessel/model/generate.hpp"
+#include "tessel/model/gpt.hpp"
+#include "tessel/train/checkpoint.hpp"
+#include "tessel/train/config.hpp"
+#include "tessel/train/trainer.hpp"
+
+using namespace tessel;
+
+namespace {
+
+std::string schema_help() {
+  std::ostringstream os;
+  os << "Config keys (TOML tables [run], [data], [model], [train], [optim], [parallel], [mfu];\n"
+        "override any with --set key=value). Defaults shown:\n\n";
+  train::Config defaults;
+  for (const auto& k : train::config_schema()) {
+    std::string left = "  " + k.name + " = " + k.get(defaults);
+    if (left.size() < 44) left.resize(44, ' ');
+    os << left << " " << k.help << " (" << k.type << ")\n";
+  }
+  return os.str();
+}
+
+int run_prepare(const data::PrepareOptions& opts) {
+  auto r = data::prepare_dataset(opts);
+  std::printf("prepared %s: train %lld documents / %lld tokens -> %s; val %lld documents / %lld "
+              "tokens -> %s\n",
+              opts.corpus.c_str(), static_cast<long long>(r.train.documents),
+              static_cast<long long>(r.train.tokens), r.train.path.c_str(),
+              static_cast<long long>(r.val.documents), static_cast<long long>(r.val.tokens),
+              r.val.path.c_str());
+  return 0;
+}
+
+int run_generate(const std::string& run_dir, const std::string& prompt, int64_t tokens,
+                 double temperature, int64_t top_k, int64_t seed) {
+  train::CheckpointStore store(run_dir + "/checkpoints", 2);
+  auto latest = store.latest();
+  if (!latest) input_error(run_dir, ": no complete checkpoint under ", run_dir, "/checkpoints");
+  train::CheckpointContent ckpt = train::CheckpointStore::load(*latest);
+  train::Config config =
+      train::parse_config(ckpt.state.at("config").get<std::string>(), *latest + "/manifest.json", {});
+  model::Gpt gpt(config.model, 0);
+  for (const auto& p : gpt.parameters()) {
+    auto it = std::find_if(ckpt.model.begin(), ckpt.model.end(),
+                           [&](const train::NamedTensor& t) { return t.name == p.name; });
+    if (it == ckpt.model.end() || it->tensor.shape() != p.value.shape())
+      input_error(*latest, ": tensor '", p.name, "' missing or of the wrong shape");
+    std::memcpy(const_cast<Tensor&>(p.value).raw(), it->tensor.raw(), p.value.bytes());
+  }
+  if (config.model.vocab != data::ByteTokenizer::kVocabSize)
+    input_error(*latest, ": generate needs the byte tokenizer (model.vocab = 256)");
+  data::ByteTokenizer tok;
+  Rng rng{uint64_t(seed)};
+  auto ids = model::generate(gpt, tok.encode(prompt), tokens, float(temperature), top_k, rng);
+  std::printf("%s\n", tok.decode(ids).c_str());
+  return 0;
+}
+
+int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
+  if (size < 1) input_error("--size must be at least 1, got ", size);
+  if (threads > 0) set_num_threads(threads);
+  double gflops = kernels::measure_gemm_peak_gflops(size, seconds);
+  if (json)
+    std::printf("%s\n", nlohmann::json{{"size", size}, {"threads", num_threads()}, {"gflops", gflops}}
+                            .dump()
+                            .c_str());
+  else
+    std::printf("sgemm %lldx%lldx%lld, %d thread(s): %.1f GFLOP/s\n", static_cast<long long>(size),
+                static_cast<long long>(size), static_cast<long long>(size), num_threads(), gflops);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto guard = comm::init_communication(&argc, &argv);
+  comm::Communicator& world = guard.world();
+  CLI::App app{
+      "tessel: distributed training of transformer language models.\n"
+      "Quick start: tessel prepare && tessel train --config configs/default.toml\n"
+      "Data parallel: scripts/launch.sh 2 train --config configs/default.toml"};
+  app.require_subcommand(1);
+
+  data::PrepareOptions prep;
+  prep.corpus = "bible";
+  prep.output_dir = "data/bible";
+  auto* prepare = app.add_subcommand("prepare", "turn a text corpus into token shards");
+  prepare->add_option("--corpus", prep.corpus,
+                      "bible (Debian bible-kjv, one document per chapter), fortunes (one per "
+                      "fortune) or file:PATH (documents separated by blank lines)")
+      ->capture_default_str();
+  prepare->add_option("--out", prep.output_dir, "output directory")->capture_default_str();
+  prepare->add_option("--val-fraction", prep.val_fraction, "share of documents held out")
+      ->capture_default_str();
+  prepare->add_option("--seed", prep.seed, "seed of the train/validation split")
+      ->capture_default_str();
+
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool help_config = false;
+  auto* trainc = app.add_subcommand("train", "train a GPT (under mpirun: data parallel)");
+  trainc->add_option("--config", config_path, "TOML config file (configs/*.toml)");
+  trainc->add_option("--set", overrides, "override a config key: --set train.steps=100")
+      ->take_all();
+  trainc->add_flag("--help-config", help_config, "list every config key with its default");
+
+  std::string run_dir = "runs/default", prompt = "And God said";
+  int64_t gen_tokens = 200, top_k = 40, gen_seed = 1;
+  double temperature = 0.8;
+  auto* gen = app.add_subcommand("generate", "sample text from a run's latest checkpoint");
+  gen->add_option("--run", run_dir, "run directory")->capture_default_str();
+  gen->add_option("--prompt", prompt, "prompt text")->capture_default_str();
+  gen->add_option("--tokens", gen_tokens, "tokens to generate")->capture_default_str();
+  gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
+  gen->add_option("--top-k", top_k, "sample among the k likeliest; 0 = all")->capture_default_str();
+  gen->add_option("--seed", gen_seed, "sampling seed")->capture_default_str();
+
+  int64_t gemm_size = 1024;
+  double gemm_seconds = 1.0;
+  int gemm_threads = 0;
+  bool gemm_json = false;
+  auto* bench = app.add_subcommand("bench-gemm", "measure the sgemm peak (MFU denominator)");
+  bench->add_option("--size", gemm_size, "matrix size")->capture_default_str();
+  bench->add_option("--seconds", gemm_seconds, "measuring time")->capture_default_str();
+  bench->add_option("--threads", gemm_threads, "threads; 0 = OMP_NUM_THREADS or all cores");
+  bench->add_flag("--json", gemm_json, "print JSON");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return world.rank() == 0 ? app.exit(e) : (e.get_exit_code() ? 1 : 0);
+  }
+
+  try {
+    if (*prepare) return world.rank() == 0 ? run_prepare(prep) : 0;
+    if (*trainc) {
+      if (help_config) {
+        if (world.rank() == 0) std::printf("%s", schema_help().c_str());
+        return 0;
+      }
+      train::Config config = train::load_config(config_path, overrides);
+      train::Trainer trainer(std::move(config), world);
+      trainer.run();
+      return 0;
+    }
+    if (*gen) return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed);
+    if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
+  } catch (const std::exception& e) {
+    // One line naming the file or field. With several ranks, exit at once: the
+    // launcher ends the job instead of leaving peers waiting in a collective.
+    bool input = dynamic_cast<const InputError*>(&e) != nullptr;
+    if (world.size() == 1)
+      std::fprintf(stderr, "tessel: error: %s\n", e.what());
+    else
+      std::fprintf(stderr, "tessel: error (rank %d): %s\n", world.rank(), e.what());
+    std::fflush(stderr);
+    if (world.size() > 1) std::_Exit(input ? 2 : 1);
+    return input ? 2 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,173 @@
+#include "tessel/train/checkpoint.hpp"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "tessel/core/error.hpp"
+
+namespace fs = std::filesystem;
+
+namespace tessel::train {
+
+namespace {
+
+constexpr const char* kManifest = "manifest.json";
+constexpr int kFormatVersion = 1;
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+// Writes `text` to `path` via a temporary file and an atomic rename.
+void write_file_atomic(const fs::path& path, const std::string& text) {
+  fs::path tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) input_error(tmp.string(), ": write failed (disk full?)");
+  }
+  fs::rename(tmp, path);
+}
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) input_error(path.string(), ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    input_error(path.string(), ": corrupt JSON (", e.what(), ")");
+  }
+}
+
+bool is_complete(const fs::path& dir) {
+  return fs::is_directory(dir) && fs::exists(dir / kManifest) &&
+         dir.extension() != ".incomplete";
+}
+
+// Complete checkpoint directories, oldest first (names sort by step).
+std::vector<fs::path> complete_checkpoints(const fs::path& root) {
+  std::vector<fs::path> dirs;
+  if (!fs::is_directory(root)) return dirs;
+  for (const auto& e : fs::directory_iterator(root)) {
+    auto name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && is_complete(e.path())) dirs.push_back(e.path());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+}  // namespace
+
+uint32_t file_crc32(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) input_error(path, ": cannot open");
+  std::vector<char> buf(1 << 20);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    std::streamsize got = in.gcount();
+    if (got > 0) crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), uInt(got));
+  }
+  return uint32_t(crc);
+}
+
+CheckpointStore::CheckpointStore(std::string root, int64_t keep) : root_(std::move(root)), keep_(keep) {
+  TESSEL_CHECK(keep_ >= 2, "keep_checkpoints must be >= 2");
+}
+
+void CheckpointStore::save(comm::Communicator& group, const CheckpointContent& content) {
+  fs::path root(root_);
+  fs::path final_dir = root / step_name(content.step);
+  fs::path tmp_dir = root / (step_name(content.step) + ".incomplete");
+  int32_t ok = 1;
+  std::string failure;
+  if (group.rank() == 0) {
+    try {
+      fs::create_directories(root);
+      fs::remove_all(tmp_dir);
+      fs::create_directories(tmp_dir);
+      write_safetensors((tmp_dir / "model.safetensors").string(), content.model);
+      write_safetensors((tmp_dir / "optimizer.safetensors").string(), content.optimizer);
+    } catch (const std::exception& e) {
+      ok = 0;
+      failure = e.what();
+    }
+  }
+  // Phase one: every rank reports whether its part was written.
+  group.all_reduce(std::span<int32_t>(&ok, 1), comm::ReduceOp::min);
+  if (!ok) {
+    if (group.rank() == 0) fs::remove_all(tmp_dir);
+    input_error("checkpoint ", final_dir.string(), " not saved: ",
+                failure.empty() ? "another rank failed to write its part" : failure);
+  }
+  // Phase two: the manifest (written last) makes the directory a checkpoint.
+  if (group.rank() == 0) {
+    nlohmann::json manifest;
+    manifest["format"] = "tessel-checkpoint";
+    manifest["version"] = kFormatVersion;
+    manifest["step"] = content.step;
+    manifest["state"] = content.state;
+    for (const char* name : {"model.safetensors", "optimizer.safetensors"}) {
+      fs::path p = tmp_dir / name;
+      manifest["files"].push_back(
+          {{"name", name}, {"bytes", fs::file_size(p)}, {"crc32", file_crc32(p.string())}});
+    }
+    write_file_atomic(tmp_dir / kManifest, manifest.dump(2));
+    fs::remove_all(final_dir);
+    fs::rename(tmp_dir, final_dir);
+    write_file_atomic(root / "latest", step_name(content.step) + "\n");
+    auto dirs = complete_checkpoints(root);
+    for (size_t i = 0; i + size_t(keep_) < dirs.size(); ++i) fs::remove_all(dirs[i]);
+  }
+  group.barrier();
+}
+
+std::optional<std::string> CheckpointStore::latest() const {
+  fs::path root(root_);
+  std::ifstream in(root / "latest");
+  std::string name;
+  if (in >> name && is_complete(root / name)) return (root / name).string();
+  auto dirs = complete_checkpoints(root);
+  if (dirs.empty()) return std::nullopt;
+  return dirs.back().string();
+}
+
+CheckpointContent CheckpointStore::load(const std::string& dir_text) {
+  fs::path dir(dir_text);
+  fs::path manifest_path = dir / kManifest;
+  if (!fs::exists(manifest_path))
+    input_error(dir_text, ": not a complete checkpoint (no ", kManifest, ")");
+  nlohmann::json manifest = read_json(manifest_path);
+  CheckpointContent content;
+  try {
+    if (manifest.at("format") != "tessel-checkpoint" || manifest.at("version") != kFormatVersion)
+      input_error(manifest_path.string(), ": unsupported checkpoint format or version");
+    content.step = manifest.at("step").get<int64_t>();
+    content.state = manifest.at("state");
+    for (const auto& f : manifest.at("files")) {
+      std::string name = f.at("name").get<std::string>();
+      fs::path p = dir / name;
+      if (!fs::exists(p)) input_error(p.string(), ": missing checkpoint file");
+      if (fs::file_size(p) != f.at("bytes").get<uint64_t>())
+        input_error(p.string(), ": size ", fs::file_size(p), " differs from the manifest's ",
+                    f.at("bytes").get<uint64_t>(), " (truncated or corrupt)");
+      if (file_crc32(p.string()) != f.at("crc32").get<uint32_t>())
+        input_error(p.string(), ": checksum mismatch (corrupt checkpoint file)");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    input_error(manifest_path.string(), ": malformed manifest (", e.what(), ")");
+  }
+  content.model = read_safetensors((dir / "model.safetensors").string()).tensors;
+  content.optimizer = read_safetensors((dir / "optimizer.safetensors").string()).tensors;
+  return content;
+}
+
+}  // namespace tessel::train

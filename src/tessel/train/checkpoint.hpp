@@ -1,0 +1,52 @@
+#pragma once
+// Checkpoints: a directory per step under <run>/checkpoints/, holding
+//   model.safetensors      parameter values (replicated over dp, written by rank 0)
+//   optimizer.safetensors  optimizer state (replicated under plain data parallelism)
+//   manifest.json          step, trainer state (data-loader position, ...), the model
+//                          config, and every file with its size and CRC-32 — written LAST.
+// Two-phase commit: files go into `step-N.incomplete/`, all ranks agree that their
+// writes succeeded, rank 0 writes the manifest, renames the directory to `step-N/`
+// and then points `latest` at it. A crash at any moment leaves the previous
+// checkpoint intact and `latest` valid. Loading verifies every checksum.
+// (Issue #8 moves the writing to a background thread; the layout stays.)
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessel/comm/communicator.hpp"
+#include "tessel/train/safetensors.hpp"
+
+namespace tessel::train {
+
+struct CheckpointContent {
+  int64_t step = 0;
+  std::vector<NamedTensor> model;
+  std::vector<NamedTensor> optimizer;
+  nlohmann::json state;  // trainer state: loader position, config, ...
+};
+
+class CheckpointStore {
+ public:
+  // `root` is the checkpoints directory; keep >= 2 newest complete checkpoints are kept.
+  CheckpointStore(std::string root, int64_t keep);
+
+  // Collective over `group` (every rank calls it). Rank 0 writes the files.
+  void save(comm::Communicator& group, const CheckpointContent& content);
+
+  // Path of the newest complete checkpoint, if any. Follows `latest`; when that is
+  // missing or incomplete, falls back to the newest directory with a manifest.
+  std::optional<std::string> latest() const;
+
+  // Reads and verifies the checkpoint at `dir` (sizes, checksums, manifest fields).
+  static CheckpointContent load(const std::string& dir);
+
+ private:
+  std::string root_;
+  int64_t keep_;
+};
+
+// CRC-32 (zlib) of a file's bytes; InputError if it cannot be read.
+uint32_t file_crc32(const std::string& path);
+
+}  // namespace tessel::train

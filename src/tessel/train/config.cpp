@@ -1,0 +1,357 @@
+#include "tessel/train/config.hpp"
+
+#include <toml++/toml.h>
+
+#include <charconv>
+#include <filesystem>
+#include <cmath>
+#include <iomanip>
+#include <map>
+#include <sstream>
+
+#include "tessel/core/error.hpp"
+#include "tessel/optim/lr_schedule.hpp"
+
+namespace tessel::train {
+
+namespace {
+
+int64_t parse_int(const std::string& key, const std::string& text) {
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size())
+    input_error("config key '", key, "': expected an integer, got '", text, "'");
+  return v;
+}
+
+double parse_float(const std::string& key, const std::string& text) {
+  try {
+    size_t used = 0;
+    double v = std::stod(text, &used);
+    if (used == text.size() && std::isfinite(v)) return v;
+  } catch (const std::exception&) {
+  }
+  input_error("config key '", key, "': expected a number, got '", text, "'");
+}
+
+bool parse_bool(const std::string& key, const std::string& text) {
+  if (text == "true") return true;
+  if (text == "false") return false;
+  input_error("config key '", key, "': expected true or false, got '", text, "'");
+}
+
+std::string unquote(const std::string& text) {
+  if (text.size() >= 2 && text.front() == '"' && text.back() == '"')
+    return text.substr(1, text.size() - 2);
+  return text;
+}
+
+std::string quote(const std::string& s) {
+  std::ostringstream os;
+  os << std::quoted(s);
+  return os.str();
+}
+
+std::string float_text(double v) {
+  std::ostringstream os;
+  os << std::setprecision(17) << v;
+  std::string s = os.str();
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // keep TOML float type
+  return s;
+}
+
+// Builders for schema entries bound to a member of Config.
+template <class Get>
+ConfigKey int_key(std::string name, std::string help, Get member) {
+  return {name, std::move(help), "int",
+          [member, name](Config& c, const std::string& t) { member(c) = parse_int(name, t); },
+          [member](const Config& c) { return std::to_string(member(const_cast<Config&>(c))); }};
+}
+template <class Get>
+ConfigKey float_key(std::string name, std::string help, Get member) {
+  return {name, std::move(help), "float",
+          [member, name](Config& c, const std::string& t) { member(c) = parse_float(name, t); },
+          [member](const Config& c) { return float_text(member(const_cast<Config&>(c))); }};
+}
+template <class Get>
+ConfigKey bool_key(std::string name, std::string help, Get member) {
+  return {name, std::move(help), "bool",
+          [member, name](Config& c, const std::string& t) { member(c) = parse_bool(name, t); },
+          [member](const Config& c) { return member(const_cast<Config&>(c)) ? "true" : "false"; }};
+}
+template <class Get>
+ConfigKey string_key(std::string name, std::string help, Get member) {
+  return {name, std::move(help), "string",
+          [member](Config& c, const std::string& t) { member(c) = unquote(t); },
+          [member](const Config& c) { return quote(member(const_cast<Config&>(c))); }};
+}
+// An enum stored as one of a fixed set of names.
+template <class E, class Get>
+ConfigKey choice_key(std::string name, std::string help,
+                     std::vector<std::pair<std::string, E>> choices, Get member) {
+  std::string type;
+  for (auto& [n, e] : choices) type += (type.empty() ? "" : "|") + n;
+  return {name, std::move(help), type,
+          [member, name, choices, type](Config& c, const std::string& t) {
+            std::string v = unquote(t);
+            for (auto& [n, e] : choices)
+              if (n == v) {
+                member(c) = e;
+                return;
+              }
+            input_error("config key '", name, "': expected one of ", type, ", got '", v, "'");
+          },
+          [member, choices](const Config& c) {
+            for (auto& [n, e] : choices)
+              if (member(const_cast<Config&>(c)) == e) return quote(n);
+            return std::string("\"?\"");
+          }};
+}
+
+#define FIELD(path) [](Config& c) -> auto& { return c.path; }
+
+std::vector<ConfigKey> build_schema() {
+  using model::MlpType;
+  using model::NormType;
+  using model::PositionType;
+  return {
+      string_key("run.dir", "run directory (config, metrics, checkpoints)", FIELD(run.dir)),
+      int_key("run.seed", "seed of initialization and data order", FIELD(run.seed)),
+      int_key("run.threads", "threads per rank; 0 = cores / ranks", FIELD(run.threads)),
+      bool_key("run.quiet", "suppress progress lines", FIELD(run.quiet)),
+      string_key("data.path", "directory holding train.tok and val.tok", FIELD(data.path)),
+      bool_key("data.shuffle", "shuffle training windows each epoch", FIELD(data.shuffle)),
+      int_key("model.vocab", "vocabulary size", FIELD(model.vocab)),
+      int_key("model.layers", "transformer blocks", FIELD(model.layers)),
+      int_key("model.width", "residual width", FIELD(model.width)),
+      int_key("model.heads", "query heads", FIELD(model.heads)),
+      int_key("model.kv_heads", "key/value heads (grouped-query attention)", FIELD(model.kv_heads)),
+      choice_key<MlpType>("model.mlp", "MLP type",
+                          {{"gelu", MlpType::gelu}, {"swiglu", MlpType::swiglu}}, FIELD(model.mlp)),
+      int_key("model.mlp_hidden", "MLP hidden width; 0 = default for the MLP type",
+              FIELD(model.mlp_hidden)),
+      choice_key<NormType>("model.norm", "norm type",
+                           {{"layernorm", NormType::layernorm}, {"rmsnorm", NormType::rmsnorm}},
+                           FIELD(model.norm)),
+      float_key("model.norm_eps", "norm epsilon", FIELD(model.norm_eps)),
+      choice_key<PositionType>(
+          "model.positions", "position encoding",
+          {{"learned", PositionType::learned}, {"rotary", PositionType::rotary}},
+          FIELD(model.positions)),
+      float_key("model.rope_theta", "rotary base", FIELD(model.rope_theta)),
+      bool_key("model.tied_head", "output head shares the embedding", FIELD(model.tied_head)),
+      bool_key("model.bias", "biases in linear layers", FIELD(model.bias)),
+      int_key("model.max_seq", "longest sequence the model accepts", FIELD(model.max_seq)),
+      float_key("model.init_std", "standard deviation of initial weights", FIELD(model.init_std)),
+      int_key("train.steps", "optimizer steps", FIELD(train.steps)),
+      int_key("train.seq_len", "tokens per sequence", FIELD(train.seq_len)),
+      int_key("train.micro_batch", "sequences per micro-batch per rank", FIELD(train.micro_batch)),
+      int_key("train.accum", "micro-batches per step per rank", FIELD(train.accum)),
+      float_key("train.grad_clip", "global gradient-norm clip; <= 0 disables",
+                FIELD(train.grad_clip)),
+      int_key("train.log_every", "steps between progress lines", FIELD(train.log_every)),
+      int_key("train.eval_every", "steps between validation; 0 = only at the end",
+              FIELD(train.eval_every)),
+      int_key("train.eval_sequences", "validation sequences", FIELD(train.eval_sequences)),
+      int_key("train.checkpoint_every", "steps between checkpoints; 0 = only at the end",
+              FIELD(train.checkpoint_every)),
+      int_key("train.keep_checkpoints", "checkpoints kept (newest first)",
+              FIELD(train.keep_checkpoints)),
+      bool_key("train.resume", "resume from the run directory's latest checkpoint",
+               FIELD(train.resume)),
+      int_key("train.sample_tokens", "tokens of the final text sample; 0 = none",
+              FIELD(train.sample_tokens)),
+      string_key("train.sample_prompt", "prompt of the final text sample",
+                 FIELD(train.sample_prompt)),
+      float_key("train.sample_temperature", "sampling temperature; 0 = greedy",
+                FIELD(train.sample_temperature)),
+      int_key("train.sample_top_k", "sample among the k likeliest tokens; 0 = all",
+              FIELD(train.sample_top_k)),
+      string_key("optim.name", "optimizer: adamw", FIELD(optim.name)),
+      float_key("optim.lr", "peak learning rate", FIELD(optim.lr)),
+      float_key("optim.min_lr", "learning rate at the end of the cosine", FIELD(optim.min_lr)),
+      int_key("optim.warmup_steps", "linear warm-up steps", FIELD(optim.warmup_steps)),
+      float_key("optim.beta1", "AdamW beta1", FIELD(optim.beta1)),
+      float_key("optim.beta2", "AdamW beta2", FIELD(optim.beta2)),
+      float_key("optim.eps", "AdamW epsilon", FIELD(optim.eps)),
+      float_key("optim.weight_decay", "decoupled weight decay", FIELD(optim.weight_decay)),
+      string_key("optim.decay_tags", "comma-separated parameter tags that get weight decay",
+                 FIELD(optim.decay_tags)),
+      int_key("parallel.dp", "data-parallel degree; 0 = world / (pp * cp)", FIELD(parallel.dp)),
+      int_key("parallel.pp", "pipeline stages", FIELD(parallel.pp)),
+      int_key("parallel.cp", "context-parallel degree", FIELD(parallel.cp)),
+      int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
+      float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
+                FIELD(parallel.bucket_mb)),
+      float_key("mfu.peak_gflops", "per-rank peak GFLOP/s; 0 = measure GEMM peak at start",
+                FIELD(mfu.peak_gflops)),
+  };
+}
+#undef FIELD
+
+const ConfigKey* find_key(const std::string& name) {
+  for (const auto& k : config_schema())
+    if (k.name == name) return &k;
+  return nullptr;
+}
+
+[[noreturn]] void unknown_key(const std::string& where, const std::string& name) {
+  input_error(where, "unknown config key '", name, "' (see `tessel train --help-config`)");
+}
+
+// Text of a TOML leaf value in the form the schema setters parse.
+std::string toml_value_text(const toml::node& node) {
+  if (auto s = node.as_string()) return s->get();
+  if (auto i = node.as_integer()) return std::to_string(i->get());
+  if (auto f = node.as_floating_point()) return float_text(f->get());
+  if (auto b = node.as_boolean()) return b->get() ? "true" : "false";
+  return "";
+}
+
+void apply_table(Config& config, const toml::table& table, const std::string& prefix,
+                 const std::string& file) {
+  for (const auto& [k, node] : table) {
+    std::string name = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (auto sub = node.as_table()) {
+      apply_table(config, *sub, name, file);
+      continue;
+    }
+    const ConfigKey* key = find_key(name);
+    if (!key) unknown_key(file + ": ", name);
+    std::string text = toml_value_text(node);
+    bool is_string = node.is_string();
+    if (text.empty() && !is_string)
+      input_error(file, ": config key '", name, "' has an unsupported value type");
+    // A string where a number or bool is expected is a type error, not a parse.
+    if (is_string != (key->type == "string" || key->type.find('|') != std::string::npos))
+      input_error(file, ": config key '", name, "' expects a ", key->type, " value");
+    try {
+      key->set(config, text);
+    } catch (const InputError& e) {
+      input_error(file, ": ", e.what());
+    }
+  }
+}
+
+}  // namespace
+
+model::GptConfig default_model() {
+  model::GptConfig m;
+  m.vocab = 256;
+  m.layers = 6;
+  m.width = 256;
+  m.heads = 8;
+  m.max_seq = 256;
+  m.mlp = model::MlpType::gelu;
+  m.norm = model::NormType::layernorm;
+  m.positions = model::PositionType::learned;
+  return m;
+}
+
+const std::vector<ConfigKey>& config_schema() {
+  static const std::vector<ConfigKey> schema = build_schema();
+  return schema;
+}
+
+void apply_override(Config& config, const std::string& assignment) {
+  auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    input_error("--set '", assignment, "': expected key=value");
+  std::string name = assignment.substr(0, eq);
+  const ConfigKey* key = find_key(name);
+  if (!key) unknown_key("--set: ", name);
+  key->set(config, assignment.substr(eq + 1));
+}
+
+namespace {
+Config config_from(const toml::table& table, const std::string& source,
+                   const std::vector<std::string>& overrides) {
+  Config config;
+  apply_table(config, table, "", source);
+  for (const auto& o : overrides) apply_override(config, o);
+  validate(config);
+  return config;
+}
+
+[[noreturn]] void toml_error(const std::string& source, const toml::parse_error& e) {
+  const auto& where = e.source().begin;
+  input_error(source, ":", where.line, ":", where.column, ": ", e.description());
+}
+}  // namespace
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  if (path.empty()) return config_from(toml::table{}, "", overrides);
+  if (!std::filesystem::is_regular_file(path)) input_error(path, ": config file not found");
+  try {
+    return config_from(toml::parse_file(path), path, overrides);
+  } catch (const toml::parse_error& e) {
+    toml_error(path, e);
+  }
+}
+
+Config parse_config(const std::string& text, const std::string& source,
+                    const std::vector<std::string>& overrides) {
+  try {
+    return config_from(toml::parse(text, source), source, overrides);
+  } catch (const toml::parse_error& e) {
+    toml_error(source, e);
+  }
+}
+
+void validate(const Config& c) {
+  auto positive = [](const char* name, int64_t v) {
+    if (v < 1) input_error("config key '", name, "' must be at least 1, got ", v);
+  };
+  auto non_negative = [](const char* name, double v) {
+    if (v < 0) input_error("config key '", name, "' must not be negative, got ", v);
+  };
+  model::validate(c.model);
+  positive("train.steps", c.train.steps);
+  positive("train.seq_len", c.train.seq_len);
+  positive("train.micro_batch", c.train.micro_batch);
+  positive("train.accum", c.train.accum);
+  positive("train.log_every", c.train.log_every);
+  positive("train.eval_sequences", c.train.eval_sequences);
+  non_negative("train.eval_every", double(c.train.eval_every));
+  non_negative("train.checkpoint_every", double(c.train.checkpoint_every));
+  non_negative("train.sample_tokens", double(c.train.sample_tokens));
+  non_negative("train.sample_top_k", double(c.train.sample_top_k));
+  non_negative("train.sample_temperature", c.train.sample_temperature);
+  if (c.train.keep_checkpoints < 2)
+    input_error("config key 'train.keep_checkpoints' must be at least 2 (the newest may be "
+                "incomplete when a job dies), got ",
+                c.train.keep_checkpoints);
+  if (c.train.seq_len > c.model.max_seq)
+    input_error("config key 'train.seq_len' = ", c.train.seq_len,
+                " exceeds model.max_seq = ", c.model.max_seq);
+  optim::validate(c.optim);
+  optim::LrSchedule(c.optim.lr, c.optim.min_lr, c.optim.warmup_steps, c.train.steps);
+  non_negative("parallel.dp", double(c.parallel.dp));
+  positive("parallel.pp", c.parallel.pp);
+  positive("parallel.cp", c.parallel.cp);
+  positive("parallel.ep", c.parallel.ep);
+  if (c.parallel.pp > 1 || c.parallel.cp > 1 || c.parallel.ep > 1)
+    input_error("config keys 'parallel.pp', 'parallel.cp', 'parallel.ep' must be 1: pipeline, "
+                "context and expert parallelism are not available yet");
+  if (c.parallel.bucket_mb <= 0)
+    input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
+  non_negative("run.threads", double(c.run.threads));
+  non_negative("mfu.peak_gflops", c.mfu.peak_gflops);
+}
+
+std::string to_toml(const Config& config) {
+  std::ostringstream os;
+  os << "# resolved tessel configuration: every key, with defaults filled in\n";
+  std::string table;
+  for (const auto& k : config_schema()) {
+    std::string t = k.name.substr(0, k.name.find('.'));
+    if (t != table) {
+      os << (table.empty() ? "" : "\n") << "[" << t << "]\n";
+      table = t;
+    }
+    os << k.name.substr(t.size() + 1) << " = " << k.get(config) << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace tessel::train

@@ -1,0 +1,95 @@
+#pragma once
+// The run configuration. Configs are data: a TOML file, then `--set key=value`
+// overrides, every key checked against the schema below (unknown keys and wrong
+// types are errors naming the key), and the fully resolved config written into
+// the run directory as `config.toml`.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tessel/model/gpt_config.hpp"
+#include "tessel/optim/optimizer.hpp"
+
+namespace tessel::train {
+
+struct RunConfig {
+  std::string dir = "runs/default";  // run directory: config, metrics, checkpoints
+  int64_t seed = 1234;
+  int64_t threads = 0;  // threads per rank; 0 = cores / ranks on this machine
+  bool quiet = false;   // no progress lines (tests)
+};
+
+struct DataConfig {
+  std::string path = "data/bible";  // directory with train.tok and val.tok (`tessel prepare`)
+  bool shuffle = true;
+};
+
+struct TrainLoopConfig {
+  int64_t steps = 1000;
+  int64_t seq_len = 256;
+  int64_t micro_batch = 8;   // sequences per micro-batch per rank
+  int64_t accum = 1;         // micro-batches per step per rank (gradient accumulation)
+  double grad_clip = 1.0;    // global-norm clip; <= 0 disables
+  int64_t log_every = 10;
+  int64_t eval_every = 200;  // 0 = only at the end
+  int64_t eval_sequences = 64;
+  int64_t checkpoint_every = 0;  // 0 = only at the end
+  int64_t keep_checkpoints = 2;
+  bool resume = true;  // continue from the run directory's latest checkpoint when there is one
+  int64_t sample_tokens = 200;  // text sample printed at the end; 0 = none
+  std::string sample_prompt = "And God said";
+  double sample_temperature = 0.8;
+  int64_t sample_top_k = 40;
+};
+
+
+struct ParallelConfig {
+  int64_t dp = 0;  // 0 = world size / (pp * cp)
+  int64_t pp = 1;
+  int64_t cp = 1;
+  int64_t ep = 1;
+  double bucket_mb = 4.0;  // gradient all-reduce bucket size
+};
+
+struct MfuConfig {
+  double peak_gflops = 0.0;  // per rank; 0 = measure with the GEMM benchmark at start
+};
+
+// The model of the README demo: a byte-level GPT of a few million parameters.
+model::GptConfig default_model();
+
+struct Config {
+  RunConfig run;
+  DataConfig data;
+  model::GptConfig model = default_model();
+  TrainLoopConfig train;
+  optim::OptimizerConfig optim;
+  ParallelConfig parallel;
+  MfuConfig mfu;
+};
+
+// One key of the schema: its dotted name, help text, and how to read/write it.
+struct ConfigKey {
+  std::string name;
+  std::string help;
+  std::string type;  // "int", "float", "bool", "string" or "a|b|c" for choices
+  std::function<void(Config&, const std::string&)> set;  // parses text, throws InputError
+  std::function<std::string(const Config&)> get;         // value as TOML text
+};
+const std::vector<ConfigKey>& config_schema();
+
+// Loads `path` (TOML; empty = defaults only), applies `overrides` ("key=value"),
+// validates the result. Errors name the file and key.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+// The same from TOML text; `source` names it in errors.
+Config parse_config(const std::string& text, const std::string& source,
+                    const std::vector<std::string>& overrides);
+// Applies one "key=value" override.
+void apply_override(Config& config, const std::string& assignment);
+// Checks cross-field constraints (sequence vs model.max_seq, positive sizes...).
+void validate(const Config& config);
+// The resolved config as TOML text (every key, grouped by table).
+std::string to_toml(const Config& config);
+
+}  // namespace tessel::train

@@ -1,0 +1,39 @@
+#include "tessel/train/metrics.hpp"
+
+#include <filesystem>
+#include <sstream>
+#include <vector>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::train {
+
+MetricsLog::MetricsLog(const std::string& path, int64_t keep_through_step) : path_(path) {
+  std::vector<std::string> kept;
+  if (keep_through_step >= 0 && std::filesystem::exists(path)) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (record.is_discarded()) continue;  // a line cut short by a crash
+      if (record.value("step", int64_t(0)) <= keep_through_step) kept.push_back(line);
+    }
+  }
+  out_.open(path, std::ios::trunc);
+  if (!out_) input_error(path, ": cannot open metrics file for writing");
+  for (const auto& line : kept) out_ << line << "\n";
+  out_.flush();
+}
+
+void MetricsLog::write(const nlohmann::json& record) {
+  out_ << record.dump() << "\n";
+  out_.flush();
+}
+
+double flops_per_token(int64_t matmul_parameters, int64_t layers, int64_t heads, int64_t head_dim,
+                       int64_t seq_len) {
+  return 6.0 * double(matmul_parameters) +
+         12.0 * double(layers) * double(heads) * double(head_dim) * double(seq_len);
+}
+
+}  // namespace tessel::train

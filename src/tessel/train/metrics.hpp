@@ -1,0 +1,29 @@
+#pragma once
+// metrics.jsonl: one JSON object per line, appended and flushed as it happens, so
+// a crash loses at most the line being written. On resume from step k the lines of
+// steps after k (training that the resumed run will redo) are dropped first.
+#include <cstdint>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace tessel::train {
+
+class MetricsLog {
+ public:
+  // Opens `path` for appending; keeps only records with "step" <= keep_through_step
+  // (pass -1 to start a new file).
+  MetricsLog(const std::string& path, int64_t keep_through_step);
+  void write(const nlohmann::json& record);
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+// FLOPs of one token's forward and backward (PaLM appendix B, as in the ETT spec):
+// 6 * matmul parameters + 12 * layers * heads * head_dim * seq_len.
+double flops_per_token(int64_t matmul_parameters, int64_t layers, int64_t heads, int64_t head_dim,
+                       int64_t seq_len);
+
+}  // namespace tessel::train

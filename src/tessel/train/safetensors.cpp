@@ -1,0 +1,113 @@
+#include "tessel/train/safetensors.hpp"
+
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::train {
+
+namespace {
+
+const char* st_dtype(DType d) {
+  switch (d) {
+    case DType::f32: return "F32";
+    case DType::bf16: return "BF16";
+    case DType::i32: return "I32";
+  }
+  return "?";
+}
+
+DType from_st_dtype(const std::string& path, const std::string& name, const std::string& d) {
+  if (d == "F32") return DType::f32;
+  if (d == "BF16") return DType::bf16;
+  if (d == "I32") return DType::i32;
+  input_error(path, ": tensor '", name, "' has unsupported dtype '", d, "'");
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  size_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    TESSEL_CHECK(name != "__metadata__" && !header.contains(name), "bad tensor name ", name);
+    header[name] = {{"dtype", st_dtype(t.dtype())},
+                    {"shape", t.shape()},
+                    {"data_offsets", {offset, offset + t.bytes()}}};
+    offset += t.bytes();
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // align the data section to 8 bytes
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) input_error(path, ": cannot open for writing");
+  uint64_t n = text.size();
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = (n >> (8 * i)) & 0xff;
+  out.write(reinterpret_cast<const char*>(len), 8);
+  out.write(text.data(), std::streamsize(text.size()));
+  for (const auto& nt : tensors)
+    out.write(static_cast<const char*>(nt.tensor.raw()), std::streamsize(nt.tensor.bytes()));
+  out.flush();
+  if (!out) input_error(path, ": write failed (disk full?)");
+}
+
+const Tensor* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& nt : tensors)
+    if (nt.name == name) return &nt.tensor;
+  return nullptr;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) input_error(path, ": cannot open checkpoint file");
+  uint64_t file_size = uint64_t(in.tellg());
+  in.seekg(0);
+  if (file_size < 8) input_error(path, ": not a safetensors file (", file_size, " bytes)");
+  unsigned char len[8];
+  in.read(reinterpret_cast<char*>(len), 8);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(len[i]) << (8 * i);
+  if (n > file_size - 8)
+    input_error(path, ": corrupt safetensors header (length ", n, " beyond file size ", file_size,
+                ")");
+  std::string text(n, '\0');
+  in.read(text.data(), std::streamsize(n));
+  nlohmann::ordered_json header;
+  try {
+    header = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    input_error(path, ": corrupt safetensors header (", e.what(), ")");
+  }
+  if (!header.is_object()) input_error(path, ": corrupt safetensors header (not an object)");
+  uint64_t data_size = file_size - 8 - n;
+  SafetensorsFile file;
+  try {
+    for (const auto& [name, entry] : header.items()) {
+      if (name == "__metadata__") {
+        for (const auto& [k, v] : entry.items()) file.metadata[k] = v.get<std::string>();
+        continue;
+      }
+      DType dtype = from_st_dtype(path, name, entry.at("dtype").get<std::string>());
+      Shape shape = entry.at("shape").get<Shape>();
+      auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      Tensor t(shape, dtype);
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size ||
+          offsets[1] - offsets[0] != t.bytes())
+        input_error(path, ": tensor '", name, "' has data offsets that do not match its shape ",
+                    shape_str(shape), " or lie outside the file");
+      in.seekg(std::streamoff(8 + n + offsets[0]));
+      in.read(static_cast<char*>(t.raw()), std::streamsize(t.bytes()));
+      if (!in) input_error(path, ": truncated while reading tensor '", name, "'");
+      file.tensors.push_back({name, std::move(t)});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    input_error(path, ": corrupt safetensors header (", e.what(), ")");
+  }
+  return file;
+}
+
+}  // namespace tessel::train

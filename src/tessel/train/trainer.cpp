@@ -1,0 +1,318 @@
+#include "tessel/train/trainer.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "tessel/comm/mesh.hpp"
+#include "tessel/core/error.hpp"
+#include "tessel/core/threading.hpp"
+#include "tessel/core/timer.hpp"
+#include "tessel/data/byte_tokenizer.hpp"
+#include "tessel/data/loader.hpp"
+#include "tessel/kernels/cpu/gemm_peak.hpp"
+#include "tessel/model/generate.hpp"
+#include "tessel/model/gpt.hpp"
+#include "tessel/optim/grad_clip.hpp"
+#include "tessel/optim/lr_schedule.hpp"
+#include "tessel/parallel/data_parallel.hpp"
+#include "tessel/train/checkpoint.hpp"
+#include "tessel/train/metrics.hpp"
+
+namespace fs = std::filesystem;
+
+namespace tessel::train {
+
+int auto_threads_per_rank(int world_size) {
+  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  int local = world_size;
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(env));
+  int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / local);
+}
+
+namespace {
+
+std::string format_duration(double seconds) {
+  long s = std::lround(std::max(0.0, seconds));
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%ldh%02ldm", s / 3600, (s / 60) % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
+  return buf;
+}
+
+model::ModelInputs inputs_of(const data::Batch& b) {
+  return {b.B, b.T, b.tokens.data(), b.positions.data(), b.targets.data(), b.loss_mask.data()};
+}
+
+double mask_sum(const data::Batch& b) {
+  double n = 0;
+  for (float w : b.loss_mask) n += w;
+  return n;
+}
+
+}  // namespace
+
+struct Trainer::State {
+  Config config;
+  comm::Communicator& world;
+  comm::Mesh mesh;
+  comm::Communicator& dp;
+  bool is_root;
+  model::Gpt model;
+  std::unique_ptr<optim::Optimizer> optimizer;
+  optim::LrSchedule schedule;
+  parallel::GradientReducer reducer;
+  data::DataLoader loader;
+  std::vector<data::Batch> val_batches;
+  std::map<int64_t, std::unique_ptr<model::Activations>> acts;  // by micro-batch rows
+  CheckpointStore store;
+  int64_t start_step = 0;
+  int64_t resumed_from = -1;
+
+  State(Config c, comm::Communicator& w, comm::MeshShape shape)
+      : config(std::move(c)),
+        world(w),
+        mesh(comm::Mesh::build(w, shape)),
+        dp(mesh.group(comm::Axis::dp)),
+        is_root(w.rank() == 0),
+        model(config.model, uint64_t(config.run.seed)),
+        optimizer(optim::make_optimizer(config.optim, model.parameters())),
+        schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
+                 config.train.steps),
+        reducer(dp, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
+        loader(config.data.path + "/train.tok",
+               data::LoaderOptions{config.train.seq_len, config.train.micro_batch,
+                                   config.train.accum, mesh.coordinate(comm::Axis::dp),
+                                   mesh.size(comm::Axis::dp), uint64_t(config.run.seed),
+                                   config.data.shuffle}),
+        val_batches(data::validation_batches(config.data.path + "/val.tok", config.train.seq_len,
+                                             config.train.micro_batch, config.train.eval_sequences,
+                                             mesh.coordinate(comm::Axis::dp),
+                                             mesh.size(comm::Axis::dp))),
+        store(config.run.dir + "/checkpoints", config.train.keep_checkpoints) {}
+
+  model::Activations& activations(int64_t rows) {
+    auto& a = acts[rows];
+    if (!a) a = model.make_activations(rows, config.train.seq_len);
+    return *a;
+  }
+
+  void log(const std::string& line) const {
+    if (is_root && !config.run.quiet) std::printf("%s\n", line.c_str()), std::fflush(stdout);
+  }
+
+  // What must match between a checkpoint and the run that resumes it.
+  nlohmann::json compatibility() const {
+    std::string model_toml;
+    for (const auto& k : config_schema())
+      if (k.name.rfind("model.", 0) == 0) model_toml += k.name + "=" + k.get(config) + ";";
+    return {{"model", model_toml},
+            {"dp", mesh.size(comm::Axis::dp)},
+            {"micro_batch", config.train.micro_batch},
+            {"accum", config.train.accum},
+            {"seq_len", config.train.seq_len},
+            {"optimizer", optimizer->name()}};
+  }
+
+  void save(int64_t step) {
+    CheckpointContent content;
+    content.step = step;
+    for (const auto& p : model.parameters()) content.model.push_back({p.name, p.value});
+    for (auto& st : optimizer->state()) content.optimizer.push_back({st.name, st.tensor});
+    auto ls = loader.state();
+    content.state = {{"compatibility", compatibility()},
+                     {"loader", {{"step", ls.step}, {"micro", ls.micro}}},
+                     {"config", to_toml(config)}};
+    store.save(world, content);
+  }
+
+  void resume() {
+    auto latest = store.latest();
+    if (!latest) return;
+    CheckpointContent content = CheckpointStore::load(*latest);
+    nlohmann::json want = compatibility();
+    const nlohmann::json& have = content.state.at("compatibility");
+    for (const auto& [key, value] : want.items())
+      if (have.value(key, nlohmann::json()) != value)
+        input_error(*latest, ": checkpoint was written with a different ", key, " (",
+                    have.value(key, nlohmann::json()).dump(), ", this run has ", value.dump(),
+                    "); use another run.dir or train.resume=false");
+    auto copy_into = [&](const std::vector<NamedTensor>& from, const std::string& name,
+                         Tensor& to) {
+      for (const auto& nt : from)
+        if (nt.name == name) {
+          if (nt.tensor.shape() != to.shape() || nt.tensor.dtype() != to.dtype())
+            input_error(*latest, ": tensor '", name, "' has shape ", shape_str(nt.tensor.shape()),
+                        ", expected ", shape_str(to.shape()));
+          std::memcpy(to.raw(), nt.tensor.raw(), to.bytes());
+          return;
+        }
+      input_error(*latest, ": tensor '", name, "' missing from the checkpoint");
+    };
+    for (auto p : model.parameters()) copy_into(content.model, p.name, p.value);
+    for (auto& st : optimizer->state()) copy_into(content.optimizer, st.name, st.tensor);
+    const auto& ls = content.state.at("loader");
+    loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
+    start_step = resumed_from = content.step;
+  }
+
+  double validate_loss() {
+    double stats[2] = {0, 0};
+    for (const auto& b : val_batches) {
+      stats[0] += model.forward(activations(b.B), inputs_of(b));
+      stats[1] += mask_sum(b);
+    }
+    dp.all_reduce(std::span<double>(stats, 2));
+    return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
+  }
+
+  std::string sample() {
+    if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
+    data::ByteTokenizer tok;
+    Rng rng(uint64_t(config.run.seed) + 1);
+    auto ids = model::generate(model, tok.encode(config.train.sample_prompt),
+                               config.train.sample_tokens, float(config.train.sample_temperature),
+                               config.train.sample_top_k, rng);
+    return tok.decode(ids);
+  }
+};
+
+Trainer::Trainer(Config config, comm::Communicator& world) {
+  comm::MeshShape shape{int(config.parallel.pp), int(config.parallel.dp), int(config.parallel.cp),
+                        int(config.parallel.ep)};
+  if (shape.dp == 0) shape.dp = std::max(1, world.size() / (shape.pp * shape.cp));
+  int threads = config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());
+  set_num_threads(threads);
+  config.run.threads = threads;
+  config.parallel.dp = shape.dp;
+  s_ = std::make_unique<State>(std::move(config), world, shape);
+  if (s_->is_root) {
+    fs::create_directories(s_->config.run.dir);
+    std::ofstream(s_->config.run.dir + "/config.toml") << to_toml(s_->config);
+  }
+  if (s_->config.train.resume) s_->resume();
+  world.barrier();
+}
+
+Trainer::~Trainer() = default;
+
+TrainResult Trainer::run() {
+  State& s = *s_;
+  const Config& c = s.config;
+  TrainResult result;
+  result.resumed_from = s.resumed_from;
+
+  // The MFU denominator: every rank measures GEMM at once (as they will compute).
+  double peak = c.mfu.peak_gflops;
+  if (peak <= 0) {
+    double measured = kernels::measure_gemm_peak_gflops(512, 0.3);
+    s.world.all_reduce(std::span<double>(&measured, 1));
+    peak = measured / s.world.size();
+  }
+  result.peak_gflops = peak;
+
+  const auto& mc = c.model;
+  const double flops_tok = flops_per_token(s.model.matmul_parameters(), mc.layers, mc.heads,
+                                           mc.head_dim(), c.train.seq_len);
+  const int64_t global_tokens =
+      s.loader.sequences_per_step() * c.train.seq_len;  // input positions per step
+  s.log("tessel: " + std::to_string(s.model.num_parameters()) + " parameters, " +
+        std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
+        " thread(s), dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) + ", " +
+        std::to_string(global_tokens) + " tokens/step, GEMM peak " +
+        std::to_string(int(peak)) + " GFLOP/s per rank" +
+        (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : ""));
+
+  std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics
+  if (s.is_root) metrics_log.emplace(c.run.dir + "/metrics.jsonl", s.resumed_from);
+  auto write_metrics = [&](const nlohmann::json& j) {
+    if (metrics_log) metrics_log->write(j);
+  };
+
+  Timer run_timer;
+  double train_seconds = 0;
+  ParameterList params = s.model.parameters();
+  for (int64_t step = s.start_step; step < c.train.steps; ++step) {
+    Timer step_timer;
+    s.model.zero_grads();
+    double stats[2] = {0, 0};  // loss sum, loss tokens
+    for (int64_t m = 0; m < c.train.accum; ++m) {
+      data::Batch batch = s.loader.next();
+      model::Activations& acts = s.activations(batch.B);
+      stats[0] += s.model.forward(acts, inputs_of(batch));
+      stats[1] += mask_sum(batch);
+      s.model.backward(acts, 1.0f);
+    }
+    s.dp.all_reduce(std::span<double>(stats, 2));
+    TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
+    s.reducer.reduce(float(1.0 / stats[1]));
+    double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
+    double lr = s.schedule.lr(step);
+    s.optimizer->step(s.schedule.scale(step));
+    double dt = step_timer.seconds();
+    train_seconds += dt;
+
+    StepRecord rec;
+    rec.step = step + 1;
+    rec.loss = stats[0] / stats[1];
+    rec.lr = lr;
+    rec.grad_norm = grad_norm;
+    rec.tokens_per_s = double(global_tokens) / dt;
+    rec.mfu = rec.tokens_per_s / s.world.size() * flops_tok / (peak * 1e9);
+    result.steps.push_back(rec);
+    write_metrics({{"step", rec.step},
+                   {"loss", rec.loss},
+                   {"lr", rec.lr},
+                   {"grad_norm", rec.grad_norm},
+                   {"tokens_per_s", rec.tokens_per_s},
+                   {"mfu", rec.mfu},
+                   {"step_seconds", dt}});
+    bool last = rec.step == c.train.steps;
+    if (rec.step % c.train.log_every == 0 || last || rec.step == s.start_step + 1) {
+      double per_step = train_seconds / double(rec.step - s.start_step);
+      char line[256];
+      std::snprintf(line, sizeof line,
+                    "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | "
+                    "MFU %.1f%% | ETA %s",
+                    static_cast<long long>(rec.step), static_cast<long long>(c.train.steps),
+                    rec.loss, lr, grad_norm, rec.tokens_per_s, 100 * rec.mfu,
+                    format_duration(per_step * double(c.train.steps - rec.step)).c_str());
+      s.log(line);
+    }
+    if ((c.train.eval_every > 0 && rec.step % c.train.eval_every == 0) || last) {
+      double val = s.validate_loss();
+      result.validation.emplace_back(rec.step, val);
+      write_metrics({{"step", rec.step}, {"val_loss", val}});
+      char line[128];
+      std::snprintf(line, sizeof line, "step %5lld | validation loss %.4f nats/token (%.3f bits)",
+                    static_cast<long long>(rec.step), val, val / std::log(2.0));
+      s.log(line);
+    }
+    if ((c.train.checkpoint_every > 0 && rec.step % c.train.checkpoint_every == 0) || last) {
+      s.save(rec.step);
+      s.log("step " + std::to_string(rec.step) + " | checkpoint saved to " + c.run.dir +
+            "/checkpoints");
+    }
+  }
+  if (c.train.sample_tokens > 0 && s.is_root) {
+    result.sample = s.sample();
+    if (!result.sample.empty()) s.log("sample:\n" + result.sample);
+  }
+  s.log("done in " + format_duration(run_timer.seconds()) + "; metrics in " + c.run.dir +
+        "/metrics.jsonl");
+  return result;
+}
+
+}  // namespace tessel::train

@@ -1,0 +1,51 @@
+#pragma once
+// The training loop: data parallel over the dp axis of the mesh, gradient
+// accumulation over micro-batches, warmup + cosine learning rate, global-norm
+// clipping, periodic validation, metrics.jsonl, synchronous checkpoints and resume.
+//
+// One step, on every rank:
+//   zero grads; for each of `accum` micro-batches: forward, backward (loss-sum grads)
+//   all-reduce [loss sum, loss tokens] over dp; bucketed all-reduce of the gradients,
+//   scaled by 1 / global loss tokens; clip; optimizer step; log; maybe validate/save.
+// The model itself knows nothing of this (DESIGN principle 3).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessel/comm/communicator.hpp"
+#include "tessel/train/config.hpp"
+
+namespace tessel::train {
+
+struct StepRecord {
+  int64_t step = 0;  // updates done after this step (1-based)
+  double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, mfu = 0;
+};
+
+struct TrainResult {
+  int64_t resumed_from = -1;  // checkpoint step the run continued from; -1 = fresh start
+  std::vector<StepRecord> steps;                        // the steps this run took
+  std::vector<std::pair<int64_t, double>> validation;  // (step, loss in nats per token)
+  std::string sample;                                   // final text sample (rank 0)
+  double peak_gflops = 0;                               // per-rank MFU denominator
+};
+
+class Trainer {
+ public:
+  // Builds the mesh (InputError when the world does not match parallel.*), the model,
+  // optimizer and data, and resumes from the run directory's latest checkpoint when
+  // train.resume is set. Collective over `world`.
+  Trainer(Config config, comm::Communicator& world);
+  ~Trainer();
+  TrainResult run();
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+// Threads per rank when run.threads = 0: OMP_NUM_THREADS if set, else the cores of
+// this machine divided by the ranks running on it (at least 1).
+int auto_threads_per_rank(int world_size);
+
+}  // namespace tessel::train
