@@ -1,0 +1,34 @@
+#pragma once
+// Built-in text corpora, each a list of documents. Every document is non-empty and is a
+// sequence of lines, each ending in '\n'.
+//
+//  - "bible": the King James Bible from the Debian package bible-kjv (`bible
+//    gen1:1-rev22:21`), one document per chapter (1189). A document is the chapter heading
+//    ("Genesis 1") then one line per verse led by its number ("1 In the beginning God created
+//    the heaven and the earth."); verses the program wraps are joined back into one line.
+//  - "fortunes": every fortune file of the Debian package fortunes
+//    (/usr/share/games/fortunes, files in name order, skipping *.dat, *.u8 and directories),
+//    one document per fortune (fortunes are separated by lines holding only "%").
+//  - "file:PATH": a UTF-8 text file, one document per paragraph: a run of non-blank lines,
+//    paragraphs separated by one or more blank (empty or whitespace-only) lines.
+//
+// A missing package or file is an InputError that names it (scripts/setup.sh installs the
+// packages).
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tessel::data {
+
+std::vector<std::string> load_corpus(const std::string& name);
+
+// The parsers behind load_corpus, for text already in memory. `source` names the text in
+// error messages.
+// Output of the `bible` program -> one document per chapter.
+std::vector<std::string> parse_bible(std::string_view text, const std::string& source);
+// A fortune file -> one document per fortune.
+std::vector<std::string> parse_fortunes(std::string_view text);
+// Plain text -> one document per blank-line-separated paragraph.
+std::vector<std::string> parse_paragraphs(std::string_view text);
+
+}  // namespace tessel::data

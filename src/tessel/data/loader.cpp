@@ -1,0 +1,153 @@
+#include "tessel/data/loader.hpp"
+
+#include <algorithm>
+#include <numeric>
+
+#include "tessel/core/error.hpp"
+#include "tessel/core/rng.hpp"
+
+namespace tessel::data {
+
+namespace {
+
+// Checks seq_len and that the shard holds at least one window of seq_len + 1 tokens; returns W.
+int64_t count_windows(const ShardReader& shard, int64_t seq_len) {
+  if (seq_len < 1) input_error(shard.path(), ": seq_len must be >= 1, got ", seq_len);
+  const int64_t w = shard.num_tokens() > 0 ? (shard.num_tokens() - 1) / seq_len : 0;
+  if (w < 1)
+    input_error(shard.path(), ": shard holds ", shard.num_tokens(),
+                " tokens, too few for one sequence of seq_len ", seq_len, " (needs ", seq_len + 1,
+                ")");
+  return w;
+}
+
+void check_layout(int64_t micro_batch, int64_t accum, int64_t dp_rank, int64_t dp_size) {
+  if (micro_batch < 1) input_error("data loader: micro_batch must be >= 1, got ", micro_batch);
+  if (accum < 1) input_error("data loader: accum must be >= 1, got ", accum);
+  if (dp_size < 1) input_error("data loader: dp_size must be >= 1, got ", dp_size);
+  if (dp_rank < 0 || dp_rank >= dp_size)
+    input_error("data loader: dp_rank ", dp_rank, " outside [0, dp_size = ", dp_size, ")");
+}
+
+Batch empty_batch(int64_t B, int64_t T) {
+  Batch b;
+  b.B = B;
+  b.T = T;
+  b.tokens.resize(size_t(B * T));
+  b.targets.resize(size_t(B * T));
+  b.loss_mask.assign(size_t(B * T), 1.0f);
+  b.positions.resize(size_t(B * T));
+  for (int64_t r = 0; r < B; ++r)
+    std::iota(b.positions.begin() + r * T, b.positions.begin() + (r + 1) * T, 0);
+  b.doc_starts.resize(size_t(B));
+  return b;
+}
+
+}  // namespace
+
+Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> windows,
+                         int64_t seq_len) {
+  const int64_t T = seq_len;
+  Batch b = empty_batch(int64_t(windows.size()), T);
+  std::vector<int32_t> row(size_t(T + 1));
+  const auto starts = shard.doc_starts();
+  for (size_t r = 0; r < windows.size(); ++r) {
+    const int64_t first = windows[r] * T;
+    TESSEL_CHECK(windows[r] >= 0 && first + T < shard.num_tokens(), "window ", windows[r],
+                 " of seq_len ", T, " outside the shard");
+    shard.read(first, T + 1, row.data());
+    std::copy(row.begin(), row.end() - 1, b.tokens.begin() + int64_t(r) * T);
+    std::copy(row.begin() + 1, row.end(), b.targets.begin() + int64_t(r) * T);
+    // Document starts in [first, first + T]: those below first + T begin a document inside
+    // the row; any above first masks the target that precedes it.
+    auto& ds = b.doc_starts[r];
+    ds.push_back(0);
+    for (auto it = std::lower_bound(starts.begin(), starts.end(), uint64_t(first));
+         it != starts.end() && int64_t(*it) <= first + T; ++it) {
+      const int64_t offset = int64_t(*it) - first;
+      if (offset > 0) b.loss_mask[r * T + offset - 1] = 0.0f;
+      if (offset > 0 && offset < T) ds.push_back(int32_t(offset));
+    }
+  }
+  return b;
+}
+
+DataLoader::DataLoader(const std::string& shard_path, const LoaderOptions& options)
+    : shard_(shard_path), options_(options), windows_(count_windows(shard_, options.seq_len)) {
+  check_layout(options.micro_batch, options.accum, options.dp_rank, options.dp_size);
+}
+
+int64_t DataLoader::sequences_per_step() const {
+  return options_.dp_size * options_.accum * options_.micro_batch;
+}
+
+int64_t DataLoader::window_of(int64_t g) {
+  TESSEL_CHECK(g >= 0, "global sequence ", g);
+  if (!options_.shuffle) return g % windows_;
+  const int64_t epoch = g / windows_;
+  if (epoch != perm_epoch_) {
+    perm_.resize(size_t(windows_));
+    std::iota(perm_.begin(), perm_.end(), int64_t(0));
+    Rng rng(options_.seed ^ (0x9e3779b97f4a7c15ull * uint64_t(epoch + 1)));
+    for (int64_t i = windows_ - 1; i > 0; --i)
+      std::swap(perm_[size_t(i)], perm_[rng.below(uint64_t(i + 1))]);
+    perm_epoch_ = epoch;
+  }
+  return perm_[size_t(g % windows_)];
+}
+
+Batch DataLoader::next() {
+  const int64_t mb = options_.micro_batch;
+  const int64_t base =
+      state_.step * sequences_per_step() + (options_.dp_rank * options_.accum + state_.micro) * mb;
+  std::vector<int64_t> windows(static_cast<size_t>(mb));
+  for (int64_t i = 0; i < mb; ++i) windows[size_t(i)] = window_of(base + i);
+  if (++state_.micro == options_.accum) {
+    state_.micro = 0;
+    ++state_.step;
+  }
+  return batch_from_windows(shard_, windows, options_.seq_len);
+}
+
+void DataLoader::restore(const LoaderState& state) {
+  if (state.step < 0 || state.micro < 0 || state.micro >= options_.accum)
+    input_error("data loader state: step ", state.step, ", micro ", state.micro,
+                " is not a position of a loader with accum = ", options_.accum);
+  state_ = state;
+}
+
+std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq_len,
+                                      int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
+                                      int64_t dp_size) {
+  const ShardReader shard(shard_path);
+  const int64_t w = count_windows(shard, seq_len);
+  check_layout(micro_batch, 1, dp_rank, dp_size);
+  const int64_t n = max_sequences > 0 ? std::min(max_sequences, w) : w;
+  const int64_t q = n / dp_size, rem = n % dp_size;
+  const int64_t begin = dp_rank * q + std::min(dp_rank, rem);
+  const int64_t end = begin + q + (dp_rank < rem ? 1 : 0);
+  std::vector<Batch> batches;
+  std::vector<int64_t> windows;
+  for (int64_t first = begin; first < end; first += micro_batch) {
+    windows.resize(size_t(std::min(micro_batch, end - first)));
+    std::iota(windows.begin(), windows.end(), first);
+    batches.push_back(batch_from_windows(shard, windows, seq_len));
+  }
+  return batches;
+}
+
+Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
+  TESSEL_CHECK(B >= 1 && T >= 1 && vocab >= 1, "random_batch(", B, ", ", T, ", ", vocab, ")");
+  Batch b = empty_batch(B, T);
+  Rng rng(seed);
+  std::vector<int32_t> row(size_t(T + 1));
+  for (int64_t r = 0; r < B; ++r) {
+    for (auto& t : row) t = int32_t(rng.below(uint64_t(vocab)));
+    std::copy(row.begin(), row.end() - 1, b.tokens.begin() + r * T);
+    std::copy(row.begin() + 1, row.end(), b.targets.begin() + r * T);
+    b.doc_starts[size_t(r)] = {0};
+  }
+  return b;
+}
+
+}  // namespace tessel::data

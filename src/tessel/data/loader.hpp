@@ -1,0 +1,105 @@
+#pragma once
+// The training data loader: fixed-length sequences cut from a token shard, shuffled per
+// epoch, and sharded over data-parallel ranks and gradient-accumulation micro-batches.
+//
+// Sequences. A shard of N tokens holds W = (N - 1) / T non-overlapping windows of T + 1
+// tokens; window w covers tokens [w*T, w*T + T] (consecutive windows share one token: the
+// last target of one is the first input of the next). A window gives a row of T inputs
+// (tokens [w*T, w*T + T)) and T targets (tokens [w*T + 1, w*T + T]).
+//
+// Order. Global sequence g belongs to epoch e = g / W and is window perm_e[g % W]. perm_e is
+// the Fisher-Yates shuffle of 0..W-1 (for i = W-1 down to 1: swap p[i], p[Rng.below(i + 1)])
+// drawn from tessel::Rng(seed ^ (0x9e3779b97f4a7c15 * (e + 1))); with shuffle off it is the
+// identity. The order depends only on the shard, T, the seed and g, never on the layout.
+//
+// Sharding. Step s consumes global sequences [s*G, (s+1)*G) with G = dp_size * accum *
+// micro_batch; micro-batch m (0 <= m < accum) of data-parallel rank r holds sequences
+// s*G + (r*accum + m)*micro_batch + [0, micro_batch).
+//
+// Documents and the loss. doc_starts[b] lists the offsets in row b where a document begins
+// (always 0 first: the row's first token starts the row's first, possibly partial, document);
+// attention masks are built from them. loss_mask[b*T + t] is 0 when the target of position t
+// is the first token of a document, because under a document mask nothing the position sees
+// predicts the next document; every other position is 1.
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessel/data/shard.hpp"
+
+namespace tessel::data {
+
+// One micro-batch of B rows of T positions; flat arrays are row-major [B*T].
+struct Batch {
+  int64_t B = 0, T = 0;
+  std::vector<int32_t> tokens;                   // [B*T] input ids
+  std::vector<int32_t> targets;                  // [B*T] the next token of each input
+  std::vector<float> loss_mask;                  // [B*T] 1 = counts in the loss, 0 = ignored
+  std::vector<int32_t> positions;                // [B*T] t, 0..T-1 within each row
+  std::vector<std::vector<int32_t>> doc_starts;  // [B][k] ascending, doc_starts[b][0] = 0
+};
+
+struct LoaderOptions {
+  int64_t seq_len = 0;  // T
+  int64_t micro_batch = 1;
+  int64_t accum = 1;  // micro-batches per step on each rank
+  int64_t dp_rank = 0;
+  int64_t dp_size = 1;
+  uint64_t seed = 0;
+  bool shuffle = true;
+};
+
+// Where a loader stands: the step and the micro-batch within it that next() returns.
+struct LoaderState {
+  int64_t step = 0;
+  int64_t micro = 0;
+  bool operator==(const LoaderState&) const = default;
+};
+
+class DataLoader {
+ public:
+  // Opens and validates the shard; InputError for seq_len < 1, a shard with fewer than
+  // seq_len + 1 tokens (naming the file), or a bad micro_batch / accum / dp layout.
+  DataLoader(const std::string& shard_path, const LoaderOptions& options);
+
+  // This rank's next micro-batch [micro_batch, seq_len]; after accum of them, the next step.
+  Batch next();
+  LoaderState state() const { return state_; }
+  // Resumes at a state from state(); the batches that follow are bitwise those that followed.
+  void restore(const LoaderState& state);
+
+  int64_t windows() const { return windows_; }  // W
+  int64_t sequences_per_step() const;           // G
+  // The window of global sequence g >= 0.
+  int64_t window_of(int64_t g);
+  const ShardReader& shard() const { return shard_; }
+  const LoaderOptions& options() const { return options_; }
+
+ private:
+  ShardReader shard_;
+  LoaderOptions options_;
+  int64_t windows_;
+  LoaderState state_;
+  int64_t perm_epoch_ = -1;  // the epoch perm_ holds
+  std::vector<int64_t> perm_;
+};
+
+// Rows built from the given windows of the shard: B = windows.size(), T = seq_len.
+Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> windows,
+                         int64_t seq_len);
+
+// This rank's share of the first max_sequences windows (all when max_sequences <= 0), in
+// window order and unshuffled, as micro-batches of up to micro_batch rows (the last may be
+// smaller; a rank may get none). The ranks split the sequences into contiguous ranges whose
+// sizes differ by at most one, so the union over ranks is exactly those windows whatever
+// dp_size is; sum the loss over ranks and divide by the total of loss_mask.
+std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq_len,
+                                      int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
+                                      int64_t dp_size);
+
+// Synthetic micro-batch for benchmarks: uniform random ids in [0, vocab) from Rng(seed),
+// targets shifted by one as from a real window, loss_mask all 1, one document per row.
+Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
+
+}  // namespace tessel::data
