@@ -1,0 +1,34 @@
+#pragma once
+// Global-norm gradient clipping over a parameter list.
+//
+// The norm is sqrt of the sum of squares of every gradient element, accumulated in double
+// in a fixed order (parameters in list order; within one, fixed-size chunks summed in
+// chunk order), so it is bitwise independent of the thread count. When gradients are
+// sharded (ZeRO-1: each rank holds a slice of every gradient), pass the group that shares
+// them: the local sums are all-reduced, and the result is the norm of the concatenation.
+// With replicated gradients pass nullptr.
+#include <cstdint>
+
+#include "tessel/comm/communicator.hpp"
+#include "tessel/core/parameter.hpp"
+
+namespace tessel::optim {
+
+// Sum of x[i]^2 over x [n], in double, in the fixed chunk order above.
+double sum_squares(const float* x, int64_t n);
+
+// sqrt(sum over params of sum_squares(grad)), summed over `shard_group` when given.
+double global_grad_norm(const ParameterList& params, comm::Communicator* shard_group = nullptr);
+
+// Scales every gradient by min(1, max_norm / (norm + 1e-6)) and returns the pre-clip norm.
+// max_norm <= 0 disables clipping (the norm is still returned). A non-finite norm leaves
+// the gradients unscaled; the caller decides whether to skip the step.
+double clip_grad_norm(ParameterList& params, double max_norm,
+                      comm::Communicator* shard_group = nullptr);
+
+namespace naive {
+// sqrt of the sequential double sum over every gradient element, in list order (one process).
+double global_grad_norm(const ParameterList& params);
+}  // namespace naive
+
+}  // namespace tessel::optim
