@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "tessel/core/error.hpp"
+#include "tessel/kernels/cpu/fast_exp.hpp"
 
 namespace tessel::kernels {
 
@@ -51,8 +52,9 @@ void causal_attention_forward(float* o, float* lse, const float* q, const float*
             m = std::fmax(m, p[j]);
           }
           float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j <= i; ++j) {
-            p[j] = expf(p[j] - m);
+            p[j] = detail::fast_expf(p[j] - m);
             sum += p[j];
           }
           float* oi = o + ((b * T + i) * Hq + h) * D;
@@ -89,7 +91,7 @@ void causal_attention_backward(float* dq, float* dk, float* dv, const float* dou
           const float delta = dot(gi, o + qi0, D);
           for (int64_t j = 0; j <= i; ++j) {
             const int64_t kj0 = kv0 + j * Hkv * D;
-            const float p = expf(scale * dot(qi, k + kj0, D) - l);
+            const float p = detail::fast_expf(scale * dot(qi, k + kj0, D) - l);
             const float ds = p * (dot(gi, v + kj0, D) - delta);
             axpy(dqi, scale * ds, k + kj0, D);
             axpy(dk + kj0, scale * ds, qi, D);

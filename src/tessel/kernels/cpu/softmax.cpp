@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "tessel/kernels/cpu/fast_exp.hpp"
+
 namespace tessel::kernels {
 
 void softmax_forward(float* y, const float* x, int64_t N, int64_t C) {
@@ -11,10 +13,11 @@ void softmax_forward(float* y, const float* x, int64_t N, int64_t C) {
     float* yr = y + n * C;
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < C; ++j) m = std::fmax(m, xr[j]);
+    for (int64_t j = 0; j < C; ++j) m = xr[j] > m ? xr[j] : m;
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < C; ++j) {
-      yr[j] = expf(xr[j] - m);
+      yr[j] = detail::fast_expf(xr[j] - m);
       sum += yr[j];
     }
     const float inv = 1.0f / sum;
