@@ -28,7 +28,6 @@
 // Traffic: every communicator counts, per collective kind, the calls this rank made
 // and the bytes of its send buffer (see Traffic). Counts are logical payload and do
 // not depend on the algorithm the backend uses internally.
-#include <array>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
