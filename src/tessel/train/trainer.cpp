@@ -259,8 +259,9 @@ TrainResult Trainer::run() {
     TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
     s.reducer.reduce(float(1.0 / stats[1]));
     double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
-    double lr = s.schedule.lr(step);
-    s.optimizer->step(s.schedule.scale(step));
+    // The schedule counts updates from 1 (update 1 is the first warm-up step).
+    double lr = s.schedule.lr(step + 1);
+    s.optimizer->step(s.schedule.scale(step + 1));
     double dt = step_timer.seconds();
     train_seconds += dt;
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs `tessel` on N local MPI ranks with cores/N threads each.
+#   scripts/launch.sh 2 train --config configs/default.toml
+set -euo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: scripts/launch.sh NRANKS tessel-subcommand [args...]" >&2
+  exit 2
+fi
+ranks=$1
+shift
+here=$(cd "$(dirname "$0")/.." && pwd)
+binary=${TESSEL_BIN:-$here/build/release/tessel}
+[ -x "$binary" ] || { echo "launch.sh: $binary not built (cmake --preset release && cmake --build build/release)" >&2; exit 2; }
+cores=$(nproc)
+threads=$(( cores / ranks ))
+(( threads >= 1 )) || threads=1
+# Root is allowed (containers, CI); more ranks than cores need --oversubscribe.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+exec mpirun --oversubscribe --bind-to none -np "$ranks" -x OMP_NUM_THREADS="$threads" \
+  "$binary" "$@"

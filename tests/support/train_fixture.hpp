@@ -1,0 +1,62 @@
+#pragma once
+// Helpers for trainer tests: a small synthetic dataset and tiny configs.
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "tessel/core/rng.hpp"
+#include "tessel/data/prepare.hpp"
+#include "tessel/train/config.hpp"
+
+namespace tessel::fixture {
+
+// Sentences drawn from a small vocabulary: enough structure for the loss to fall.
+inline std::vector<std::string> synthetic_documents(int count, uint64_t seed) {
+  const char* words[] = {"the", "light", "was", "good", "and", "god", "said", "let", "there",
+                         "be",  "water", "land", "day", "night", "made", "saw"};
+  Rng rng(seed);
+  std::vector<std::string> docs;
+  for (int d = 0; d < count; ++d) {
+    std::string doc;
+    int sentences = 2 + int(rng.below(4));
+    for (int s = 0; s < sentences; ++s) {
+      int n = 3 + int(rng.below(6));
+      for (int w = 0; w < n; ++w) doc += std::string(words[rng.below(16)]) + (w + 1 < n ? " " : "");
+      doc += ".\n";
+    }
+    docs.push_back(doc);
+  }
+  return docs;
+}
+
+// Writes train.tok / val.tok under `dir` (created) and returns `dir`.
+inline std::string make_dataset(const std::string& dir) {
+  data::PrepareOptions opts;
+  opts.corpus = "synthetic";
+  opts.output_dir = dir;
+  opts.val_fraction = 0.1;
+  data::prepare_documents(synthetic_documents(400, 11), opts);
+  return dir;
+}
+
+// A tiny GPT (GQA, rotary, swiglu, rmsnorm) with quiet logging and no sample.
+inline train::Config tiny_config(const std::string& data_dir, const std::string& run_dir) {
+  return train::load_config(
+      "", {"data.path=" + data_dir, "run.dir=" + run_dir, "run.quiet=true", "run.threads=1",
+           "model.layers=2", "model.width=32", "model.heads=4", "model.kv_heads=2",
+           "model.mlp=swiglu", "model.norm=rmsnorm", "model.positions=rotary",
+           "model.tied_head=false", "model.bias=false", "model.max_seq=16", "train.seq_len=16",
+           "train.micro_batch=2", "train.steps=50", "train.eval_every=0",
+           "train.eval_sequences=8", "train.sample_tokens=0", "optim.lr=1e-2",
+           "optim.min_lr=1e-3", "optim.warmup_steps=5", "mfu.peak_gflops=1"});
+}
+
+// A fresh directory under the system temp dir.
+inline std::string temp_dir(const std::string& stem) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / (stem + "-XXXXXX")).string();
+  char* made = mkdtemp(tmpl.data());
+  return made ? std::string(made) : std::string();
+}
+
+}  // namespace tessel::fixture

@@ -1,0 +1,157 @@
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "support/train_fixture.hpp"
+#include "tessel/comm/single_communicator.hpp"
+#include "tessel/core/error.hpp"
+#include "tessel/train/checkpoint.hpp"
+#include "tessel/train/safetensors.hpp"
+
+using namespace tessel;
+using namespace tessel::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<NamedTensor> sample_tensors() {
+  Tensor a({2, 3});
+  for (int i = 0; i < 6; ++i) a.f32()[i] = 0.5f * float(i) - 1.0f;
+  Tensor b({4}, DType::i32);
+  for (int i = 0; i < 4; ++i) b.i32()[i] = -i * 1000;
+  Tensor c = a.to(DType::bf16);
+  return {{"w.a", a}, {"w.b", b}, {"w.c", c}};
+}
+
+void expect_equal_bytes(const Tensor& x, const Tensor& y) {
+  ASSERT_EQ(x.shape(), y.shape());
+  ASSERT_EQ(x.dtype(), y.dtype());
+  EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.bytes()), 0);
+}
+
+template <class F>
+std::string input_error_of(F f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void corrupt_byte(const fs::path& path, std::streamoff offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c;
+  f.get(c);
+  f.seekp(offset);
+  f.put(char(c ^ 0x5a));
+}
+
+CheckpointContent content_at(int64_t step) {
+  CheckpointContent c;
+  c.step = step;
+  c.model = sample_tensors();
+  Tensor m({3});
+  m.f32()[0] = float(step);
+  c.optimizer = {{"adamw.m/x", m}};
+  c.state = {{"loader", {{"step", step}}}};
+  return c;
+}
+
+}  // namespace
+
+TEST(Safetensors, RoundTripKeepsOrderBytesAndMetadata) {
+  std::string path = fixture::temp_dir("tessel-st") + "/t.safetensors";
+  auto tensors = sample_tensors();
+  write_safetensors(path, tensors, {{"format", "pt"}});
+  SafetensorsFile f = read_safetensors(path);
+  ASSERT_EQ(f.tensors.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(f.tensors[i].name, tensors[i].name);
+    expect_equal_bytes(f.tensors[i].tensor, tensors[i].tensor);
+  }
+  EXPECT_EQ(f.metadata.at("format"), "pt");
+  // The header length is a multiple of 8 so the data section is aligned.
+  std::ifstream in(path, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  EXPECT_EQ(n % 8, 0u);
+}
+
+TEST(Safetensors, CorruptFilesAreInputErrorsNamingTheFile) {
+  std::string dir = fixture::temp_dir("tessel-st");
+  std::string path = dir + "/t.safetensors";
+  write_safetensors(path, sample_tensors());
+  EXPECT_NE(input_error_of([&] { read_safetensors(dir + "/none.safetensors"); }).find("none"),
+            std::string::npos);
+  // Truncated data.
+  fs::resize_file(path, fs::file_size(path) - 4);
+  EXPECT_NE(input_error_of([&] { read_safetensors(path); }).find(path), std::string::npos);
+  // Header length beyond the file.
+  write_safetensors(path, sample_tensors());
+  corrupt_byte(path, 7);
+  EXPECT_NE(input_error_of([&] { read_safetensors(path); }).find("header"), std::string::npos);
+  // Broken JSON.
+  write_safetensors(path, sample_tensors());
+  corrupt_byte(path, 8);
+  EXPECT_NE(input_error_of([&] { read_safetensors(path); }).find(path), std::string::npos);
+}
+
+TEST(Checkpoint, SaveLoadRetentionAndLatest) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 2);
+  EXPECT_FALSE(store.latest().has_value());
+  for (int64_t step : {10, 20, 30}) store.save(group, content_at(step));
+  // keep = 2: step 10 is gone, `latest` names step 30.
+  EXPECT_FALSE(fs::exists(root + "/step-00000010"));
+  ASSERT_TRUE(store.latest().has_value());
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000030");
+  CheckpointContent back = CheckpointStore::load(*store.latest());
+  EXPECT_EQ(back.step, 30);
+  EXPECT_EQ(back.state["loader"]["step"], 30);
+  auto want = content_at(30);
+  for (size_t i = 0; i < want.model.size(); ++i)
+    expect_equal_bytes(back.model[i].tensor, want.model[i].tensor);
+  expect_equal_bytes(back.optimizer[0].tensor, want.optimizer[0].tensor);
+}
+
+TEST(Checkpoint, IncompleteDirectoriesAreNeverLoaded) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 3);
+  store.save(group, content_at(5));
+  // A crash mid-save leaves step-N.incomplete and maybe a stale `latest`.
+  fs::create_directories(root + "/step-00000009.incomplete");
+  std::ofstream(root + "/latest") << "step-00000009.incomplete\n";
+  ASSERT_TRUE(store.latest().has_value());
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000005");
+  // A directory whose manifest is missing is not a checkpoint.
+  fs::create_directories(root + "/step-00000007");
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000005");
+  EXPECT_NE(input_error_of([&] { CheckpointStore::load(root + "/step-00000007"); })
+                .find("manifest.json"),
+            std::string::npos);
+}
+
+TEST(Checkpoint, CorruptionIsDetectedByChecksumAndSize) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 2);
+  store.save(group, content_at(1));
+  std::string dir = *store.latest();
+  corrupt_byte(dir + "/model.safetensors", std::streamoff(fs::file_size(dir + "/model.safetensors") - 2));
+  std::string what = input_error_of([&] { CheckpointStore::load(dir); });
+  EXPECT_NE(what.find("model.safetensors"), std::string::npos) << what;
+  EXPECT_NE(what.find("checksum"), std::string::npos) << what;
+  store.save(group, content_at(2));
+  dir = *store.latest();
+  fs::resize_file(dir + "/optimizer.safetensors", 10);
+  what = input_error_of([&] { CheckpointStore::load(dir); });
+  EXPECT_NE(what.find("optimizer.safetensors"), std::string::npos) << what;
+  std::ofstream(dir + "/manifest.json") << "{ not json";
+  what = input_error_of([&] { CheckpointStore::load(dir); });
+  EXPECT_NE(what.find("manifest.json"), std::string::npos) << what;
+}

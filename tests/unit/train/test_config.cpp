@@ -1,0 +1,92 @@
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "support/train_fixture.hpp"
+#include "tessel/core/error.hpp"
+#include "tessel/train/config.hpp"
+
+using namespace tessel;
+using train::Config;
+
+namespace {
+
+std::string write_file(const std::string& name, const std::string& text) {
+  std::string path = fixture::temp_dir("tessel-config") + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// Runs `f`, expects an InputError whose message contains every one of `parts`.
+template <class F>
+void expect_input_error(F f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    FAIL() << "no error";
+  } catch (const InputError& e) {
+    std::string what = e.what();
+    for (const auto& p : parts) EXPECT_NE(what.find(p), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << "error spans several lines: " << what;
+  }
+}
+
+}  // namespace
+
+TEST(Config, FileAndOverridesApplyInOrder) {
+  std::string path = write_file("a.toml", "[model]\nwidth = 64\nheads = 4\n[train]\nsteps = 300\n");
+  Config c = train::load_config(path, {"train.steps=400", "model.mlp=swiglu"});
+  EXPECT_EQ(c.model.width, 64);
+  EXPECT_EQ(c.model.heads, 4);
+  EXPECT_EQ(c.train.steps, 400);
+  EXPECT_EQ(c.model.mlp, model::MlpType::swiglu);
+  EXPECT_EQ(c.model.layers, train::default_model().layers);  // untouched default
+}
+
+TEST(Config, ResolvedTomlRoundTrips) {
+  Config c = train::load_config("", {"model.width=96", "model.heads=6", "optim.lr=0.0123",
+                                     "train.sample_prompt=He said \"hi\"", "data.shuffle=false"});
+  std::string text = train::to_toml(c);
+  Config back = train::parse_config(text, "resolved.toml", {});
+  EXPECT_EQ(train::to_toml(back), text);
+  EXPECT_EQ(back.optim.lr, 0.0123);
+  EXPECT_EQ(back.train.sample_prompt, "He said \"hi\"");
+  EXPECT_FALSE(back.data.shuffle);
+}
+
+TEST(Config, UnknownKeysAreRejected) {
+  std::string path = write_file("b.toml", "[model]\nwidht = 64\n");
+  expect_input_error([&] { train::load_config(path, {}); }, {path, "model.widht", "unknown"});
+  expect_input_error([&] { train::load_config("", {"train.stepz=3"}); }, {"train.stepz"});
+  expect_input_error([&] { train::load_config("", {"nokey"}); }, {"key=value"});
+}
+
+TEST(Config, WrongTypesAndValuesNameTheKey) {
+  std::string path = write_file("c.toml", "[train]\nsteps = \"many\"\n");
+  expect_input_error([&] { train::load_config(path, {}); }, {path, "train.steps"});
+  expect_input_error([&] { train::load_config("", {"train.steps=1.5"}); }, {"train.steps"});
+  expect_input_error([&] { train::load_config("", {"model.norm=batchnorm"}); },
+                     {"model.norm", "layernorm|rmsnorm"});
+  expect_input_error([&] { train::load_config("", {"run.quiet=yes"}); }, {"run.quiet"});
+  expect_input_error([&] { train::load_config("", {"train.micro_batch=0"}); },
+                     {"train.micro_batch"});
+  expect_input_error([&] { train::load_config("", {"train.keep_checkpoints=1"}); },
+                     {"train.keep_checkpoints"});
+}
+
+TEST(Config, SequenceLongerThanTheModelAllows) {
+  expect_input_error([&] { train::load_config("", {"train.seq_len=300", "model.max_seq=256"}); },
+                     {"train.seq_len", "model.max_seq"});
+}
+
+TEST(Config, MissingAndMalformedFiles) {
+  expect_input_error([&] { train::load_config("/nonexistent/x.toml", {}); },
+                     {"/nonexistent/x.toml", "not found"});
+  std::string path = write_file("d.toml", "[model\nwidth = 3\n");
+  expect_input_error([&] { train::load_config(path, {}); }, {path + ":1"});
+}
+
+TEST(Config, ModelFieldsAreValidated) {
+  expect_input_error([&] { train::load_config("", {"model.width=100", "model.heads=3"}); },
+                     {"model.heads"});
+}
