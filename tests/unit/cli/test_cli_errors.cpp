@@ -1,0 +1,143 @@
+// Bad input through the real `tessel` binary: each case exits non-zero with one
+// line on stderr that names the file or config field.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "support/train_fixture.hpp"
+
+namespace fs = std::filesystem;
+using tessel::fixture::temp_dir;
+
+namespace {
+
+struct Outcome {
+  int exit_code;
+  std::string out, err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Runs `tessel <args>` in a shell with stdout and stderr captured.
+Outcome run_tessel(const std::string& args) {
+  std::string dir = temp_dir("tessel-cli");
+  std::string cmd = std::string(TESSEL_BINARY) + " " + args + " >" + dir + "/out 2>" + dir + "/err";
+  int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir + "/out"), slurp(dir + "/err")};
+}
+
+void expect_one_line_error(const Outcome& o, std::initializer_list<std::string> parts) {
+  EXPECT_NE(o.exit_code, 0);
+  ASSERT_FALSE(o.err.empty());
+  EXPECT_EQ(o.err.find('\n'), o.err.size() - 1) << "more than one line:\n" << o.err;
+  EXPECT_EQ(o.err.rfind("tessel: error: ", 0), 0u) << o.err;
+  for (const auto& p : parts) EXPECT_NE(o.err.find(p), std::string::npos) << o.err;
+}
+
+struct CliTest : ::testing::Test {
+  static void SetUpTestSuite() {
+    data = tessel::fixture::make_dataset(temp_dir("tessel-cli-data"));
+  }
+  // A tiny training run over the fixture data into `run`.
+  static std::string train_args(const std::string& run) {
+    return "train --set data.path=" + data + " --set run.dir=" + run +
+           " --set run.quiet=true --set model.layers=1 --set model.width=32 --set model.heads=2"
+           " --set model.max_seq=16 --set train.seq_len=16 --set train.micro_batch=2"
+           " --set train.steps=4 --set optim.warmup_steps=1 --set train.sample_tokens=0"
+           " --set mfu.peak_gflops=1";
+  }
+  static std::string data;
+};
+std::string CliTest::data;
+
+}  // namespace
+
+TEST_F(CliTest, HelpExplainsSubcommandsAndConfigKeys) {
+  Outcome o = run_tessel("--help");
+  EXPECT_EQ(o.exit_code, 0);
+  for (const char* sub : {"prepare", "train", "generate", "bench-gemm"})
+    EXPECT_NE(o.out.find(sub), std::string::npos) << sub;
+  o = run_tessel("train --help-config");
+  EXPECT_EQ(o.exit_code, 0);
+  EXPECT_NE(o.out.find("model.width"), std::string::npos);
+  EXPECT_NE(o.out.find("train.seq_len"), std::string::npos);
+}
+
+TEST_F(CliTest, TrainsResumesAndGenerates) {
+  std::string run = temp_dir("tessel-cli-run");
+  Outcome o = run_tessel(train_args(run));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_TRUE(fs::exists(run + "/config.toml"));
+  EXPECT_TRUE(fs::exists(run + "/metrics.jsonl"));
+  EXPECT_TRUE(fs::exists(run + "/checkpoints/latest"));
+  o = run_tessel("generate --run " + run + " --prompt ab --tokens 5 --temperature 0");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(o.out.rfind("ab", 0), 0u) << o.out;
+  EXPECT_EQ(o.out.size(), 2u + 5u + 1u) << o.out;  // prompt, 5 new bytes, newline
+}
+
+TEST_F(CliTest, UnknownConfigKey) {
+  expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set model.widht=3"),
+                        {"model.widht"});
+  std::string dir = temp_dir("tessel-cli-cfg");
+  std::ofstream(dir + "/bad.toml") << "[train]\nstep = 3\n";
+  expect_one_line_error(run_tessel("train --config " + dir + "/bad.toml"), {"bad.toml", "train.step"});
+}
+
+TEST_F(CliTest, MissingOrCorruptConfig) {
+  expect_one_line_error(run_tessel("train --config /nonexistent.toml"), {"/nonexistent.toml"});
+  std::string dir = temp_dir("tessel-cli-cfg");
+  std::ofstream(dir + "/broken.toml") << "[model\n";
+  expect_one_line_error(run_tessel("train --config " + dir + "/broken.toml"), {"broken.toml:1"});
+}
+
+TEST_F(CliTest, MissingDataset) {
+  expect_one_line_error(
+      run_tessel(train_args(temp_dir("r")) + " --set data.path=/nonexistent/data"),
+      {"/nonexistent/data/train.tok", "tessel prepare"});
+}
+
+TEST_F(CliTest, CorruptDataset) {
+  std::string dir = temp_dir("tessel-cli-bad-data");
+  fs::copy(data + "/val.tok", dir + "/val.tok");
+  std::ofstream(dir + "/train.tok") << "this is not a shard";
+  expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set data.path=" + dir),
+                        {dir + "/train.tok"});
+}
+
+TEST_F(CliTest, CorruptCheckpoint) {
+  std::string run = temp_dir("tessel-cli-run");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  std::string ckpt = run + "/checkpoints/step-00000004";
+  {
+    std::fstream f(ckpt + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
+                        {"model.safetensors", "checksum"});
+  expect_one_line_error(run_tessel("generate --run " + run), {"model.safetensors"});
+}
+
+TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
+  expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=2"),
+                        {"parallel.dp", "world has 1"});
+}
+
+TEST_F(CliTest, SequenceLongerThanTheModelAllows) {
+  expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set train.seq_len=64"),
+                        {"train.seq_len", "model.max_seq"});
+}
+
+TEST_F(CliTest, BadCorpusForPrepare) {
+  expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " +
+                               temp_dir("p")),
+                        {"/nonexistent.txt"});
+}
