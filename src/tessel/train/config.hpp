@@ -34,7 +34,8 @@ struct TrainLoopConfig {
   int64_t log_every = 10;
   int64_t eval_every = 200;  // 0 = only at the end
   int64_t eval_sequences = 64;
-  int64_t checkpoint_every = 0;  // 0 = only at the end
+  int64_t checkpoint_every = 0;  // 0 = no periodic checkpoints (see save_final)
+  bool save_final = true;  // checkpoint after the last step
   int64_t keep_checkpoints = 2;
   bool resume = true;  // continue from the run directory's latest checkpoint when there is one
   int64_t sample_tokens = 200;  // text sample printed at the end; 0 = none

@@ -217,7 +217,7 @@ TrainResult Trainer::run() {
   // The MFU denominator: every rank measures GEMM at once (as they will compute).
   double peak = c.mfu.peak_gflops;
   if (peak <= 0) {
-    double measured = kernels::measure_gemm_peak_gflops(512, 0.3);
+    double measured = kernels::measure_gemm_peak_gflops(1024, 0.5);  // as `tessel bench-gemm`
     s.world.all_reduce(std::span<double>(&measured, 1));
     peak = measured / s.world.size();
   }
@@ -301,7 +301,8 @@ TrainResult Trainer::run() {
                     static_cast<long long>(rec.step), val, val / std::log(2.0));
       s.log(line);
     }
-    if ((c.train.checkpoint_every > 0 && rec.step % c.train.checkpoint_every == 0) || last) {
+    if ((c.train.checkpoint_every > 0 && rec.step % c.train.checkpoint_every == 0) ||
+        (last && c.train.save_final)) {
       s.save(rec.step);
       s.log("step " + std::to_string(rec.step) + " | checkpoint saved to " + c.run.dir +
             "/checkpoints");
