@@ -1,0 +1,63 @@
+#include "tessel/model/generate.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::model {
+
+std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context) {
+  if (context.empty()) input_error("generate: the prompt must hold at least one token");
+  const int64_t T = std::min<int64_t>(int64_t(context.size()), gpt.config().max_seq);
+  const int32_t* window = context.data() + (int64_t(context.size()) - T);
+  auto acts = gpt.make_activations(1, T);
+  ModelInputs in;
+  in.B = 1;
+  in.T = T;
+  in.tokens = window;
+  gpt.forward(*acts, in);
+  const int64_t V = gpt.config().vocab;
+  const float* last = acts->logits.f32() + (T - 1) * V;
+  return std::vector<float>(last, last + V);
+}
+
+int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng) {
+  if (!(temperature >= 0.0f)) input_error("generate: temperature = ", temperature, " must be >= 0");
+  if (top_k < 0) input_error("generate: top_k = ", top_k, " must be >= 0 (0 = all tokens)");
+  const int64_t V = int64_t(logits.size());
+  TESSEL_CHECK(V > 0, "sampling from empty logits");
+  // Candidates by decreasing logit, ties to the lower id.
+  const int64_t k = temperature == 0.0f ? 1 : (top_k == 0 ? V : std::min(top_k, V));
+  std::vector<int32_t> ids(static_cast<size_t>(V));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  if (k == 1) return ids[0];
+  std::vector<double> weight(static_cast<size_t>(k));
+  const double top = logits[ids[0]];
+  double total = 0.0;
+  for (int64_t i = 0; i < k; ++i) {
+    weight[i] = std::exp((double(logits[ids[i]]) - top) / temperature);
+    total += weight[i];
+  }
+  double u = double(rng.uniform()) * total;
+  for (int64_t i = 0; i < k; ++i) {
+    if (u < weight[i]) return ids[i];
+    u -= weight[i];
+  }
+  return ids[k - 1];  // u landed on the rounding error at the end
+}
+
+std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
+                              float temperature, int64_t top_k, Rng& rng) {
+  if (new_tokens < 0) input_error("generate: new_tokens = ", new_tokens, " must be >= 0");
+  if (prompt.empty()) input_error("generate: the prompt must hold at least one token");
+  for (int64_t i = 0; i < new_tokens; ++i)
+    prompt.push_back(sample_token(next_token_logits(gpt, prompt), temperature, top_k, rng));
+  return prompt;
+}
+
+}  // namespace tessel::model

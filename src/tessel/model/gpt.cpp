@@ -1,0 +1,460 @@
+#include "tessel/model/gpt.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "tessel/core/error.hpp"
+#include "tessel/core/rng.hpp"
+#include "tessel/kernels/cpu/activations.hpp"
+#include "tessel/kernels/cpu/attention.hpp"
+#include "tessel/kernels/cpu/cross_entropy.hpp"
+#include "tessel/kernels/cpu/embedding.hpp"
+#include "tessel/kernels/cpu/gemm.hpp"
+#include "tessel/kernels/cpu/norms.hpp"
+#include "tessel/kernels/cpu/rope.hpp"
+
+namespace tessel::model {
+
+namespace kn = tessel::kernels;
+
+namespace {
+
+enum class Init { normal, scaled_normal, ones, zeros };
+
+struct Spec {
+  std::string name;
+  ParamTag tag;
+  Shape shape;
+  Init init;
+};
+
+// Normal draws come in chunks, each from its own stream keyed by (parameter,
+// chunk), so initialization is parallel and identical for any thread count.
+constexpr int64_t kInitChunk = int64_t(1) << 16;
+
+// Rows of qkv [N, Q + 2 KV] are [q | k | v]; q [N, Q], k and v [N, KV].
+void split_qkv(float* q, float* k, float* v, const float* qkv, int64_t N, int64_t Q, int64_t KV) {
+  const int64_t row = Q + 2 * KV;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* r = qkv + n * row;
+    std::copy(r, r + Q, q + n * Q);
+    std::copy(r + Q, r + Q + KV, k + n * KV);
+    std::copy(r + Q + KV, r + row, v + n * KV);
+  }
+}
+
+void merge_qkv(float* qkv, const float* q, const float* k, const float* v, int64_t N, int64_t Q,
+               int64_t KV) {
+  const int64_t row = Q + 2 * KV;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float* r = qkv + n * row;
+    std::copy(q + n * Q, q + (n + 1) * Q, r);
+    std::copy(k + n * KV, k + (n + 1) * KV, r + Q);
+    std::copy(v + n * KV, v + (n + 1) * KV, r + Q + KV);
+  }
+}
+
+// y[i] += x[i] for i < n (residual connections).
+void add_into(float* y, const float* x, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+// Element `offset` of t, or null when t is not allocated (norm means under rmsnorm).
+float* at(Tensor& t, int64_t offset) {
+  return t.defined() ? t.f32() + offset : nullptr;
+}
+
+}  // namespace
+
+Tensor Activations::residual(int64_t boundary) const {
+  const int64_t C = stream.dim(-1);
+  return stream.view(boundary * B * T * C, {B, T, C});
+}
+
+Tensor Activations::residual_grad(int64_t boundary) const {
+  const int64_t C = d_stream.dim(-1);
+  return d_stream.view(boundary * B * T * C, {B, T, C});
+}
+
+Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
+  validate(config_);
+  C_ = config_.width;
+  H_ = config_.heads;
+  Hkv_ = config_.num_kv_heads();
+  D_ = config_.head_dim();
+  F_ = config_.mlp_hidden_size();
+  Fi_ = config_.mlp == MlpType::swiglu ? 2 * F_ : F_;
+  QKV_ = (H_ + 2 * Hkv_) * D_;
+  const int64_t V = config_.vocab, L = config_.layers;
+  const bool layernorm = config_.norm == NormType::layernorm;
+
+  // The registry, in order (docs/model.md).
+  std::vector<Spec> specs;
+  auto add = [&](std::string name, ParamTag tag, Shape shape, Init init) {
+    specs.push_back({std::move(name), tag, std::move(shape), init});
+    return int(specs.size() - 1);
+  };
+  auto add_norm = [&](const std::string& prefix, int& w, int& b) {
+    w = add(prefix + ".weight", ParamTag::norm, {C_}, Init::ones);
+    if (layernorm) b = add(prefix + ".bias", ParamTag::norm, {C_}, Init::zeros);
+  };
+  auto add_linear = [&](const std::string& prefix, int64_t out, int64_t in, Init init, int& w,
+                        int& b) {
+    w = add(prefix + ".weight", ParamTag::hidden_matrix, {out, in}, init);
+    if (config_.bias) b = add(prefix + ".bias", ParamTag::bias, {out}, Init::zeros);
+  };
+  embed_ = add("embed.weight", ParamTag::embedding, {V, C_}, Init::normal);
+  if (config_.positions == PositionType::learned)
+    pos_embed_ =
+        add("pos_embed.weight", ParamTag::position_embedding, {config_.max_seq, C_}, Init::normal);
+  blocks_.resize(size_t(L));
+  for (int64_t i = 0; i < L; ++i) {
+    const std::string p = "blocks." + std::to_string(i) + ".";
+    BlockParams& b = blocks_[size_t(i)];
+    add_norm(p + "attn_norm", b.attn_norm_w, b.attn_norm_b);
+    add_linear(p + "attn.qkv", QKV_, C_, Init::normal, b.qkv_w, b.qkv_b);
+    add_linear(p + "attn.out", C_, H_ * D_, Init::scaled_normal, b.out_w, b.out_b);
+    add_norm(p + "mlp_norm", b.mlp_norm_w, b.mlp_norm_b);
+    add_linear(p + "mlp.fc_in", Fi_, C_, Init::normal, b.fc_in_w, b.fc_in_b);
+    add_linear(p + "mlp.fc_out", C_, F_, Init::scaled_normal, b.fc_out_w, b.fc_out_b);
+  }
+  add_norm("final_norm", final_norm_w_, final_norm_b_);
+  head_ = config_.tied_head ? embed_ : add("head.weight", ParamTag::head, {V, C_}, Init::normal);
+
+  int64_t total = 0;
+  for (const Spec& s : specs) total += shape_numel(s.shape);
+  flat_params_ = Tensor({total});
+  flat_grads_ = Tensor({total});
+  int64_t offset = 0;
+  for (const Spec& s : specs) {
+    parameters_.push_back(
+        {s.name, s.tag, flat_params_.view(offset, s.shape), flat_grads_.view(offset, s.shape)});
+    offset += shape_numel(s.shape);
+  }
+
+  // normal(0, init_std); output projections scaled by 1/sqrt(2 L) (GPT-2); norm gains 1;
+  // biases 0 (the buffer starts zeroed).
+  const uint64_t key = Rng(seed).next_u64();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    float* w = parameters_[i].value.f32();
+    const int64_t n = parameters_[i].value.numel();
+    if (specs[i].init == Init::ones) std::fill(w, w + n, 1.0f);
+    if (specs[i].init != Init::normal && specs[i].init != Init::scaled_normal) continue;
+    const double scale = specs[i].init == Init::scaled_normal ? 1.0 / std::sqrt(2.0 * L) : 1.0;
+    const float stddev = float(config_.init_std * scale);
+    const int64_t chunks = (n + kInitChunk - 1) / kInitChunk;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      Rng rng(key + (uint64_t(i) << 32) + uint64_t(c));
+      const int64_t begin = c * kInitChunk;
+      rng.fill_normal(w + begin, std::min(kInitChunk, n - begin), 0.0f, stddev);
+    }
+  }
+}
+
+const Parameter& Gpt::parameter(const std::string& name) const {
+  for (const Parameter& p : parameters_)
+    if (p.name == name) return p;
+  TESSEL_CHECK(false, "the model has no parameter named ", name);
+}
+
+void Gpt::zero_grads() {
+  flat_grads_.fill_zero();
+}
+
+int64_t Gpt::matmul_parameters() const {
+  int64_t n = config_.vocab * C_;  // the head, tied or not
+  for (const BlockParams& b : blocks_)
+    for (int i : {b.qkv_w, b.out_w, b.fc_in_w, b.fc_out_w})
+      n += parameters_[size_t(i)].value.numel();
+  return n;
+}
+
+const float* Gpt::value(int index) const {
+  return index < 0 ? nullptr : parameters_[size_t(index)].value.f32();
+}
+
+float* Gpt::grad(int index) {
+  return index < 0 ? nullptr : parameters_[size_t(index)].grad.f32();
+}
+
+std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T) const {
+  if (B <= 0 || T <= 0)
+    input_error("micro-batch of ", B, " x ", T, " tokens: sizes must be positive");
+  if (T > config_.max_seq)
+    input_error("sequence length ", T, " exceeds model.max_seq = ", config_.max_seq);
+  const int64_t N = B * T, L = config_.layers, C = C_, V = config_.vocab;
+  const bool layernorm = config_.norm == NormType::layernorm;
+  auto a = std::make_unique<Activations>();
+  a->B = B;
+  a->T = T;
+  a->tokens = Tensor({N}, DType::i32);
+  a->positions = Tensor({N}, DType::i32);
+  a->targets = Tensor({N}, DType::i32);
+  a->loss_weight = Tensor({N});
+  auto mean = [&](int64_t layers) { return layernorm ? Tensor({layers, N}) : Tensor(); };
+  a->stream = Tensor({L + 1, N, C});
+  a->attn_norm = Tensor({L, N, C});
+  a->attn_norm_mean = mean(L);
+  a->attn_norm_rstd = Tensor({L, N});
+  a->q = Tensor({L, N, H_, D_});
+  a->k = Tensor({L, N, Hkv_, D_});
+  a->v = Tensor({L, N, Hkv_, D_});
+  a->attn = Tensor({L, N, H_, D_});
+  a->attn_lse = Tensor({L, B, H_, T});
+  a->mid = Tensor({L, N, C});
+  a->mlp_norm = Tensor({L, N, C});
+  a->mlp_norm_mean = mean(L);
+  a->mlp_norm_rstd = Tensor({L, N});
+  a->fc = Tensor({L, N, Fi_});
+  a->act = Tensor({L, N, F_});
+  a->final_norm = Tensor({N, C});
+  a->final_norm_mean = layernorm ? Tensor({N}) : Tensor();
+  a->final_norm_rstd = Tensor({N});
+  a->logits = Tensor({N, V});
+  a->lse = Tensor({N});
+  a->d_stream = Tensor({L + 1, N, C});
+  a->d_logits = Tensor({N, V});
+  a->qkv = Tensor({N, QKV_});
+  a->d_split = Tensor({N * QKV_});
+  if (config_.positions == PositionType::rotary) a->d_unrot = Tensor({N * (H_ + Hkv_) * D_});
+  a->d_attn = Tensor({N, H_ * D_});
+  a->d_norm = Tensor({N, C});
+  a->d_act = Tensor({N, F_});
+  a->d_fc = Tensor({N, Fi_});
+  return a;
+}
+
+void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
+  TESSEL_CHECK(in.B == acts.B && in.T == acts.T, "inputs of ", in.B, " x ", in.T,
+               " tokens given to activations for ", acts.B, " x ", acts.T);
+  const int64_t N = acts.B * acts.T, T = acts.T, V = config_.vocab;
+  auto where = [T](int64_t n) { return detail::concat("[", n / T, ", ", n % T, "]"); };
+  acts.has_tokens = in.tokens != nullptr;
+  acts.has_targets = in.targets != nullptr;
+  int32_t* tokens = acts.tokens.i32();
+  int32_t* positions = acts.positions.i32();
+  int32_t* targets = acts.targets.i32();
+  float* weight = acts.loss_weight.f32();
+  for (int64_t n = 0; n < N; ++n) {
+    if (in.tokens) {
+      tokens[n] = in.tokens[n];
+      if (tokens[n] < 0 || tokens[n] >= V)
+        input_error("token id ", tokens[n], " at ", where(n), " is outside [0, model.vocab = ", V,
+                    ")");
+    }
+    positions[n] = in.positions ? in.positions[n] : int32_t(n % T);
+    if (positions[n] < 0 || positions[n] >= config_.max_seq)
+      input_error("position ", positions[n], " at ", where(n),
+                  " is outside [0, model.max_seq = ", config_.max_seq, ")");
+    if (in.targets) {
+      targets[n] = in.targets[n];
+      weight[n] = in.loss_weight ? in.loss_weight[n] : 1.0f;
+      if (weight[n] != 0.0f && (targets[n] < 0 || targets[n] >= V))
+        input_error("target id ", targets[n], " at ", where(n), " is outside [0, model.vocab = ", V,
+                    ")");
+    }
+  }
+}
+
+double Gpt::forward(Activations& acts, const ModelInputs& inputs) const {
+  load_inputs(acts, inputs);
+  forward_embedding(acts);
+  forward_blocks(acts, 0, config_.layers);
+  return forward_head(acts);
+}
+
+void Gpt::backward(Activations& acts, float loss_scale) {
+  backward_head(acts, loss_scale);
+  backward_blocks(acts, 0, config_.layers);
+  backward_embedding(acts);
+}
+
+void Gpt::norm_forward(float* y, float* mean, float* rstd, const float* x, int w, int b,
+                       int64_t N) const {
+  const float eps = float(config_.norm_eps);
+  if (config_.norm == NormType::layernorm)
+    kn::layernorm_forward(y, mean, rstd, x, value(w), value(b), N, C_, eps);
+  else
+    kn::rmsnorm_forward(y, rstd, x, value(w), N, C_, eps);
+}
+
+void Gpt::norm_backward(float* dx, int w, int b, const float* dy, const float* x, const float* mean,
+                        const float* rstd, int64_t N) {
+  if (config_.norm == NormType::layernorm)
+    kn::layernorm_backward(dx, grad(w), grad(b), dy, x, value(w), mean, rstd, N, C_);
+  else
+    kn::rmsnorm_backward(dx, grad(w), dy, x, value(w), rstd, N, C_);
+}
+
+// x_0 [N, C] = embed[tokens] (+ pos_embed[positions]).
+void Gpt::forward_embedding(Activations& acts) const {
+  TESSEL_CHECK(acts.has_tokens, "forward_embedding needs inputs.tokens");
+  const int64_t N = acts.B * acts.T, C = C_;
+  float* x = acts.stream.f32();
+  kn::embedding_forward(x, acts.tokens.i32(), value(embed_), N, config_.vocab, C);
+  if (pos_embed_ < 0) return;
+  const float* table = value(pos_embed_);
+  const int32_t* pos = acts.positions.i32();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = table + int64_t(pos[n]) * C;
+    for (int64_t c = 0; c < C; ++c) x[n * C + c] += row[c];
+  }
+}
+
+void Gpt::forward_blocks(Activations& acts, int64_t first, int64_t last) const {
+  TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers, "blocks [", first, ", ", last,
+               ") of ", config_.layers);
+  for (int64_t l = first; l < last; ++l) block_forward(acts, l);
+}
+
+// x_l [N, C] -> x_{l+1} [N, C], caching what block_backward needs.
+void Gpt::block_forward(Activations& acts, int64_t l) const {
+  const BlockParams& p = blocks_[size_t(l)];
+  const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_;
+  const float* x = acts.stream.f32() + l * N * C;
+  float* y = acts.stream.f32() + (l + 1) * N * C;
+  float* m = acts.mid.f32() + l * N * C;
+  float* ln1 = acts.attn_norm.f32() + l * N * C;
+  float* ln2 = acts.mlp_norm.f32() + l * N * C;
+  float* q = acts.q.f32() + l * N * Q;
+  float* k = acts.k.f32() + l * N * KV;
+  float* v = acts.v.f32() + l * N * KV;
+  float* o = acts.attn.f32() + l * N * Q;
+  float* fc = acts.fc.f32() + l * N * Fi_;
+  float* act = acts.act.f32() + l * N * F_;
+
+  norm_forward(ln1, at(acts.attn_norm_mean, l * N), acts.attn_norm_rstd.f32() + l * N, x,
+               p.attn_norm_w, p.attn_norm_b, N);
+  kn::linear_forward(acts.qkv.f32(), ln1, value(p.qkv_w), value(p.qkv_b), N, C, QKV_);
+  split_qkv(q, k, v, acts.qkv.f32(), N, Q, KV);
+  if (config_.positions == PositionType::rotary) {
+    const int32_t* pos = acts.positions.i32();
+    const float theta = float(config_.rope_theta);
+    kn::rope_forward(q, q, pos, N, H_, D_, theta);
+    kn::rope_forward(k, k, pos, N, Hkv_, D_, theta);
+  }
+  kn::causal_attention_forward(o, acts.attn_lse.f32() + l * N * H_, q, k, v,
+                               {acts.B, acts.T, H_, Hkv_, D_});
+  kn::linear_forward(m, o, value(p.out_w), value(p.out_b), N, Q, C);
+  add_into(m, x, N * C);
+
+  norm_forward(ln2, at(acts.mlp_norm_mean, l * N), acts.mlp_norm_rstd.f32() + l * N, m,
+               p.mlp_norm_w, p.mlp_norm_b, N);
+  kn::linear_forward(fc, ln2, value(p.fc_in_w), value(p.fc_in_b), N, C, Fi_);
+  if (config_.mlp == MlpType::gelu)
+    kn::gelu_forward(act, fc, N * F_);
+  else
+    kn::swiglu_forward(act, fc, N, F_);
+  kn::linear_forward(y, act, value(p.fc_out_w), value(p.fc_out_b), N, F_, C);
+  add_into(y, m, N * C);
+}
+
+// x_L [N, C] -> final_norm [N, C] -> logits [N, V] -> loss sum (0 without targets).
+double Gpt::forward_head(Activations& acts) const {
+  const int64_t N = acts.B * acts.T, V = config_.vocab;
+  const float* x = acts.stream.f32() + config_.layers * N * C_;
+  norm_forward(acts.final_norm.f32(), at(acts.final_norm_mean, 0), acts.final_norm_rstd.f32(), x,
+               final_norm_w_, final_norm_b_, N);
+  kn::linear_forward(acts.logits.f32(), acts.final_norm.f32(), value(head_), nullptr, N, C_, V);
+  if (!acts.has_targets) return 0.0;
+  return kn::cross_entropy_forward(acts.lse.f32(), acts.logits.f32(), acts.targets.i32(),
+                                   acts.loss_weight.f32(), N, V);
+}
+
+void Gpt::backward_head(Activations& acts, float loss_scale) {
+  TESSEL_CHECK(acts.has_targets, "backward needs a forward with targets");
+  const int64_t N = acts.B * acts.T, V = config_.vocab, L = config_.layers;
+  acts.d_logits.fill_zero();
+  kn::cross_entropy_backward(acts.d_logits.f32(), acts.logits.f32(), acts.lse.f32(),
+                             acts.targets.i32(), acts.loss_weight.f32(), loss_scale, N, V);
+  acts.d_norm.fill_zero();
+  kn::linear_backward(acts.d_norm.f32(), grad(head_), nullptr, acts.d_logits.f32(),
+                      acts.final_norm.f32(), value(head_), N, C_, V);
+  float* dx = acts.d_stream.f32() + L * N * C_;
+  std::fill(dx, dx + N * C_, 0.0f);
+  norm_backward(dx, final_norm_w_, final_norm_b_, acts.d_norm.f32(), acts.stream.f32() + L * N * C_,
+                at(acts.final_norm_mean, 0), acts.final_norm_rstd.f32(), N);
+}
+
+void Gpt::backward_blocks(Activations& acts, int64_t first, int64_t last) {
+  TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers, "blocks [", first, ", ", last,
+               ") of ", config_.layers);
+  for (int64_t l = last - 1; l >= first; --l) block_backward(acts, l);
+}
+
+// d x_{l+1} [N, C] -> d x_l [N, C], adding the block's parameter gradients.
+void Gpt::block_backward(Activations& acts, int64_t l) {
+  const BlockParams& p = blocks_[size_t(l)];
+  const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_;
+  const float* dy = acts.d_stream.f32() + (l + 1) * N * C;
+  float* dx = acts.d_stream.f32() + l * N * C;
+  const float* x = acts.stream.f32() + l * N * C;
+  const float* m = acts.mid.f32() + l * N * C;
+  const float* q = acts.q.f32() + l * N * Q;
+  const float* k = acts.k.f32() + l * N * KV;
+  const float* v = acts.v.f32() + l * N * KV;
+  const float* o = acts.attn.f32() + l * N * Q;
+  float* d_norm = acts.d_norm.f32();
+
+  // MLP branch; dx first carries the residual path, then becomes d m.
+  std::copy(dy, dy + N * C, dx);
+  acts.d_act.fill_zero();
+  kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,
+                      acts.act.f32() + l * N * F_, value(p.fc_out_w), N, F_, C);
+  const float* fc = acts.fc.f32() + l * N * Fi_;
+  acts.d_fc.fill_zero();
+  if (config_.mlp == MlpType::gelu)
+    kn::gelu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N * F_);
+  else
+    kn::swiglu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N, F_);
+  acts.d_norm.fill_zero();
+  kn::linear_backward(d_norm, grad(p.fc_in_w), grad(p.fc_in_b), acts.d_fc.f32(),
+                      acts.mlp_norm.f32() + l * N * C, value(p.fc_in_w), N, C, Fi_);
+  norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, l * N),
+                acts.mlp_norm_rstd.f32() + l * N, N);
+
+  // Attention branch; dx gains the path through attn_norm and becomes d x_l.
+  acts.d_attn.fill_zero();
+  kn::linear_backward(acts.d_attn.f32(), grad(p.out_w), grad(p.out_b), dx, o, value(p.out_w), N, Q,
+                      C);
+  acts.d_split.fill_zero();
+  float* dq = acts.d_split.f32();
+  float* dk = dq + N * Q;
+  float* dv = dk + N * KV;
+  kn::causal_attention_backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o,
+                                acts.attn_lse.f32() + l * N * H_, {acts.B, acts.T, H_, Hkv_, D_});
+  if (config_.positions == PositionType::rotary) {
+    const int32_t* pos = acts.positions.i32();
+    const float theta = float(config_.rope_theta);
+    acts.d_unrot.fill_zero();
+    float* dq0 = acts.d_unrot.f32();
+    float* dk0 = dq0 + N * Q;
+    kn::rope_backward(dq0, dq, pos, N, H_, D_, theta);
+    kn::rope_backward(dk0, dk, pos, N, Hkv_, D_, theta);
+    dq = dq0;
+    dk = dk0;
+  }
+  float* d_qkv = acts.qkv.f32();
+  merge_qkv(d_qkv, dq, dk, dv, N, Q, KV);
+  acts.d_norm.fill_zero();
+  kn::linear_backward(d_norm, grad(p.qkv_w), grad(p.qkv_b), d_qkv, acts.attn_norm.f32() + l * N * C,
+                      value(p.qkv_w), N, C, QKV_);
+  norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, l * N),
+                acts.attn_norm_rstd.f32() + l * N, N);
+}
+
+void Gpt::backward_embedding(Activations& acts) {
+  TESSEL_CHECK(acts.has_tokens, "backward_embedding needs inputs.tokens");
+  const int64_t N = acts.B * acts.T;
+  const float* dx = acts.d_stream.f32();
+  kn::embedding_backward(grad(embed_), dx, acts.tokens.i32(), N, config_.vocab, C_);
+  if (pos_embed_ >= 0)
+    kn::embedding_backward(grad(pos_embed_), dx, acts.positions.i32(), N, config_.max_seq, C_);
+}
+
+}  // namespace tessel::model

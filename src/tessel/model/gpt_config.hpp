@@ -1,0 +1,51 @@
+#pragma once
+// The shape of a GPT, as data. Field names match the config keys `model.<field>`;
+// docs/model.md describes every field, the parameter names and the init rule.
+#include <cstdint>
+#include <string>
+
+namespace tessel::model {
+
+enum class MlpType { gelu, swiglu };
+enum class NormType { layernorm, rmsnorm };
+enum class PositionType { learned, rotary };
+
+struct GptConfig {
+  int64_t vocab = 50304;
+  int64_t layers = 12;
+  int64_t width = 768;   // C, the residual width
+  int64_t heads = 12;    // query heads H; head dim D = width / heads
+  int64_t kv_heads = 0;  // key/value heads Hkv (grouped-query attention); 0 = heads
+  MlpType mlp = MlpType::gelu;
+  int64_t mlp_hidden = 0;  // 0 = default_mlp_hidden(mlp, width)
+  NormType norm = NormType::layernorm;
+  double norm_eps = 1e-5;
+  PositionType positions = PositionType::learned;
+  double rope_theta = 10000.0;
+  bool tied_head = true;  // the head reuses embed.weight
+  bool bias = true;       // biases in the linear layers of the blocks (never in the head)
+  int64_t max_seq = 1024;
+  double init_std = 0.02;
+
+  int64_t head_dim() const { return width / heads; }
+  int64_t num_kv_heads() const { return kv_heads == 0 ? heads : kv_heads; }
+  int64_t mlp_hidden_size() const;  // mlp_hidden, or the default when it is 0
+};
+
+// The MLP hidden width used when mlp_hidden = 0: 4 * width for gelu; for swiglu
+// ceil(8 * width / 3) rounded up to a multiple of 64 (about the same parameter
+// count as the gelu MLP, with GEMM-friendly sizes).
+int64_t default_mlp_hidden(MlpType mlp, int64_t width);
+
+// Throws tessel::InputError naming the first bad field ("model.<field> = value ...").
+void validate(const GptConfig& config);
+
+// Names as config files spell them; the parsers throw InputError naming model.<field>.
+const char* to_string(MlpType mlp);             // "gelu" | "swiglu"
+const char* to_string(NormType norm);           // "layernorm" | "rmsnorm"
+const char* to_string(PositionType positions);  // "learned" | "rotary"
+MlpType parse_mlp_type(const std::string& name);
+NormType parse_norm_type(const std::string& name);
+PositionType parse_position_type(const std::string& name);
+
+}  // namespace tessel::model

@@ -1,0 +1,99 @@
+#pragma once
+// Tiny models and micro-batches shared by the model tests.
+#include <cstdint>
+#include <vector>
+
+#include "tessel/core/rng.hpp"
+#include "tessel/model/gpt.hpp"
+
+namespace tessel::model::testing {
+
+// gelu + layernorm + learned positions + untied head + biases.
+inline GptConfig gelu_config() {
+  GptConfig c;
+  c.vocab = 13;
+  c.layers = 2;
+  c.width = 16;
+  c.heads = 4;
+  c.kv_heads = 4;
+  c.mlp = MlpType::gelu;
+  c.mlp_hidden = 24;
+  c.norm = NormType::layernorm;
+  c.positions = PositionType::learned;
+  c.tied_head = false;
+  c.bias = true;
+  c.max_seq = 8;
+  return c;
+}
+
+// swiglu + rmsnorm + rotary + tied head + grouped-query attention (4 query, 2 kv heads).
+inline GptConfig swiglu_config() {
+  GptConfig c;
+  c.vocab = 13;
+  c.layers = 2;
+  c.width = 16;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.mlp = MlpType::swiglu;
+  c.mlp_hidden = 0;  // default: 64
+  c.norm = NormType::rmsnorm;
+  c.positions = PositionType::rotary;
+  c.tied_head = true;
+  c.bias = false;
+  c.max_seq = 8;
+  return c;
+}
+
+// Token data of one micro-batch [B, T], owned.
+struct Batch {
+  int64_t B, T;
+  std::vector<int32_t> tokens, positions, targets;
+  std::vector<float> weight;
+  ModelInputs inputs() const {
+    return {B,
+            T,
+            tokens.data(),
+            positions.empty() ? nullptr : positions.data(),
+            targets.data(),
+            weight.data()};
+  }
+  // Rows [b0, b1) as a batch of their own.
+  Batch rows(int64_t b0, int64_t b1) const {
+    auto cut = [&](const auto& v) {
+      using V = std::decay_t<decltype(v)>;
+      return v.empty() ? V() : V(v.begin() + b0 * T, v.begin() + b1 * T);
+    };
+    return {b1 - b0, T, cut(tokens), cut(positions), cut(targets), cut(weight)};
+  }
+};
+
+// Random tokens and targets; the last token of row 0 is out of the loss (weight 0,
+// target -1) and the others carry weights in [0.5, 1.5). With packed positions,
+// each row holds two documents (positions restart at T/2).
+inline Batch random_batch(const GptConfig& c, int64_t B, int64_t T, uint64_t seed,
+                          bool packed_positions) {
+  Rng rng(seed);
+  Batch b{B, T, {}, {}, {}, {}};
+  for (int64_t n = 0; n < B * T; ++n) {
+    b.tokens.push_back(int32_t(rng.below(uint64_t(c.vocab))));
+    b.targets.push_back(int32_t(rng.below(uint64_t(c.vocab))));
+    b.weight.push_back(0.5f + rng.uniform());
+    if (packed_positions) b.positions.push_back(int32_t(n % T < T / 2 ? n % T : n % T - T / 2));
+  }
+  b.targets[size_t(T - 1)] = -1;
+  b.weight[size_t(T - 1)] = 0.0f;
+  return b;
+}
+
+// Moves every parameter off its structured init (norm gains 1, biases 0) to a
+// generic point with weights of size `stddev`, so every path carries gradient.
+inline void randomize_parameters(Gpt& gpt, uint64_t seed, float stddev) {
+  Rng rng(seed);
+  for (const Parameter& p : gpt.parameters()) {
+    Tensor v = p.value;
+    const float mean = p.tag == ParamTag::norm && p.name.ends_with(".weight") ? 1.0f : 0.0f;
+    rng.fill_normal(v.f32(), v.numel(), mean, stddev);
+  }
+}
+
+}  // namespace tessel::model::testing
