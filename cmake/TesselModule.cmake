@@ -26,7 +26,7 @@ function(tessel_unit_tests module)
   target_link_libraries(unit_${module} PRIVATE ${ARG_DEPS} GTest::gtest_main tessel_warnings)
   target_include_directories(unit_${module} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
   add_test(NAME unit_${module} COMMAND unit_${module})
-  set_tests_properties(unit_${module} PROPERTIES ENVIRONMENT "OMP_NUM_THREADS=2;TESSEL_SOURCE_DIR=${PROJECT_SOURCE_DIR}"
+  set_tests_properties(unit_${module} PROPERTIES ENVIRONMENT "OMP_NUM_THREADS=2"
                        LABELS unit)
 endfunction()
 
@@ -44,7 +44,7 @@ function(tessel_mpi_tests module)
   foreach(np 2 4)
     add_test(NAME mpi_${module}_np${np}
              COMMAND ${MPIEXEC_EXECUTABLE} --oversubscribe --bind-to none -np ${np}
-                     -x OMP_NUM_THREADS=1 -x TESSEL_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+                     -x OMP_NUM_THREADS=1
                      $<TARGET_FILE:mpi_${module}>)
     set_tests_properties(mpi_${module}_np${np} PROPERTIES
       ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1"

@@ -101,7 +101,12 @@ struct Trainer::State {
                                              config.train.micro_batch, config.train.eval_sequences,
                                              mesh.coordinate(comm::Axis::dp),
                                              mesh.size(comm::Axis::dp))),
-        store(config.run.dir + "/checkpoints", config.train.keep_checkpoints) {}
+        store(config.run.dir + "/checkpoints", config.train.keep_checkpoints) {
+    int64_t data_vocab = loader.shard().vocab_size();
+    if (data_vocab > config.model.vocab)
+      input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
+                  " exceeds model.vocab = ", config.model.vocab);
+  }
 
   model::Activations& activations(int64_t rows) {
     auto& a = acts[rows];
@@ -202,7 +207,13 @@ Trainer::Trainer(Config config, comm::Communicator& world) {
     fs::create_directories(s_->config.run.dir);
     std::ofstream(s_->config.run.dir + "/config.toml") << to_toml(s_->config);
   }
-  if (s_->config.train.resume) s_->resume();
+  if (s_->config.train.resume)
+    s_->resume();
+  else if (s_->store.latest())
+    // A fresh run here would mix its checkpoints with the old run's (and retention,
+    // which keeps the highest steps, could delete the new ones).
+    input_error(s_->config.run.dir, ": holds checkpoints of an earlier run but train.resume = "
+                "false; choose a new run.dir or remove ", s_->config.run.dir, "/checkpoints");
   world.barrier();
 }
 
@@ -241,6 +252,14 @@ TrainResult Trainer::run() {
     if (metrics_log) metrics_log->write(j);
   };
 
+  write_metrics({{"event", "start"},
+                 {"parameters", s.model.num_parameters()},
+                 {"matmul_parameters", s.model.matmul_parameters()},
+                 {"flops_per_token", flops_tok},
+                 {"peak_gflops", peak},
+                 {"ranks", s.world.size()},
+                 {"threads", num_threads()},
+                 {"start_step", s.start_step}});
   Timer run_timer;
   double train_seconds = 0;
   ParameterList params = s.model.parameters();
@@ -259,6 +278,10 @@ TrainResult Trainer::run() {
     TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
     s.reducer.reduce(float(1.0 / stats[1]));
     double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
+    if (!std::isfinite(grad_norm))
+      throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
+                  std::to_string(grad_norm) + "; stopping before the update (last checkpoint in " +
+                  c.run.dir + "/checkpoints)");
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
     double lr = s.schedule.lr(step + 1);
     s.optimizer->step(s.schedule.scale(step + 1));

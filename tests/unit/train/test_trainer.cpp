@@ -102,3 +102,29 @@ TEST_F(TrainerTest, WorldSizeMustMatchTheMesh) {
     EXPECT_NE(std::string(e.what()).find("parallel.dp"), std::string::npos) << e.what();
   }
 }
+
+TEST_F(TrainerTest, FreshRunRefusesADirectoryWithCheckpoints) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 6;
+  c.optim.warmup_steps = 1;
+  train_run(c);
+  c.train.resume = false;
+  try {
+    train_run(c);
+    FAIL() << "a fresh run reused a directory with checkpoints";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.resume"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(TrainerTest, DataVocabularyMustFitTheModel) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.model.vocab = 100;  // byte shards hold ids up to 255
+  try {
+    train_run(c);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.vocab"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("train.tok"), std::string::npos) << e.what();
+  }
+}
