@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tessel/core/parameter.hpp"
 #include "tessel/core/tensor.hpp"
