@@ -48,8 +48,8 @@ inline train::Config tiny_config(const std::string& data_dir, const std::string&
            "model.mlp=swiglu", "model.norm=rmsnorm", "model.positions=rotary",
            "model.tied_head=false", "model.bias=false", "model.max_seq=16", "train.seq_len=16",
            "train.micro_batch=2", "train.steps=50", "train.eval_every=0",
-           "train.eval_sequences=8", "train.sample_tokens=0", "optim.lr=1e-2",
-           "optim.min_lr=1e-3", "optim.warmup_steps=5", "mfu.peak_gflops=1"});
+           "train.eval_sequences=8", "train.sample_tokens=0", "optim.lr=3e-3",
+           "optim.min_lr=3e-4", "optim.warmup_steps=5", "mfu.peak_gflops=1"});
 }
 
 // A fresh directory under the system temp dir.
