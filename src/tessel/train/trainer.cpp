@@ -331,6 +331,10 @@ TrainResult Trainer::run() {
             "/checkpoints");
     }
   }
+  if (s.start_step >= c.train.steps)
+    s.log("nothing to train: " + c.run.dir + " already holds step " +
+          std::to_string(s.start_step) + " of train.steps = " + std::to_string(c.train.steps) +
+          " (raise train.steps to continue, or choose a new run.dir)");
   if (c.train.sample_tokens > 0 && s.is_root) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
