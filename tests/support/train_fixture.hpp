@@ -13,8 +13,8 @@ namespace tessel::fixture {
 
 // Sentences drawn from a small vocabulary: enough structure for the loss to fall.
 inline std::vector<std::string> synthetic_documents(int count, uint64_t seed) {
-  const char* words[] = {"the", "light", "was", "good", "and", "god", "said", "let", "there",
-                         "be",  "water", "land", "day", "night", "made", "saw"};
+  const char* words[] = {"the",   "light", "was",   "good", "and", "god",   "said", "let",
+                         "there", "be",    "water", "land", "day", "night", "made", "saw"};
   Rng rng(seed);
   std::vector<std::string> docs;
   for (int d = 0; d < count; ++d) {
@@ -43,13 +43,14 @@ inline std::string make_dataset(const std::string& dir) {
 // A tiny GPT (GQA, rotary, swiglu, rmsnorm) with quiet logging and no sample.
 inline train::Config tiny_config(const std::string& data_dir, const std::string& run_dir) {
   return train::load_config(
-      "", {"data.path=" + data_dir, "run.dir=" + run_dir, "run.quiet=true", "run.threads=1",
-           "model.layers=2", "model.width=32", "model.heads=4", "model.kv_heads=2",
-           "model.mlp=swiglu", "model.norm=rmsnorm", "model.positions=rotary",
-           "model.tied_head=false", "model.bias=false", "model.max_seq=16", "train.seq_len=16",
-           "train.micro_batch=2", "train.steps=50", "train.eval_every=0",
-           "train.eval_sequences=8", "train.sample_tokens=0", "optim.lr=3e-3",
-           "optim.min_lr=3e-4", "optim.warmup_steps=5", "mfu.peak_gflops=1"});
+      "", {"data.path=" + data_dir,  "run.dir=" + run_dir,     "run.quiet=true",
+           "run.threads=1",          "model.layers=2",         "model.width=32",
+           "model.heads=4",          "model.kv_heads=2",       "model.mlp=swiglu",
+           "model.norm=rmsnorm",     "model.positions=rotary", "model.tied_head=false",
+           "model.bias=false",       "model.max_seq=16",       "train.seq_len=16",
+           "train.micro_batch=2",    "train.steps=50",         "train.eval_every=0",
+           "train.eval_sequences=8", "train.sample_tokens=0",  "optim.lr=3e-3",
+           "optim.min_lr=3e-4",      "optim.warmup_steps=5",   "mfu.peak_gflops=1"});
 }
 
 // A fresh directory under the system temp dir.

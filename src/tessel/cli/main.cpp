@@ -42,12 +42,13 @@ std::string schema_help() {
 
 int run_prepare(const data::PrepareOptions& opts) {
   auto r = data::prepare_dataset(opts);
-  std::printf("prepared %s: train %lld documents / %lld tokens -> %s; val %lld documents / %lld "
-              "tokens -> %s\n",
-              opts.corpus.c_str(), static_cast<long long>(r.train.documents),
-              static_cast<long long>(r.train.tokens), r.train.path.c_str(),
-              static_cast<long long>(r.val.documents), static_cast<long long>(r.val.tokens),
-              r.val.path.c_str());
+  std::printf(
+      "prepared %s: train %lld documents / %lld tokens -> %s; val %lld documents / %lld "
+      "tokens -> %s\n",
+      opts.corpus.c_str(), static_cast<long long>(r.train.documents),
+      static_cast<long long>(r.train.tokens), r.train.path.c_str(),
+      static_cast<long long>(r.val.documents), static_cast<long long>(r.val.tokens),
+      r.val.path.c_str());
   return 0;
 }
 
@@ -57,8 +58,8 @@ int run_generate(const std::string& run_dir, const std::string& prompt, int64_t 
   auto latest = store.latest();
   if (!latest) input_error(run_dir, ": no complete checkpoint under ", run_dir, "/checkpoints");
   train::CheckpointContent ckpt = train::CheckpointStore::load(*latest);
-  train::Config config =
-      train::parse_config(ckpt.state.at("config").get<std::string>(), *latest + "/manifest.json", {});
+  train::Config config = train::parse_config(ckpt.state.at("config").get<std::string>(),
+                                             *latest + "/manifest.json", {});
   model::Gpt gpt(config.model, 0);
   for (const auto& p : gpt.parameters()) {
     auto it = std::find_if(ckpt.model.begin(), ckpt.model.end(),
@@ -81,9 +82,10 @@ int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
   if (threads > 0) set_num_threads(threads);
   double gflops = kernels::measure_gemm_peak_gflops(size, seconds);
   if (json)
-    std::printf("%s\n", nlohmann::json{{"size", size}, {"threads", num_threads()}, {"gflops", gflops}}
-                            .dump()
-                            .c_str());
+    std::printf("%s\n",
+                nlohmann::json{{"size", size}, {"threads", num_threads()}, {"gflops", gflops}}
+                    .dump()
+                    .c_str());
   else
     std::printf("sgemm %lldx%lldx%lld, %d thread(s): %.1f GFLOP/s\n", static_cast<long long>(size),
                 static_cast<long long>(size), static_cast<long long>(size), num_threads(), gflops);
@@ -105,9 +107,10 @@ int main(int argc, char** argv) {
   prep.corpus = "bible";
   prep.output_dir = "data/bible";
   auto* prepare = app.add_subcommand("prepare", "turn a text corpus into token shards");
-  prepare->add_option("--corpus", prep.corpus,
-                      "bible (Debian bible-kjv, one document per chapter), fortunes (one per "
-                      "fortune) or file:PATH (documents separated by blank lines)")
+  prepare
+      ->add_option("--corpus", prep.corpus,
+                   "bible (Debian bible-kjv, one document per chapter), fortunes (one per "
+                   "fortune) or file:PATH (documents separated by blank lines)")
       ->capture_default_str();
   prepare->add_option("--out", prep.output_dir, "output directory")->capture_default_str();
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents held out")

@@ -13,6 +13,8 @@ inline uint16_t f32_to_bf16(float x) {
   return uint16_t((u + rounding) >> 16);
 }
 
-inline float bf16_to_f32(uint16_t b) { return std::bit_cast<float>(uint32_t(b) << 16); }
+inline float bf16_to_f32(uint16_t b) {
+  return std::bit_cast<float>(uint32_t(b) << 16);
+}
 
 }  // namespace tessel

@@ -40,10 +40,9 @@ template <class... Args>
 }  // namespace tessel
 
 // TESSEL_CHECK(cond, "message", value, ...): throws tessel::Error naming file and line.
-#define TESSEL_CHECK(cond, ...)                                                        \
-  do {                                                                                 \
-    if (!(cond))                                                                       \
-      ::tessel::detail::throw_check_failure(__FILE__, __LINE__, #cond,                 \
-                                            ::tessel::detail::concat("" __VA_OPT__(, ) \
-                                                                         __VA_ARGS__)); \
+#define TESSEL_CHECK(cond, ...)                                                                \
+  do {                                                                                         \
+    if (!(cond))                                                                               \
+      ::tessel::detail::throw_check_failure(                                                   \
+          __FILE__, __LINE__, #cond, ::tessel::detail::concat("" __VA_OPT__(, ) __VA_ARGS__)); \
   } while (0)

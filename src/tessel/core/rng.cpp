@@ -11,7 +11,9 @@ uint64_t splitmix64(uint64_t& x) {
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
-uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+uint64_t rotl(uint64_t x, int k) {
+  return (x << k) | (x >> (64 - k));
+}
 }  // namespace
 
 Rng::Rng(uint64_t seed) {
@@ -30,7 +32,9 @@ uint64_t Rng::next_u64() {
   return result;
 }
 
-float Rng::uniform() { return float(next_u64() >> 40) * (1.0f / 16777216.0f); }
+float Rng::uniform() {
+  return float(next_u64() >> 40) * (1.0f / 16777216.0f);
+}
 
 uint64_t Rng::below(uint64_t n) {
   uint64_t limit = UINT64_MAX - UINT64_MAX % n;

@@ -15,7 +15,8 @@ class Rng {
   float uniform();
   // Uniform integer in [0, n) without modulo bias.
   uint64_t below(uint64_t n);
-  // Standard normal by Box-Muller (uses two uniforms per pair, caches none: simple and exact to replay).
+  // Standard normal by Box-Muller (uses two uniforms per pair, caches none: simple and exact to
+  // replay).
   float normal();
   // Fills x[0..n) with normal(mean, stddev).
   void fill_normal(float* x, int64_t n, float mean, float stddev);

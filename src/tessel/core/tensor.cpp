@@ -11,18 +11,24 @@ namespace tessel {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::i32: return 4;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::i32:
+      return 4;
   }
   TESSEL_CHECK(false, "unknown dtype");
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::i32: return "i32";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::i32:
+      return "i32";
   }
   TESSEL_CHECK(false, "unknown dtype");
 }
@@ -58,7 +64,9 @@ Storage::Storage(size_t bytes) : bytes_(bytes) {
   std::memset(data_, 0, rounded);
 }
 
-Storage::~Storage() { std::free(data_); }
+Storage::~Storage() {
+  std::free(data_);
+}
 
 Tensor::Tensor(Shape shape, DType dtype) : shape_(std::move(shape)), dtype_(dtype) {
   storage_ = std::make_shared<Storage>(bytes());
@@ -75,17 +83,23 @@ float* Tensor::f32() {
   TESSEL_CHECK(dtype_ == DType::f32, "tensor is ", dtype_name(dtype_), ", not f32");
   return static_cast<float*>(raw());
 }
-const float* Tensor::f32() const { return const_cast<Tensor*>(this)->f32(); }
+const float* Tensor::f32() const {
+  return const_cast<Tensor*>(this)->f32();
+}
 uint16_t* Tensor::bf16() {
   TESSEL_CHECK(dtype_ == DType::bf16, "tensor is ", dtype_name(dtype_), ", not bf16");
   return static_cast<uint16_t*>(raw());
 }
-const uint16_t* Tensor::bf16() const { return const_cast<Tensor*>(this)->bf16(); }
+const uint16_t* Tensor::bf16() const {
+  return const_cast<Tensor*>(this)->bf16();
+}
 int32_t* Tensor::i32() {
   TESSEL_CHECK(dtype_ == DType::i32, "tensor is ", dtype_name(dtype_), ", not i32");
   return static_cast<int32_t*>(raw());
 }
-const int32_t* Tensor::i32() const { return const_cast<Tensor*>(this)->i32(); }
+const int32_t* Tensor::i32() const {
+  return const_cast<Tensor*>(this)->i32();
+}
 
 Tensor Tensor::view(int64_t offset, Shape shape) const {
   TESSEL_CHECK(defined(), "view of an undefined tensor");
@@ -122,7 +136,9 @@ Tensor Tensor::clone() const {
   return t;
 }
 
-void Tensor::fill_zero() { std::memset(raw(), 0, bytes()); }
+void Tensor::fill_zero() {
+  std::memset(raw(), 0, bytes());
+}
 
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return clone();

@@ -15,7 +15,7 @@ namespace tessel {
 enum class DType : uint8_t { f32, bf16, i32 };
 
 size_t dtype_size(DType dtype);
-const char* dtype_name(DType dtype);  // "f32", "bf16", "i32"
+const char* dtype_name(DType dtype);             // "f32", "bf16", "i32"
 DType dtype_from_name(const std::string& name);  // throws InputError on an unknown name
 
 using Shape = std::vector<int64_t>;
@@ -43,7 +43,9 @@ class Tensor {
   Tensor() = default;
   // A new zero-filled tensor.
   Tensor(Shape shape, DType dtype = DType::f32);
-  static Tensor zeros(Shape shape, DType dtype = DType::f32) { return Tensor(std::move(shape), dtype); }
+  static Tensor zeros(Shape shape, DType dtype = DType::f32) {
+    return Tensor(std::move(shape), dtype);
+  }
 
   const Shape& shape() const { return shape_; }
   int64_t dim(int i) const;  // negative i counts from the end

@@ -48,8 +48,7 @@ nlohmann::json read_json(const fs::path& path) {
 }
 
 bool is_complete(const fs::path& dir) {
-  return fs::is_directory(dir) && fs::exists(dir / kManifest) &&
-         dir.extension() != ".incomplete";
+  return fs::is_directory(dir) && fs::exists(dir / kManifest) && dir.extension() != ".incomplete";
 }
 
 // Complete checkpoint directories, oldest first (names sort by step).
@@ -79,7 +78,8 @@ uint32_t file_crc32(const std::string& path) {
   return uint32_t(crc);
 }
 
-CheckpointStore::CheckpointStore(std::string root, int64_t keep) : root_(std::move(root)), keep_(keep) {
+CheckpointStore::CheckpointStore(std::string root, int64_t keep)
+    : root_(std::move(root)), keep_(keep) {
   TESSEL_CHECK(keep_ >= 2, "keep_checkpoints must be >= 2");
 }
 

@@ -3,8 +3,8 @@
 #include <toml++/toml.h>
 
 #include <charconv>
-#include <filesystem>
 #include <cmath>
+#include <filesystem>
 #include <iomanip>
 #include <map>
 #include <sstream>
@@ -108,7 +108,10 @@ ConfigKey choice_key(std::string name, std::string help,
           }};
 }
 
-#define FIELD(path) [](Config& c) -> auto& { return c.path; }
+#define FIELD(path)         \
+  [](Config & c) -> auto& { \
+    return c.path;          \
+  }
 
 std::vector<ConfigKey> build_schema() {
   using model::MlpType;
@@ -319,9 +322,10 @@ void validate(const Config& c) {
   non_negative("train.sample_top_k", double(c.train.sample_top_k));
   non_negative("train.sample_temperature", c.train.sample_temperature);
   if (c.train.keep_checkpoints < 2)
-    input_error("config key 'train.keep_checkpoints' must be at least 2 (the newest may be "
-                "incomplete when a job dies), got ",
-                c.train.keep_checkpoints);
+    input_error(
+        "config key 'train.keep_checkpoints' must be at least 2 (the newest may be "
+        "incomplete when a job dies), got ",
+        c.train.keep_checkpoints);
   if (c.train.seq_len > c.model.max_seq)
     input_error("config key 'train.seq_len' = ", c.train.seq_len,
                 " exceeds model.max_seq = ", c.model.max_seq);
@@ -332,8 +336,9 @@ void validate(const Config& c) {
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
   if (c.parallel.pp > 1 || c.parallel.cp > 1 || c.parallel.ep > 1)
-    input_error("config keys 'parallel.pp', 'parallel.cp', 'parallel.ep' must be 1: pipeline, "
-                "context and expert parallelism are not available yet");
+    input_error(
+        "config keys 'parallel.pp', 'parallel.cp', 'parallel.ep' must be 1: pipeline, "
+        "context and expert parallelism are not available yet");
   if (c.parallel.bucket_mb <= 0)
     input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
   non_negative("run.threads", double(c.run.threads));

@@ -28,14 +28,14 @@ struct DataConfig {
 struct TrainLoopConfig {
   int64_t steps = 1000;
   int64_t seq_len = 256;
-  int64_t micro_batch = 8;   // sequences per micro-batch per rank
-  int64_t accum = 1;         // micro-batches per step per rank (gradient accumulation)
-  double grad_clip = 1.0;    // global-norm clip; <= 0 disables
+  int64_t micro_batch = 8;  // sequences per micro-batch per rank
+  int64_t accum = 1;        // micro-batches per step per rank (gradient accumulation)
+  double grad_clip = 1.0;   // global-norm clip; <= 0 disables
   int64_t log_every = 10;
   int64_t eval_every = 200;  // 0 = only at the end
   int64_t eval_sequences = 64;
   int64_t checkpoint_every = 0;  // 0 = no periodic checkpoints (see save_final)
-  bool save_final = true;  // checkpoint after the last step
+  bool save_final = true;        // checkpoint after the last step
   int64_t keep_checkpoints = 2;
   bool resume = true;  // continue from the run directory's latest checkpoint when there is one
   int64_t sample_tokens = 200;  // text sample printed at the end; 0 = none
@@ -43,7 +43,6 @@ struct TrainLoopConfig {
   double sample_temperature = 0.8;
   int64_t sample_top_k = 40;
 };
-
 
 struct ParallelConfig {
   int64_t dp = 0;  // 0 = world size / (pp * cp)

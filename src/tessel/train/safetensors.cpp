@@ -12,9 +12,12 @@ namespace {
 
 const char* st_dtype(DType d) {
   switch (d) {
-    case DType::f32: return "F32";
-    case DType::bf16: return "BF16";
-    case DType::i32: return "I32";
+    case DType::f32:
+      return "F32";
+    case DType::bf16:
+      return "BF16";
+    case DType::i32:
+      return "I32";
   }
   return "?";
 }

@@ -35,7 +35,8 @@ int auto_threads_per_rank(int world_size) {
     if (n > 0) return n;
   }
   int local = world_size;
-  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(env));
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    local = std::max(1, std::atoi(env));
   int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / local);
 }
@@ -92,11 +93,11 @@ struct Trainer::State {
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
         reducer(dp, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
-        loader(config.data.path + "/train.tok",
-               data::LoaderOptions{config.train.seq_len, config.train.micro_batch,
-                                   config.train.accum, mesh.coordinate(comm::Axis::dp),
-                                   mesh.size(comm::Axis::dp), uint64_t(config.run.seed),
-                                   config.data.shuffle}),
+        loader(
+            config.data.path + "/train.tok",
+            data::LoaderOptions{config.train.seq_len, config.train.micro_batch, config.train.accum,
+                                mesh.coordinate(comm::Axis::dp), mesh.size(comm::Axis::dp),
+                                uint64_t(config.run.seed), config.data.shuffle}),
         val_batches(data::validation_batches(config.data.path + "/val.tok", config.train.seq_len,
                                              config.train.micro_batch, config.train.eval_sequences,
                                              mesh.coordinate(comm::Axis::dp),
@@ -187,9 +188,9 @@ struct Trainer::State {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
-    auto ids = model::generate(model, tok.encode(config.train.sample_prompt),
-                               config.train.sample_tokens, float(config.train.sample_temperature),
-                               config.train.sample_top_k, rng);
+    auto ids =
+        model::generate(model, tok.encode(config.train.sample_prompt), config.train.sample_tokens,
+                        float(config.train.sample_temperature), config.train.sample_top_k, rng);
     return tok.decode(ids);
   }
 };
@@ -198,7 +199,8 @@ Trainer::Trainer(Config config, comm::Communicator& world) {
   comm::MeshShape shape{int(config.parallel.pp), int(config.parallel.dp), int(config.parallel.cp),
                         int(config.parallel.ep)};
   if (shape.dp == 0) shape.dp = std::max(1, world.size() / (shape.pp * shape.cp));
-  int threads = config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());
+  int threads =
+      config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());
   set_num_threads(threads);
   config.run.threads = threads;
   config.parallel.dp = shape.dp;
@@ -212,8 +214,10 @@ Trainer::Trainer(Config config, comm::Communicator& world) {
   else if (s_->store.latest())
     // A fresh run here would mix its checkpoints with the old run's (and retention,
     // which keeps the highest steps, could delete the new ones).
-    input_error(s_->config.run.dir, ": holds checkpoints of an earlier run but train.resume = "
-                "false; choose a new run.dir or remove ", s_->config.run.dir, "/checkpoints");
+    input_error(s_->config.run.dir,
+                ": holds checkpoints of an earlier run but train.resume = "
+                "false; choose a new run.dir or remove ",
+                s_->config.run.dir, "/checkpoints");
   world.barrier();
 }
 
@@ -242,8 +246,8 @@ TrainResult Trainer::run() {
   s.log("tessel: " + std::to_string(s.model.num_parameters()) + " parameters, " +
         std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
         " thread(s), dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) + ", " +
-        std::to_string(global_tokens) + " tokens/step, GEMM peak " +
-        std::to_string(int(peak)) + " GFLOP/s per rank" +
+        std::to_string(global_tokens) + " tokens/step, GEMM peak " + std::to_string(int(peak)) +
+        " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : ""));
 
   std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics
@@ -332,8 +336,8 @@ TrainResult Trainer::run() {
     }
   }
   if (s.start_step >= c.train.steps)
-    s.log("nothing to train: " + c.run.dir + " already holds step " +
-          std::to_string(s.start_step) + " of train.steps = " + std::to_string(c.train.steps) +
+    s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
+          " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
   if (c.train.sample_tokens > 0 && s.is_root) {
     result.sample = s.sample();

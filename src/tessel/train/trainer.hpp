@@ -23,11 +23,11 @@ struct StepRecord {
 };
 
 struct TrainResult {
-  int64_t resumed_from = -1;  // checkpoint step the run continued from; -1 = fresh start
-  std::vector<StepRecord> steps;                        // the steps this run took
+  int64_t resumed_from = -1;      // checkpoint step the run continued from; -1 = fresh start
+  std::vector<StepRecord> steps;  // the steps this run took
   std::vector<std::pair<int64_t, double>> validation;  // (step, loss in nats per token)
-  std::string sample;                                   // final text sample (rank 0)
-  double peak_gflops = 0;                               // per-rank MFU denominator
+  std::string sample;                                  // final text sample (rank 0)
+  double peak_gflops = 0;                              // per-rank MFU denominator
 };
 
 class Trainer {

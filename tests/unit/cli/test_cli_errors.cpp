@@ -88,7 +88,8 @@ TEST_F(CliTest, UnknownConfigKey) {
                         {"model.widht"});
   std::string dir = temp_dir("tessel-cli-cfg");
   std::ofstream(dir + "/bad.toml") << "[train]\nstep = 3\n";
-  expect_one_line_error(run_tessel("train --config " + dir + "/bad.toml"), {"bad.toml", "train.step"});
+  expect_one_line_error(run_tessel("train --config " + dir + "/bad.toml"),
+                        {"bad.toml", "train.step"});
 }
 
 TEST_F(CliTest, MissingOrCorruptConfig) {
@@ -137,7 +138,6 @@ TEST_F(CliTest, SequenceLongerThanTheModelAllows) {
 }
 
 TEST_F(CliTest, BadCorpusForPrepare) {
-  expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " +
-                               temp_dir("p")),
+  expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " + temp_dir("p")),
                         {"/nonexistent.txt"});
 }

@@ -131,9 +131,9 @@ TEST(Checkpoint, IncompleteDirectoriesAreNeverLoaded) {
   // A directory whose manifest is missing is not a checkpoint.
   fs::create_directories(root + "/step-00000007");
   EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000005");
-  EXPECT_NE(input_error_of([&] { CheckpointStore::load(root + "/step-00000007"); })
-                .find("manifest.json"),
-            std::string::npos);
+  EXPECT_NE(
+      input_error_of([&] { CheckpointStore::load(root + "/step-00000007"); }).find("manifest.json"),
+      std::string::npos);
 }
 
 TEST(Checkpoint, CorruptionIsDetectedByChecksumAndSize) {
@@ -142,7 +142,8 @@ TEST(Checkpoint, CorruptionIsDetectedByChecksumAndSize) {
   CheckpointStore store(root, 2);
   store.save(group, content_at(1));
   std::string dir = *store.latest();
-  corrupt_byte(dir + "/model.safetensors", std::streamoff(fs::file_size(dir + "/model.safetensors") - 2));
+  corrupt_byte(dir + "/model.safetensors",
+               std::streamoff(fs::file_size(dir + "/model.safetensors") - 2));
   std::string what = input_error_of([&] { CheckpointStore::load(dir); });
   EXPECT_NE(what.find("model.safetensors"), std::string::npos) << what;
   EXPECT_NE(what.find("checksum"), std::string::npos) << what;

@@ -75,8 +75,11 @@ TEST(Config, WrongTypesAndValuesNameTheKey) {
 }
 
 TEST(Config, SequenceLongerThanTheModelAllows) {
-  expect_input_error([&] { train::load_config("", {"train.seq_len=300", "model.max_seq=256"}); },
-                     {"train.seq_len", "model.max_seq"});
+  expect_input_error(
+      [&] {
+        train::load_config("", {"train.seq_len=300", "model.max_seq=256"});
+      },
+      {"train.seq_len", "model.max_seq"});
 }
 
 TEST(Config, MissingAndMalformedFiles) {
@@ -87,6 +90,9 @@ TEST(Config, MissingAndMalformedFiles) {
 }
 
 TEST(Config, ModelFieldsAreValidated) {
-  expect_input_error([&] { train::load_config("", {"model.width=100", "model.heads=3"}); },
-                     {"model.heads"});
+  expect_input_error(
+      [&] {
+        train::load_config("", {"model.width=100", "model.heads=3"});
+      },
+      {"model.heads"});
 }

@@ -21,7 +21,9 @@ train::TrainResult train_run(const train::Config& config) {
 }
 
 struct TrainerTest : ::testing::Test {
-  static void SetUpTestSuite() { data_dir = fixture::make_dataset(fixture::temp_dir("tessel-data")); }
+  static void SetUpTestSuite() {
+    data_dir = fixture::make_dataset(fixture::temp_dir("tessel-data"));
+  }
   static std::string data_dir;
 };
 std::string TrainerTest::data_dir;
