@@ -1,6 +1,7 @@
 #include "tessel/kernels/cpu/gemm.hpp"
 
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
 
@@ -9,21 +10,60 @@
 
 namespace tessel::kernels {
 
+namespace {
+
+// Below this many multiply-adds per thread, waking another thread costs more than it saves.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 18;
+// Column/row blocks of C handed to threads are multiples of this (whole micro-kernel tiles).
+constexpr int64_t kBlockAlign = 16;
+
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A, int(lda), B,
+              int(ldb), beta, C, int(ldc));
+}
+
+}  // namespace
+
+// The OpenBLAS here is the pthreads build: its worker pool and the OpenMP pool that runs
+// every other kernel would compete for the same cores (each spins while the other works).
+// So OpenBLAS runs single-threaded and the OpenMP threads each compute one block of C,
+// split along its larger dimension. The split depends only on the sizes and the thread
+// count, so results are deterministic for a fixed thread count.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   TESSEL_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm sizes ", M, "x", N, "x", K);
   TESSEL_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
                "gemm leading dimensions lda=", lda, " ldb=", ldb, " ldc=", ldc);
   if (M == 0 || N == 0) return;
-  if (K == 0) {  // C = beta * C; BLAS rejects a zero leading dimension, so do it here
+  if (K == 0) {  // C = beta * C; BLAS rejects the zero leading dimensions this case allows
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
     return;
   }
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A,
-              int(std::max<int64_t>(lda, 1)), B, int(std::max<int64_t>(ldb, 1)), beta, C,
-              int(std::max<int64_t>(ldc, 1)));
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+  const bool split_n = N >= M;
+  const int64_t dim = split_n ? N : M;
+  int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  threads = std::min({threads, M * N * K / kMinWorkPerThread, dim / kBlockAlign});
+  if (threads <= 1) {
+    sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  const int64_t block =
+      ((dim + threads - 1) / threads + kBlockAlign - 1) / kBlockAlign * kBlockAlign;
+#pragma omp parallel num_threads(int(threads))
+  {
+    const int64_t lo = std::min(dim, omp_get_thread_num() * block);
+    const int64_t hi = std::min(dim, lo + block);
+    if (hi > lo && split_n)
+      sgemm(trans_a, trans_b, M, hi - lo, K, alpha, A, lda, trans_b ? B + lo * ldb : B + lo, ldb,
+            beta, C + lo, ldc);
+    else if (hi > lo)
+      sgemm(trans_a, trans_b, hi - lo, N, K, alpha, trans_a ? A + lo : A + lo * lda, lda, B, ldb,
+            beta, C + lo * ldc, ldc);
+  }
 }
 
 void linear_forward(float* y, const float* x, const float* W, const float* b, int64_t N, int64_t in,
