@@ -27,9 +27,10 @@ std::string str(const AttentionShape& s) {
 
 }  // namespace
 
-// B, T, Hq, Hkv, D: odd lengths, T = 1, grouped (Hq = 4, Hkv = 2; Hq = 6, Hkv = 1) and plain heads.
-const AttentionShape kShapes[] = {
-    {1, 1, 2, 2, 4}, {2, 13, 4, 2, 8}, {1, 7, 3, 3, 5}, {2, 33, 6, 1, 16}, {3, 64, 4, 4, 64}};
+// B, T, Hq, Hkv, D: odd lengths, T = 1, grouped (Hq = 4, Hkv = 2; Hq = 6, Hkv = 1) and plain
+// heads, and T = 150: several query blocks of the fast kernel, the last one partial.
+const AttentionShape kShapes[] = {{1, 1, 2, 2, 4},   {2, 13, 4, 2, 8},  {1, 7, 3, 3, 5},
+                                  {2, 33, 6, 1, 16}, {3, 64, 4, 4, 64}, {1, 150, 2, 1, 8}};
 
 TEST(CausalAttention, FastMatchesNaive) {
   for (const AttentionShape& s : kShapes) {
@@ -125,7 +126,7 @@ TEST(CausalAttention, SingleTokenReturnsItsValue) {
 }
 
 TEST(CausalAttention, BackwardIsDeterministic) {
-  const AttentionShape s{2, 40, 4, 2, 32};
+  const AttentionShape s{2, 100, 4, 2, 32};
   Inputs in(s, 7);
   Rng rng(8);
   VecF dout = randn(rng, in.q.size());

@@ -7,8 +7,25 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/kernels/cpu/column_sums.hpp"
+#include "tessel/kernels/cpu/serial_blas.hpp"
 
 namespace tessel::kernels {
+
+namespace detail {
+
+void use_serial_blas() {
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+void sgemm_serial(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                  const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                  int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A, int(lda), B,
+              int(ldb), beta, C, int(ldc));
+}
+
+}  // namespace detail
 
 namespace {
 
@@ -17,20 +34,11 @@ constexpr int64_t kMinWorkPerThread = int64_t(1) << 18;
 // Column/row blocks of C handed to threads are multiples of this (whole micro-kernel tiles).
 constexpr int64_t kBlockAlign = 16;
 
-void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A, int(lda), B,
-              int(ldb), beta, C, int(ldc));
-}
-
 }  // namespace
 
-// The OpenBLAS here is the pthreads build: its worker pool and the OpenMP pool that runs
-// every other kernel would compete for the same cores (each spins while the other works).
-// So OpenBLAS runs single-threaded and the OpenMP threads each compute one block of C,
-// split along its larger dimension. The split depends only on the sizes and the thread
-// count, so results are deterministic for a fixed thread count.
+// OpenBLAS runs single-threaded (serial_blas.hpp says why) and the OpenMP threads each
+// compute one block of C, split along its larger dimension. The split depends only on the sizes and
+// the thread count, so results are deterministic for a fixed thread count.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   TESSEL_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm sizes ", M, "x", N, "x", K);
@@ -42,13 +50,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
       for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
     return;
   }
-  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+  detail::use_serial_blas();
   const bool split_n = N >= M;
   const int64_t dim = split_n ? N : M;
   int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   threads = std::min({threads, M * N * K / kMinWorkPerThread, dim / kBlockAlign});
   if (threads <= 1) {
-    sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    detail::sgemm_serial(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
   const int64_t block =
@@ -58,11 +66,11 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     const int64_t lo = std::min(dim, omp_get_thread_num() * block);
     const int64_t hi = std::min(dim, lo + block);
     if (hi > lo && split_n)
-      sgemm(trans_a, trans_b, M, hi - lo, K, alpha, A, lda, trans_b ? B + lo * ldb : B + lo, ldb,
-            beta, C + lo, ldc);
+      detail::sgemm_serial(trans_a, trans_b, M, hi - lo, K, alpha, A, lda,
+                           trans_b ? B + lo * ldb : B + lo, ldb, beta, C + lo, ldc);
     else if (hi > lo)
-      sgemm(trans_a, trans_b, hi - lo, N, K, alpha, trans_a ? A + lo : A + lo * lda, lda, B, ldb,
-            beta, C + lo * ldc, ldc);
+      detail::sgemm_serial(trans_a, trans_b, hi - lo, N, K, alpha, trans_a ? A + lo : A + lo * lda,
+                           lda, B, ldb, beta, C + lo * ldc, ldc);
   }
 }
 
