@@ -37,8 +37,8 @@ constexpr int64_t kBlockAlign = 16;
 }  // namespace
 
 // OpenBLAS runs single-threaded (serial_blas.hpp says why) and the OpenMP threads each
-// compute one block of C, split along its larger dimension. The split depends only on the sizes and
-// the thread count, so results are deterministic for a fixed thread count.
+// compute one block of C, split along its larger dimension. The split depends only on the
+// sizes and the thread count, so results are deterministic for a fixed thread count.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   TESSEL_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm sizes ", M, "x", N, "x", K);

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "tessel/core/error.hpp"
+
 namespace tessel::kernels {
 
 namespace {
@@ -12,6 +14,7 @@ namespace {
 template <bool accumulate>
 void rotate(float* out, const float* in, const int32_t* pos, int64_t N, int64_t H, int64_t D,
             float theta, float sign) {
+  TESSEL_CHECK(D % 2 == 0, "rope head dim must be even, got ", D);
   const int64_t half = D / 2;
   std::vector<double> freq(half);
   for (int64_t i = 0; i < half; ++i)
