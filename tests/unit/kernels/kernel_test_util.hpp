@@ -27,13 +27,14 @@ inline VecD to_f64(const VecF& x) {
   return VecD(x.begin(), x.end());
 }
 
-// max_i |got_i - want_i| / max(max_i |want_i|, 1e-30): the error relative to the
-// largest reference magnitude, so near-zero entries do not dominate. A NaN anywhere
-// makes it NaN, which fails every EXPECT_LT.
+// max_i |got_i - want_i| / max(max_i |want_i|, floor): the error relative to the largest
+// reference magnitude, so near-zero entries do not dominate; `floor` makes it absolute
+// where the reference is (near) zero by construction. A NaN anywhere makes it NaN, which
+// fails every EXPECT_LT.
 template <class V>
-double rel_error(const V& got, const VecD& want) {
+double rel_error(const V& got, const VecD& want, double floor = 1e-30) {
   EXPECT_EQ(got.size(), want.size());
-  double err = 0, scale = 1e-30;
+  double err = 0, scale = floor;
   for (size_t i = 0; i < want.size(); ++i) {
     const double d = std::abs(double(got[i]) - want[i]);
     if (!(d <= err)) err = d;

@@ -53,8 +53,10 @@ TEST(CausalAttention, FastMatchesNaive) {
                               in.k.data(), in.v.data(), o.data(), lse.data(), s);
     naive::causal_attention_backward(dqd.data(), dkd.data(), dvd.data(), doutd.data(), qd.data(),
                                      kd.data(), vd.data(), od.data(), lsed.data(), s);
-    EXPECT_LT(rel_error(added(dq, dq0), added(dqd, to_f64(dq0))), kFastVsNaive);
-    EXPECT_LT(rel_error(added(dk, dk0), added(dkd, to_f64(dk0))), kFastVsNaive);
+    // With T = 1 (one key) dq and dk are exactly 0 while f32 leaves rounding noise of the
+    // O(1) terms dp - delta: relative to max(|ref|, 1), i.e. absolute there.
+    EXPECT_LT(rel_error(added(dq, dq0), added(dqd, to_f64(dq0)), 1.0), kFastVsNaive);
+    EXPECT_LT(rel_error(added(dk, dk0), added(dkd, to_f64(dk0)), 1.0), kFastVsNaive);
     EXPECT_LT(rel_error(added(dv, dv0), added(dvd, to_f64(dv0))), kFastVsNaive);
   }
 }
