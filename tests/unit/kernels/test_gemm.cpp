@@ -52,7 +52,7 @@ TEST(Gemm, AllTransposeCasesWithLeadingDimensions) {
       check_gemm({ta, tb, 1, 13, 4, 1.0f, 0.0f});
       check_gemm({ta, tb, 33, 1, 17, -1.5f, 1.0f});
       check_gemm({ta, tb, 64, 48, 70, 1.0f, 0.0f});
-      // Large enough to be split across threads, along N and along M.
+      // Large enough for OpenBLAS to use several threads.
       check_gemm({ta, tb, 97, 130, 66, 0.5f, 1.0f});
       check_gemm({ta, tb, 150, 41, 90, 1.0f, 0.0f});
     }

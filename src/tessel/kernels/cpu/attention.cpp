@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "tessel/core/error.hpp"
+#include "tessel/kernels/cpu/blas.hpp"
 #include "tessel/kernels/cpu/fast_exp.hpp"
-#include "tessel/kernels/cpu/serial_blas.hpp"
 
 namespace tessel::kernels {
 
@@ -60,7 +60,6 @@ void causal_attention_forward(float* o, float* lse, const float* q, const float*
   check_shape(s);
   const int64_t nblocks = (s.T + kRows - 1) / kRows;
   const float scale = 1.0f / std::sqrt(float(s.D));
-  detail::use_serial_blas();
 #pragma omp parallel
   {
     std::vector<float> P(kRows * s.T);
@@ -69,8 +68,8 @@ void causal_attention_forward(float* o, float* lse, const float* q, const float*
       for (int64_t h = 0; h < s.Hq; ++h)
         for (int64_t blk_i = 0; blk_i < nblocks; ++blk_i) {
           const Block blk = make_block(s, b, h, blk_i * kRows);
-          detail::sgemm_serial(false, true, blk.R, blk.J, s.D, scale, q + blk.q0, blk.ldq,
-                               k + blk.kv0, blk.ldkv, 0.0f, P.data(), blk.J);
+          detail::sgemm(false, true, blk.R, blk.J, s.D, scale, q + blk.q0, blk.ldq, k + blk.kv0,
+                        blk.ldkv, 0.0f, P.data(), blk.J);
           float* row_lse = lse + (b * s.Hq + h) * s.T + blk.i0;
           for (int64_t r = 0; r < blk.R; ++r) {
             const float* p = P.data() + r * blk.J;
@@ -84,8 +83,8 @@ void causal_attention_forward(float* o, float* lse, const float* q, const float*
             row_lse[r] = m + logf(sum);
           }
           probabilities(P.data(), blk, row_lse);
-          detail::sgemm_serial(false, false, blk.R, s.D, blk.J, 1.0f, P.data(), blk.J, v + blk.kv0,
-                               blk.ldkv, 0.0f, o + blk.q0, blk.ldq);
+          detail::sgemm(false, false, blk.R, s.D, blk.J, 1.0f, P.data(), blk.J, v + blk.kv0,
+                        blk.ldkv, 0.0f, o + blk.q0, blk.ldq);
         }
   }
 }
@@ -100,7 +99,6 @@ void causal_attention_backward(float* dq, float* dk, float* dv, const float* dou
   check_shape(s);
   const int64_t nblocks = (s.T + kRows - 1) / kRows, rep = s.Hq / s.Hkv;
   const float scale = 1.0f / std::sqrt(float(s.D));
-  detail::use_serial_blas();
 #pragma omp parallel
   {
     std::vector<float> P(kRows * s.T), dS(kRows * s.T);
@@ -111,11 +109,11 @@ void causal_attention_backward(float* dq, float* dk, float* dv, const float* dou
           for (int64_t blk_i = 0; blk_i < nblocks; ++blk_i) {
             const Block blk = make_block(s, b, h, blk_i * kRows);
             const int64_t D = s.D, J = blk.J;
-            detail::sgemm_serial(false, true, blk.R, J, D, scale, q + blk.q0, blk.ldq, k + blk.kv0,
-                                 blk.ldkv, 0.0f, P.data(), J);
+            detail::sgemm(false, true, blk.R, J, D, scale, q + blk.q0, blk.ldq, k + blk.kv0,
+                          blk.ldkv, 0.0f, P.data(), J);
             probabilities(P.data(), blk, lse + (b * s.Hq + h) * s.T + blk.i0);
-            detail::sgemm_serial(false, true, blk.R, J, D, 1.0f, dout + blk.q0, blk.ldq,
-                                 v + blk.kv0, blk.ldkv, 0.0f, dS.data(), J);
+            detail::sgemm(false, true, blk.R, J, D, 1.0f, dout + blk.q0, blk.ldq, v + blk.kv0,
+                          blk.ldkv, 0.0f, dS.data(), J);
             for (int64_t r = 0; r < blk.R; ++r) {
               const float* g_r = dout + blk.q0 + r * blk.ldq;
               const float* o_r = o + blk.q0 + r * blk.ldq;
@@ -127,12 +125,12 @@ void causal_attention_backward(float* dq, float* dk, float* dv, const float* dou
 #pragma omp simd
               for (int64_t j = 0; j < J; ++j) ds[j] = p[j] * (ds[j] - delta);
             }
-            detail::sgemm_serial(false, false, blk.R, D, J, scale, dS.data(), J, k + blk.kv0,
-                                 blk.ldkv, 1.0f, dq + blk.q0, blk.ldq);
-            detail::sgemm_serial(true, false, J, D, blk.R, scale, dS.data(), J, q + blk.q0, blk.ldq,
-                                 1.0f, dk + blk.kv0, blk.ldkv);
-            detail::sgemm_serial(true, false, J, D, blk.R, 1.0f, P.data(), J, dout + blk.q0,
-                                 blk.ldq, 1.0f, dv + blk.kv0, blk.ldkv);
+            detail::sgemm(false, false, blk.R, D, J, scale, dS.data(), J, k + blk.kv0, blk.ldkv,
+                          1.0f, dq + blk.q0, blk.ldq);
+            detail::sgemm(true, false, J, D, blk.R, scale, dS.data(), J, q + blk.q0, blk.ldq, 1.0f,
+                          dk + blk.kv0, blk.ldkv);
+            detail::sgemm(true, false, J, D, blk.R, 1.0f, P.data(), J, dout + blk.q0, blk.ldq, 1.0f,
+                          dv + blk.kv0, blk.ldkv);
           }
   }
 }

@@ -5,9 +5,8 @@
 
 namespace tessel::kernels {
 
-// Times square sgemm of `size` (after a warm-up call) repeatedly for at least `min_seconds`
-// and returns the best repetition's GFLOP/s (2 size^3 flops per call). Both tessel's gemm
-// and OpenBLAS's own threading are timed; the faster counts.
+// Times square gemm of `size` (after a warm-up call) repeatedly for at least `min_seconds`
+// and returns the best repetition's GFLOP/s (2 size^3 flops per call).
 double measure_gemm_peak_gflops(int64_t size, double min_seconds);
 
 }  // namespace tessel::kernels
