@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "kernel_test_util.hpp"
+#include "tessel/core/threading.hpp"
 #include "tessel/kernels/cpu/gemm.hpp"
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 
@@ -143,4 +144,16 @@ TEST(GemmPeak, ReturnsAPositiveRate) {
   const double gflops = measure_gemm_peak_gflops(64, 0.01);
   EXPECT_GT(gflops, 0.0);
   EXPECT_TRUE(std::isfinite(gflops));
+}
+
+// A BLAS call must not change tessel's thread count (an OpenBLAS thread setting in the
+// OpenMP build resets OpenMP's, which once left every kernel single-threaded).
+TEST(Gemm, LeavesTheThreadCountAsSet) {
+  const int before = tessel::num_threads();
+  tessel::set_num_threads(2);
+  VecF A(size_t(128 * 128), 1.0f), B(size_t(128 * 128), 1.0f), C(size_t(128 * 128), 0.0f);
+  gemm(false, false, 128, 128, 128, 1.0f, A.data(), 128, B.data(), 128, 0.0f, C.data(), 128);
+  EXPECT_EQ(C[0], 128.0f);
+  EXPECT_EQ(tessel::num_threads(), 2);
+  tessel::set_num_threads(before);
 }
