@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "tessel/core/rng.hpp"
-#include "tessel/core/threading.hpp"
 #include "tessel/kernels/cpu/attention.hpp"
 #include "tessel/kernels/cpu/cross_entropy.hpp"
 #include "tessel/kernels/cpu/gemm.hpp"
@@ -143,7 +142,6 @@ BENCHMARK(BM_cross_entropy_fwd_bwd<false>)
     ->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {
-  tessel::set_num_threads(tessel::default_num_threads());
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

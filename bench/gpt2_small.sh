@@ -6,6 +6,7 @@
 # and excluded; the median over the rest is reported.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"  # the config's data.path is relative to the repository root
 bin=${TESSEL_BIN:-$here/build/release/tessel}
 threads=${1:-$(nproc)}
 steps=${2:-12}

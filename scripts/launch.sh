@@ -16,5 +16,6 @@ threads=$(( cores / ranks ))
 (( threads >= 1 )) || threads=1
 # Root is allowed (containers, CI); more ranks than cores need --oversubscribe.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-exec mpirun --oversubscribe --bind-to none -np "$ranks" -x OMP_NUM_THREADS="$threads" \
+# --quiet: no mpirun banner after a failed rank; tessel prints its own one-line error.
+exec mpirun --quiet --oversubscribe --bind-to none -np "$ranks" -x OMP_NUM_THREADS="$threads" \
   "$binary" "$@"

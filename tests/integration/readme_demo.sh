@@ -15,4 +15,5 @@ echo "demo wall time: $(( $(date +%s) - start )) s"
 grep -q '^sample:' "$work/log" || { echo "FAIL: no text sample printed"; exit 1; }
 val=$(grep '"val_loss"' "$work/run/metrics.jsonl" | tail -1 | sed 's/.*"val_loss":\([0-9.e+-]*\).*/\1/')
 echo "final validation loss: $val nats/byte"
+[[ $val =~ ^[0-9.eE+-]+$ ]] || { echo "FAIL: validation loss is not a number: '$val'"; exit 1; }
 awk -v v="$val" 'BEGIN { exit !(v < 2.0) }' || { echo "FAIL: validation loss $val >= 2.0"; exit 1; }

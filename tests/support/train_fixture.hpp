@@ -53,11 +53,21 @@ inline train::Config tiny_config(const std::string& data_dir, const std::string&
            "optim.min_lr=3e-4",      "optim.warmup_steps=5",   "mfu.peak_gflops=1"});
 }
 
-// A fresh directory under the system temp dir.
+// A fresh directory under the system temp dir, removed when the test binary exits.
 inline std::string temp_dir(const std::string& stem) {
+  static std::vector<std::string> made;  // constructed before `cleanup`, so destroyed after it
+  struct RemoveAtExit {
+    ~RemoveAtExit() {
+      std::error_code ignored;
+      for (const auto& d : made) std::filesystem::remove_all(d, ignored);
+    }
+  };
+  static RemoveAtExit cleanup;
   std::string tmpl = (std::filesystem::temp_directory_path() / (stem + "-XXXXXX")).string();
-  char* made = mkdtemp(tmpl.data());
-  return made ? std::string(made) : std::string();
+  char* dir = mkdtemp(tmpl.data());
+  if (!dir) return std::string();
+  made.emplace_back(dir);
+  return made.back();
 }
 
 }  // namespace tessel::fixture

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "tessel/comm/world.hpp"
 #include "tessel/core/error.hpp"
@@ -61,13 +62,8 @@ int run_generate(const std::string& run_dir, const std::string& prompt, int64_t 
   train::Config config = train::parse_config(ckpt.state.at("config").get<std::string>(),
                                              *latest + "/manifest.json", {});
   model::Gpt gpt(config.model, 0);
-  for (const auto& p : gpt.parameters()) {
-    auto it = std::find_if(ckpt.model.begin(), ckpt.model.end(),
-                           [&](const train::NamedTensor& t) { return t.name == p.name; });
-    if (it == ckpt.model.end() || it->tensor.shape() != p.value.shape())
-      input_error(*latest, ": tensor '", p.name, "' missing or of the wrong shape");
-    std::memcpy(const_cast<Tensor&>(p.value).raw(), it->tensor.raw(), p.value.bytes());
-  }
+  for (const auto& p : gpt.parameters())
+    train::restore_tensor(ckpt.model, p.name, p.value, *latest);
   if (config.model.vocab != data::ByteTokenizer::kVocabSize)
     input_error(*latest, ": generate needs the byte tokenizer (model.vocab = 256)");
   data::ByteTokenizer tok;
@@ -169,16 +165,22 @@ int main(int argc, char** argv) {
     if (*gen) return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {
-    // One line naming the file or field. With several ranks, exit at once: the
-    // launcher ends the job instead of leaving peers waiting in a collective.
-    bool input = dynamic_cast<const InputError*>(&e) != nullptr;
-    if (world.size() == 1)
+    // One line naming the file or field, and a non-zero exit.
+    const int code = dynamic_cast<const InputError*>(&e) ? 2 : 1;
+    if (world.size() == 1) {
+      std::fprintf(stderr, "tessel: error: %s\n", e.what());
+      return code;
+    }
+    // Several ranks usually fail alike (same config, same files): rank 0 speaks for all
+    // and aborts the job, so peers never wait in a collective. A rank that fails alone
+    // gives rank 0 a moment to do so first, then reports itself.
+    if (world.rank() != 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+    if (world.rank() == 0)
       std::fprintf(stderr, "tessel: error: %s\n", e.what());
     else
       std::fprintf(stderr, "tessel: error (rank %d): %s\n", world.rank(), e.what());
     std::fflush(stderr);
-    if (world.size() > 1) std::_Exit(input ? 2 : 1);
-    return input ? 2 : 1;
+    world.abort(code);
   }
   return 0;
 }

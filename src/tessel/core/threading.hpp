@@ -1,12 +1,10 @@
 #pragma once
 // Thread count for OpenMP regions and OpenBLAS. Set once at start (from
-// `threads` in the config or OMP_NUM_THREADS); with several ranks on one
+// `run.threads` in the config, or OMP_NUM_THREADS); with several ranks on one
 // machine choose ranks x threads <= cores.
 namespace tessel {
 
 void set_num_threads(int n);
 int num_threads();
-// Threads available to this process: OMP_NUM_THREADS if set, else the hardware count.
-int default_num_threads();
 
 }  // namespace tessel

@@ -1,16 +1,12 @@
 #include "tessel/data/prepare.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <numeric>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/corpus.hpp"
@@ -57,20 +53,6 @@ std::string json_string(const std::string& s) {
 std::string split_json(const SplitCounts& split) {
   return detail::concat("{\"documents\": ", split.documents, ", \"tokens\": ", split.tokens,
                         ", \"path\": ", json_string(fs::path(split.path).filename().string()), "}");
-}
-
-// Writes text to path through a temporary file and a rename.
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) input_error(path, ": cannot create ", tmp, ": ", std::strerror(errno));
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::string reason = std::strerror(errno);
-    std::remove(tmp.c_str());
-    input_error(path, ": cannot write: ", reason);
-  }
 }
 
 SplitCounts write_split(const std::vector<std::string>& documents, const std::vector<size_t>& which,
@@ -122,7 +104,7 @@ PrepareResult prepare_documents(const std::vector<std::string>& documents,
       "  \"vocab_size\": ", ByteTokenizer::kVocabSize, ",\n  \"seed\": ", options.seed,
       ",\n  \"val_fraction\": ", options.val_fraction, ",\n  \"train\": ", split_json(result.train),
       ",\n  \"val\": ", split_json(result.val), "\n}\n");
-  write_text_atomically(result.metadata_path, json);
+  write_file_atomically(result.metadata_path, json);
   return result;
 }
 

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
 
 namespace fs = std::filesystem;
 
@@ -22,19 +24,6 @@ std::string step_name(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
   return buf;
-}
-
-// Writes `text` to `path` via a temporary file and an atomic rename.
-void write_file_atomic(const fs::path& path, const std::string& text) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) input_error(tmp.string(), ": write failed (disk full?)");
-  }
-  fs::rename(tmp, path);
 }
 
 nlohmann::json read_json(const fs::path& path) {
@@ -63,6 +52,17 @@ std::vector<fs::path> complete_checkpoints(const fs::path& root) {
   return dirs;
 }
 
+// Collective: throws on every rank when any rank's `failure` is set, so no rank is left
+// waiting for a peer that gave up.
+void agree(comm::Communicator& group, const std::string& failure, const fs::path& dir,
+           const char* elsewhere) {
+  int32_t ok = failure.empty() ? 1 : 0;
+  group.all_reduce(std::span<int32_t>(&ok, 1), comm::ReduceOp::min);
+  if (ok) return;
+  if (group.rank() == 0) fs::remove_all(fs::path(dir.string() + ".incomplete"));
+  input_error("checkpoint ", dir.string(), " not saved: ", failure.empty() ? elsewhere : failure);
+}
+
 }  // namespace
 
 uint32_t file_crc32(const std::string& path) {
@@ -78,6 +78,20 @@ uint32_t file_crc32(const std::string& path) {
   return uint32_t(crc);
 }
 
+void restore_tensor(const std::vector<NamedTensor>& from, const std::string& name, Tensor to,
+                    const std::string& source) {
+  for (const auto& nt : from)
+    if (nt.name == name) {
+      if (nt.tensor.shape() != to.shape() || nt.tensor.dtype() != to.dtype())
+        input_error(source, ": tensor '", name, "' is ", dtype_name(nt.tensor.dtype()), " ",
+                    shape_str(nt.tensor.shape()), ", expected ", dtype_name(to.dtype()), " ",
+                    shape_str(to.shape()));
+      std::memcpy(to.raw(), nt.tensor.raw(), to.bytes());
+      return;
+    }
+  input_error(source, ": tensor '", name, "' missing from the checkpoint");
+}
+
 CheckpointStore::CheckpointStore(std::string root, int64_t keep)
     : root_(std::move(root)), keep_(keep) {
   TESSEL_CHECK(keep_ >= 2, "keep_checkpoints must be >= 2");
@@ -87,47 +101,50 @@ void CheckpointStore::save(comm::Communicator& group, const CheckpointContent& c
   fs::path root(root_);
   fs::path final_dir = root / step_name(content.step);
   fs::path tmp_dir = root / (step_name(content.step) + ".incomplete");
-  int32_t ok = 1;
+  const std::pair<const char*, const std::vector<NamedTensor>*> files[] = {
+      {"model.safetensors", &content.model}, {"optimizer.safetensors", &content.optimizer}};
+  // Phase one: rank 0 writes the tensor files (durably); every rank reports success.
   std::string failure;
   if (group.rank() == 0) {
     try {
       fs::create_directories(root);
       fs::remove_all(tmp_dir);
       fs::create_directories(tmp_dir);
-      write_safetensors((tmp_dir / "model.safetensors").string(), content.model);
-      write_safetensors((tmp_dir / "optimizer.safetensors").string(), content.optimizer);
+      for (const auto& [name, tensors] : files) {
+        write_safetensors((tmp_dir / name).string(), *tensors);
+        fsync_path((tmp_dir / name).string());
+      }
     } catch (const std::exception& e) {
-      ok = 0;
       failure = e.what();
     }
   }
-  // Phase one: every rank reports whether its part was written.
-  group.all_reduce(std::span<int32_t>(&ok, 1), comm::ReduceOp::min);
-  if (!ok) {
-    if (group.rank() == 0) fs::remove_all(tmp_dir);
-    input_error("checkpoint ", final_dir.string(), " not saved: ",
-                failure.empty() ? "another rank failed to write its part" : failure);
-  }
-  // Phase two: the manifest (written last) makes the directory a checkpoint.
+  agree(group, failure, final_dir, "another rank failed to write its part");
+  // Phase two: the manifest (written last) makes the directory a checkpoint; the rename
+  // publishes it and `latest` points at it. Each step is durable before the next.
   if (group.rank() == 0) {
-    nlohmann::json manifest;
-    manifest["format"] = "tessel-checkpoint";
-    manifest["version"] = kFormatVersion;
-    manifest["step"] = content.step;
-    manifest["state"] = content.state;
-    for (const char* name : {"model.safetensors", "optimizer.safetensors"}) {
-      fs::path p = tmp_dir / name;
-      manifest["files"].push_back(
-          {{"name", name}, {"bytes", fs::file_size(p)}, {"crc32", file_crc32(p.string())}});
+    try {
+      nlohmann::json manifest;
+      manifest["format"] = "tessel-checkpoint";
+      manifest["version"] = kFormatVersion;
+      manifest["step"] = content.step;
+      manifest["state"] = content.state;
+      for (const auto& [name, tensors] : files) {
+        fs::path p = tmp_dir / name;
+        manifest["files"].push_back(
+            {{"name", name}, {"bytes", fs::file_size(p)}, {"crc32", file_crc32(p.string())}});
+      }
+      write_file_atomically((tmp_dir / kManifest).string(), manifest.dump(2));
+      fs::remove_all(final_dir);
+      fs::rename(tmp_dir, final_dir);
+      fsync_path(root.string());
+      write_file_atomically((root / "latest").string(), step_name(content.step) + "\n");
+      auto dirs = complete_checkpoints(root);
+      for (size_t i = 0; i + size_t(keep_) < dirs.size(); ++i) fs::remove_all(dirs[i]);
+    } catch (const std::exception& e) {
+      failure = e.what();
     }
-    write_file_atomic(tmp_dir / kManifest, manifest.dump(2));
-    fs::remove_all(final_dir);
-    fs::rename(tmp_dir, final_dir);
-    write_file_atomic(root / "latest", step_name(content.step) + "\n");
-    auto dirs = complete_checkpoints(root);
-    for (size_t i = 0; i + size_t(keep_) < dirs.size(); ++i) fs::remove_all(dirs[i]);
   }
-  group.barrier();
+  agree(group, failure, final_dir, "rank 0 failed to commit it");
 }
 
 std::optional<std::string> CheckpointStore::latest() const {

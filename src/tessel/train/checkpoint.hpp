@@ -46,6 +46,11 @@ class CheckpointStore {
   int64_t keep_;
 };
 
+// Copies the tensor called `name` in `from` into `to` (same shape and dtype), or throws
+// an InputError naming `source` (the checkpoint) and the tensor.
+void restore_tensor(const std::vector<NamedTensor>& from, const std::string& name, Tensor to,
+                    const std::string& source);
+
 // CRC-32 (zlib) of a file's bytes; InputError if it cannot be read.
 uint32_t file_crc32(const std::string& path);
 

@@ -46,9 +46,10 @@ std::string unquote(const std::string& text) {
   return text;
 }
 
+// A TOML string literal with every character that needs it escaped (toml++ does it).
 std::string quote(const std::string& s) {
   std::ostringstream os;
-  os << std::quoted(s);
+  os << toml::value<std::string>(s);
   return os.str();
 }
 

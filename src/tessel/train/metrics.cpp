@@ -1,28 +1,27 @@
 #include "tessel/train/metrics.hpp"
 
 #include <filesystem>
-#include <sstream>
-#include <vector>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
 
 namespace tessel::train {
 
 MetricsLog::MetricsLog(const std::string& path, int64_t keep_through_step) : path_(path) {
-  std::vector<std::string> kept;
+  std::string kept;
   if (keep_through_step >= 0 && std::filesystem::exists(path)) {
     std::ifstream in(path);
     std::string line;
     while (std::getline(in, line)) {
       auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (record.is_discarded()) continue;  // a line cut short by a crash
-      if (record.value("step", int64_t(0)) <= keep_through_step) kept.push_back(line);
+      if (record.value("step", int64_t(0)) <= keep_through_step) kept += line + "\n";
     }
   }
-  out_.open(path, std::ios::trunc);
+  // Replace the file in one step: a crash here leaves the old history, never a cut one.
+  write_file_atomically(path, kept);
+  out_.open(path, std::ios::app);
   if (!out_) input_error(path, ": cannot open metrics file for writing");
-  for (const auto& line : kept) out_ << line << "\n";
-  out_.flush();
 }
 
 void MetricsLog::write(const nlohmann::json& record) {

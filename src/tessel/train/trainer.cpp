@@ -12,6 +12,7 @@
 
 #include "tessel/comm/mesh.hpp"
 #include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
 #include "tessel/core/threading.hpp"
 #include "tessel/core/timer.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
@@ -119,17 +120,19 @@ struct Trainer::State {
     if (is_root && !config.run.quiet) std::printf("%s\n", line.c_str()), std::fflush(stdout);
   }
 
-  // What must match between a checkpoint and the run that resumes it.
+  // What must match between a checkpoint and the run that resumes it, by config key:
+  // the model, everything that decides the data order, and the optimizer.
   nlohmann::json compatibility() const {
-    std::string model_toml;
+    nlohmann::json keys;
     for (const auto& k : config_schema())
-      if (k.name.rfind("model.", 0) == 0) model_toml += k.name + "=" + k.get(config) + ";";
-    return {{"model", model_toml},
-            {"dp", mesh.size(comm::Axis::dp)},
-            {"micro_batch", config.train.micro_batch},
-            {"accum", config.train.accum},
-            {"seq_len", config.train.seq_len},
-            {"optimizer", optimizer->name()}};
+      if (k.name.rfind("model.", 0) == 0) keys[k.name] = k.get(config);
+    for (const char* name : {"run.seed", "data.shuffle", "train.micro_batch", "train.accum",
+                             "train.seq_len", "parallel.dp", "optim.name"})
+      for (const auto& k : config_schema())
+        if (k.name == name) keys[k.name] = k.get(config);
+    keys["data.path/train.tok tokens"] = loader.shard().num_tokens();
+    keys["data.path/train.tok documents"] = loader.shard().num_documents();
+    return keys;
   }
 
   void save(int64_t step) {
@@ -150,25 +153,17 @@ struct Trainer::State {
     CheckpointContent content = CheckpointStore::load(*latest);
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
+    auto text = [](const nlohmann::json& v) {
+      return v.is_string() ? v.get<std::string>() : v.dump();
+    };
     for (const auto& [key, value] : want.items())
       if (have.value(key, nlohmann::json()) != value)
-        input_error(*latest, ": checkpoint was written with a different ", key, " (",
-                    have.value(key, nlohmann::json()).dump(), ", this run has ", value.dump(),
-                    "); use another run.dir or train.resume=false");
-    auto copy_into = [&](const std::vector<NamedTensor>& from, const std::string& name,
-                         Tensor& to) {
-      for (const auto& nt : from)
-        if (nt.name == name) {
-          if (nt.tensor.shape() != to.shape() || nt.tensor.dtype() != to.dtype())
-            input_error(*latest, ": tensor '", name, "' has shape ", shape_str(nt.tensor.shape()),
-                        ", expected ", shape_str(to.shape()));
-          std::memcpy(to.raw(), nt.tensor.raw(), to.bytes());
-          return;
-        }
-      input_error(*latest, ": tensor '", name, "' missing from the checkpoint");
-    };
-    for (auto p : model.parameters()) copy_into(content.model, p.name, p.value);
-    for (auto& st : optimizer->state()) copy_into(content.optimizer, st.name, st.tensor);
+        input_error(*latest, ": checkpoint has ", key, " = ",
+                    text(have.value(key, nlohmann::json())), " but this run has ", text(value),
+                    "; resume with the checkpoint's setting or use a new run.dir");
+    for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, *latest);
+    for (auto& st : optimizer->state())
+      restore_tensor(content.optimizer, st.name, st.tensor, *latest);
     const auto& ls = content.state.at("loader");
     loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
     start_step = resumed_from = content.step;
@@ -205,10 +200,6 @@ Trainer::Trainer(Config config, comm::Communicator& world) {
   config.run.threads = threads;
   config.parallel.dp = shape.dp;
   s_ = std::make_unique<State>(std::move(config), world, shape);
-  if (s_->is_root) {
-    fs::create_directories(s_->config.run.dir);
-    std::ofstream(s_->config.run.dir + "/config.toml") << to_toml(s_->config);
-  }
   if (s_->config.train.resume)
     s_->resume();
   else if (s_->store.latest())
@@ -218,6 +209,11 @@ Trainer::Trainer(Config config, comm::Communicator& world) {
                 ": holds checkpoints of an earlier run but train.resume = "
                 "false; choose a new run.dir or remove ",
                 s_->config.run.dir, "/checkpoints");
+  // Written only once the run is accepted, so a rejected run leaves the directory as it was.
+  if (s_->is_root) {
+    fs::create_directories(s_->config.run.dir);
+    write_file_atomically(s_->config.run.dir + "/config.toml", to_toml(s_->config));
+  }
   world.barrier();
 }
 

@@ -25,10 +25,16 @@ std::string slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-// Runs `tessel <args>` in a shell with stdout and stderr captured.
-Outcome run_tessel(const std::string& args) {
+// Runs `tessel <args>` in a shell with stdout and stderr captured; with ranks > 0, on that
+// many MPI ranks through scripts/launch.sh.
+Outcome run_tessel(const std::string& args, int ranks = 0) {
   std::string dir = temp_dir("tessel-cli");
-  std::string cmd = std::string(TESSEL_BINARY) + " " + args + " >" + dir + "/out 2>" + dir + "/err";
+  std::string launcher = ranks > 0 ? "TESSEL_BIN=" + std::string(TESSEL_BINARY) +
+                                         " OMPI_ALLOW_RUN_AS_ROOT=1 "
+                                         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " TESSEL_LAUNCHER " " +
+                                         std::to_string(ranks)
+                                   : std::string(TESSEL_BINARY);
+  std::string cmd = launcher + " " + args + " >" + dir + "/out 2>" + dir + "/err";
   int status = std::system(cmd.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir + "/out"), slurp(dir + "/err")};
 }
@@ -77,6 +83,12 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
   EXPECT_TRUE(fs::exists(run + "/config.toml"));
   EXPECT_TRUE(fs::exists(run + "/metrics.jsonl"));
   EXPECT_TRUE(fs::exists(run + "/checkpoints/latest"));
+  // The same command with more steps resumes at step 4 and trains steps 5 and 6.
+  o = run_tessel(train_args(run) + " --set train.steps=6");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  std::string metrics = slurp(run + "/metrics.jsonl");
+  EXPECT_NE(metrics.find("\"start_step\":4"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\"step\":6,"), std::string::npos) << metrics;
   o = run_tessel("generate --run " + run + " --prompt ab --tokens 5 --temperature 0");
   ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_EQ(o.out.rfind("ab", 0), 0u) << o.out;
@@ -127,9 +139,23 @@ TEST_F(CliTest, CorruptCheckpoint) {
   expect_one_line_error(run_tessel("generate --run " + run), {"model.safetensors"});
 }
 
+TEST_F(CliTest, MissingCheckpoint) {
+  std::string run = temp_dir("tessel-cli-run");
+  expect_one_line_error(run_tessel("generate --run " + run), {run, "no complete checkpoint"});
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  fs::remove(run + "/checkpoints/step-00000004/optimizer.safetensors");
+  expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
+                        {"optimizer.safetensors", "missing"});
+}
+
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=2"),
                         {"parallel.dp", "world has 1"});
+}
+
+TEST_F(CliTest, BadInputOnSeveralRanksIsStillOneLine) {
+  expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=3", 2),
+                        {"parallel.dp", "world has 2"});
 }
 
 TEST_F(CliTest, SequenceLongerThanTheModelAllows) {

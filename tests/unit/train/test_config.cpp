@@ -46,11 +46,12 @@ TEST(Config, FileAndOverridesApplyInOrder) {
 TEST(Config, ResolvedTomlRoundTrips) {
   Config c = train::load_config("", {"model.width=96", "model.heads=6", "optim.lr=0.0123",
                                      "train.sample_prompt=He said \"hi\"", "data.shuffle=false"});
+  c.train.sample_prompt += "\n\tand then\x01 \\ left";
   std::string text = train::to_toml(c);
   Config back = train::parse_config(text, "resolved.toml", {});
   EXPECT_EQ(train::to_toml(back), text);
   EXPECT_EQ(back.optim.lr, 0.0123);
-  EXPECT_EQ(back.train.sample_prompt, "He said \"hi\"");
+  EXPECT_EQ(back.train.sample_prompt, "He said \"hi\"\n\tand then\x01 \\ left");
   EXPECT_FALSE(back.data.shuffle);
 }
 

@@ -1,0 +1,40 @@
+#include "tessel/core/file_io.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel {
+
+void fsync_path(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) input_error(path, ": cannot open to sync: ", std::strerror(errno));
+  bool ok = ::fsync(fd) == 0;
+  int saved = errno;
+  ::close(fd);
+  if (!ok) input_error(path, ": fsync failed: ", std::strerror(saved));
+}
+
+void write_file_atomically(const std::string& path, std::string_view bytes) {
+  const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) input_error(path, ": cannot create ", tmp, ": ", std::strerror(errno));
+  bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  ok = std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0 && ok;
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string reason = std::strerror(errno);
+    std::remove(tmp.c_str());
+    input_error(path, ": cannot write: ", reason);
+  }
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  fsync_path(dir.empty() ? "." : dir.string());
+}
+
+}  // namespace tessel

@@ -1,0 +1,17 @@
+#pragma once
+// Durable file writes. A reader either sees the old file or the whole new one, and
+// after these return the bytes survive a machine crash: data is fsync'ed before the
+// rename, and the directory after it.
+#include <string>
+#include <string_view>
+
+namespace tessel {
+
+// Writes `bytes` to `path` through `path.tmp.<pid>`, fsync, rename, directory fsync.
+// Failures are InputErrors naming the path.
+void write_file_atomically(const std::string& path, std::string_view bytes);
+
+// fsync of an existing file or directory (a directory: its entries, e.g. after a rename).
+void fsync_path(const std::string& path);
+
+}  // namespace tessel
