@@ -10,8 +10,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 // Linear layer y = x W^T (+ b): x [N, in], W [out, in], b [out] or null, y [N, out].
-void linear_forward(float* y, const float* x, const float* W, const float* b, int64_t N,
-                    int64_t in, int64_t out);
+void linear_forward(float* y, const float* x, const float* W, const float* b, int64_t N, int64_t in,
+                    int64_t out);
 // Adds dx += dy W, dW += dy^T x, db += sum_n dy (db may be null).
 void linear_backward(float* dx, float* dW, float* db, const float* dy, const float* x,
                      const float* W, int64_t N, int64_t in, int64_t out);

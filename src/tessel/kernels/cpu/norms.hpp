@@ -13,8 +13,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, con
 void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w,
                        const float* b, int64_t N, int64_t C, float eps);
 void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
-                        const float* w, const float* mean, const float* rstd, int64_t N,
-                        int64_t C);
+                        const float* w, const float* mean, const float* rstd, int64_t N, int64_t C);
 
 namespace naive {
 template <class T>
