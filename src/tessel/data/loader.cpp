@@ -136,18 +136,4 @@ std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq
   return batches;
 }
 
-Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
-  TESSEL_CHECK(B >= 1 && T >= 1 && vocab >= 1, "random_batch(", B, ", ", T, ", ", vocab, ")");
-  Batch b = empty_batch(B, T);
-  Rng rng(seed);
-  std::vector<int32_t> row(size_t(T + 1));
-  for (int64_t r = 0; r < B; ++r) {
-    for (auto& t : row) t = int32_t(rng.below(uint64_t(vocab)));
-    std::copy(row.begin(), row.end() - 1, b.tokens.begin() + r * T);
-    std::copy(row.begin() + 1, row.end(), b.targets.begin() + r * T);
-    b.doc_starts[size_t(r)] = {0};
-  }
-  return b;
-}
-
 }  // namespace tessel::data

@@ -98,8 +98,4 @@ std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq
                                       int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
                                       int64_t dp_size);
 
-// Synthetic micro-batch for benchmarks: uniform random ids in [0, vocab) from Rng(seed),
-// targets shifted by one as from a real window, loss_mask all 1, one document per row.
-Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
-
 }  // namespace tessel::data

@@ -239,23 +239,3 @@ TEST_F(Loader, ValidationUnionIsTheFirstWindowsForAnyLayout) {
     }
   }
 }
-
-TEST(RandomBatch, DeterministicShiftedInVocab) {
-  const Batch a = random_batch(3, 17, 50, 7), b = random_batch(3, 17, 50, 7);
-  EXPECT_TRUE(same(a, b));
-  EXPECT_FALSE(same(a, random_batch(3, 17, 50, 8)));
-  ASSERT_EQ(a.tokens.size(), 51u);
-  for (int64_t r = 0; r < 3; ++r) {
-    EXPECT_EQ(a.doc_starts[size_t(r)], std::vector<int32_t>{0});
-    for (int64_t t = 0; t < 17; ++t) {
-      const size_t i = size_t(r * 17 + t);
-      EXPECT_GE(a.tokens[i], 0);
-      EXPECT_LT(a.tokens[i], 50);
-      EXPECT_EQ(a.positions[i], t);
-      EXPECT_EQ(a.loss_mask[i], 1.0f);
-      if (t + 1 < 17) {
-        EXPECT_EQ(a.targets[i], a.tokens[i + 1]);
-      }
-    }
-  }
-}
