@@ -1,6 +1,6 @@
 #pragma once
-// Helpers for the kernel tests: random inputs, f32 <-> f64 copies, error norms and
-// central finite differences of a scalar loss.
+// Helpers for the kernel tests: random inputs and shapes, f32 <-> f64 copies, error
+// norms and central finite differences of a scalar loss.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tessel/core/rng.hpp"
@@ -53,6 +54,23 @@ double abs_error(const V& got, const VecD& want) {
     if (!(d <= err)) err = d;
   }
   return err;
+}
+
+// Uniform integer in [lo, hi].
+inline int64_t uniform_int(Rng& rng, int64_t lo, int64_t hi) {
+  return lo + int64_t(rng.below(uint64_t(hi - lo + 1)));
+}
+
+// Shapes drawn at random beside each test's fixed list.
+constexpr int kRandomShapes = 5;
+
+// The fixed shapes, then kRandomShapes drawn by `draw(rng)` from one seeded Rng: the
+// same shapes on every run; the tests name the shape of a failure with SCOPED_TRACE.
+template <class Draw, class S = std::invoke_result_t<Draw&, Rng&>>
+std::vector<S> with_random(std::type_identity_t<std::vector<S>> shapes, Draw draw) {
+  Rng rng(20250101);
+  for (int i = 0; i < kRandomShapes; ++i) shapes.push_back(draw(rng));
+  return shapes;
 }
 
 inline double dot(const VecD& a, const VecD& b) {

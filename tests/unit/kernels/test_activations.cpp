@@ -7,8 +7,10 @@ using namespace tessel;
 using namespace tessel::kernels;
 using namespace tessel::kernels::test;
 
+// The fixed sizes, then random ones up to 2000.
 TEST(Gelu, FastMatchesNaive) {
-  for (int64_t n : {1, 7, 1000}) {
+  for (int64_t n : with_random({1, 7, 1000}, [](Rng& rng) { return uniform_int(rng, 1, 2000); })) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
     Rng rng(1);
     VecF x = randn(rng, n, 3.0f), dy = randn(rng, n), dx0 = randn(rng, n);
     x[0] = -30.0f;  // deep in the tail, where exp(-2u) overflows to inf
@@ -24,23 +26,29 @@ TEST(Gelu, FastMatchesNaive) {
   }
 }
 
+// n = 11, then random sizes up to 30.
 TEST(Gelu, NaiveBackwardMatchesFiniteDifferences) {
-  const int64_t n = 11;
-  Rng rng(2);
-  VecD x = to_f64(randn(rng, n, 2.0f));
-  const VecD r = to_f64(randn(rng, n));
-  const auto loss = [&] {
-    VecD y(n);
-    naive::gelu_forward(y.data(), x.data(), n);
-    return dot(r, y);
-  };
-  VecD dx(n, 0.0);
-  naive::gelu_backward(dx.data(), r.data(), x.data(), n);
-  EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  for (int64_t n : with_random({11}, [](Rng& rng) { return uniform_int(rng, 1, 30); })) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    Rng rng(2);
+    VecD x = to_f64(randn(rng, n, 2.0f));
+    const VecD r = to_f64(randn(rng, n));
+    const auto loss = [&] {
+      VecD y(n);
+      naive::gelu_forward(y.data(), x.data(), n);
+      return dot(r, y);
+    };
+    VecD dx(n, 0.0);
+    naive::gelu_backward(dx.data(), r.data(), x.data(), n);
+    EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  }
 }
 
+// The fixed shapes, then random ones with N <= 40, H <= 100.
 TEST(SwiGlu, FastMatchesNaive) {
-  for (auto [N, H] : {std::pair<int64_t, int64_t>{1, 7}, {13, 1}, {40, 96}}) {
+  for (auto [N, H] : with_random({{1, 7}, {13, 1}, {40, 96}}, [](Rng& rng) {
+         return std::pair{uniform_int(rng, 1, 40), uniform_int(rng, 1, 100)};
+       })) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " H=" << H);
     Rng rng(3);
     VecF x = randn(rng, N * 2 * H, 3.0f), dy = randn(rng, N * H), dx0 = randn(rng, N * 2 * H);
@@ -56,19 +64,24 @@ TEST(SwiGlu, FastMatchesNaive) {
   }
 }
 
+// N = 3, H = 5, then random shapes with N <= 4, H <= 8.
 TEST(SwiGlu, NaiveBackwardMatchesFiniteDifferences) {
-  const int64_t N = 3, H = 5;
-  Rng rng(4);
-  VecD x = to_f64(randn(rng, N * 2 * H, 2.0f));
-  const VecD r = to_f64(randn(rng, N * H));
-  const auto loss = [&] {
-    VecD y(N * H);
-    naive::swiglu_forward(y.data(), x.data(), N, H);
-    return dot(r, y);
-  };
-  VecD dx(N * 2 * H, 0.0);
-  naive::swiglu_backward(dx.data(), r.data(), x.data(), N, H);
-  EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  for (auto [N, H] : with_random({{3, 5}}, [](Rng& rng) {
+         return std::pair{uniform_int(rng, 1, 4), uniform_int(rng, 1, 8)};
+       })) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " H=" << H);
+    Rng rng(4);
+    VecD x = to_f64(randn(rng, N * 2 * H, 2.0f));
+    const VecD r = to_f64(randn(rng, N * H));
+    const auto loss = [&] {
+      VecD y(N * H);
+      naive::swiglu_forward(y.data(), x.data(), N, H);
+      return dot(r, y);
+    };
+    VecD dx(N * 2 * H, 0.0);
+    naive::swiglu_backward(dx.data(), r.data(), x.data(), N, H);
+    EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  }
 }
 
 TEST(Activations, BackwardIsDeterministic) {

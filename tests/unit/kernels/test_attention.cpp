@@ -25,15 +25,28 @@ std::string str(const AttentionShape& s) {
   return ::testing::PrintToString(std::vector<int64_t>{s.B, s.T, s.Hq, s.Hkv, s.D});
 }
 
+// B in [1, max_b], T in [1, max_t], Hkv in {1, 2, 3}, Hq = Hkv * {1, 2, 3}, D even in
+// [2, max_d].
+AttentionShape random_shape(Rng& rng, int64_t max_b, int64_t max_t, int64_t max_d) {
+  const int64_t B = uniform_int(rng, 1, max_b), T = uniform_int(rng, 1, max_t);
+  const int64_t Hkv = uniform_int(rng, 1, 3), Hq = Hkv * uniform_int(rng, 1, 3);
+  return {B, T, Hq, Hkv, 2 * uniform_int(rng, 1, max_d / 2)};
+}
+
 }  // namespace
 
 // B, T, Hq, Hkv, D: odd lengths, T = 1, grouped (Hq = 4, Hkv = 2; Hq = 6, Hkv = 1) and plain
-// heads, and T = 150: several query blocks of the fast kernel, the last one partial.
-const AttentionShape kShapes[] = {{1, 1, 2, 2, 4},   {2, 13, 4, 2, 8},  {1, 7, 3, 3, 5},
-                                  {2, 33, 6, 1, 16}, {3, 64, 4, 4, 64}, {1, 150, 2, 1, 8}};
-
+// heads, and T = 150: several query blocks of the fast kernel, the last one partial; then
+// random ones with B, T <= 40 and D <= 16.
 TEST(CausalAttention, FastMatchesNaive) {
-  for (const AttentionShape& s : kShapes) {
+  for (const AttentionShape& s :
+       with_random({{1, 1, 2, 2, 4},
+                    {2, 13, 4, 2, 8},
+                    {1, 7, 3, 3, 5},
+                    {2, 33, 6, 1, 16},
+                    {3, 64, 4, 4, 64},
+                    {1, 150, 2, 1, 8}},
+                   [](Rng& rng) { return random_shape(rng, 40, 40, 16); })) {
     SCOPED_TRACE(str(s));
     Inputs in(s, 1);
     Rng rng(2);
@@ -61,8 +74,10 @@ TEST(CausalAttention, FastMatchesNaive) {
   }
 }
 
+// Then random shapes with B <= 3, T <= 8, D <= 8: differences in every coordinate stay cheap.
 TEST(CausalAttention, NaiveBackwardMatchesFiniteDifferences) {
-  for (const AttentionShape& s : {AttentionShape{2, 5, 4, 2, 3}, AttentionShape{1, 4, 2, 2, 4}}) {
+  for (const AttentionShape& s : with_random({{2, 5, 4, 2, 3}, {1, 4, 2, 2, 4}},
+                                             [](Rng& rng) { return random_shape(rng, 3, 8, 8); })) {
     SCOPED_TRACE(str(s));
     Inputs in(s, 3);
     VecD q = to_f64(in.q), k = to_f64(in.k), v = to_f64(in.v);

@@ -23,8 +23,11 @@ void make_batch(Rng& rng, int64_t N, int64_t V, std::vector<int32_t>& targets, V
 }
 }  // namespace
 
+// The fixed shapes, then random ones with N <= 40, V <= 1000.
 TEST(CrossEntropy, FastMatchesNaive) {
-  for (auto [N, V] : {std::pair<int64_t, int64_t>{1, 7}, {13, 50}, {32, 1000}}) {
+  for (auto [N, V] : with_random({{1, 7}, {13, 50}, {32, 1000}}, [](Rng& rng) {
+         return std::pair{uniform_int(rng, 1, 40), uniform_int(rng, 1, 1000)};
+       })) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " V=" << V);
     Rng rng(1);
     VecF logits = randn(rng, N * V, 4.0f), dl0 = randn(rng, N * V), weight;
@@ -56,25 +59,30 @@ TEST(CrossEntropy, FastMatchesNaive) {
   }
 }
 
+// N = 5, V = 6, then random shapes with N <= 6, 2 <= V <= 8.
 TEST(CrossEntropy, NaiveBackwardMatchesFiniteDifferences) {
-  const int64_t N = 5, V = 6;
-  Rng rng(2);
-  VecD logits = to_f64(randn(rng, N * V, 2.0f));
-  VecF weight;
-  std::vector<int32_t> targets;
-  make_batch(rng, N, V, targets, weight);
-  const VecD wd = to_f64(weight);
-  const double scale = 0.3;
-  VecD lse(N);
-  const auto loss = [&] {
-    return scale *
-           naive::cross_entropy_forward(lse.data(), logits.data(), targets.data(), wd.data(), N, V);
-  };
-  loss();
-  VecD dl(N * V, 0.0);
-  naive::cross_entropy_backward(dl.data(), logits.data(), lse.data(), targets.data(), wd.data(),
-                                scale, N, V);
-  EXPECT_LT(rel_error(dl, numeric_grad(logits, loss)), kFiniteDiff);
+  for (auto [N, V] : with_random({{5, 6}}, [](Rng& rng) {
+         return std::pair{uniform_int(rng, 1, 6), uniform_int(rng, 2, 8)};
+       })) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " V=" << V);
+    Rng rng(2);
+    VecD logits = to_f64(randn(rng, N * V, 2.0f));
+    VecF weight;
+    std::vector<int32_t> targets;
+    make_batch(rng, N, V, targets, weight);
+    const VecD wd = to_f64(weight);
+    const double scale = 0.3;
+    VecD lse(N);
+    const auto loss = [&] {
+      return scale * naive::cross_entropy_forward(lse.data(), logits.data(), targets.data(),
+                                                  wd.data(), N, V);
+    };
+    loss();
+    VecD dl(N * V, 0.0);
+    naive::cross_entropy_backward(dl.data(), logits.data(), lse.data(), targets.data(), wd.data(),
+                                  scale, N, V);
+    EXPECT_LT(rel_error(dl, numeric_grad(logits, loss)), kFiniteDiff);
+  }
 }
 
 // Masked tokens (weight 0, target -1) add nothing to the loss or to their gradient rows.

@@ -18,9 +18,12 @@ std::vector<int32_t> random_ids(Rng& rng, int64_t N, int64_t V) {
 
 // Forward and backward are exact (copies and sums in the same order), so fast f32 must
 // equal naive f32 bitwise; naive f64 is checked against finite differences.
+// The fixed shapes, then random ones with N <= 60, V <= 10, C <= 130.
 TEST(Embedding, FastEqualsNaiveExactly) {
-  for (auto [N, V, C] :
-       {std::tuple<int64_t, int64_t, int64_t>{1, 3, 7}, {13, 5, 1}, {50, 7, 130}}) {
+  for (auto [N, V, C] : with_random({{1, 3, 7}, {13, 5, 1}, {50, 7, 130}}, [](Rng& rng) {
+         return std::tuple{uniform_int(rng, 1, 60), uniform_int(rng, 1, 10),
+                           uniform_int(rng, 1, 130)};
+       })) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " V=" << V << " C=" << C);
     Rng rng(1);
     const std::vector<int32_t> ids = random_ids(rng, N, V);  // V < N: ids repeat
@@ -36,20 +39,25 @@ TEST(Embedding, FastEqualsNaiveExactly) {
   }
 }
 
+// N = 6, V = 4, C = 3, then random shapes with N <= 8, V <= 5, C <= 4.
 TEST(Embedding, NaiveBackwardMatchesFiniteDifferences) {
-  const int64_t N = 6, V = 4, C = 3;
-  Rng rng(2);
-  const std::vector<int32_t> ids = random_ids(rng, N, V);
-  VecD table = to_f64(randn(rng, V * C));
-  const VecD r = to_f64(randn(rng, N * C));
-  const auto loss = [&] {
-    VecD y(N * C);
-    naive::embedding_forward(y.data(), ids.data(), table.data(), N, V, C);
-    return dot(r, y);
-  };
-  VecD dt(V * C, 0.0);
-  naive::embedding_backward(dt.data(), r.data(), ids.data(), N, V, C);
-  EXPECT_LT(rel_error(dt, numeric_grad(table, loss)), kFiniteDiff);
+  for (auto [N, V, C] : with_random({{6, 4, 3}}, [](Rng& rng) {
+         return std::tuple{uniform_int(rng, 1, 8), uniform_int(rng, 1, 5), uniform_int(rng, 1, 4)};
+       })) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " V=" << V << " C=" << C);
+    Rng rng(2);
+    const std::vector<int32_t> ids = random_ids(rng, N, V);
+    VecD table = to_f64(randn(rng, V * C));
+    const VecD r = to_f64(randn(rng, N * C));
+    const auto loss = [&] {
+      VecD y(N * C);
+      naive::embedding_forward(y.data(), ids.data(), table.data(), N, V, C);
+      return dot(r, y);
+    };
+    VecD dt(V * C, 0.0);
+    naive::embedding_backward(dt.data(), r.data(), ids.data(), N, V, C);
+    EXPECT_LT(rel_error(dt, numeric_grad(table, loss)), kFiniteDiff);
+  }
 }
 
 TEST(Embedding, RejectsOutOfRangeIds) {

@@ -44,19 +44,30 @@ void check_gemm(const GemmCase& c) {
   EXPECT_LT(rel_error(C, Cd), kFastVsNaive);
 }
 
+// M, N, K in [1, 100], alpha in [-2, 2), beta in {0, 1, 0.3}.
+GemmCase random_gemm(Rng& rng, bool ta, bool tb) {
+  const int64_t M = uniform_int(rng, 1, 100), N = uniform_int(rng, 1, 100);
+  const int64_t K = uniform_int(rng, 1, 100);
+  const float alpha = 4.0f * rng.uniform() - 2.0f;
+  const float betas[] = {0.0f, 1.0f, 0.3f};
+  return {ta, tb, M, N, K, alpha, betas[rng.below(3)]};
+}
+
 }  // namespace
 
+// The fixed cases (the last two large enough for OpenBLAS to use several threads), then
+// random ones.
 TEST(Gemm, AllTransposeCasesWithLeadingDimensions) {
   for (bool ta : {false, true})
-    for (bool tb : {false, true}) {
-      check_gemm({ta, tb, 7, 5, 9, 0.7f, 0.3f});
-      check_gemm({ta, tb, 1, 13, 4, 1.0f, 0.0f});
-      check_gemm({ta, tb, 33, 1, 17, -1.5f, 1.0f});
-      check_gemm({ta, tb, 64, 48, 70, 1.0f, 0.0f});
-      // Large enough for OpenBLAS to use several threads.
-      check_gemm({ta, tb, 97, 130, 66, 0.5f, 1.0f});
-      check_gemm({ta, tb, 150, 41, 90, 1.0f, 0.0f});
-    }
+    for (bool tb : {false, true})
+      for (const GemmCase& c : with_random({{ta, tb, 7, 5, 9, 0.7f, 0.3f},
+                                            {ta, tb, 1, 13, 4, 1.0f, 0.0f},
+                                            {ta, tb, 33, 1, 17, -1.5f, 1.0f},
+                                            {ta, tb, 64, 48, 70, 1.0f, 0.0f},
+                                            {ta, tb, 97, 130, 66, 0.5f, 1.0f},
+                                            {ta, tb, 150, 41, 90, 1.0f, 0.0f}},
+                                           [&](Rng& rng) { return random_gemm(rng, ta, tb); }))
+        check_gemm(c);
 }
 
 TEST(Gemm, ZeroInnerDimensionScalesC) {
@@ -72,9 +83,13 @@ struct LinearCase {
 };
 }  // namespace
 
+// The fixed cases, then random ones with N <= 50, in, out <= 80, with or without bias.
 TEST(Linear, FastMatchesNaiveForwardAndBackward) {
   for (const LinearCase& c :
-       {LinearCase{1, 7, 5, true}, LinearCase{13, 16, 9, false}, LinearCase{40, 33, 70, true}}) {
+       with_random({{1, 7, 5, true}, {13, 16, 9, false}, {40, 33, 70, true}}, [](Rng& rng) {
+         const int64_t N = uniform_int(rng, 1, 50), in = uniform_int(rng, 1, 80);
+         return LinearCase{N, in, uniform_int(rng, 1, 80), rng.below(2) == 1};
+       })) {
     SCOPED_TRACE(::testing::Message() << "N=" << c.N << " in=" << c.in << " out=" << c.out);
     Rng rng(3);
     VecF x = randn(rng, c.N * c.in), W = randn(rng, c.out * c.in), b = randn(rng, c.out);
@@ -105,22 +120,33 @@ TEST(Linear, FastMatchesNaiveForwardAndBackward) {
   }
 }
 
+// N = 3, in = 5, out = 4 with bias, then random cases with N <= 4, in <= 6, out <= 5.
 TEST(Linear, NaiveBackwardMatchesFiniteDifferences) {
-  const int64_t N = 3, in = 5, out = 4;
-  Rng rng(5);
-  VecD x = to_f64(randn(rng, N * in)), W = to_f64(randn(rng, out * in)),
-       b = to_f64(randn(rng, out));
-  const VecD r = to_f64(randn(rng, N * out));  // loss = r . y
-  const auto loss = [&] {
-    VecD y(N * out);
-    naive::linear_forward(y.data(), x.data(), W.data(), b.data(), N, in, out);
-    return dot(r, y);
-  };
-  VecD dx(N * in, 0.0), dW(out * in, 0.0), db(out, 0.0);
-  naive::linear_backward(dx.data(), dW.data(), db.data(), r.data(), x.data(), W.data(), N, in, out);
-  EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
-  EXPECT_LT(rel_error(dW, numeric_grad(W, loss)), kFiniteDiff);
-  EXPECT_LT(rel_error(db, numeric_grad(b, loss)), kFiniteDiff);
+  for (const LinearCase& c : with_random({{3, 5, 4, true}}, [](Rng& rng) {
+         const int64_t N = uniform_int(rng, 1, 4), in = uniform_int(rng, 1, 6);
+         return LinearCase{N, in, uniform_int(rng, 1, 5), rng.below(2) == 1};
+       })) {
+    SCOPED_TRACE(::testing::Message() << "N=" << c.N << " in=" << c.in << " out=" << c.out);
+    const int64_t N = c.N, in = c.in, out = c.out;
+    Rng rng(5);
+    VecD x = to_f64(randn(rng, N * in)), W = to_f64(randn(rng, out * in)),
+         b = to_f64(randn(rng, out));
+    const double* bp = c.bias ? b.data() : nullptr;
+    const VecD r = to_f64(randn(rng, N * out));  // loss = r . y
+    const auto loss = [&] {
+      VecD y(N * out);
+      naive::linear_forward(y.data(), x.data(), W.data(), bp, N, in, out);
+      return dot(r, y);
+    };
+    VecD dx(N * in, 0.0), dW(out * in, 0.0), db(out, 0.0);
+    naive::linear_backward(dx.data(), dW.data(), c.bias ? db.data() : nullptr, r.data(), x.data(),
+                           W.data(), N, in, out);
+    EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+    EXPECT_LT(rel_error(dW, numeric_grad(W, loss)), kFiniteDiff);
+    if (c.bias) {
+      EXPECT_LT(rel_error(db, numeric_grad(b, loss)), kFiniteDiff);
+    }
+  }
 }
 
 TEST(Linear, BackwardIsDeterministic) {

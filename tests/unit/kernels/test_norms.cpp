@@ -11,12 +11,23 @@ namespace {
 struct Shape2 {
   int64_t N, C;
 };
-const Shape2 kShapes[] = {{1, 7}, {5, 13}, {37, 130}};
+// The fixed shapes, then random ones with N <= 40, C <= 150.
+std::vector<Shape2> shapes() {
+  return with_random({{1, 7}, {5, 13}, {37, 130}}, [](Rng& rng) {
+    return Shape2{uniform_int(rng, 1, 40), uniform_int(rng, 1, 150)};
+  });
+}
+// For finite differences in every coordinate: random ones with N <= 5, 2 <= C <= 12.
+std::vector<Shape2> small_shapes() {
+  return with_random({{1, 7}, {4, 9}}, [](Rng& rng) {
+    return Shape2{uniform_int(rng, 1, 5), uniform_int(rng, 2, 12)};
+  });
+}
 constexpr float kEps = 1e-5f;
 }  // namespace
 
 TEST(RmsNorm, FastMatchesNaive) {
-  for (auto [N, C] : kShapes) {
+  for (auto [N, C] : shapes()) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C);
     Rng rng(1);
     VecF x = randn(rng, N * C), w = randn(rng, C), dy = randn(rng, N * C);
@@ -40,7 +51,8 @@ TEST(RmsNorm, FastMatchesNaive) {
 }
 
 TEST(RmsNorm, NaiveBackwardMatchesFiniteDifferences) {
-  for (auto [N, C] : {Shape2{1, 7}, Shape2{4, 9}}) {
+  for (auto [N, C] : small_shapes()) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C);
     Rng rng(2);
     VecD x = to_f64(randn(rng, N * C)), w = to_f64(randn(rng, C));
     const VecD r = to_f64(randn(rng, N * C));
@@ -58,7 +70,7 @@ TEST(RmsNorm, NaiveBackwardMatchesFiniteDifferences) {
 }
 
 TEST(LayerNorm, FastMatchesNaive) {
-  for (auto [N, C] : kShapes) {
+  for (auto [N, C] : shapes()) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C);
     Rng rng(3);
     VecF x = randn(rng, N * C), w = randn(rng, C), b = randn(rng, C), dy = randn(rng, N * C);
@@ -87,7 +99,8 @@ TEST(LayerNorm, FastMatchesNaive) {
 }
 
 TEST(LayerNorm, NaiveBackwardMatchesFiniteDifferences) {
-  for (auto [N, C] : {Shape2{1, 7}, Shape2{4, 9}}) {
+  for (auto [N, C] : small_shapes()) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C);
     Rng rng(4);
     VecD x = to_f64(randn(rng, N * C)), w = to_f64(randn(rng, C)), b = to_f64(randn(rng, C));
     const VecD r = to_f64(randn(rng, N * C));

@@ -16,8 +16,12 @@ std::vector<int32_t> random_positions(Rng& rng, int64_t N) {
 constexpr float kTheta = 10000.0f;
 }  // namespace
 
+// The fixed shapes, then random ones with N <= 40, H <= 4, D even <= 64.
 TEST(Rope, FastMatchesNaive) {
-  for (auto [N, H, D] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 2}, {13, 3, 8}, {40, 4, 64}}) {
+  for (auto [N, H, D] : with_random({{1, 1, 2}, {13, 3, 8}, {40, 4, 64}}, [](Rng& rng) {
+         return std::tuple{uniform_int(rng, 1, 40), uniform_int(rng, 1, 4),
+                           2 * uniform_int(rng, 1, 32)};
+       })) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " H=" << H << " D=" << D);
     Rng rng(1);
     const std::vector<int32_t> pos = random_positions(rng, N);
@@ -37,20 +41,26 @@ TEST(Rope, FastMatchesNaive) {
   }
 }
 
+// N = 3, H = 2, D = 6, then random shapes with N <= 4, H <= 3, D even <= 8.
 TEST(Rope, NaiveBackwardMatchesFiniteDifferences) {
-  const int64_t N = 3, H = 2, D = 6;
-  Rng rng(2);
-  const std::vector<int32_t> pos = random_positions(rng, N);
-  VecD x = to_f64(randn(rng, N * H * D));
-  const VecD r = to_f64(randn(rng, N * H * D));
-  const auto loss = [&] {
-    VecD y(x.size());
-    naive::rope_forward<double>(y.data(), x.data(), pos.data(), N, H, D, kTheta);
-    return dot(r, y);
-  };
-  VecD dx(x.size(), 0.0);
-  naive::rope_backward<double>(dx.data(), r.data(), pos.data(), N, H, D, kTheta);
-  EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  for (auto [N, H, D] : with_random({{3, 2, 6}}, [](Rng& rng) {
+         return std::tuple{uniform_int(rng, 1, 4), uniform_int(rng, 1, 3),
+                           2 * uniform_int(rng, 1, 4)};
+       })) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " H=" << H << " D=" << D);
+    Rng rng(2);
+    const std::vector<int32_t> pos = random_positions(rng, N);
+    VecD x = to_f64(randn(rng, N * H * D));
+    const VecD r = to_f64(randn(rng, N * H * D));
+    const auto loss = [&] {
+      VecD y(x.size());
+      naive::rope_forward<double>(y.data(), x.data(), pos.data(), N, H, D, kTheta);
+      return dot(r, y);
+    };
+    VecD dx(x.size(), 0.0);
+    naive::rope_backward<double>(dx.data(), r.data(), pos.data(), N, H, D, kTheta);
+    EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  }
 }
 
 TEST(Rope, PositionZeroIsIdentity) {

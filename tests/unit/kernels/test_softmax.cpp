@@ -7,8 +7,11 @@ using namespace tessel;
 using namespace tessel::kernels;
 using namespace tessel::kernels::test;
 
+// The fixed shapes, then random ones with N <= 40, C <= 150.
 TEST(Softmax, FastMatchesNaive) {
-  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 7}, {5, 1}, {33, 130}}) {
+  for (auto [N, C] : with_random({{1, 7}, {5, 1}, {33, 130}}, [](Rng& rng) {
+         return std::pair{uniform_int(rng, 1, 40), uniform_int(rng, 1, 150)};
+       })) {
     SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C);
     Rng rng(1);
     VecF x = randn(rng, N * C, 3.0f), dy = randn(rng, N * C), dx0 = randn(rng, N * C);
@@ -28,20 +31,25 @@ TEST(Softmax, FastMatchesNaive) {
   }
 }
 
+// N = 3, C = 7, then random shapes with N <= 4, C <= 10.
 TEST(Softmax, NaiveBackwardMatchesFiniteDifferences) {
-  const int64_t N = 3, C = 7;
-  Rng rng(2);
-  VecD x = to_f64(randn(rng, N * C));
-  const VecD r = to_f64(randn(rng, N * C));
-  VecD y(N * C);
-  const auto loss = [&] {
-    naive::softmax_forward(y.data(), x.data(), N, C);
-    return dot(r, y);
-  };
-  loss();
-  VecD dx(N * C, 0.0);
-  naive::softmax_backward(dx.data(), r.data(), y.data(), N, C);
-  EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  for (auto [N, C] : with_random({{3, 7}}, [](Rng& rng) {
+         return std::pair{uniform_int(rng, 1, 4), uniform_int(rng, 1, 10)};
+       })) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C);
+    Rng rng(2);
+    VecD x = to_f64(randn(rng, N * C));
+    const VecD r = to_f64(randn(rng, N * C));
+    VecD y(N * C);
+    const auto loss = [&] {
+      naive::softmax_forward(y.data(), x.data(), N, C);
+      return dot(r, y);
+    };
+    loss();
+    VecD dx(N * C, 0.0);
+    naive::softmax_backward(dx.data(), r.data(), y.data(), N, C);
+    EXPECT_LT(rel_error(dx, numeric_grad(x, loss)), kFiniteDiff);
+  }
 }
 
 TEST(Softmax, BackwardIsDeterministic) {
