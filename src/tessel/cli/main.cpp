@@ -56,9 +56,11 @@ int run_prepare(const data::PrepareOptions& opts) {
 int run_generate(const std::string& run_dir, const std::string& prompt, int64_t tokens,
                  double temperature, int64_t top_k, int64_t seed) {
   train::CheckpointStore store(run_dir + "/checkpoints", 2);
-  auto latest = store.latest();
-  if (!latest) input_error(run_dir, ": no complete checkpoint under ", run_dir, "/checkpoints");
-  train::CheckpointContent ckpt = train::CheckpointStore::load(*latest);
+  auto loaded = store.load_newest_valid(
+      [](const std::string& why) { std::fprintf(stderr, "tessel: warning: %s\n", why.c_str()); });
+  if (!loaded) input_error(run_dir, ": no complete checkpoint under ", run_dir, "/checkpoints");
+  const std::string* latest = &loaded->dir;
+  const train::CheckpointContent& ckpt = loaded->content;
   train::Config config = train::parse_config(ckpt.state.at("config").get<std::string>(),
                                              *latest + "/manifest.json", {});
   model::Gpt gpt(config.model, 0);

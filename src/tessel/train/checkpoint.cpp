@@ -157,6 +157,26 @@ std::optional<std::string> CheckpointStore::latest() const {
   return dirs.back().string();
 }
 
+std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
+    const std::function<void(const std::string&)>& warn) const {
+  auto newest = latest();
+  if (!newest) return std::nullopt;
+  std::vector<std::string> candidates{*newest};
+  auto dirs = complete_checkpoints(fs::path(root_));
+  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it)
+    if (it->filename() < fs::path(*newest).filename()) candidates.push_back(it->string());
+  std::exception_ptr newest_failure;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    try {
+      return Loaded{candidates[i], load(candidates[i])};
+    } catch (const InputError& e) {
+      if (!newest_failure) newest_failure = std::current_exception();
+      if (i + 1 < candidates.size()) warn(std::string(e.what()) + "; trying an older checkpoint");
+    }
+  }
+  std::rethrow_exception(newest_failure);
+}
+
 CheckpointContent CheckpointStore::load(const std::string& dir_text) {
   fs::path dir(dir_text);
   fs::path manifest_path = dir / kManifest;

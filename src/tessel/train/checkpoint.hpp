@@ -9,6 +9,7 @@
 // and then points `latest` at it. A crash at any moment leaves the previous
 // checkpoint intact and `latest` valid. Loading verifies every checksum.
 // (Issue #8 moves the writing to a background thread; the layout stays.)
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -40,6 +41,17 @@ class CheckpointStore {
 
   // Reads and verifies the checkpoint at `dir` (sizes, checksums, manifest fields).
   static CheckpointContent load(const std::string& dir);
+
+  struct Loaded {
+    std::string dir;
+    CheckpointContent content;
+  };
+  // The newest checkpoint that verifies: `latest()` first, then older complete ones,
+  // each failure reported through `warn` (a damaged newest checkpoint costs the steps
+  // since the previous one, not the run). nullopt when there is no checkpoint; when
+  // every one fails, rethrows the newest one's error.
+  std::optional<Loaded> load_newest_valid(
+      const std::function<void(const std::string&)>& warn) const;
 
  private:
   std::string root_;

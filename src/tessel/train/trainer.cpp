@@ -148,9 +148,12 @@ struct Trainer::State {
   }
 
   void resume() {
-    auto latest = store.latest();
-    if (!latest) return;
-    CheckpointContent content = CheckpointStore::load(*latest);
+    auto loaded = store.load_newest_valid([&](const std::string& why) {
+      if (is_root) std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
+    });
+    if (!loaded) return;
+    const std::string* latest = &loaded->dir;
+    const CheckpointContent& content = loaded->content;
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
     auto text = [](const nlohmann::json& v) {

@@ -68,6 +68,21 @@ TEST_F(TrainerTest, ResumeContinuesBitwise) {
   EXPECT_EQ(train_lines, 50);
 }
 
+TEST_F(TrainerTest, ADamagedNewestCheckpointResumesFromThePreviousOne) {
+  std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = fixture::tiny_config(data_dir, run);
+  c.train.checkpoint_every = 20;
+  c.train.keep_checkpoints = 3;
+  auto full = train_run(c);  // checkpoints at 20, 40 and 50
+  std::string damaged = run + "/checkpoints/step-00000050/model.safetensors";
+  fs::resize_file(damaged, fs::file_size(damaged) - 1);
+  auto resumed = train_run(c);
+  EXPECT_EQ(resumed.resumed_from, 40);
+  ASSERT_EQ(resumed.steps.size(), 10u);
+  for (size_t i = 0; i < resumed.steps.size(); ++i)
+    EXPECT_EQ(resumed.steps[i].loss, full.steps[40 + i].loss) << "step " << 41 + i;
+}
+
 TEST_F(TrainerTest, ResumeRejectsAnIncompatibleCheckpoint) {
   std::string run = fixture::temp_dir("tessel-run");
   train::Config c = fixture::tiny_config(data_dir, run);
