@@ -131,7 +131,9 @@ int main(int argc, char** argv) {
   auto* gen = app.add_subcommand("generate", "sample text from a run's latest checkpoint");
   gen->add_option("--run", run_dir, "run directory")->capture_default_str();
   gen->add_option("--prompt", prompt, "prompt text")->capture_default_str();
-  gen->add_option("--tokens", gen_tokens, "tokens to generate")->capture_default_str();
+  gen->add_option("--tokens", gen_tokens, "tokens to generate")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
+      ->capture_default_str();
   gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   gen->add_option("--top-k", top_k, "sample among the k likeliest; 0 = all")->capture_default_str();
   gen->add_option("--seed", gen_seed, "sampling seed")->capture_default_str();
