@@ -177,6 +177,11 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
   std::rethrow_exception(newest_failure);
 }
 
+void CheckpointStore::discard_newer_than(const std::string& dir) const {
+  for (const auto& d : complete_checkpoints(fs::path(root_)))
+    if (d.filename() > fs::path(dir).filename()) fs::remove_all(d);
+}
+
 CheckpointContent CheckpointStore::load(const std::string& dir_text) {
   fs::path dir(dir_text);
   fs::path manifest_path = dir / kManifest;

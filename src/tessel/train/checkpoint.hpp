@@ -53,6 +53,10 @@ class CheckpointStore {
   std::optional<Loaded> load_newest_valid(
       const std::function<void(const std::string&)>& warn) const;
 
+  // Deletes the complete checkpoints after `dir` (those load_newest_valid passed over as
+  // damaged), so retention never keeps them in place of good ones.
+  void discard_newer_than(const std::string& dir) const;
+
  private:
   std::string root_;
   int64_t keep_;

@@ -27,6 +27,7 @@ MetricsLog::MetricsLog(const std::string& path, int64_t keep_through_step) : pat
 void MetricsLog::write(const nlohmann::json& record) {
   out_ << record.dump() << "\n";
   out_.flush();
+  if (!out_) input_error(path_, ": write failed (disk full?)");
 }
 
 double flops_per_token(int64_t matmul_parameters, int64_t layers, int64_t heads, int64_t head_dim,

@@ -58,6 +58,16 @@ model::ModelInputs inputs_of(const data::Batch& b) {
   return {b.B, b.T, b.tokens.data(), b.positions.data(), b.targets.data(), b.loss_mask.data()};
 }
 
+// Rank 0's `text` on every rank.
+std::string broadcast_text(comm::Communicator& group, const std::string& text) {
+  int64_t n = int64_t(text.size());
+  group.broadcast(std::span<int64_t>(&n, 1), 0);
+  std::vector<uint8_t> bytes(text.begin(), text.end());
+  bytes.resize(size_t(n));
+  group.broadcast(bytes, 0);
+  return std::string(bytes.begin(), bytes.end());
+}
+
 double mask_sum(const data::Batch& b) {
   double n = 0;
   for (float w : b.loss_mask) n += w;
@@ -147,12 +157,40 @@ struct Trainer::State {
     store.save(world, content);
   }
 
+  // Rank 0 picks the checkpoint (the newest that verifies) and every rank loads that
+  // one, so the ranks can never continue from different steps; any failure stops all.
   void resume() {
-    auto loaded = store.load_newest_valid([&](const std::string& why) {
-      if (is_root) std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
-    });
-    if (!loaded) return;
-    const std::string* latest = &loaded->dir;
+    std::string chosen, failure;
+    std::optional<CheckpointStore::Loaded> loaded;  // rank 0's, reused below
+    if (is_root) {
+      try {
+        loaded = store.load_newest_valid([](const std::string& why) {
+          std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
+        });
+        if (loaded) chosen = loaded->dir;
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    }
+    std::string agreed =
+        broadcast_text(world, failure.empty() ? "ok:" + chosen : "error:" + failure);
+    if (agreed.rfind("error:", 0) == 0) input_error(agreed.substr(6));
+    chosen = agreed.substr(3);
+    if (chosen.empty()) return;
+    if (is_root) store.discard_newer_than(chosen);  // damaged ones: the run redoes those steps
+    if (!is_root) {
+      try {
+        loaded = CheckpointStore::Loaded{chosen, CheckpointStore::load(chosen)};
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    }
+    int32_t ok = failure.empty() ? 1 : 0;
+    world.all_reduce(std::span<int32_t>(&ok, 1), comm::ReduceOp::min);
+    if (!ok)
+      input_error(failure.empty() ? chosen + ": another rank could not read this checkpoint"
+                                  : failure);
+    const std::string* latest = &chosen;
     const CheckpointContent& content = loaded->content;
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
@@ -160,10 +198,12 @@ struct Trainer::State {
       return v.is_string() ? v.get<std::string>() : v.dump();
     };
     for (const auto& [key, value] : want.items())
-      if (have.value(key, nlohmann::json()) != value)
-        input_error(*latest, ": checkpoint has ", key, " = ",
-                    text(have.value(key, nlohmann::json())), " but this run has ", text(value),
-                    "; resume with the checkpoint's setting or use a new run.dir");
+      if (!have.contains(key))
+        input_error(*latest, ": checkpoint has no ", key,
+                    " in its compatibility record (written by an older tessel); use a new run.dir");
+      else if (have[key] != value)
+        input_error(*latest, ": checkpoint has ", key, " = ", text(have[key]), " but this run has ",
+                    text(value), "; resume with the checkpoint's setting or use a new run.dir");
     for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, *latest);
     for (auto& st : optimizer->state())
       restore_tensor(content.optimizer, st.name, st.tensor, *latest);
@@ -283,8 +323,8 @@ TrainResult Trainer::run() {
     double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
     if (!std::isfinite(grad_norm))
       throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
-                  std::to_string(grad_norm) + "; stopping before the update (last checkpoint in " +
-                  c.run.dir + "/checkpoints)");
+                  std::to_string(grad_norm) + "; stopping before the update (" +
+                  s.store.latest().value_or("no checkpoint yet") + ")");
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
     double lr = s.schedule.lr(step + 1);
     s.optimizer->step(s.schedule.scale(step + 1));

@@ -90,3 +90,21 @@ TEST(DataParallel, ResumeContinuesBitwise) {
   for (size_t i = 0; i < resumed.steps.size(); ++i)
     EXPECT_EQ(resumed.steps[i].loss, full.steps[25 + i].loss) << "step " << 26 + i;
 }
+
+TEST(DataParallel, ADamagedNewestCheckpointResumesAllRanksFromThePreviousOne) {
+  comm::Communicator& world = comm::world();
+  std::string run = shared_temp_dir(world, "tessel-dp-damaged");
+  train::Config c = fixture::tiny_config(dataset(world), run);
+  c.train.checkpoint_every = 25;
+  auto full = run_on(world, c);  // checkpoints at 25 and 50
+  if (world.rank() == 0) {
+    std::string damaged = run + "/checkpoints/step-00000050/optimizer.safetensors";
+    fs::resize_file(damaged, fs::file_size(damaged) - 1);
+  }
+  world.barrier();
+  auto resumed = run_on(world, c);
+  EXPECT_EQ(resumed.resumed_from, 25);
+  ASSERT_EQ(resumed.steps.size(), 25u);
+  for (size_t i = 0; i < resumed.steps.size(); ++i)
+    EXPECT_EQ(resumed.steps[i].loss, full.steps[25 + i].loss) << "step " << 26 + i;
+}

@@ -1,9 +1,10 @@
 #pragma once
 // Plain causal attention with grouped-query heads (the correct reference that
 // FlashMask attention, issue #3, is tested against and falls back to).
-//   q [B, T, Hq, D], k and v [B, T, Hkv, D], Hq % Hkv == 0 (query head h reads kv head h /
-//   (Hq/Hkv)) o [B, T, Hq, D], lse [B, Hq, T] = log-sum-exp of the scaled scores of each row scores
-//   s_ij = scale * q_i . k_j for j <= i, scale = 1/sqrt(D)
+//   q [B, T, Hq, D], k and v [B, T, Hkv, D], Hq % Hkv == 0;
+//     query head h reads kv head h / (Hq / Hkv)
+//   o [B, T, Hq, D]; lse [B, Hq, T] = log-sum-exp of the scaled scores of each row
+//   scores s_ij = scale * q_i . k_j for j <= i, scale = 1/sqrt(D)
 // The backward recomputes probabilities from lse (no T x T buffer is kept).
 #include <cstdint>
 
