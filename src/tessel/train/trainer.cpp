@@ -1,5 +1,10 @@
 #include "tessel/train/trainer.hpp"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -92,6 +97,22 @@ struct Trainer::State {
   CheckpointStore store;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
+  int lock_fd = -1;  // rank 0's exclusive lock on <run.dir>/lock, held for the run
+
+  ~State() {
+    if (lock_fd >= 0) ::close(lock_fd);  // also released by the kernel if the process dies
+  }
+
+  // Two runs writing one run directory would interleave checkpoints and metrics.
+  void lock_run_dir() {
+    fs::create_directories(config.run.dir);
+    std::string path = config.run.dir + "/lock";
+    lock_fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (lock_fd < 0) input_error(path, ": cannot open: ", std::strerror(errno));
+    if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0)
+      input_error(config.run.dir, ": in use by another tessel run (", path,
+                  " is locked); wait for it or choose another run.dir");
+  }
 
   State(Config c, comm::Communicator& w, comm::MeshShape shape)
       : config(std::move(c)),
@@ -243,6 +264,7 @@ Trainer::Trainer(Config config, comm::Communicator& world) {
   config.run.threads = threads;
   config.parallel.dp = shape.dp;
   s_ = std::make_unique<State>(std::move(config), world, shape);
+  if (s_->is_root) s_->lock_run_dir();
   if (s_->config.train.resume)
     s_->resume();
   else if (s_->store.latest())

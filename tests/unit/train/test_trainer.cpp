@@ -135,6 +135,19 @@ TEST_F(TrainerTest, FreshRunRefusesADirectoryWithCheckpoints) {
   }
 }
 
+TEST_F(TrainerTest, ARunDirectoryTakesOneRunAtATime) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  comm::SingleCommunicator world;
+  train::Trainer first(c, world);  // holds the lock until destroyed
+  try {
+    train::Trainer second(c, world);
+    FAIL() << "two runs shared a run directory";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("in use by another tessel run"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(TrainerTest, DataVocabularyMustFitTheModel) {
   train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   c.model.vocab = 100;  // byte shards hold ids up to 255
