@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "support/expect_input_error.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/data/corpus.hpp"
 
@@ -39,17 +40,6 @@ inline const std::vector<std::string>& bible_documents() {
   return docs;
 }
 
-// Expects f() to throw InputError whose message contains every one of `parts`.
-inline void expect_input_error(const std::function<void()>& f,
-                               std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no InputError thrown";
-  } catch (const InputError& e) {
-    const std::string what = e.what();
-    for (const auto& part : parts)
-      EXPECT_NE(what.find(part), std::string::npos) << "'" << part << "' not in: " << what;
-  }
-}
+using fixture::expect_input_error;
 
 }  // namespace tessel::data::testing

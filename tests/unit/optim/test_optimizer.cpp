@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "support/expect_input_error.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/optim/adamw.hpp"
@@ -174,18 +175,7 @@ TEST(AdamW, WeightDecayRoutesByTag) {
   check(custom, {});
 }
 
-namespace {
-// Expects InputError whose message contains `field`.
-template <class F>
-void expect_input_error(F&& f, const std::string& field) {
-  try {
-    f();
-    ADD_FAILURE() << "no InputError for " << field;
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
-  }
-}
-}  // namespace
+using tessel::fixture::expect_input_error;
 
 TEST(OptimizerFactory, BadConfigNamesTheField) {
   Model model(5);
@@ -194,12 +184,12 @@ TEST(OptimizerFactory, BadConfigNamesTheField) {
     mutate(c);
     return [c, &model] { make_optimizer(c, model.params); };
   };
-  expect_input_error(with([](OptimizerConfig& c) { c.name = "sgd"; }), "optim.name");
-  expect_input_error(with([](OptimizerConfig& c) { c.lr = 0; }), "optim.lr");
-  expect_input_error(with([](OptimizerConfig& c) { c.beta1 = 1; }), "optim.beta1");
-  expect_input_error(with([](OptimizerConfig& c) { c.beta2 = -0.1; }), "optim.beta2");
-  expect_input_error(with([](OptimizerConfig& c) { c.eps = 0; }), "optim.eps");
-  expect_input_error(with([](OptimizerConfig& c) { c.weight_decay = -1; }), "optim.weight_decay");
+  expect_input_error(with([](OptimizerConfig& c) { c.name = "sgd"; }), {"optim.name"});
+  expect_input_error(with([](OptimizerConfig& c) { c.lr = 0; }), {"optim.lr"});
+  expect_input_error(with([](OptimizerConfig& c) { c.beta1 = 1; }), {"optim.beta1"});
+  expect_input_error(with([](OptimizerConfig& c) { c.beta2 = -0.1; }), {"optim.beta2"});
+  expect_input_error(with([](OptimizerConfig& c) { c.eps = 0; }), {"optim.eps"});
+  expect_input_error(with([](OptimizerConfig& c) { c.weight_decay = -1; }), {"optim.weight_decay"});
   expect_input_error(with([](OptimizerConfig& c) { c.decay_tags = "hidden_matrix,gain"; }),
-                     "optim.decay_tags");
+                     {"optim.decay_tags"});
 }

@@ -3,11 +3,13 @@
 #include <filesystem>
 #include <fstream>
 
+#include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/train/config.hpp"
 
 using namespace tessel;
+using fixture::expect_input_error;
 using train::Config;
 
 namespace {
@@ -16,19 +18,6 @@ std::string write_file(const std::string& name, const std::string& text) {
   std::string path = fixture::temp_dir("tessel-config") + "/" + name;
   std::ofstream(path) << text;
   return path;
-}
-
-// Runs `f`, expects an InputError whose message contains every one of `parts`.
-template <class F>
-void expect_input_error(F f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    FAIL() << "no error";
-  } catch (const InputError& e) {
-    std::string what = e.what();
-    for (const auto& p : parts) EXPECT_NE(what.find(p), std::string::npos) << what;
-    EXPECT_EQ(what.find('\n'), std::string::npos) << "error spans several lines: " << what;
-  }
 }
 
 }  // namespace
