@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
@@ -90,35 +91,18 @@ TEST_F(TrainerTest, ResumeRejectsAnIncompatibleCheckpoint) {
   c.optim.warmup_steps = 2;
   train_run(c);
   c.model.width = 64;
-  try {
-    train_run(c);
-    FAIL() << "resumed a checkpoint of another model";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("model.width = 32 but this run has 64"), std::string::npos)
-        << e.what();
-  }
+  fixture::expect_input_error([&] { train_run(c); }, {"model.width = 32 but this run has 64"});
 }
 
 TEST_F(TrainerTest, MissingDatasetNamesTheFile) {
   train::Config c = fixture::tiny_config("/nonexistent/data", fixture::temp_dir("tessel-run"));
-  try {
-    train_run(c);
-    FAIL();
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("/nonexistent/data/train.tok"), std::string::npos)
-        << e.what();
-  }
+  fixture::expect_input_error([&] { train_run(c); }, {"/nonexistent/data/train.tok"});
 }
 
 TEST_F(TrainerTest, WorldSizeMustMatchTheMesh) {
   train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   c.parallel.dp = 2;
-  try {
-    train_run(c);
-    FAIL();
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.dp"), std::string::npos) << e.what();
-  }
+  fixture::expect_input_error([&] { train_run(c); }, {"parallel.dp"});
 }
 
 TEST_F(TrainerTest, FreshRunRefusesADirectoryWithCheckpoints) {
@@ -127,35 +111,19 @@ TEST_F(TrainerTest, FreshRunRefusesADirectoryWithCheckpoints) {
   c.optim.warmup_steps = 1;
   train_run(c);
   c.train.resume = false;
-  try {
-    train_run(c);
-    FAIL() << "a fresh run reused a directory with checkpoints";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("train.resume"), std::string::npos) << e.what();
-  }
+  fixture::expect_input_error([&] { train_run(c); }, {"train.resume"});
 }
 
 TEST_F(TrainerTest, ARunDirectoryTakesOneRunAtATime) {
   train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   comm::SingleCommunicator world;
   train::Trainer first(c, world);  // holds the lock until destroyed
-  try {
-    train::Trainer second(c, world);
-    FAIL() << "two runs shared a run directory";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("in use by another tessel run"), std::string::npos)
-        << e.what();
-  }
+  fixture::expect_input_error([&] { train::Trainer second(c, world); },
+                              {"in use by another tessel run"});
 }
 
 TEST_F(TrainerTest, DataVocabularyMustFitTheModel) {
   train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   c.model.vocab = 100;  // byte shards hold ids up to 255
-  try {
-    train_run(c);
-    FAIL();
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("model.vocab"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("train.tok"), std::string::npos) << e.what();
-  }
+  fixture::expect_input_error([&] { train_run(c); }, {"model.vocab", "train.tok"});
 }
