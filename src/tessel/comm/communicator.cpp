@@ -113,6 +113,12 @@ void Request::finish_quietly() noexcept {
   }
 }
 
+bool all_agree(Communicator& group, bool mine) {
+  int32_t ok = mine ? 1 : 0;
+  group.all_reduce(std::span<int32_t>(&ok, 1), ReduceOp::min);
+  return ok == 1;
+}
+
 void wait_all(std::span<Request> requests) {
   std::exception_ptr first;
   for (Request& r : requests) {

@@ -127,6 +127,11 @@ class Request {
 // Waits for every request, even when one fails; then rethrows the first failure.
 void wait_all(std::span<Request> requests);
 
+class Communicator;
+// Collective: true on every rank iff `mine` is true on every rank (so all ranks take the
+// same branch after a step that may fail on some of them).
+bool all_agree(Communicator& group, bool mine);
+
 // ---------------------------------------------------------------------------
 // Traffic counters.
 

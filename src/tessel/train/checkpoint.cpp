@@ -56,9 +56,7 @@ std::vector<fs::path> complete_checkpoints(const fs::path& root) {
 // waiting for a peer that gave up.
 void agree(comm::Communicator& group, const std::string& failure, const fs::path& dir,
            const char* elsewhere) {
-  int32_t ok = failure.empty() ? 1 : 0;
-  group.all_reduce(std::span<int32_t>(&ok, 1), comm::ReduceOp::min);
-  if (ok) return;
+  if (comm::all_agree(group, failure.empty())) return;
   if (group.rank() == 0) fs::remove_all(fs::path(dir.string() + ".incomplete"));
   input_error("checkpoint ", dir.string(), " not saved: ", failure.empty() ? elsewhere : failure);
 }

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "tessel/comm/mesh.hpp"
@@ -154,13 +155,12 @@ struct Trainer::State {
   // What must match between a checkpoint and the run that resumes it, by config key:
   // the model, everything that decides the data order, and the optimizer.
   nlohmann::json compatibility() const {
+    static const std::set<std::string> order_keys = {
+        "run.seed",      "data.shuffle", "train.micro_batch", "train.accum",
+        "train.seq_len", "parallel.dp",  "optim.name"};
     nlohmann::json keys;
     for (const auto& k : config_schema())
-      if (k.name.rfind("model.", 0) == 0) keys[k.name] = k.get(config);
-    for (const char* name : {"run.seed", "data.shuffle", "train.micro_batch", "train.accum",
-                             "train.seq_len", "parallel.dp", "optim.name"})
-      for (const auto& k : config_schema())
-        if (k.name == name) keys[k.name] = k.get(config);
+      if (k.name.rfind("model.", 0) == 0 || order_keys.count(k.name)) keys[k.name] = k.get(config);
     keys["data.path/train.tok tokens"] = loader.shard().num_tokens();
     keys["data.path/train.tok documents"] = loader.shard().num_documents();
     return keys;
@@ -206,9 +206,7 @@ struct Trainer::State {
         failure = e.what();
       }
     }
-    int32_t ok = failure.empty() ? 1 : 0;
-    world.all_reduce(std::span<int32_t>(&ok, 1), comm::ReduceOp::min);
-    if (!ok)
+    if (!comm::all_agree(world, failure.empty()))
       input_error(failure.empty() ? chosen + ": another rank could not read this checkpoint"
                                   : failure);
     const std::string* latest = &chosen;
