@@ -79,6 +79,14 @@ std::vector<int64_t> doc_lengths_from_starts(const std::vector<int32_t>& starts,
   return lengths;
 }
 
+ColumnMask causal_document_batch_mask(const std::vector<std::vector<int32_t>>& doc_starts,
+                                      int64_t T) {
+  std::vector<MaskColumns> rows;
+  for (const auto& starts : doc_starts)
+    rows.push_back(causal_document_mask(doc_lengths_from_starts(starts, T)));
+  return stack_masks(T, T, int64_t(doc_starts.size()), 1, rows);
+}
+
 MaskColumns causal_mask(int64_t Sq, int64_t Sk) {
   check_length(Sq, "Sq", "causal mask");
   check_length(Sk, "Sk", "causal mask");

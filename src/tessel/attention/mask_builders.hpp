@@ -24,6 +24,11 @@ ColumnMask stack_masks(int64_t Sq, int64_t Sk, int64_t B, int64_t Hm,
 // Document lengths of a row of length T whose documents start at `starts` (ascending, first 0).
 std::vector<int64_t> doc_lengths_from_starts(const std::vector<int32_t>& starts, int64_t T);
 
+// The causal-document mask of a packed batch: row b of length T holds documents starting at
+// doc_starts[b] (ascending, first 0); Hm = 1.
+ColumnMask causal_document_batch_mask(const std::vector<std::vector<int32_t>>& doc_starts,
+                                      int64_t T);
+
 // 1. Plain causal (bottom-right aligned when Sq != Sk).
 MaskColumns causal_mask(int64_t Sq, int64_t Sk);
 // 2. Causal sliding window of w keys including the diagonal: row i sees keys
