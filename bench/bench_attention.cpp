@@ -86,22 +86,19 @@ struct Timing {
   double fwd = 1e30, bwd = 1e30;
 };
 
-Timing time_kernel(const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt, int reps,
-                   const std::vector<float>& q, const std::vector<float>& k,
-                   const std::vector<float>& v) {
+// One forward and one backward; keeps the faster of each in `t`.
+void time_once(Timing& t, const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt,
+               const std::vector<float>& q, const std::vector<float>& k,
+               const std::vector<float>& v) {
   std::vector<float> o(q.size()), lse(size_t(s.B * s.Hq * s.Sq)), dq(q.size()), dk(k.size()),
       dv(k.size());
-  Timing t;
-  for (int r = 0; r < reps; ++r) {
-    Timer f;
-    flash_attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s, tm, opt);
-    t.fwd = std::min(t.fwd, f.seconds());
-    Timer b;
-    flash_attention_backward(dq.data(), dk.data(), dv.data(), o.data(), q.data(), k.data(),
-                             v.data(), o.data(), lse.data(), s, tm, opt);
-    t.bwd = std::min(t.bwd, b.seconds());
-  }
-  return t;
+  Timer f;
+  flash_attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s, tm, opt);
+  t.fwd = std::min(t.fwd, f.seconds());
+  Timer b;
+  flash_attention_backward(dq.data(), dk.data(), dv.data(), o.data(), q.data(), k.data(), v.data(),
+                           o.data(), lse.data(), s, tm, opt);
+  t.bwd = std::min(t.bwd, b.seconds());
 }
 
 // Coefficient of determination of the least-squares line y = a + b x.
@@ -122,26 +119,29 @@ double r_squared(const std::vector<double>& x, const std::vector<double>& y) {
 
 int main(int argc, char** argv) {
   std::vector<int64_t> dims{64, 128}, seqs{4096, 8192};
-  int64_t heads = 4;
+  int64_t heads = 4, tile_k = TiledMask::kDefaultTileK;
+  FlashOptions opt;
   int reps = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--dims"))
-      dims = parse_list(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--seqs"))
-      seqs = parse_list(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--heads"))
-      heads = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--reps"))
-      reps = std::atoi(argv[i + 1]);
+    const std::string a = argv[i];
+    if (a == "--dims") dims = parse_list(argv[i + 1]);
+    else if (a == "--seqs") seqs = parse_list(argv[i + 1]);
+    else if (a == "--heads") heads = std::atoll(argv[i + 1]);
+    else if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (a == "--tile-q") opt.tile_q = std::atoll(argv[i + 1]);
+    else if (a == "--tile-k") tile_k = std::atoll(argv[i + 1]);
+    else if (a == "--run-cols") opt.run_cols = std::atoll(argv[i + 1]);
     else {
-      std::fprintf(
-          stderr,
-          "usage: bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--reps 3]\n");
+      std::fprintf(stderr,
+                   "usage: bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] "
+                   "[--reps 3] [--tile-q 64] [--tile-k 64] [--run-cols 512]\n");
       return 2;
     }
   }
-  const double peak = kernels::measure_gemm_peak_gflops(1024, 1.0);
-  std::printf("threads %d, GEMM peak %.1f GFLOP/s (1024^3 sgemm, this run)\n", num_threads(), peak);
+  std::printf("threads %d, tile_q %lld, tile_k %lld, run_cols %lld; repetitions interleaved over "
+              "the masks, best of %d; GEMM peak = best 1024^3 sgemm of the repetitions\n",
+              num_threads(), (long long)opt.tile_q, (long long)tile_k, (long long)opt.run_cols,
+              reps);
   for (int64_t D : dims)
     for (int64_t N : seqs) {
       const AttentionShape s{1, N, N, heads, heads, D};
@@ -150,33 +150,43 @@ int main(int argc, char** argv) {
       rng.fill_normal(q.data(), int64_t(q.size()), 0, 1);
       rng.fill_normal(k.data(), int64_t(k.size()), 0, 1);
       rng.fill_normal(v.data(), int64_t(v.size()), 0, 1);
-      std::printf("\nD=%lld S=%lld B=1 H=%lld\n", (long long)D, (long long)N, (long long)heads);
-      std::printf("%-24s %9s %9s %9s %8s %8s %12s\n", "mask", "computed", "fwd ms", "bwd ms",
-                  "fwd/peak", "bwd/peak", "mask bytes");
-      std::vector<double> frac, tf, tb;
-      for (const Case& c : masks(N, rng)) {
-        const TiledMask tm(stack_masks(N, N, 1, 1, {c.columns}));
-        const TileCounts tc = count_tiles(tm, heads, heads, FlashOptions{}.tile_q);
-        const Timing t = time_kernel(s, tm, {}, reps, q, k, v);
-        const double elems = double(tc.computed_elements);
-        const double fwd_gf = 4.0 * double(D) * elems / t.fwd * 1e-9;
-        const double bwd_gf = 10.0 * double(D) * elems / t.bwd * 1e-9;
-        std::printf("%-24s %9.3f %9.1f %9.1f %7.0f%% %7.0f%% %5lld vs %lld\n", c.name.c_str(),
-                    tc.computed_fraction(), t.fwd * 1e3, t.bwd * 1e3, 100 * fwd_gf / peak,
-                    100 * bwd_gf / peak, (long long)tm.bytes(), (long long)(N * N));
-        frac.push_back(tc.computed_fraction());
-        tf.push_back(t.fwd);
-        tb.push_back(t.bwd);
-        if (c.name == "causal document") {
-          const Timing base = time_kernel(s, tm, {.skip_tiles = false}, reps, q, k, v);
-          const TileCounts all = count_tiles(tm, heads, heads, FlashOptions{}.tile_q);
-          std::printf(
-              "  skipping off: fwd %.1f ms (%.2fx), bwd %.1f ms (%.2fx); target 0.8 / "
-              "%.3f = %.2fx\n",
-              base.fwd * 1e3, base.fwd / t.fwd, base.bwd * 1e3, base.bwd / t.bwd,
-              all.computed_fraction(), 0.8 / all.computed_fraction());
-        }
+      const std::vector<Case> cases = masks(N, rng);
+      std::vector<TiledMask> tiled;
+      for (const Case& c : cases) tiled.emplace_back(stack_masks(N, N, 1, 1, {c.columns}), tile_k);
+      const size_t doc_case = 3;  // "causal document": also timed with skipping off
+      std::vector<Timing> t(cases.size());
+      Timing base;
+      FlashOptions no_skip = opt;
+      no_skip.skip_tiles = false;
+      double peak = 0;
+      for (int r = 0; r < reps; ++r) {
+        peak = std::max(peak, kernels::measure_gemm_peak_gflops(1024, 0.3));
+        for (size_t c = 0; c < cases.size(); ++c) time_once(t[c], s, tiled[c], opt, q, k, v);
+        time_once(base, s, tiled[doc_case], no_skip, q, k, v);
       }
+      std::printf("\nD=%lld S=%lld B=1 H=%lld, GEMM peak %.1f GFLOP/s\n", (long long)D,
+                  (long long)N, (long long)heads, peak);
+      std::printf("%-24s %9s %9s %9s %8s %8s %18s\n", "mask", "computed", "fwd ms", "bwd ms",
+                  "fwd/peak", "bwd/peak", "mask B vs dense B");
+      std::vector<double> frac, tf, tb;
+      for (size_t c = 0; c < cases.size(); ++c) {
+        const TileCounts tc = count_tiles(tiled[c], heads, heads, opt.tile_q);
+        const double elems = double(tc.computed_elements);
+        const double fwd_gf = 4.0 * double(D) * elems / t[c].fwd * 1e-9;
+        const double bwd_gf = 10.0 * double(D) * elems / t[c].bwd * 1e-9;
+        std::printf("%-24s %9.3f %9.1f %9.1f %7.0f%% %7.0f%% %8lld vs %lld\n",
+                    cases[c].name.c_str(), tc.computed_fraction(), t[c].fwd * 1e3,
+                    t[c].bwd * 1e3, 100 * fwd_gf / peak, 100 * bwd_gf / peak,
+                    (long long)tiled[c].bytes(), (long long)(N * N));
+        frac.push_back(tc.computed_fraction());
+        tf.push_back(t[c].fwd);
+        tb.push_back(t[c].bwd);
+      }
+      const double vis = count_tiles(tiled[doc_case], heads, heads, opt.tile_q).computed_fraction();
+      std::printf("causal document, skipping off: fwd %.1f ms (%.2fx), bwd %.1f ms (%.2fx); "
+                  "target 0.8 / %.3f = %.2fx\n",
+                  base.fwd * 1e3, base.fwd / t[doc_case].fwd, base.bwd * 1e3,
+                  base.bwd / t[doc_case].bwd, vis, 0.8 / vis);
       std::printf("R^2 of time vs computed fraction: forward %.4f, backward %.4f\n",
                   r_squared(frac, tf), r_squared(frac, tb));
     }

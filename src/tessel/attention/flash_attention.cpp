@@ -22,20 +22,20 @@ struct Run {
 };
 
 // The runs of query rows [r0, r1) of mask head (b, hm): maximal stretches of non-skipped key
-// tiles, cut at kMaxRunCols columns.
+// tiles, cut at opt.run_cols columns (at least one tile).
 void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const TiledMask& m, int64_t b,
-               int64_t hm, int64_t r0, int64_t r1, bool skip_tiles) {
+               int64_t hm, int64_t r0, int64_t r1, const FlashOptions& opt) {
   runs.clear();
   const int64_t Sk = m.mask().cols(), tk = m.tile_k(), nt = m.num_key_tiles();
   kinds.resize(size_t(nt));
   for (int64_t n = 0; n < nt; ++n) {
     TileKind kind = m.classify(b, hm, r0, r1, n);
-    if (kind == TileKind::skip && !skip_tiles) kind = TileKind::partial;
+    if (kind == TileKind::skip && !opt.skip_tiles) kind = TileKind::partial;
     kinds[size_t(n)] = kind;
     if (kind == TileKind::skip) continue;
     const int64_t c0 = n * tk, c1 = std::min(Sk, c0 + tk);
     const bool partial = kind == TileKind::partial;
-    if (!runs.empty() && runs.back().c1 == c0 && c1 - runs.back().c0 <= std::max(kMaxRunCols, tk)) {
+    if (!runs.empty() && runs.back().c1 == c0 && c1 - runs.back().c0 <= std::max(opt.run_cols, tk)) {
       runs.back().c1 = c1;
       runs.back().partial |= partial;
     } else {
@@ -101,9 +101,10 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
                              const AttentionShape& s, const TiledMask& tm,
                              const FlashOptions& opt) {
   check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1, "tile_q = ", opt.tile_q);
+  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q, " run_cols = ",
+               opt.run_cols);
   const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = std::max(kMaxRunCols, tm.tile_k());
+  const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
   const Layout L{s.Hq * D, s.Hk * D};
   const float scale = 1.0f / std::sqrt(float(D));
 #pragma omp parallel
@@ -118,7 +119,7 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
         for (int64_t qt = 0; qt < nq; ++qt) {
           const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0), g = h / rep;
           const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
-          plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt.skip_tiles);
+          plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
           std::fill(m.begin(), m.end(), -INFINITY);
           std::fill(l.begin(), l.end(), 0.0f);
           std::fill(acc.begin(), acc.end(), 0.0f);
@@ -183,9 +184,10 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
                               const AttentionShape& s, const TiledMask& tm,
                               const FlashOptions& opt) {
   check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1, "tile_q = ", opt.tile_q);
+  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q, " run_cols = ",
+               opt.run_cols);
   const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = std::max(kMaxRunCols, tm.tile_k());
+  const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
   const Layout L{s.Hq * D, s.Hk * D};
   const float scale = 1.0f / std::sqrt(float(D));
 #pragma omp parallel
@@ -202,7 +204,7 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
           const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
           for (int64_t qt = 0; qt < nq; ++qt) {
             const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0);
-            plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt.skip_tiles);
+            plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
             if (runs.empty()) continue;
             const int64_t q0 = L.q_offset(s, b, h, r0);
             const float* row_lse = lse + (b * s.Hq + h) * s.Sq + r0;

@@ -3,7 +3,7 @@
 // column-sparse mask. Each (query tile, key tile) pair is classified from the mask's tile
 // summaries: skipped tiles are never loaded or multiplied, partial tiles get the element-wise
 // mask, unmasked tiles no mask work. Runs of consecutive computed key tiles are multiplied as
-// one GEMM (at most kMaxRunCols columns), so dense regions run at GEMM speed.
+// one GEMM (at most FlashOptions::run_cols columns), so dense regions run at GEMM speed.
 //
 //   q [B, Sq, Hq, D], k and v [B, Sk, Hk, D], Hq % Hk == 0 (query head h reads kv head
 //   h / (Hq / Hk)); o [B, Sq, Hq, D]; lse [B, Hq, Sq] log-sum-exp of each row's scaled scores
@@ -27,12 +27,10 @@ struct AttentionShape {
 };
 
 struct FlashOptions {
-  int64_t tile_q = 64;     // query rows per tile (the key tile is the TiledMask's)
+  int64_t tile_q = 128;    // query rows per tile (the key tile is the TiledMask's)
+  int64_t run_cols = 512;  // most key columns per GEMM (per-thread scratch tile_q x run_cols)
   bool skip_tiles = true;  // false: compute fully masked tiles too (the benchmark baseline)
 };
-
-// Up to this many key columns are multiplied per GEMM (per-thread scratch tile_q x this).
-constexpr int64_t kMaxRunCols = 512;
 
 // Throws InputError when the mask does not fit the shape (batch, Sq, Sk, mask heads).
 void check_mask_fits(const TiledMask& mask, const AttentionShape& s);
