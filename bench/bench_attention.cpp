@@ -124,13 +124,20 @@ int main(int argc, char** argv) {
   int reps = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--dims") dims = parse_list(argv[i + 1]);
-    else if (a == "--seqs") seqs = parse_list(argv[i + 1]);
-    else if (a == "--heads") heads = std::atoll(argv[i + 1]);
-    else if (a == "--reps") reps = std::atoi(argv[i + 1]);
-    else if (a == "--tile-q") opt.tile_q = std::atoll(argv[i + 1]);
-    else if (a == "--tile-k") tile_k = std::atoll(argv[i + 1]);
-    else if (a == "--run-cols") opt.run_cols = std::atoll(argv[i + 1]);
+    if (a == "--dims")
+      dims = parse_list(argv[i + 1]);
+    else if (a == "--seqs")
+      seqs = parse_list(argv[i + 1]);
+    else if (a == "--heads")
+      heads = std::atoll(argv[i + 1]);
+    else if (a == "--reps")
+      reps = std::atoi(argv[i + 1]);
+    else if (a == "--tile-q")
+      opt.tile_q = std::atoll(argv[i + 1]);
+    else if (a == "--tile-k")
+      tile_k = std::atoll(argv[i + 1]);
+    else if (a == "--run-cols")
+      opt.run_cols = std::atoll(argv[i + 1]);
     else {
       std::fprintf(stderr,
                    "usage: bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] "
@@ -138,10 +145,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::printf("threads %d, tile_q %lld, tile_k %lld, run_cols %lld; repetitions interleaved over "
-              "the masks, best of %d; GEMM peak = best 1024^3 sgemm of the repetitions\n",
-              num_threads(), (long long)opt.tile_q, (long long)tile_k, (long long)opt.run_cols,
-              reps);
+  std::printf(
+      "threads %d, tile_q %lld, tile_k %lld, run_cols %lld; repetitions interleaved over "
+      "the masks, best of %d; GEMM peak = best 1024^3 sgemm of the repetitions\n",
+      num_threads(), (long long)opt.tile_q, (long long)tile_k, (long long)opt.run_cols, reps);
   for (int64_t D : dims)
     for (int64_t N : seqs) {
       const AttentionShape s{1, N, N, heads, heads, D};
@@ -175,18 +182,19 @@ int main(int argc, char** argv) {
         const double fwd_gf = 4.0 * double(D) * elems / t[c].fwd * 1e-9;
         const double bwd_gf = 10.0 * double(D) * elems / t[c].bwd * 1e-9;
         std::printf("%-24s %9.3f %9.1f %9.1f %7.0f%% %7.0f%% %8lld vs %lld\n",
-                    cases[c].name.c_str(), tc.computed_fraction(), t[c].fwd * 1e3,
-                    t[c].bwd * 1e3, 100 * fwd_gf / peak, 100 * bwd_gf / peak,
-                    (long long)tiled[c].bytes(), (long long)(N * N));
+                    cases[c].name.c_str(), tc.computed_fraction(), t[c].fwd * 1e3, t[c].bwd * 1e3,
+                    100 * fwd_gf / peak, 100 * bwd_gf / peak, (long long)tiled[c].bytes(),
+                    (long long)(N * N));
         frac.push_back(tc.computed_fraction());
         tf.push_back(t[c].fwd);
         tb.push_back(t[c].bwd);
       }
       const double vis = count_tiles(tiled[doc_case], heads, heads, opt.tile_q).computed_fraction();
-      std::printf("causal document, skipping off: fwd %.1f ms (%.2fx), bwd %.1f ms (%.2fx); "
-                  "target 0.8 / %.3f = %.2fx\n",
-                  base.fwd * 1e3, base.fwd / t[doc_case].fwd, base.bwd * 1e3,
-                  base.bwd / t[doc_case].bwd, vis, 0.8 / vis);
+      std::printf(
+          "causal document, skipping off: fwd %.1f ms (%.2fx), bwd %.1f ms (%.2fx); "
+          "target 0.8 / %.3f = %.2fx\n",
+          base.fwd * 1e3, base.fwd / t[doc_case].fwd, base.bwd * 1e3, base.bwd / t[doc_case].bwd,
+          vis, 0.8 / vis);
       std::printf("R^2 of time vs computed fraction: forward %.4f, backward %.4f\n",
                   r_squared(frac, tf), r_squared(frac, tb));
     }

@@ -35,7 +35,8 @@ void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const Tiled
     if (kind == TileKind::skip) continue;
     const int64_t c0 = n * tk, c1 = std::min(Sk, c0 + tk);
     const bool partial = kind == TileKind::partial;
-    if (!runs.empty() && runs.back().c1 == c0 && c1 - runs.back().c0 <= std::max(opt.run_cols, tk)) {
+    if (!runs.empty() && runs.back().c1 == c0 &&
+        c1 - runs.back().c0 <= std::max(opt.run_cols, tk)) {
       runs.back().c1 = c1;
       runs.back().partial |= partial;
     } else {
@@ -101,8 +102,8 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
                              const AttentionShape& s, const TiledMask& tm,
                              const FlashOptions& opt) {
   check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q, " run_cols = ",
-               opt.run_cols);
+  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
+               " run_cols = ", opt.run_cols);
   const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
   const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
   const Layout L{s.Hq * D, s.Hk * D};
@@ -184,8 +185,8 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
                               const AttentionShape& s, const TiledMask& tm,
                               const FlashOptions& opt) {
   check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q, " run_cols = ",
-               opt.run_cols);
+  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
+               " run_cols = ", opt.run_cols);
   const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
   const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
   const Layout L{s.Hq * D, s.Hk * D};
