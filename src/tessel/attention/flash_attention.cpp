@@ -61,6 +61,13 @@ void apply_mask(float* S, int64_t ldS, const Run& run, const std::vector<TileKin
   for (int64_t c0 = run.c0; c0 < run.c1; c0 += tk) {
     if (kinds[size_t(c0 / tk)] != TileKind::partial) continue;
     const int64_t c1 = std::min(run.c1, c0 + tk);
+    if (!m.intervals_touch(b, hm, r0, r0 + R, c0 / tk)) {  // only the causal bound masks
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t first_masked = std::clamp(r0 + r + causal_off + 1, c0, c1);
+        std::fill(S + r * ldS + (first_masked - run.c0), S + r * ldS + (c1 - run.c0), -INFINITY);
+      }
+      continue;
+    }
     for (int64_t r = 0; r < R; ++r) {
       const int32_t i = int32_t(r0 + r);
       const int64_t last = r0 + r + causal_off;  // last visible column under causality
