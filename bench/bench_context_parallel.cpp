@@ -5,11 +5,13 @@
 //      per rank (zigzag always has 2), P = 2, 4, 8;
 //   2. traffic (all ranks, P = world size): key/value bytes one forward sends, summed over the
 //      ranks, against a dense all-gather ((P - 1) x all key/value bytes), per layout and mask;
-//   3. overlap: forward + backward of the balanced causal layout with and without overlap:
-//      time, seconds waiting for remote chunks (exposed communication) and its share of the
-//      no-overlap wait (the full transfer time).
+//   3. overlap: forward, and forward + backward, of the balanced causal layout with and
+//      without overlap: time, seconds waiting for remote data (exposed communication; in the
+//      backward also the wait for the peers' dK/dV partials, which depend on their compute) and
+//      its share of the blocking wait (the whole transfer time).
 //
 //   mpirun -np 4 -x OMP_NUM_THREADS=1 bench_context_parallel [--seq 16384] [--overlap-seq 8192]
+//          [--only-overlap]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -124,25 +126,29 @@ void overlap(int64_t N, int reps) {
   const CpLayout l = layouts(tm, N, world.size(), 4)[2];
   if (world.rank() == 0)
     std::printf(
-        "\n## overlap: causal, balanced K = 4, S = %ld, P = %d, forward + backward, best "
-        "of %d\n%-10s %10s %12s %12s %14s\n",
-        long(N), world.size(), reps, "mode", "seconds", "wait (s)", "wait/time", "wait/no-overlap");
-  double base_wait = 0;
-  for (bool ov : {false, true}) {
-    parallel::CpOptions opt;
-    opt.overlap = ov;
-    parallel::ContextParallelAttention cp(world, mc.mask, l, kHeads, kHeads, kDim, opt);
-    double best = 1e30, best_wait = 0;
-    for (int r = 0; r < reps; ++r) {
-      cp.reset_stats();
-      std::vector<double> t{run(cp, true), cp.stats().wait_seconds};
-      world.all_reduce(t, comm::ReduceOp::max);  // the slowest rank
-      if (t[0] < best) best = t[0], best_wait = t[1];
+        "\n## overlap: causal, balanced K = 4, S = %ld, P = %d, best of %d (slowest rank)\n"
+        "%-9s %-10s %10s %12s %12s %14s\n",
+        long(N), world.size(), reps, "pass", "mode", "seconds", "wait (s)", "wait/time",
+        "wait/blocking");
+  for (bool backward : {false, true}) {
+    double base_wait = 0;
+    for (bool ov : {false, true}) {
+      parallel::CpOptions opt;
+      opt.overlap = ov;
+      parallel::ContextParallelAttention cp(world, mc.mask, l, kHeads, kHeads, kDim, opt);
+      double best = 1e30, best_wait = 0;
+      for (int r = 0; r < reps; ++r) {
+        cp.reset_stats();
+        std::vector<double> t{run(cp, backward), cp.stats().wait_seconds};
+        world.all_reduce(t, comm::ReduceOp::max);
+        if (t[0] < best) best = t[0], best_wait = t[1];
+      }
+      if (!ov) base_wait = best_wait;
+      if (world.rank() == 0)
+        std::printf("%-9s %-10s %10.4f %12.5f %12.4f %14.4f\n", backward ? "fwd+bwd" : "forward",
+                    ov ? "overlap" : "blocking", best, best_wait, best_wait / best,
+                    best_wait / base_wait);
     }
-    if (!ov) base_wait = best_wait;
-    if (world.rank() == 0)
-      std::printf("%-10s %10.4f %12.5f %12.4f %14.4f\n", ov ? "overlap" : "blocking", best,
-                  best_wait, best_wait / best, best_wait / base_wait);
   }
 }
 
@@ -151,14 +157,19 @@ void overlap(int64_t N, int reps) {
 int main(int argc, char** argv) {
   auto guard = comm::init_communication(&argc, &argv);
   int64_t seq = 16384, overlap_seq = 8192;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--seq")) seq = std::atoll(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--overlap-seq")) overlap_seq = std::atoll(argv[i + 1]);
+  bool only_overlap = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--only-overlap")) only_overlap = true;
+    if (i + 1 < argc && !std::strcmp(argv[i], "--seq")) seq = std::atoll(argv[i + 1]);
+    if (i + 1 < argc && !std::strcmp(argv[i], "--overlap-seq"))
+      overlap_seq = std::atoll(argv[i + 1]);
   }
   const std::vector<MaskCase> cases{{"causal", ColumnMask::causal_only(1, seq, seq)},
                                     {"causal_document", causal_documents(seq)}};
-  if (comm::world().rank() == 0) balance(cases, seq);
-  traffic(cases, seq);
+  if (!only_overlap) {
+    if (comm::world().rank() == 0) balance(cases, seq);
+    traffic(cases, seq);
+  }
   overlap(overlap_seq, 3);
   return 0;
 }
