@@ -21,27 +21,40 @@ struct Run {
   bool partial;
 };
 
+// Tiles per run: as many whole key tiles as fit in opt.run_cols, at least one.
+int64_t tiles_per_run(const FlashOptions& opt, const TiledMask& m) {
+  return std::max<int64_t>(1, opt.run_cols / m.tile_k());
+}
+
 // The runs of query rows [r0, r1) of mask head (b, hm): maximal stretches of non-skipped key
-// tiles, cut at opt.run_cols columns (at least one tile).
+// tiles, each split into the fewest near-equal whole-tile pieces of at most opt.run_cols
+// columns (so a stretch slightly over the limit does not leave one short, slow GEMM).
 void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const TiledMask& m, int64_t b,
                int64_t hm, int64_t r0, int64_t r1, const FlashOptions& opt) {
   runs.clear();
   const int64_t Sk = m.mask().cols(), tk = m.tile_k(), nt = m.num_key_tiles();
+  const int64_t max_tiles = tiles_per_run(opt, m);
   kinds.resize(size_t(nt));
   for (int64_t n = 0; n < nt; ++n) {
     TileKind kind = m.classify(b, hm, r0, r1, n);
     if (kind == TileKind::skip && !opt.skip_tiles) kind = TileKind::partial;
     kinds[size_t(n)] = kind;
-    if (kind == TileKind::skip) continue;
-    const int64_t c0 = n * tk, c1 = std::min(Sk, c0 + tk);
-    const bool partial = kind == TileKind::partial;
-    if (!runs.empty() && runs.back().c1 == c0 &&
-        c1 - runs.back().c0 <= std::max(opt.run_cols, tk)) {
-      runs.back().c1 = c1;
-      runs.back().partial |= partial;
-    } else {
-      runs.push_back({c0, c1, partial});
+  }
+  for (int64_t n0 = 0; n0 < nt;) {
+    if (kinds[size_t(n0)] == TileKind::skip) {
+      ++n0;
+      continue;
     }
+    int64_t n1 = n0;
+    while (n1 < nt && kinds[size_t(n1)] != TileKind::skip) ++n1;
+    const int64_t pieces = (n1 - n0 + max_tiles - 1) / max_tiles;
+    for (int64_t p = 0; p < pieces; ++p) {
+      const int64_t a = n0 + (n1 - n0) * p / pieces, e = n0 + (n1 - n0) * (p + 1) / pieces;
+      bool partial = false;
+      for (int64_t n = a; n < e; ++n) partial |= kinds[size_t(n)] == TileKind::partial;
+      runs.push_back({a * tk, std::min(Sk, e * tk), partial});
+    }
+    n0 = n1;
   }
 }
 
@@ -112,7 +125,7 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
   TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
                " run_cols = ", opt.run_cols);
   const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
+  const int64_t run_cols = tiles_per_run(opt, tm) * tm.tile_k();
   const Layout L{s.Hq * D, s.Hk * D};
   const float scale = 1.0f / std::sqrt(float(D));
 #pragma omp parallel
@@ -195,7 +208,7 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
   TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
                " run_cols = ", opt.run_cols);
   const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
+  const int64_t run_cols = tiles_per_run(opt, tm) * tm.tile_k();
   const Layout L{s.Hq * D, s.Hk * D};
   const float scale = 1.0f / std::sqrt(float(D));
 #pragma omp parallel
