@@ -104,6 +104,21 @@ struct Layout {
   }
 };
 
+// What forward and backward derive from the shape and options, after checking them.
+struct Setup {
+  int64_t query_tiles, run_cols;
+  Layout layout;
+  float scale;
+};
+
+Setup setup(const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt) {
+  check_mask_fits(tm, s);
+  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
+               " run_cols = ", opt.run_cols);
+  return {(s.Sq + opt.tile_q - 1) / opt.tile_q, tiles_per_run(opt, tm) * tm.tile_k(),
+          Layout{s.Hq * s.D, s.Hk * s.D}, 1.0f / std::sqrt(float(s.D))};
+}
+
 }  // namespace
 
 void check_mask_fits(const TiledMask& tm, const AttentionShape& s) {
@@ -121,23 +136,19 @@ void check_mask_fits(const TiledMask& tm, const AttentionShape& s) {
 void flash_attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
                              const AttentionShape& s, const TiledMask& tm,
                              const FlashOptions& opt) {
-  check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
-               " run_cols = ", opt.run_cols);
-  const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = tiles_per_run(opt, tm) * tm.tile_k();
-  const Layout L{s.Hq * D, s.Hk * D};
-  const float scale = 1.0f / std::sqrt(float(D));
+  const Setup st = setup(s, tm, opt);
+  const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk;
+  const Layout& L = st.layout;
 #pragma omp parallel
   {
-    std::vector<float> S(static_cast<size_t>(Br * run_cols)), acc(static_cast<size_t>(Br * D));
+    std::vector<float> S(static_cast<size_t>(Br * st.run_cols)), acc(static_cast<size_t>(Br * D));
     std::vector<float> m(static_cast<size_t>(Br)), l(static_cast<size_t>(Br));
     std::vector<Run> runs;
     std::vector<TileKind> kinds;
 #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t b = 0; b < s.B; ++b)
       for (int64_t h = 0; h < s.Hq; ++h)
-        for (int64_t qt = 0; qt < nq; ++qt) {
+        for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
           const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0), g = h / rep;
           const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
           plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
@@ -148,8 +159,8 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
           for (const Run& run : runs) {
             const int64_t J = run.c1 - run.c0;
             const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
-            kd::sgemm(false, true, R, J, D, scale, qt_ptr, L.ldq, k + kv0, L.ldkv, 0.0f, S.data(),
-                      J);
+            kd::sgemm(false, true, R, J, D, st.scale, qt_ptr, L.ldq, k + kv0, L.ldkv, 0.0f,
+                      S.data(), J);
             if (run.partial) apply_mask(S.data(), J, run, kinds, tm, b, hm, r0, R);
             for (int64_t r = 0; r < R; ++r) {
               float* p = S.data() + r * J;
@@ -204,17 +215,13 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
                               const float* k, const float* v, const float* o, const float* lse,
                               const AttentionShape& s, const TiledMask& tm,
                               const FlashOptions& opt) {
-  check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
-               " run_cols = ", opt.run_cols);
-  const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = tiles_per_run(opt, tm) * tm.tile_k();
-  const Layout L{s.Hq * D, s.Hk * D};
-  const float scale = 1.0f / std::sqrt(float(D));
+  const Setup st = setup(s, tm, opt);
+  const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk;
+  const Layout& L = st.layout;
 #pragma omp parallel
   {
-    std::vector<float> P(static_cast<size_t>(Br * run_cols)),
-        dS(static_cast<size_t>(Br * run_cols));
+    std::vector<float> P(static_cast<size_t>(Br * st.run_cols)),
+        dS(static_cast<size_t>(Br * st.run_cols));
     std::vector<float> delta(static_cast<size_t>(Br));
     std::vector<Run> runs;
     std::vector<TileKind> kinds;
@@ -223,7 +230,7 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
       for (int64_t g = 0; g < s.Hk; ++g)
         for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
           const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
-          for (int64_t qt = 0; qt < nq; ++qt) {
+          for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
             const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0);
             plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
             if (runs.empty()) continue;
@@ -240,8 +247,8 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
             for (const Run& run : runs) {
               const int64_t J = run.c1 - run.c0;
               const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
-              kd::sgemm(false, true, R, J, D, scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f, P.data(),
-                        J);
+              kd::sgemm(false, true, R, J, D, st.scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f,
+                        P.data(), J);
               if (run.partial) apply_mask(P.data(), J, run, kinds, tm, b, hm, r0, R);
               kd::sgemm(false, true, R, J, D, 1.0f, dout + q0, L.ldq, v + kv0, L.ldkv, 0.0f,
                         dS.data(), J);
@@ -260,9 +267,9 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
                   ds[j] = p[j] * (ds[j] - d_r);
                 }
               }
-              kd::sgemm(false, false, R, D, J, scale, dS.data(), J, k + kv0, L.ldkv, 1.0f, dq + q0,
-                        L.ldq);
-              kd::sgemm(true, false, J, D, R, scale, dS.data(), J, q + q0, L.ldq, 1.0f, dk + kv0,
+              kd::sgemm(false, false, R, D, J, st.scale, dS.data(), J, k + kv0, L.ldkv, 1.0f,
+                        dq + q0, L.ldq);
+              kd::sgemm(true, false, J, D, R, st.scale, dS.data(), J, q + q0, L.ldq, 1.0f, dk + kv0,
                         L.ldkv);
               kd::sgemm(true, false, J, D, R, 1.0f, P.data(), J, dout + q0, L.ldq, 1.0f, dv + kv0,
                         L.ldkv);
