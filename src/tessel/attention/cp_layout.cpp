@@ -1,7 +1,6 @@
 #include "tessel/attention/cp_layout.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <numeric>
 
 #include "tessel/core/error.hpp"
@@ -181,21 +180,6 @@ double imbalance(const CpLayout& layout, const std::vector<int64_t>& work) {
   const double total = double(std::accumulate(w.begin(), w.end(), int64_t(0)));
   if (total == 0) return 1.0;
   return double(*std::max_element(w.begin(), w.end())) / (total / double(w.size()));
-}
-
-std::vector<float> take_chunk_rows(const float* x, int64_t B, int64_t width, const CpLayout& layout,
-                                   const std::vector<int64_t>& chunks) {
-  int64_t rows = 0;
-  for (int64_t c : chunks) rows += layout.chunk_rows(c);
-  std::vector<float> out(size_t(B * rows * width));
-  float* dst = out.data();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t c : chunks) {
-      const size_t n = size_t(layout.chunk_rows(c) * width);
-      std::memcpy(dst, x + (b * layout.seq + layout.chunk_begin(c)) * width, n * sizeof(float));
-      dst += n;
-    }
-  return out;
 }
 
 void add_chunk_rows(float* x, const float* rows, int64_t B, int64_t width, const CpLayout& layout,

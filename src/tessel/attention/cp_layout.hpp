@@ -54,8 +54,17 @@ double imbalance(const CpLayout& layout, const std::vector<int64_t>& work);
 
 // Rows of `chunks` (in the given order) of x [B, layout.seq, width], concatenated:
 // out [B, sum of their lengths, width]. `add_chunk_rows` is the inverse scatter, adding.
-std::vector<float> take_chunk_rows(const float* x, int64_t B, int64_t width, const CpLayout& layout,
-                                   const std::vector<int64_t>& chunks);
+template <class T>
+std::vector<T> take_chunk_rows(const T* x, int64_t B, int64_t width, const CpLayout& layout,
+                               const std::vector<int64_t>& chunks) {
+  std::vector<T> out;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c : chunks) {
+      const T* src = x + (b * layout.seq + layout.chunk_begin(c)) * width;
+      out.insert(out.end(), src, src + layout.chunk_rows(c) * width);
+    }
+  return out;
+}
 void add_chunk_rows(float* x, const float* rows, int64_t B, int64_t width, const CpLayout& layout,
                     const std::vector<int64_t>& chunks);
 

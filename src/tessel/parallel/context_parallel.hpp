@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tessel/attention/attention_hook.hpp"
 #include "tessel/attention/cp_layout.hpp"
 #include "tessel/attention/flash_attention.hpp"
 #include "tessel/comm/communicator.hpp"
@@ -46,7 +47,7 @@ struct CpStats {
   double wait_seconds = 0;
 };
 
-class ContextParallelAttention {
+class ContextParallelAttention final : public attention::AttentionHook {
  public:
   // `mask` is the global mask [B, Hm, S, S] (S = layout.seq); layout.ranks() == group.size().
   ContextParallelAttention(comm::Communicator& group, const attention::ColumnMask& mask,
@@ -58,9 +59,9 @@ class ContextParallelAttention {
   // Whether rank r needs chunk c's keys and values (r's own chunks included).
   bool needs(int r, int64_t c) const { return needs_[size_t(r)][size_t(c)] != 0; }
 
-  void forward(float* o, float* lse, const float* q, const float* k, const float* v);
+  void forward(float* o, float* lse, const float* q, const float* k, const float* v) override;
   void backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
-                const float* v, const float* o, const float* lse);
+                const float* v, const float* o, const float* lse) override;
 
   const CpStats& stats() const { return stats_; }
   void reset_stats() { stats_ = {}; }

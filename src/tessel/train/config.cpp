@@ -191,7 +191,10 @@ std::vector<ConfigKey> build_schema() {
                  FIELD(optim.decay_tags)),
       int_key("parallel.dp", "data-parallel degree; 0 = world / (pp * cp)", FIELD(parallel.dp)),
       int_key("parallel.pp", "pipeline stages", FIELD(parallel.pp)),
-      int_key("parallel.cp", "context-parallel degree", FIELD(parallel.cp)),
+      int_key("parallel.cp",
+              "context-parallel degree: each sequence split over cp ranks in 2 * cp zigzag "
+              "chunks (train.seq_len divisible by 2 * cp)",
+              FIELD(parallel.cp)),
       int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
@@ -343,10 +346,14 @@ void validate(const Config& c) {
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
-  if (c.parallel.pp > 1 || c.parallel.cp > 1 || c.parallel.ep > 1)
+  if (c.parallel.pp > 1 || c.parallel.ep > 1)
     input_error(
-        "config keys 'parallel.pp', 'parallel.cp', 'parallel.ep' must be 1: pipeline, "
-        "context and expert parallelism are not available yet");
+        "config keys 'parallel.pp', 'parallel.ep' must be 1: pipeline and expert parallelism "
+        "are not available yet");
+  if (c.parallel.cp > 1 && c.train.seq_len % (2 * c.parallel.cp) != 0)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " needs train.seq_len divisible by 2 * cp (zigzag chunks), got seq_len = ",
+                c.train.seq_len);
   if (c.parallel.bucket_mb <= 0)
     input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
   non_negative("run.threads", double(c.run.threads));

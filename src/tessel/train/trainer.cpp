@@ -84,6 +84,10 @@ struct Trainer::State {
   comm::Communicator& world;
   comm::Mesh mesh;
   comm::Communicator& dp;
+  // With context parallelism the cp ranks of a dp rank split each sequence: the loss and the
+  // gradients sum over dp x cp (the ranks with this pipeline stage).
+  std::unique_ptr<comm::Communicator> dp_cp;
+  comm::Communicator& grad_group;
   bool is_root;
   model::Gpt model;
   std::unique_ptr<optim::Optimizer> optimizer;
@@ -91,7 +95,7 @@ struct Trainer::State {
   parallel::GradientReducer reducer;
   data::DataLoader loader;
   std::vector<data::Batch> val_batches;
-  std::map<int64_t, std::unique_ptr<model::Activations>> acts;  // by micro-batch rows
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
   CheckpointStore store;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
@@ -117,12 +121,14 @@ struct Trainer::State {
         world(w),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
+        dp_cp(shape.cp > 1 ? w.split(mesh.coordinate(comm::Axis::pp), w.rank()) : nullptr),
+        grad_group(dp_cp ? *dp_cp : dp),
         is_root(w.rank() == 0),
         model(config.model, uint64_t(config.run.seed)),
         optimizer(optim::make_optimizer(config.optim, model.parameters())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
-        reducer(dp, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
+        reducer(grad_group, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         loader(
             config.data.path + "/train.tok",
             data::LoaderOptions{config.train.seq_len, config.train.micro_batch, config.train.accum,
@@ -139,9 +145,9 @@ struct Trainer::State {
                   " exceeds model.vocab = ", config.model.vocab);
   }
 
-  model::Activations& activations(int64_t rows) {
-    auto& a = acts[rows];
-    if (!a) a = model.make_activations(rows, config.train.seq_len);
+  model::Activations& activations(int64_t rows, int64_t T) {
+    auto& a = acts[{rows, T}];
+    if (!a) a = model.make_activations(rows, T);
     return *a;
   }
 
@@ -232,7 +238,7 @@ struct Trainer::State {
     double stats[2] = {0, 0};
     for (const auto& b : val_batches) {
       stats[0] +=
-          model.forward(activations(b.B), BatchInputs(b, config.data.attention_mask).inputs());
+          model.forward(activations(b.B, b.T), BatchInputs(b, config.data.attention_mask).inputs());
       stats[1] += mask_sum(b);
     }
     dp.all_reduce(std::span<double>(stats, 2));
@@ -330,12 +336,16 @@ TrainResult Trainer::run() {
     double stats[2] = {0, 0};  // loss sum, loss tokens
     for (int64_t m = 0; m < c.train.accum; ++m) {
       data::Batch batch = s.loader.next();
-      model::Activations& acts = s.activations(batch.B);
-      stats[0] += s.model.forward(acts, BatchInputs(batch, c.data.attention_mask).inputs());
-      stats[1] += mask_sum(batch);
+      const BatchInputs full(batch, c.data.attention_mask);
+      std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
+      if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.model);
+      const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+      model::Activations& acts = s.activations(in.B, in.T);
+      stats[0] += s.model.forward(acts, in);
+      stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
       s.model.backward(acts, 1.0f);
     }
-    s.dp.all_reduce(std::span<double>(stats, 2));
+    s.grad_group.all_reduce(std::span<double>(stats, 2));
     TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
     s.reducer.reduce(float(1.0 / stats[1]));
     double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
