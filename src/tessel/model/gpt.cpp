@@ -111,9 +111,9 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
     pos_embed_ =
         add("pos_embed.weight", ParamTag::position_embedding, {config_.max_seq, C_}, Init::normal);
   // MoE blocks: router, selection bias, then each expert's MLP, then the shared expert.
-  const moe::LayerShape moe_shape{C_, config_.moe_hidden_size(), config_.moe.shared,
-                                  config_.mlp == MlpType::gelu ? moe::ExpertMlp::gelu
-                                                               : moe::ExpertMlp::swiglu};
+  const moe::LayerShape moe_shape{
+      C_, config_.moe_hidden_size(), config_.moe.shared,
+      config_.mlp == MlpType::gelu ? moe::ExpertMlp::gelu : moe::ExpertMlp::swiglu};
   auto add_mlp = [&](const std::string& prefix, int64_t hidden, MlpParams& m) {
     add_linear(prefix + ".fc_in", moe_shape.fc_in_rows(hidden), C_, Init::normal, m.fc_in_w,
                m.fc_in_b);
@@ -448,8 +448,8 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
     auto g = moe_views<float>(mp, [this](int i) { return grad(i); });
     acts.d_norm.fill_zero();
     moe_->backward(acts.moe[size_t(l)], d_norm, g, dy, acts.mlp_norm.f32() + l * N * C,
-                   moe_views<const float>(mp, [this](int i) { return value(i); }),
-                   acts.loss_scale, balance_[size_t(l)], *expert_comm_);
+                   moe_views<const float>(mp, [this](int i) { return value(i); }), acts.loss_scale,
+                   balance_[size_t(l)], *expert_comm_);
   } else {
     acts.d_act.fill_zero();
     kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,

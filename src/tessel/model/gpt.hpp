@@ -186,10 +186,10 @@ class Gpt {
   ParameterList parameters_;
   int embed_ = -1, pos_embed_ = -1, final_norm_w_ = -1, final_norm_b_ = -1, head_ = -1;
   std::vector<BlockParams> blocks_;
-  std::vector<bool> moe_mask_;                // [L]
-  std::vector<MoeParams> moe_params_;         // [L], used where moe_mask_
-  std::optional<moe::MoeLayer> moe_;          // the MoE blocks' layer (one config for all)
-  std::vector<moe::BalanceState> balance_;    // [L]
+  std::vector<bool> moe_mask_;              // [L]
+  std::vector<MoeParams> moe_params_;       // [L], used where moe_mask_
+  std::optional<moe::MoeLayer> moe_;        // the MoE blocks' layer (one config for all)
+  std::vector<moe::BalanceState> balance_;  // [L]
   std::unique_ptr<moe::LocalExpertComm> local_comm_ = std::make_unique<moe::LocalExpertComm>();
   moe::ExpertComm* expert_comm_ = local_comm_.get();
 };

@@ -34,9 +34,10 @@ std::vector<bool> GptConfig::moe_mask() const {
     int64_t i = -1;
     auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), i);
     if (ec != std::errc() || ptr != item.data() + item.size() || i < 0 || i >= layers)
-      input_error("model.moe_layers = \"", moe_layers,
-                  "\" must be \"\", \"all\" or comma-separated block indices in [0, model.layers = ",
-                  layers, ")");
+      input_error(
+          "model.moe_layers = \"", moe_layers,
+          "\" must be \"\", \"all\" or comma-separated block indices in [0, model.layers = ",
+          layers, ")");
     mask[size_t(i)] = true;
     begin = end + 1;
   }

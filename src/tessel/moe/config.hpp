@@ -6,8 +6,8 @@
 
 namespace tessel::moe {
 
-enum class ExpertMlp { gelu, swiglu };         // the expert MLPs (= model.mlp)
-enum class ScoreFn { softmax, sigmoid };       // router probabilities from the logits
+enum class ExpertMlp { gelu, swiglu };            // the expert MLPs (= model.mlp)
+enum class ScoreFn { softmax, sigmoid };          // router probabilities from the logits
 enum class DropPolicy { probability, position };  // which assignments over capacity go
 // How the layer keeps the experts' loads even (docs/model.md, "Balancing").
 enum class Balance { none, aux, aux_global, bias, qb_avg, eqb, lei, eqb_lei };
@@ -23,12 +23,12 @@ struct MoeConfig {
   double capacity = 0.0;        // capacity factor cf; 0 = dropless
   DropPolicy drop = DropPolicy::probability;
   Balance balance = Balance::none;
-  double aux_coeff = 1e-2;   // Switch aux loss alpha (aux, aux_global)
-  double z_coeff = 0.0;      // router z-loss coefficient (any balance)
-  double bias_rate = 1e-3;   // gamma of the sign bias update (bias)
-  double lei_coeff = 1e-2;   // LEI centered_fsq coefficient (lei, eqb_lei)
+  double aux_coeff = 1e-2;  // Switch aux loss alpha (aux, aux_global)
+  double z_coeff = 0.0;     // router z-loss coefficient (any balance)
+  double bias_rate = 1e-3;  // gamma of the sign bias update (bias)
+  double lei_coeff = 1e-2;  // LEI centered_fsq coefficient (lei, eqb_lei)
   LeiKernel lei_kernel = LeiKernel::rectangle;
-  double lei_width = 1.0;    // kernel width w (tanh: 1 / slope)
+  double lei_width = 1.0;  // kernel width w (tanh: 1 / slope)
 };
 
 // Throws tessel::InputError naming the first bad model.moe_<field>.

@@ -15,8 +15,7 @@ namespace tessel::moe {
 
 namespace kn = tessel::kernels;
 
-void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth,
-                  float* kplus1) {
+void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1) {
   uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
   auto is_taken = [&](int64_t e) { return (taken[e >> 6] >> (e & 63)) & 1; };
   for (int64_t j = 0; j <= k && j < E; ++j) {
@@ -34,8 +33,8 @@ void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* k
   *kplus1 = -std::numeric_limits<float>::infinity();
 }
 
-int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k,
-                       int64_t E, double capacity, DropPolicy drop, uint8_t* kept) {
+int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
+                       double capacity, DropPolicy drop, uint8_t* kept) {
   const int64_t cap = int64_t(std::ceil(double(k) * double(N) * capacity / double(E)));
   std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E));
   for (int64_t s = 0; s < N * k; ++s) slots[size_t(choice[s])].push_back(s);
@@ -76,10 +75,12 @@ void reorder_blocks(float* dst, const float* src, const std::vector<int64_t>& co
   std::vector<int64_t> src_major(size_t(ep * El)), exp_major(size_t(ep * El));
   int64_t off = 0;
   for (int64_t s = 0; s < ep; ++s)
-    for (int64_t l = 0; l < El; ++l) src_major[size_t(s * El + l)] = off, off += counts[size_t(s * El + l)];
+    for (int64_t l = 0; l < El; ++l)
+      src_major[size_t(s * El + l)] = off, off += counts[size_t(s * El + l)];
   off = 0;
   for (int64_t l = 0; l < El; ++l)
-    for (int64_t s = 0; s < ep; ++s) exp_major[size_t(s * El + l)] = off, off += counts[size_t(s * El + l)];
+    for (int64_t s = 0; s < ep; ++s)
+      exp_major[size_t(s * El + l)] = off, off += counts[size_t(s * El + l)];
   for (int64_t b = 0; b < ep * El; ++b) {
     const int64_t from = to_expert_major ? src_major[size_t(b)] : exp_major[size_t(b)];
     const int64_t to = to_expert_major ? exp_major[size_t(b)] : src_major[size_t(b)];
@@ -357,8 +358,8 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
     MlpWeightsT<float>& ge = g.experts[size_t(first + l)];
     if (n > 0)
       kn::linear_backward(d_act.data() + o * F, ge.fc_out_w, ge.fc_out_b, d_out.data() + o * C,
-                          c.expert_act.data() + o * F, w.experts[size_t(first + l)].fc_out_w, n,
-                          F, C);
+                          c.expert_act.data() + o * F, w.experts[size_t(first + l)].fc_out_w, n, F,
+                          C);
   }
   act_backward(shape_.mlp, d_fc.data(), d_act.data(), c.expert_fc.data(), R, F);
   for (int64_t l = 0; l < El; ++l) {
@@ -387,8 +388,8 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
     kn::linear_backward(ds_act.data(), g.shared.fc_out_w, g.shared.fc_out_b, dy,
                         c.shared_act.data(), w.shared.fc_out_w, N, Fs, C);
     act_backward(shape_.mlp, ds_fc.data(), ds_act.data(), c.shared_fc.data(), N, Fs);
-    kn::linear_backward(dx, g.shared.fc_in_w, g.shared.fc_in_b, ds_fc.data(), x,
-                        w.shared.fc_in_w, N, C, Fsi);
+    kn::linear_backward(dx, g.shared.fc_in_w, g.shared.fc_in_b, ds_fc.data(), x, w.shared.fc_in_w,
+                        N, C, Fsi);
   }
 
   // Router: gates -> probabilities, plus the balancing gradients.
@@ -434,9 +435,9 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
         if (config_.lei_kernel == LeiKernel::identity)
           dp[size_t(n * E + e)] += float(a);
         else
-          dl[size_t(n * E + e)] += float(
-              a * lei_kernel_grad(config_.lei_kernel, c.lei_margin[size_t(n * E + e)],
-                                  config_.lei_width));
+          dl[size_t(n * E + e)] +=
+              float(a * lei_kernel_grad(config_.lei_kernel, c.lei_margin[size_t(n * E + e)],
+                                        config_.lei_width));
       }
     }
   }
@@ -510,8 +511,8 @@ void MoeLayer::update(BalanceState& state, float* beta, ExpertComm& comm) const 
     state.keys.resize(static_cast<size_t>(E));
     std::vector<uint16_t> keys;
     for (const auto& col : state.keys) keys.insert(keys.end(), col.begin(), col.end());
-    const auto q =
-        global_kth_smallest(keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); }, comm);
+    const auto q = global_kth_smallest(
+        keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); }, comm);
     for (int64_t e = 0; e < E; ++e) beta[e] = value_of_order_key(q[size_t(e)]);
   }
   state = BalanceState{};

@@ -37,7 +37,7 @@ struct MlpWeightsT {
 };
 template <class P>
 struct LayerWeightsT {
-  P* router = nullptr;  // [E, C]
+  P* router = nullptr;                  // [E, C]
   std::vector<MlpWeightsT<P>> experts;  // [E]
   MlpWeightsT<P> shared;                // fc_in_w null: no shared expert
 };
@@ -49,7 +49,9 @@ struct LayerShape {
   int64_t F = 0;   // expert hidden width
   int64_t Fs = 0;  // shared expert hidden width (0 = none)
   ExpertMlp mlp = ExpertMlp::gelu;
-  int64_t fc_in_rows(int64_t hidden) const { return mlp == ExpertMlp::swiglu ? 2 * hidden : hidden; }
+  int64_t fc_in_rows(int64_t hidden) const {
+    return mlp == ExpertMlp::swiglu ? 2 * hidden : hidden;
+  }
 };
 
 // What one forward keeps for its backward, plus the statistics the metrics read.
@@ -62,13 +64,13 @@ struct LayerCache {
   std::vector<float> lei_margin;     // [N, E] (lei): selection score minus the token's boundary
   std::vector<float> qb_margin;      // [N, E] (qb_avg, eqb): logits minus alpha_t (spec 2.2)
   // Dispatch: this rank's kept assignments in expert order, then what the ep group sent.
-  std::vector<int32_t> order;         // [A] slot n*k+j of each permuted row
-  std::vector<int64_t> counts;        // [E] kept assignments per expert (this rank's tokens)
-  std::vector<int64_t> recv_counts;   // [ep, E/ep] rows from ep rank s for local expert l
-  std::vector<float> expert_in;       // [R, C] rows of the local experts, expert-major
-  std::vector<float> expert_fc;       // [R, Fi]
-  std::vector<float> expert_act;      // [R, F]
-  std::vector<float> combined;        // [A, C] expert outputs in the permuted order
+  std::vector<int32_t> order;                // [A] slot n*k+j of each permuted row
+  std::vector<int64_t> counts;               // [E] kept assignments per expert (this rank's tokens)
+  std::vector<int64_t> recv_counts;          // [ep, E/ep] rows from ep rank s for local expert l
+  std::vector<float> expert_in;              // [R, C] rows of the local experts, expert-major
+  std::vector<float> expert_fc;              // [R, Fi]
+  std::vector<float> expert_act;             // [R, F]
+  std::vector<float> combined;               // [A, C] expert outputs in the permuted order
   std::vector<float> shared_fc, shared_act;  // [N, Fsi], [N, Fs]
   // Statistics.
   std::vector<int64_t> loads;        // [E] this rank's assignments before drops
@@ -80,10 +82,10 @@ struct LayerCache {
 // Per-step accumulators of the balancing methods that update beta once per optimizer step;
 // filled by backward (training micro-batches only), consumed by MoeLayer::update.
 struct BalanceState {
-  std::vector<double> loads;              // [E] bias: assignments this step (this rank)
-  std::vector<int32_t> global_counts;     // [E] aux_global: group-wide counts this step
-  std::vector<double> beta_sum;           // [E] qb_avg: sum of per-micro-batch quantiles
-  int64_t micro_batches = 0;              // qb_avg
+  std::vector<double> loads;                // [E] bias: assignments this step (this rank)
+  std::vector<int32_t> global_counts;       // [E] aux_global: group-wide counts this step
+  std::vector<double> beta_sum;             // [E] qb_avg: sum of per-micro-batch quantiles
+  int64_t micro_batches = 0;                // qb_avg
   std::vector<std::vector<uint16_t>> keys;  // [E][tokens] eqb: order keys of the margins
 };
 
@@ -117,12 +119,11 @@ class MoeLayer {
 
 // The k largest of sel[E] (ties: lowest expert first), best first, into out[k]; returns
 // the (k+1)-th largest value (-inf when k = E) through kplus1 and the k-th through kth.
-void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth,
-                  float* kplus1);
+void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1);
 // Marks the slots of `choice` [N, k] over capacity: kept[s] = 0 for the assignments each
 // expert drops (priority by gate, ties by slot, or by slot); returns the number dropped.
-int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k,
-                       int64_t E, double capacity, DropPolicy drop, uint8_t* kept);
+int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
+                       double capacity, DropPolicy drop, uint8_t* kept);
 // phi'(m) of the LEI kernels (rectangle, triangle, tanh) of width w.
 double lei_kernel_grad(LeiKernel kernel, double m, double w);
 

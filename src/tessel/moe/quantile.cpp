@@ -44,8 +44,8 @@ int select_bin(const int32_t* h, int64_t& r) {
 std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_t columns,
                                           std::span<const uint8_t> valid, const RankOf& rank_of,
                                           ExpertComm& comm) {
-  TESSEL_CHECK(columns > 0 && int64_t(keys.size()) % columns == 0, "keys of ", keys.size(),
-               " for ", columns, " columns");
+  TESSEL_CHECK(columns > 0 && int64_t(keys.size()) % columns == 0, "keys of ", keys.size(), " for ",
+               columns, " columns");
   const int64_t rows = int64_t(keys.size()) / columns;
   TESSEL_CHECK(valid.empty() || int64_t(valid.size()) == rows, "valid mask of ", valid.size(),
                " for ", rows, " rows");

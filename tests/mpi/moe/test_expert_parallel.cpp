@@ -93,7 +93,8 @@ struct Pool {
 
 Pool make_pool(int64_t rows) {
   Rng rng(4242);
-  Pool p{rows, 6, VecF(static_cast<size_t>(rows * 6)), std::vector<uint8_t>(static_cast<size_t>(rows))};
+  Pool p{rows, 6, VecF(static_cast<size_t>(rows * 6)),
+         std::vector<uint8_t>(static_cast<size_t>(rows))};
   const float big = std::numeric_limits<float>::max();
   for (int64_t t = 0; t < rows; ++t) {
     float* v = p.values.data() + t * p.columns;
@@ -116,7 +117,8 @@ void shard_of(const Pool& p, const std::vector<int64_t>& ids, std::vector<uint16
   valid.assign(size_t(n), 0);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t c = 0; c < p.columns; ++c)
-      keys[size_t(c * n + i)] = moe::bf16_order_key(p.values[size_t(ids[size_t(i)] * p.columns + c)]);
+      keys[size_t(c * n + i)] =
+          moe::bf16_order_key(p.values[size_t(ids[size_t(i)] * p.columns + c)]);
     valid[size_t(i)] = p.valid[size_t(ids[size_t(i)])];
   }
 }
@@ -157,7 +159,8 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
     for (int64_t c = 0; c < pool.columns; ++c) {
       std::vector<uint16_t> sorted;
       for (int64_t t = 0; t < pool.rows; ++t)
-        if (pool.valid[size_t(t)]) sorted.push_back(moe::bf16_order_key(pool.values[size_t(t * pool.columns + c)]));
+        if (pool.valid[size_t(t)])
+          sorted.push_back(moe::bf16_order_key(pool.values[size_t(t * pool.columns + c)]));
       std::sort(sorted.begin(), sorted.end());
       const uint16_t want = sorted[size_t(rank_of(int64_t(sorted.size())) - 1)];
       for (const auto& r : results) EXPECT_EQ(r[size_t(c)], want) << "column " << c;

@@ -44,9 +44,9 @@ inline GptConfig swiglu_config() {
   return c;
 }
 
-// `base` with MoE blocks `layers` (3 experts, top-2, so each expert sees many tokens, a shared expert; swiglu configs also
-// sigmoid scores and capacity factor 1). Balancing by EQB, which adds no loss term, so the
-// gradient is that of the returned loss.
+// `base` with MoE blocks `layers` (3 experts, top-2, so each expert sees many tokens, a shared
+// expert; swiglu configs also sigmoid scores and capacity factor 1). Balancing by EQB, which adds
+// no loss term, so the gradient is that of the returned loss.
 inline GptConfig moe_config(GptConfig base, const char* layers) {
   base.moe_layers = layers;
   base.moe.experts = 3;

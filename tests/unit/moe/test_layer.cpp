@@ -61,11 +61,13 @@ std::vector<Case> cases() {
       {"capacity_position", layout(swiglu, sg, true, 0, false, 0.5, D::position, B::none), 12},
       {"aux_z", layout(gelu, sm, true, 0, true, 0, D::probability, B::aux, 0.01), 10},
       {"lei_sigmoid", layout(gelu, sg, true, 0, true, 0, D::probability, B::lei), 10},
-      {"lei_identity", [] {
+      {"lei_identity",
+       [] {
          Layout l = layout(swiglu, sm, false, 0, true, 0, D::probability, B::lei);
          l.config.lei_kernel = LeiKernel::identity;
          return l;
-       }(), 8},
+       }(),
+       8},
   };
 }
 
@@ -74,8 +76,8 @@ struct LayerRun {
   LayerCache cache;
 };
 
-LayerRun run_fast(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, const VecF& beta,
-             const VecF& grad_base, float loss_scale) {
+LayerRun run_fast(const Layout& l, const VecF& params, const VecF& x, const VecF& dy,
+                  const VecF& beta, const VecF& grad_base, float loss_scale) {
   MoeLayer layer(l.config, l.shape);
   LocalExpertComm comm;
   const int64_t N = int64_t(x.size()) / l.shape.C;
@@ -167,7 +169,8 @@ double objective(const Layout& l, const VecD& params, const VecD& x, const VecD&
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t e = 0; e < E; ++e) {
       logit[size_t(e)] = 0;
-      for (int64_t i = 0; i < C; ++i) logit[size_t(e)] += x[size_t(n * C + i)] * params[size_t(e * C + i)];
+      for (int64_t i = 0; i < C; ++i)
+        logit[size_t(e)] += x[size_t(n * C + i)] * params[size_t(e * C + i)];
     }
     double m = *std::max_element(logit.begin(), logit.end()), s = 0;
     for (double v : logit) s += std::exp(v - m);
@@ -183,8 +186,8 @@ double objective(const Layout& l, const VecD& params, const VecD& x, const VecD&
   }
   double aux = 0;
   for (int64_t e = 0; e < E && l.config.balance == Balance::aux; ++e)
-    aux += l.config.aux_coeff * double(E) * double(loads[size_t(e)]) /
-           double(N * l.config.top_k) * P[size_t(e)];
+    aux += l.config.aux_coeff * double(E) * double(loads[size_t(e)]) / double(N * l.config.top_k) *
+           P[size_t(e)];
   return j + loss_scale * double(N) * (aux + l.config.z_coeff * z / double(N));
 }
 
@@ -202,8 +205,8 @@ TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
     VecD dx(x.size(), 0.0), g(params.size(), 0.0);
     auto gw = bind<double>(g.data(), l);
     naive::moe_backward<double>(dx.data(), gw, R.data(), x.data(), c.N,
-                                bind<const double>(params.data(), l), beta.data(), scale,
-                                l.config, l.shape);
+                                bind<const double>(params.data(), l), beta.data(), scale, l.config,
+                                l.shape);
     auto J = [&] { return objective(l, params, x, R, beta, scale); };
     EXPECT_LT(rel_error(dx, numeric_grad(x, J)), kFiniteDiff);
     EXPECT_LT(rel_error(g, numeric_grad(params, J)), kFiniteDiff);

@@ -62,7 +62,8 @@ TEST(Lei, WorkedExampleOneToken) {
   // Spec 3.3: logits [2.7, 2.5, 2.4, 0.1], k = 2: loads [1, 1, 0, 0], L = 1 + 4 * 4 / 16 = 2.
   // Boundary (2.5 + 2.4) / 2 = 2.45: margins 0.25, 0.05, -0.05, -2.35; rectangle w = 1 gives
   // phi' = 1 inside |m| <= 0.5. dL/ds_e = 2E/(T k) (f_e - 1/E) phi' = 4 (f_e - 1/4) phi'.
-  const Result r = balance_grad(lei_layout(4, 2, LeiKernel::rectangle, 1.0), {2.7f, 2.5f, 2.4f, 0.1f});
+  const Result r =
+      balance_grad(lei_layout(4, 2, LeiKernel::rectangle, 1.0), {2.7f, 2.5f, 2.4f, 0.1f});
   EXPECT_DOUBLE_EQ(r.loss, 2.0);
   EXPECT_FLOAT_EQ(r.d_logits[0], 1.0f);   // overloaded
   EXPECT_FLOAT_EQ(r.d_logits[1], 1.0f);   // overloaded

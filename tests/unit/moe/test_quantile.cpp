@@ -78,12 +78,12 @@ TEST(GlobalKthSmallest, OneRankEqualsTheSortedPoolWithTwoSumsOfE256Counters) {
   const int64_t rows = 301, columns = 5;
   std::vector<float> v(size_t(rows * columns));
   for (int64_t t = 0; t < rows; ++t) {
-    v[size_t(t * columns + 0)] = rng.normal();                            // spread
-    v[size_t(t * columns + 1)] = float(int(rng.below(3))) - 1.0f;         // heavy ties
-    v[size_t(t * columns + 2)] = 2.5f;                                    // constant
-    v[size_t(t * columns + 3)] = rng.below(2) ? 0.0f : -0.0f;             // +-0
-    v[size_t(t * columns + 4)] = rng.below(2) ? std::numeric_limits<float>::max()
-                                              : -std::numeric_limits<float>::max();
+    v[size_t(t * columns + 0)] = rng.normal();                     // spread
+    v[size_t(t * columns + 1)] = float(int(rng.below(3))) - 1.0f;  // heavy ties
+    v[size_t(t * columns + 2)] = 2.5f;                             // constant
+    v[size_t(t * columns + 3)] = rng.below(2) ? 0.0f : -0.0f;      // +-0
+    v[size_t(t * columns + 4)] =
+        rng.below(2) ? std::numeric_limits<float>::max() : -std::numeric_limits<float>::max();
   }
   std::vector<uint8_t> valid(static_cast<size_t>(rows));
   for (auto& m : valid) m = rng.below(4) != 0;
@@ -91,10 +91,9 @@ TEST(GlobalKthSmallest, OneRankEqualsTheSortedPoolWithTwoSumsOfE256Counters) {
     for (int64_t r : {int64_t(1), int64_t(17), int64_t(150)}) {
       CountingComm comm;
       const auto keys = keys_of(v, rows, columns);
-      const auto got = global_kth_smallest(keys, columns,
-                                           masked ? std::span<const uint8_t>(valid)
-                                                  : std::span<const uint8_t>(),
-                                           [&](int64_t) { return r; }, comm);
+      const auto got = global_kth_smallest(
+          keys, columns, masked ? std::span<const uint8_t>(valid) : std::span<const uint8_t>(),
+          [&](int64_t) { return r; }, comm);
       EXPECT_EQ(comm.calls, (std::vector<size_t>{size_t(columns * 256), size_t(columns * 256)}));
       for (int64_t c = 0; c < columns; ++c) {
         std::vector<uint16_t> pool;
@@ -121,8 +120,8 @@ TEST(GlobalKthSmallest, QbUpdateGivesEachExpertItsShareWithinTies) {
   for (auto& x : m) x = rng.normal() + (rng.below(5) == 0 ? 0.25f : 0.0f);
   LocalExpertComm comm;
   const auto keys = keys_of(m, n, E);
-  const auto beta =
-      global_kth_smallest(keys, E, {}, [&](int64_t rows) { return qb_rank(rows, k, E); }, comm);
+  const auto beta = global_kth_smallest(
+      keys, E, {}, [&](int64_t rows) { return qb_rank(rows, k, E); }, comm);
   for (int64_t e = 0; e < E; ++e) {
     int64_t above = 0, at = 0;
     for (int64_t t = 0; t < n; ++t) {
@@ -141,8 +140,8 @@ TEST(AveragedQuantile, DependsOnHowTokensAreSplit) {
   auto local_kth = [](std::vector<float> shard) {
     LocalExpertComm comm;
     const auto keys = keys_of(shard, int64_t(shard.size()), 1);
-    return value_of_order_key(
-        global_kth_smallest(keys, 1, {}, [](int64_t n) { return (n + 1) / 2; }, comm)[0]);
+    return value_of_order_key(global_kth_smallest(
+        keys, 1, {}, [](int64_t n) { return (n + 1) / 2; }, comm)[0]);
   };
   const float split_a = (local_kth({1, 2, 3, 4}) + local_kth({5, 6, 7, 8})) / 2;  // (2 + 6) / 2
   const float split_b = (local_kth({1, 3, 5, 7}) + local_kth({2, 4, 6, 8})) / 2;  // (3 + 4) / 2

@@ -1,12 +1,13 @@
 // The naive twin of MoeLayer: one token at a time, every selected expert evaluated on its
 // own row with the naive kernels, in T.
+#include "tessel/moe/layer.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "tessel/kernels/cpu/activations.hpp"
 #include "tessel/kernels/cpu/gemm.hpp"
-#include "tessel/moe/layer.hpp"
 
 namespace tessel::moe::naive {
 
@@ -28,8 +29,8 @@ template <class T>
 Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
                  const MoeConfig& cfg, int64_t C) {
   const int64_t E = cfg.experts, k = cfg.top_k;
-  Routing<T> r{std::vector<T>(size_t(N * E)), std::vector<T>(size_t(N * E)),
-               std::vector<int32_t>(size_t(N * k)), std::vector<T>(size_t(N * k)),
+  Routing<T> r{std::vector<T>(size_t(N * E)),          std::vector<T>(size_t(N * E)),
+               std::vector<int32_t>(size_t(N * k)),    std::vector<T>(size_t(N * k)),
                std::vector<uint8_t>(size_t(N * k), 1), std::vector<T>(size_t(N * E)),
                std::vector<int64_t>(size_t(E), 0)};
   for (int64_t n = 0; n < N; ++n) {
@@ -53,7 +54,8 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
     select_top_k(sel.data(), E, k, ch, &kth_f, &kp1_f);
     T sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += p[ch[j]];
-    for (int64_t j = 0; j < k; ++j) r.gate[size_t(n * k + j)] = cfg.normalize_gates ? p[ch[j]] / sum : p[ch[j]];
+    for (int64_t j = 0; j < k; ++j)
+      r.gate[size_t(n * k + j)] = cfg.normalize_gates ? p[ch[j]] / sum : p[ch[j]];
     for (int64_t j = 0; j < k; ++j) ++r.loads[size_t(ch[j])];
     // LEI boundary: midpoint of the k-th and (k+1)-th largest lg - beta.
     T kth = lg[ch[k - 1]] - beta[ch[k - 1]];
@@ -137,7 +139,8 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
   for (int64_t n = 0; n < N; ++n) {
     const T* xn = x + n * C;
     const T* dyn = dy + n * C;
-    if (shape.Fs > 0) mlp_row_backward(dx + n * C, g.shared, w.shared, xn, dyn, C, shape.Fs, shape.mlp);
+    if (shape.Fs > 0)
+      mlp_row_backward(dx + n * C, g.shared, w.shared, xn, dyn, C, shape.Fs, shape.mlp);
     std::vector<T> d_gate(size_t(k), 0), dp(size_t(E), 0), dl(size_t(E), 0);
     for (int64_t j = 0; j < k; ++j) {
       if (!r.kept[size_t(n * k + j)]) continue;
@@ -171,14 +174,16 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
         if (cfg.lei_kernel == LeiKernel::identity)
           dp[size_t(e)] += a;
         else
-          dl[size_t(e)] += a * T(lei_kernel_grad(cfg.lei_kernel, double(r.margin[size_t(n * E + e)]),
-                                                cfg.lei_width));
+          dl[size_t(e)] +=
+              a * T(lei_kernel_grad(cfg.lei_kernel, double(r.margin[size_t(n * E + e)]),
+                                    cfg.lei_width));
       }
     }
     // d logits from d p: softmax Jacobian p_e (delta - p_i), or sigmoid p (1 - p).
     for (int64_t e = 0; e < E; ++e) {
       if (cfg.score == ScoreFn::softmax) {
-        for (int64_t i = 0; i < E; ++i) dl[size_t(e)] += dp[size_t(i)] * p[i] * ((i == e ? T(1) : T(0)) - p[e]);
+        for (int64_t i = 0; i < E; ++i)
+          dl[size_t(e)] += dp[size_t(i)] * p[i] * ((i == e ? T(1) : T(0)) - p[e]);
       } else {
         dl[size_t(e)] += dp[size_t(e)] * p[e] * (T(1) - p[e]);
       }
@@ -199,7 +204,7 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
   }
 }
 
-#define TESSEL_INSTANTIATE(T)                                                                   \
+#define TESSEL_INSTANTIATE(T)                                                                  \
   template void moe_forward<T>(T*, const T*, int64_t, const LayerWeightsT<const T>&, const T*, \
                                const MoeConfig&, const LayerShape&);                           \
   template void moe_backward<T>(T*, LayerWeightsT<T>&, const T*, const T*, int64_t,            \
