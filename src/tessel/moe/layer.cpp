@@ -131,6 +131,26 @@ void act_backward(ExpertMlp mlp, float* d_fc, const float* d_act, const float* f
     kn::swiglu_backward(d_fc, d_act, fc, rows, F);
 }
 
+// f(n, j, row) for every kept slot (token n, its j-th expert, its row in the permuted
+// order); tokens in parallel, each token's slots in order.
+template <class Fn>
+void for_each_kept(const LayerCache& c, int64_t k, Fn f) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < c.N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t pos = c.position[size_t(n * k + j)];
+      if (pos >= 0) f(n, j, int64_t(pos));
+    }
+}
+
+// f(e, o, n) for each local expert with rows: global expert e = first + l, its n > 0 rows
+// starting at row o of the expert-major layout (off from expert_offsets).
+template <class Fn>
+void for_each_local_expert(const std::vector<int64_t>& off, int64_t first, Fn f) {
+  for (size_t l = 0; l + 1 < off.size(); ++l)
+    if (off[l + 1] > off[l]) f(size_t(first) + l, off[l], off[l + 1] - off[l]);
+}
+
 float sigmoid(float v) {
   return 1.0f / (1.0f + std::exp(-v));
 }
@@ -154,24 +174,18 @@ MoeLayer::MoeLayer(const MoeConfig& config, const LayerShape& shape)
 void MoeLayer::run_experts(LayerCache& c, float* out, const LayerWeights& w,
                            const std::vector<int64_t>& off, int64_t first) const {
   const int64_t C = shape_.C, F = shape_.F, Fi = shape_.fc_in_rows(F);
-  const int64_t El = int64_t(off.size()) - 1, R = off.back();
+  const int64_t R = off.back();
   c.expert_fc.resize(size_t(R * Fi));
   c.expert_act.resize(size_t(R * F));
-  for (int64_t l = 0; l < El; ++l) {
-    const int64_t n = off[size_t(l + 1)] - off[size_t(l)];
-    const MlpWeightsT<const float>& e = w.experts[size_t(first + l)];
-    if (n > 0)
-      kn::linear_forward(c.expert_fc.data() + off[size_t(l)] * Fi,
-                         c.expert_in.data() + off[size_t(l)] * C, e.fc_in_w, e.fc_in_b, n, C, Fi);
-  }
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_forward(c.expert_fc.data() + o * Fi, c.expert_in.data() + o * C,
+                       w.experts[e].fc_in_w, w.experts[e].fc_in_b, n, C, Fi);
+  });
   act_forward(shape_.mlp, c.expert_act.data(), c.expert_fc.data(), R, F);
-  for (int64_t l = 0; l < El; ++l) {
-    const int64_t n = off[size_t(l + 1)] - off[size_t(l)];
-    const MlpWeightsT<const float>& e = w.experts[size_t(first + l)];
-    if (n > 0)
-      kn::linear_forward(out + off[size_t(l)] * C, c.expert_act.data() + off[size_t(l)] * F,
-                         e.fc_out_w, e.fc_out_b, n, F, C);
-  }
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_forward(out + o * C, c.expert_act.data() + o * F, w.experts[e].fc_out_w,
+                       w.experts[e].fc_out_b, n, F, C);
+  });
 }
 
 void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const LayerWeights& w,
@@ -285,16 +299,12 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
   } else {
     std::fill(y, y + N * C, 0.0f);
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t pos = c.position[size_t(n * k + j)];
-      if (pos < 0) continue;
-      const float g = c.gate[size_t(n * k + j)];
-      const float* row = c.combined.data() + int64_t(pos) * C;
+  for_each_kept(c, k, [&](int64_t n, int64_t j, int64_t pos) {
+    const float g = c.gate[size_t(n * k + j)];
+    const float* row = c.combined.data() + pos * C;
 #pragma omp simd
-      for (int64_t i = 0; i < C; ++i) y[n * C + i] += g * row[i];
-    }
+    for (int64_t i = 0; i < C; ++i) y[n * C + i] += g * row[i];
+  });
 
   // The balancing losses' values (per-token means), for the metrics.
   double loss = 0;
@@ -329,21 +339,17 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
 
   // Through the unpermute: row gradients and gate gradients.
   std::vector<float> d_rows(size_t(A * C)), d_gate(size_t(N * k), 0.0f);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t pos = c.position[size_t(n * k + j)];
-      if (pos < 0) continue;
-      const float gj = c.gate[size_t(n * k + j)];
-      const float* row = c.combined.data() + int64_t(pos) * C;
-      float* d = d_rows.data() + int64_t(pos) * C;
-      float dot = 0;
-      for (int64_t i = 0; i < C; ++i) {
-        d[i] = gj * dy[n * C + i];
-        dot += dy[n * C + i] * row[i];
-      }
-      d_gate[size_t(n * k + j)] = dot;
+  for_each_kept(c, k, [&](int64_t n, int64_t j, int64_t pos) {
+    const float gj = c.gate[size_t(n * k + j)];
+    const float* row = c.combined.data() + pos * C;
+    float* d = d_rows.data() + pos * C;
+    float dot = 0;
+    for (int64_t i = 0; i < C; ++i) {
+      d[i] = gj * dy[n * C + i];
+      dot += dy[n * C + i] * row[i];
     }
+    d_gate[size_t(n * k + j)] = dot;
+  });
 
   // The experts' backward on the rows they saw, by the same exchanges as forward.
   std::vector<float> recv(size_t(z.rows_in * C)), d_out(recv.size()), d_in(recv.size(), 0.0f);
@@ -353,34 +359,24 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
   const int64_t R = off.back();
   std::vector<float> d_act(size_t(R * F), 0.0f), d_fc(size_t(R * Fi), 0.0f);
   const int64_t first = comm.ep_rank() * El;
-  for (int64_t l = 0; l < El; ++l) {
-    const int64_t n = off[size_t(l + 1)] - off[size_t(l)], o = off[size_t(l)];
-    MlpWeightsT<float>& ge = g.experts[size_t(first + l)];
-    if (n > 0)
-      kn::linear_backward(d_act.data() + o * F, ge.fc_out_w, ge.fc_out_b, d_out.data() + o * C,
-                          c.expert_act.data() + o * F, w.experts[size_t(first + l)].fc_out_w, n, F,
-                          C);
-  }
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_backward(d_act.data() + o * F, g.experts[e].fc_out_w, g.experts[e].fc_out_b,
+                        d_out.data() + o * C, c.expert_act.data() + o * F, w.experts[e].fc_out_w, n,
+                        F, C);
+  });
   act_backward(shape_.mlp, d_fc.data(), d_act.data(), c.expert_fc.data(), R, F);
-  for (int64_t l = 0; l < El; ++l) {
-    const int64_t n = off[size_t(l + 1)] - off[size_t(l)], o = off[size_t(l)];
-    MlpWeightsT<float>& ge = g.experts[size_t(first + l)];
-    if (n > 0)
-      kn::linear_backward(d_in.data() + o * C, ge.fc_in_w, ge.fc_in_b, d_fc.data() + o * Fi,
-                          c.expert_in.data() + o * C, w.experts[size_t(first + l)].fc_in_w, n, C,
-                          Fi);
-  }
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_backward(d_in.data() + o * C, g.experts[e].fc_in_w, g.experts[e].fc_in_b,
+                        d_fc.data() + o * Fi, c.expert_in.data() + o * C, w.experts[e].fc_in_w, n,
+                        C, Fi);
+  });
   reorder_blocks(recv.data(), d_in.data(), c.recv_counts, ep, El, C, false);
   comm.exchange_rows(recv.data(), z.recv, d_rows.data(), z.send);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t pos = c.position[size_t(n * k + j)];
-      if (pos < 0) continue;
-      const float* d = d_rows.data() + int64_t(pos) * C;
+  for_each_kept(c, k, [&](int64_t n, int64_t, int64_t pos) {
+    const float* d = d_rows.data() + pos * C;
 #pragma omp simd
-      for (int64_t i = 0; i < C; ++i) dx[n * C + i] += d[i];
-    }
+    for (int64_t i = 0; i < C; ++i) dx[n * C + i] += d[i];
+  });
 
   if (shape_.Fs > 0) {
     const int64_t Fs = shape_.Fs, Fsi = shape_.fc_in_rows(Fs);

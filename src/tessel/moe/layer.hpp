@@ -108,7 +108,7 @@ class MoeLayer {
   void update(BalanceState& state, float* beta, ExpertComm& comm) const;
 
  private:
-  // Local experts first.. on c.expert_in, rows [off[l], off[l+1]) for local expert l.
+  // Runs local expert l (global first + l) on rows [off[l], off[l+1]) of c.expert_in into out.
   void run_experts(LayerCache& c, float* out, const LayerWeights& w,
                    const std::vector<int64_t>& off, int64_t first) const;
   MoeConfig config_;
