@@ -21,27 +21,40 @@ struct Run {
   bool partial;
 };
 
+// Tiles per run: as many whole key tiles as fit in opt.run_cols, at least one.
+int64_t tiles_per_run(const FlashOptions& opt, const TiledMask& m) {
+  return std::max<int64_t>(1, opt.run_cols / m.tile_k());
+}
+
 // The runs of query rows [r0, r1) of mask head (b, hm): maximal stretches of non-skipped key
-// tiles, cut at opt.run_cols columns (at least one tile).
+// tiles, each split into the fewest near-equal whole-tile pieces of at most opt.run_cols
+// columns (so a stretch slightly over the limit does not leave one short, slow GEMM).
 void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const TiledMask& m, int64_t b,
                int64_t hm, int64_t r0, int64_t r1, const FlashOptions& opt) {
   runs.clear();
   const int64_t Sk = m.mask().cols(), tk = m.tile_k(), nt = m.num_key_tiles();
+  const int64_t max_tiles = tiles_per_run(opt, m);
   kinds.resize(size_t(nt));
   for (int64_t n = 0; n < nt; ++n) {
     TileKind kind = m.classify(b, hm, r0, r1, n);
     if (kind == TileKind::skip && !opt.skip_tiles) kind = TileKind::partial;
     kinds[size_t(n)] = kind;
-    if (kind == TileKind::skip) continue;
-    const int64_t c0 = n * tk, c1 = std::min(Sk, c0 + tk);
-    const bool partial = kind == TileKind::partial;
-    if (!runs.empty() && runs.back().c1 == c0 &&
-        c1 - runs.back().c0 <= std::max(opt.run_cols, tk)) {
-      runs.back().c1 = c1;
-      runs.back().partial |= partial;
-    } else {
-      runs.push_back({c0, c1, partial});
+  }
+  for (int64_t n0 = 0; n0 < nt;) {
+    if (kinds[size_t(n0)] == TileKind::skip) {
+      ++n0;
+      continue;
     }
+    int64_t n1 = n0;
+    while (n1 < nt && kinds[size_t(n1)] != TileKind::skip) ++n1;
+    const int64_t pieces = (n1 - n0 + max_tiles - 1) / max_tiles;
+    for (int64_t p = 0; p < pieces; ++p) {
+      const int64_t a = n0 + (n1 - n0) * p / pieces, e = n0 + (n1 - n0) * (p + 1) / pieces;
+      bool partial = false;
+      for (int64_t n = a; n < e; ++n) partial |= kinds[size_t(n)] == TileKind::partial;
+      runs.push_back({a * tk, std::min(Sk, e * tk), partial});
+    }
+    n0 = n1;
   }
 }
 
@@ -61,6 +74,13 @@ void apply_mask(float* S, int64_t ldS, const Run& run, const std::vector<TileKin
   for (int64_t c0 = run.c0; c0 < run.c1; c0 += tk) {
     if (kinds[size_t(c0 / tk)] != TileKind::partial) continue;
     const int64_t c1 = std::min(run.c1, c0 + tk);
+    if (!m.intervals_touch(b, hm, r0, r0 + R, c0 / tk)) {  // only the causal bound masks
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t first_masked = std::clamp(r0 + r + causal_off + 1, c0, c1);
+        std::fill(S + r * ldS + (first_masked - run.c0), S + r * ldS + (c1 - run.c0), -INFINITY);
+      }
+      continue;
+    }
     for (int64_t r = 0; r < R; ++r) {
       const int32_t i = int32_t(r0 + r);
       const int64_t last = r0 + r + causal_off;  // last visible column under causality
@@ -84,6 +104,21 @@ struct Layout {
   }
 };
 
+// What forward and backward derive from the shape and options, after checking them.
+struct Setup {
+  int64_t query_tiles, run_cols;
+  Layout layout;
+  float scale;
+};
+
+Setup setup(const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt) {
+  check_mask_fits(tm, s);
+  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
+               " run_cols = ", opt.run_cols);
+  return {(s.Sq + opt.tile_q - 1) / opt.tile_q, tiles_per_run(opt, tm) * tm.tile_k(),
+          Layout{s.Hq * s.D, s.Hk * s.D}, 1.0f / std::sqrt(float(s.D))};
+}
+
 }  // namespace
 
 void check_mask_fits(const TiledMask& tm, const AttentionShape& s) {
@@ -101,23 +136,19 @@ void check_mask_fits(const TiledMask& tm, const AttentionShape& s) {
 void flash_attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
                              const AttentionShape& s, const TiledMask& tm,
                              const FlashOptions& opt) {
-  check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
-               " run_cols = ", opt.run_cols);
-  const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
-  const Layout L{s.Hq * D, s.Hk * D};
-  const float scale = 1.0f / std::sqrt(float(D));
+  const Setup st = setup(s, tm, opt);
+  const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk;
+  const Layout& L = st.layout;
 #pragma omp parallel
   {
-    std::vector<float> S(static_cast<size_t>(Br * run_cols)), acc(static_cast<size_t>(Br * D));
+    std::vector<float> S(static_cast<size_t>(Br * st.run_cols)), acc(static_cast<size_t>(Br * D));
     std::vector<float> m(static_cast<size_t>(Br)), l(static_cast<size_t>(Br));
     std::vector<Run> runs;
     std::vector<TileKind> kinds;
 #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t b = 0; b < s.B; ++b)
       for (int64_t h = 0; h < s.Hq; ++h)
-        for (int64_t qt = 0; qt < nq; ++qt) {
+        for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
           const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0), g = h / rep;
           const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
           plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
@@ -128,8 +159,8 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
           for (const Run& run : runs) {
             const int64_t J = run.c1 - run.c0;
             const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
-            kd::sgemm(false, true, R, J, D, scale, qt_ptr, L.ldq, k + kv0, L.ldkv, 0.0f, S.data(),
-                      J);
+            kd::sgemm(false, true, R, J, D, st.scale, qt_ptr, L.ldq, k + kv0, L.ldkv, 0.0f,
+                      S.data(), J);
             if (run.partial) apply_mask(S.data(), J, run, kinds, tm, b, hm, r0, R);
             for (int64_t r = 0; r < R; ++r) {
               float* p = S.data() + r * J;
@@ -184,17 +215,13 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
                               const float* k, const float* v, const float* o, const float* lse,
                               const AttentionShape& s, const TiledMask& tm,
                               const FlashOptions& opt) {
-  check_mask_fits(tm, s);
-  TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
-               " run_cols = ", opt.run_cols);
-  const int64_t D = s.D, Br = opt.tile_q, nq = (s.Sq + Br - 1) / Br, rep = s.Hq / s.Hk;
-  const int64_t run_cols = std::max(opt.run_cols, tm.tile_k());
-  const Layout L{s.Hq * D, s.Hk * D};
-  const float scale = 1.0f / std::sqrt(float(D));
+  const Setup st = setup(s, tm, opt);
+  const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk;
+  const Layout& L = st.layout;
 #pragma omp parallel
   {
-    std::vector<float> P(static_cast<size_t>(Br * run_cols)),
-        dS(static_cast<size_t>(Br * run_cols));
+    std::vector<float> P(static_cast<size_t>(Br * st.run_cols)),
+        dS(static_cast<size_t>(Br * st.run_cols));
     std::vector<float> delta(static_cast<size_t>(Br));
     std::vector<Run> runs;
     std::vector<TileKind> kinds;
@@ -203,7 +230,7 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
       for (int64_t g = 0; g < s.Hk; ++g)
         for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
           const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
-          for (int64_t qt = 0; qt < nq; ++qt) {
+          for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
             const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0);
             plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
             if (runs.empty()) continue;
@@ -220,8 +247,8 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
             for (const Run& run : runs) {
               const int64_t J = run.c1 - run.c0;
               const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
-              kd::sgemm(false, true, R, J, D, scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f, P.data(),
-                        J);
+              kd::sgemm(false, true, R, J, D, st.scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f,
+                        P.data(), J);
               if (run.partial) apply_mask(P.data(), J, run, kinds, tm, b, hm, r0, R);
               kd::sgemm(false, true, R, J, D, 1.0f, dout + q0, L.ldq, v + kv0, L.ldkv, 0.0f,
                         dS.data(), J);
@@ -240,9 +267,9 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
                   ds[j] = p[j] * (ds[j] - d_r);
                 }
               }
-              kd::sgemm(false, false, R, D, J, scale, dS.data(), J, k + kv0, L.ldkv, 1.0f, dq + q0,
-                        L.ldq);
-              kd::sgemm(true, false, J, D, R, scale, dS.data(), J, q + q0, L.ldq, 1.0f, dk + kv0,
+              kd::sgemm(false, false, R, D, J, st.scale, dS.data(), J, k + kv0, L.ldkv, 1.0f,
+                        dq + q0, L.ldq);
+              kd::sgemm(true, false, J, D, R, st.scale, dS.data(), J, q + q0, L.ldq, 1.0f, dk + kv0,
                         L.ldkv);
               kd::sgemm(true, false, J, D, R, 1.0f, P.data(), J, dout + q0, L.ldq, 1.0f, dv + kv0,
                         L.ldkv);

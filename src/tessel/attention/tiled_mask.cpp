@@ -27,8 +27,7 @@ TiledMask::TiledMask(ColumnMask mask, int64_t tile_k) : mask_(std::move(mask)), 
 
 TileKind TiledMask::classify(int64_t b, int64_t hm, int64_t r0, int64_t r1, int64_t n) const {
   const int32_t* t = minmax_.data() + ((b * mask_.mask_heads() + hm) * tiles_ + n) * 8;
-  const int32_t lts_min = t[0], lts_max = t[1], lte_min = t[2], lte_max = t[3];
-  const int32_t uts_min = t[4], uts_max = t[5], ute_min = t[6], ute_max = t[7];
+  const int32_t lts_max = t[1], lte_min = t[2], uts_max = t[5], ute_min = t[6];
   const int64_t c0 = n * tile_k_, c1 = std::min(mask_.cols(), c0 + tile_k_);
   // Causal bound: row i sees key j only if j <= i + off.
   const int64_t off = mask_.cols() - mask_.rows();
@@ -38,9 +37,13 @@ TileKind TiledMask::classify(int64_t b, int64_t hm, int64_t r0, int64_t r1, int6
     causal_partial = c1 - 1 > r0 + off;            // the first row misses the tile's last key
   }
   if ((r0 >= lts_max && r1 <= lte_min) || (r0 >= uts_max && r1 <= ute_min)) return TileKind::skip;
-  if ((r0 < lte_max && r1 > lts_min) || (r0 < ute_max && r1 > uts_min) || causal_partial)
-    return TileKind::partial;
+  if (causal_partial || intervals_touch(b, hm, r0, r1, n)) return TileKind::partial;
   return TileKind::unmasked;
+}
+
+bool TiledMask::intervals_touch(int64_t b, int64_t hm, int64_t r0, int64_t r1, int64_t n) const {
+  const int32_t* t = minmax_.data() + ((b * mask_.mask_heads() + hm) * tiles_ + n) * 8;
+  return (r0 < t[3] && r1 > t[0]) || (r0 < t[7] && r1 > t[4]);
 }
 
 int64_t TiledMask::bytes() const {

@@ -26,6 +26,9 @@ class TiledMask {
   int64_t tile_k() const { return tile_k_; }
   int64_t num_key_tiles() const { return tiles_; }
   TileKind classify(int64_t b, int64_t hm, int64_t r0, int64_t r1, int64_t n) const;
+  // Whether an interval (not the causal bound) may mask an element of the tile; false means
+  // only the causal bound can (the kernel then masks each row's tail without reading vectors).
+  bool intervals_touch(int64_t b, int64_t hm, int64_t r0, int64_t r1, int64_t n) const;
   // Bytes of the mask vectors plus the tile summaries.
   int64_t bytes() const;
 
