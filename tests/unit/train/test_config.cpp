@@ -80,6 +80,11 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
       },
       {"parallel.cp", "train.seq_len"});
   EXPECT_EQ(train::load_config("", {"parallel.cp=4", "train.seq_len=64"}).parallel.cp, 4);
+  expect_input_error(
+      [&] {
+        train::load_config("", {"parallel.cp=2", "train.seq_len=64", "model.moe_layers=all"});
+      },
+      {"parallel.cp", "MoE"});
 }
 
 TEST(Config, MissingAndMalformedFiles) {
