@@ -33,7 +33,7 @@ DType from_st_dtype(const std::string& path, const std::string& name, const std:
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  nlohmann::ordered_json header;
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();  // "{}" when empty
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
   for (const auto& [name, t] : tensors) {

@@ -80,6 +80,12 @@ TEST(Safetensors, RoundTripKeepsOrderBytesAndMetadata) {
   EXPECT_EQ(n % 8, 0u);
 }
 
+TEST(Safetensors, AFileWithoutTensorsRoundTrips) {  // a rank's empty checkpoint share
+  std::string path = fixture::temp_dir("tessel-st") + "/empty.safetensors";
+  write_safetensors(path, {});
+  EXPECT_TRUE(read_safetensors(path).tensors.empty());
+}
+
 TEST(Safetensors, CorruptFilesAreInputErrorsNamingTheFile) {
   std::string dir = fixture::temp_dir("tessel-st");
   std::string path = dir + "/t.safetensors";

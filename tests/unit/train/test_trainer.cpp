@@ -192,11 +192,12 @@ TEST_F(TrainerTest, YoungAndDalyPoliciesChooseTheIntervalFromTheFormula) {
       EXPECT_EQ(j["interval_steps"].get<int64_t>(), want) << policy << ": " << line;
       // The next checkpoint exists at (save step) + interval, if within the run.
       int64_t next = j["step"].get<int64_t>() - 1 + want;
-      if (next < c.train.steps)
+      if (next < c.train.steps) {
         EXPECT_TRUE(fs::exists(
             c.run.dir + "/checkpoints/" +
             (std::ostringstream() << "step-" << std::setw(8) << std::setfill('0') << next).str()))
             << policy << " " << next;
+      }
     }
     EXPECT_GE(decisions, 1) << policy;
   }
