@@ -73,6 +73,9 @@ TEST(Safetensors, RoundTripKeepsOrderBytesAndMetadata) {
     expect_equal_bytes(f.tensors[i].tensor, tensors[i].tensor);
   }
   EXPECT_EQ(f.metadata.at("format"), "pt");
+  uint32_t crc = 0;  // computed while writing: the CRC of the file's bytes
+  write_safetensors(path, tensors, {{"format", "pt"}}, &crc);
+  EXPECT_EQ(crc, file_crc32(path));
   // The header length is a multiple of 8 so the data section is aligned.
   std::ifstream in(path, std::ios::binary);
   uint64_t n = 0;
