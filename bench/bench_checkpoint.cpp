@@ -99,7 +99,7 @@ BENCHMARK(BM_CheckpointBlocking)
     ->Args({0, 1024})
     ->Args({1, 1024})
     ->UseManualTime()
-    ->Iterations(3)
+    ->Iterations(4)
     ->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();
