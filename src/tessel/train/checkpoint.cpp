@@ -294,6 +294,12 @@ void AsyncCheckpointer::advance(bool block) {
     return done_;
   };
   auto request_done = [&] { return block ? (request_->wait(), true) : request_->test(); };
+  auto agree_on_commit = [&](bool ok) {  // phase two: every rank's view of rank 0's commit
+    agree_flag_ = ok ? 1 : 0;
+    request_ = std::make_unique<comm::Request>(
+        group_.iall_reduce(&agree_flag_, 1, comm::ElemType::i64, comm::ReduceOp::min));
+    stage_ = Stage::agree_commit;
+  };
   for (;;) {
     switch (stage_) {
       case Stage::idle:
@@ -323,19 +329,13 @@ void AsyncCheckpointer::advance(bool block) {
           cv_.notify_all();
           stage_ = Stage::committing;
         } else {
-          agree_flag_ = 1;
-          request_ = std::make_unique<comm::Request>(
-              group_.iall_reduce(&agree_flag_, 1, comm::ElemType::i64, comm::ReduceOp::min));
-          stage_ = Stage::agree_commit;
+          agree_on_commit(true);
         }
         break;
       }
       case Stage::committing:
         if (!writer_done()) return;
-        agree_flag_ = failure_.empty() ? 1 : 0;
-        request_ = std::make_unique<comm::Request>(
-            group_.iall_reduce(&agree_flag_, 1, comm::ElemType::i64, comm::ReduceOp::min));
-        stage_ = Stage::agree_commit;
+        agree_on_commit(failure_.empty());
         break;
       case Stage::agree_commit:
         if (!request_done()) return;

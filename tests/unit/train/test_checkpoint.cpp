@@ -49,6 +49,18 @@ void corrupt_byte(const fs::path& path, std::streamoff offset) {
   f.put(char(c ^ 0x5a));
 }
 
+// Names and bytes of every tensor of `want` in `back`.
+void expect_same_content(const CheckpointContent& back, const CheckpointContent& want) {
+  ASSERT_EQ(back.model.size(), want.model.size());
+  ASSERT_EQ(back.optimizer.size(), want.optimizer.size());
+  for (size_t i = 0; i < want.model.size(); ++i) {
+    EXPECT_EQ(back.model[i].name, want.model[i].name);
+    expect_equal_bytes(back.model[i].tensor, want.model[i].tensor);
+  }
+  for (size_t i = 0; i < want.optimizer.size(); ++i)
+    expect_equal_bytes(back.optimizer[i].tensor, want.optimizer[i].tensor);
+}
+
 CheckpointContent content_at(int64_t step) {
   CheckpointContent c;
   c.step = step;
@@ -121,10 +133,7 @@ TEST(Checkpoint, SaveLoadRetentionAndLatest) {
   CheckpointContent back = CheckpointStore::load(*store.latest());
   EXPECT_EQ(back.step, 30);
   EXPECT_EQ(back.state["loader"]["step"], 30);
-  auto want = content_at(30);
-  for (size_t i = 0; i < want.model.size(); ++i)
-    expect_equal_bytes(back.model[i].tensor, want.model[i].tensor);
-  expect_equal_bytes(back.optimizer[0].tensor, want.optimizer[0].tensor);
+  expect_same_content(back, content_at(30));
 }
 
 TEST(Checkpoint, IncompleteDirectoriesAreNeverLoaded) {
@@ -180,13 +189,7 @@ TEST(AsyncCheckpoint, ParametersChangedAfterSaveReturnsAreNotInTheCheckpoint) {
   for (auto& nt : live.optimizer) std::memset(nt.tensor.raw(), 0x7f, nt.tensor.bytes());
   writer.wait();
   EXPECT_EQ(writer.last_committed(), 3);
-  CheckpointContent back = CheckpointStore::load(*store.latest());
-  ASSERT_EQ(back.model.size(), want.model.size());
-  for (size_t i = 0; i < want.model.size(); ++i) {
-    EXPECT_EQ(back.model[i].name, want.model[i].name);
-    expect_equal_bytes(back.model[i].tensor, want.model[i].tensor);
-  }
-  expect_equal_bytes(back.optimizer[0].tensor, want.optimizer[0].tensor);
+  expect_same_content(CheckpointStore::load(*store.latest()), want);
 }
 
 TEST(AsyncCheckpoint, OneSaveInFlightReusesStagingAndKeepsTheNewest) {
