@@ -216,23 +216,25 @@ struct Trainer::State {
     return PhaseMark(ledger, Phase::model_build);
   }
 
-  // Fast start: one forward and backward on a synthetic batch (allocates the activations,
-  // touches every weight and warms the kernels) while the main thread loads the data.
-  // Only the gradients change, and every step zeroes them first.
+  // Fast start, beside the data warm-up of the main thread: allocates (and so first-touches)
+  // the training micro-batch's activations, and runs one forward and backward on a
+  // synthetic one-row batch (starts the thread pools, warms the kernels) with activations
+  // of its own. Only the gradients change, and every step zeroes them first.
   void synthetic_step() {
     try {
       set_num_threads(int(config.run.threads));
-      const int64_t B = config.train.micro_batch, T = config.train.seq_len;
-      std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T)), positions(size_t(B * T));
-      std::vector<float> mask(size_t(B * T), 1.0f);
-      for (int64_t i = 0; i < B * T; ++i) {
+      activations(config.train.micro_batch);
+      const int64_t T = config.train.seq_len;
+      std::vector<int32_t> tokens(static_cast<size_t>(T)), targets(tokens), positions(tokens);
+      std::vector<float> mask(size_t(T), 1.0f);
+      for (int64_t i = 0; i < T; ++i) {
         tokens[size_t(i)] = int32_t(i % config.model.vocab);
         targets[size_t(i)] = int32_t((i + 1) % config.model.vocab);
-        positions[size_t(i)] = int32_t(i % T);
+        positions[size_t(i)] = int32_t(i);
       }
-      model::Activations& a = activations(B);
-      model.forward(a, {B, T, tokens.data(), positions.data(), targets.data(), mask.data()});
-      model.backward(a, 1.0f);
+      auto a = model.make_activations(1, T);
+      model.forward(*a, {1, T, tokens.data(), positions.data(), targets.data(), mask.data()});
+      model.backward(*a, 1.0f);
     } catch (...) {
       warmup_failure = std::current_exception();
     }
