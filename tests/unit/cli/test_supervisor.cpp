@@ -228,3 +228,17 @@ TEST_F(SupervisorTest, ExportWritesOneSafetensorsFileThatAnotherReaderLoads) {
   EXPECT_NE(o.err.find(shard), std::string::npos) << o.err;
   fs::remove_all(dir);
 }
+
+TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
+  std::string run = fixture::temp_dir("tessel-sup-seconds");
+  // Attempt 0 dies 0.3 s after it began (during start-up or the first steps); attempt 1
+  // has no fault and finishes.
+  Outcome o = run_tessel(run_args(run, " --set fault.kill_rank=0 --set fault.kill_seconds=0.3"));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 1);
+  EXPECT_EQ(ett["nof_injected"], 1);
+  EXPECT_NE(slurp(run + "/ett/attempt-0000.jsonl").find("\"kind\":\"kill_after_seconds\""),
+            std::string::npos);
+  EXPECT_EQ(loss_curve(run), loss_curve(reference));
+}
