@@ -42,7 +42,9 @@ void BM_CheckpointBlocking(benchmark::State& state) {
   for (int i = 0; i < 32; ++i) {
     Tensor t({per});
     for (int64_t j = 0; j < per; ++j) t.f32()[j] = float(i + j % 97);
-    content.model.push_back({"w" + std::to_string(i), t});
+    std::string name = "w";  // (not "w" + ...: a GCC 12 -Wrestrict false positive)
+    name += std::to_string(i);
+    content.model.push_back({name, t});
   }
   content.state = nlohmann::json::object();
   std::string tmpl = "/tmp/tessel-bench-ckpt-XXXXXX";

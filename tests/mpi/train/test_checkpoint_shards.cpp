@@ -34,7 +34,9 @@ CheckpointContent replicated_state(int64_t step) {
   for (int i = 0; i < 7; ++i) {
     Tensor t({int64_t(3 + 5 * i)});
     for (int64_t j = 0; j < t.numel(); ++j) t.f32()[j] = float(step * 100 + i * 10 + j);
-    c.model.push_back({"w" + std::to_string(i), t});
+    std::string name = "w";  // (not "w" + ...: a GCC 12 -Wrestrict false positive)
+    name += std::to_string(i);
+    c.model.push_back({name, t});
   }
   Tensor s({1}, DType::i32);
   s.i32()[0] = int32_t(step);

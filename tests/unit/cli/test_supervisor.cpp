@@ -153,7 +153,9 @@ TEST_F(SupervisorTest, TwoInjectedFailuresEndBitwiseLikeAFailureFreeRun) {
     EXPECT_GE(durable, i == 0 ? 0 : ett["attempts"][size_t(i)]["resumed_from"].get<int64_t>());
     EXPECT_EQ(a["durable_step"], durable);
     EXPECT_EQ(a["wasted_steps"], kill_steps[i] - durable);
-    if (a["wasted_steps"].get<int64_t>() > 0) EXPECT_GT(a["leaves"]["wasted"].get<double>(), 0);
+    if (a["wasted_steps"].get<int64_t>() > 0) {
+      EXPECT_GT(a["leaves"]["wasted"].get<double>(), 0);
+    }
   }
   EXPECT_FALSE(ett["attempts"][2]["failed"].get<bool>());
   ASSERT_EQ(ett["ttr_seconds"].size(), 2u);
