@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -29,12 +30,14 @@
 #include "tessel/optim/grad_clip.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/parallel/data_parallel.hpp"
+#include "tessel/parallel/expert_parallel.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/checkpoint_interval.hpp"
 #include "tessel/train/ett.hpp"
 #include "tessel/train/fault.hpp"
 #include "tessel/train/metrics.hpp"
+#include "tessel/train/moe_metrics.hpp"
 
 namespace fs = std::filesystem;
 
@@ -136,6 +139,8 @@ struct Trainer::State {
   comm::Mesh mesh;
   comm::Communicator& dp;
   model::Gpt model;
+  parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
+  MoeMetrics moe_step, moe_val;
   std::unique_ptr<optim::Optimizer> optimizer;
   optim::LrSchedule schedule;
   parallel::GradientReducer reducer;
@@ -173,6 +178,9 @@ struct Trainer::State {
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
         model(config.model, uint64_t(config.run.seed)),
+        experts(mesh.group(comm::Axis::ep), dp),
+        moe_step(model),
+        moe_val(model),
         optimizer(optim::make_optimizer(config.optim, model.parameters())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
@@ -196,6 +204,7 @@ struct Trainer::State {
     if (config.fault.kill_rank >= w.size())
       input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
                   " is not a rank of this job (world size ", w.size(), ")");
+    model.set_expert_comm(&experts);
     int64_t data_vocab = loader.shard().vocab_size();
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
@@ -216,11 +225,14 @@ struct Trainer::State {
   // Fast start, beside the data warm-up of the main thread: allocates (and so first-touches)
   // the training micro-batch's activations, and runs one forward and backward on a
   // synthetic one-row batch (starts the thread pools, warms the kernels) with activations
-  // of its own. Only the gradients change, and every step zeroes them first.
+  // of its own. Only the gradients change, and every step zeroes them first. Not for MoE
+  // models: their backward feeds the balancing statistics of the first update.
   void synthetic_step() {
     try {
       set_num_threads(int(config.run.threads));
       activations(config.train.micro_batch);
+      const auto& moe = model.moe_blocks();
+      if (std::find(moe.begin(), moe.end(), true) != moe.end()) return;
       const int64_t T = config.train.seq_len;
       std::vector<int32_t> tokens(static_cast<size_t>(T)), targets(tokens), positions(tokens);
       std::vector<float> mask(size_t(T), 1.0f);
@@ -339,12 +351,17 @@ struct Trainer::State {
 
   double validate_loss() {
     double stats[2] = {0, 0};
+    model.set_expert_comm(nullptr);  // every rank holds every expert: validation runs alone
+    moe_val.clear();
     for (const auto& b : val_batches) {
       stats[0] +=
           model.forward(activations(b.B), BatchInputs(b, config.data.attention_mask).inputs());
       stats[1] += mask_sum(b);
+      moe_val.add(activations(b.B));
     }
+    model.set_expert_comm(&experts);
     dp.all_reduce(std::span<double>(stats, 2));
+    if (!moe_val.empty()) dp.all_reduce(moe_val.values());
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
@@ -352,9 +369,11 @@ struct Trainer::State {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
+    model.set_expert_comm(nullptr);  // rank 0 alone
     auto ids =
         model::generate(model, tok.encode(config.train.sample_prompt), config.train.sample_tokens,
                         float(config.train.sample_temperature), config.train.sample_top_k, rng);
+    model.set_expert_comm(&experts);
     return tok.decode(ids);
   }
 };
@@ -482,14 +501,22 @@ TrainResult Trainer::run() {
     Timer step_timer;
     s.model.zero_grads();
     double stats[2] = {0, 0};  // loss sum, loss tokens
+    s.moe_step.clear();
+    const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
     for (int64_t m = 0; m < c.train.accum; ++m) {
       data::Batch batch = s.loader.next();
       model::Activations& acts = s.activations(batch.B);
       stats[0] += s.model.forward(acts, BatchInputs(batch, c.data.attention_mask).inputs());
       stats[1] += mask_sum(batch);
       s.model.backward(acts, 1.0f);
+      if (!s.moe_step.empty()) s.moe_step.add(acts);
     }
     s.dp.all_reduce(std::span<double>(stats, 2));
+    if (!s.moe_step.empty()) {
+      s.moe_step.add_all_to_all_bytes(
+          double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
+      s.dp.all_reduce(s.moe_step.values());
+    }
     TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
     s.reducer.reduce(float(1.0 / stats[1]));
     double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
@@ -505,6 +532,7 @@ TrainResult Trainer::run() {
       s.ledger.enter(Phase::productive, step + 1);
     }
     s.optimizer->step(s.schedule.scale(step + 1));
+    s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
     s.faults.after_step(step + 1);
     s.checkpointer.poll();
     double dt = step_timer.seconds();
@@ -518,13 +546,18 @@ TrainResult Trainer::run() {
     rec.tokens_per_s = double(global_tokens) / dt;
     rec.mfu = rec.tokens_per_s / s.world.size() * flops_tok / (peak * 1e9);
     result.steps.push_back(rec);
-    write_metrics({{"step", rec.step},
-                   {"loss", rec.loss},
-                   {"lr", rec.lr},
-                   {"grad_norm", rec.grad_norm},
-                   {"tokens_per_s", rec.tokens_per_s},
-                   {"mfu", rec.mfu},
-                   {"step_seconds", dt}});
+    nlohmann::json record = {{"step", rec.step},
+                             {"loss", rec.loss},
+                             {"lr", rec.lr},
+                             {"grad_norm", rec.grad_norm},
+                             {"tokens_per_s", rec.tokens_per_s},
+                             {"mfu", rec.mfu},
+                             {"step_seconds", dt}};
+    if (!s.moe_step.empty()) {
+      record["moe"] = s.moe_step.step_json();
+      record["all_to_all_bytes"] = s.moe_step.all_to_all_bytes();
+    }
+    write_metrics(record);
     bool last = rec.step == c.train.steps;
     if (rec.step % c.train.log_every == 0 || last || rec.step == s.start_step + 1) {
       double per_step = train_seconds / double(rec.step - s.start_step);
@@ -541,7 +574,9 @@ TrainResult Trainer::run() {
       s.ledger.enter(Phase::eval);
       double val = s.validate_loss();
       result.validation.emplace_back(rec.step, val);
-      write_metrics({{"step", rec.step}, {"val_loss", val}});
+      nlohmann::json val_record = {{"step", rec.step}, {"val_loss", val}};
+      if (!s.moe_val.empty()) val_record["moe"] = s.moe_val.validation_json();
+      write_metrics(val_record);
       char line[128];
       std::snprintf(line, sizeof line, "step %5lld | validation loss %.4f nats/token (%.3f bits)",
                     static_cast<long long>(rec.step), val, val / std::log(2.0));
