@@ -268,6 +268,7 @@ void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
   acts.mask =
       attention::TiledMask(in.mask ? *in.mask : attention::ColumnMask::causal_only(acts.B, T, T));
   attention::check_mask_fits(acts.mask, attention_shape(acts));
+  acts.attention = in.attention;
   acts.has_tokens = in.tokens != nullptr;
   acts.has_targets = in.targets != nullptr;
   int32_t* tokens = acts.tokens.i32();
@@ -373,8 +374,11 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
     kn::rope_forward(q, q, pos, N, H_, D_, theta);
     kn::rope_forward(k, k, pos, N, Hkv_, D_, theta);
   }
-  attention::flash_attention_forward(o, acts.attn_lse.f32() + l * N * H_, q, k, v,
-                                     attention_shape(acts), acts.mask);
+  float* lse = acts.attn_lse.f32() + l * N * H_;
+  if (acts.attention)
+    acts.attention->forward(o, lse, q, k, v);
+  else
+    attention::flash_attention_forward(o, lse, q, k, v, attention_shape(acts), acts.mask);
   kn::linear_forward(m, o, value(p.out_w), value(p.out_b), N, Q, C);
   add_into(m, x, N * C);
 
@@ -478,9 +482,12 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* dq = acts.d_split.f32();
   float* dk = dq + N * Q;
   float* dv = dk + N * KV;
-  attention::flash_attention_backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o,
-                                      acts.attn_lse.f32() + l * N * H_, attention_shape(acts),
-                                      acts.mask);
+  const float* lse = acts.attn_lse.f32() + l * N * H_;
+  if (acts.attention)
+    acts.attention->backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o, lse);
+  else
+    attention::flash_attention_backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o, lse,
+                                        attention_shape(acts), acts.mask);
   if (config_.positions == PositionType::rotary) {
     const int32_t* pos = acts.positions.i32();
     const float theta = float(config_.rope_theta);

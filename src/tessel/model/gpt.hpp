@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tessel/attention/attention_hook.hpp"
 #include "tessel/attention/flash_attention.hpp"
 #include "tessel/core/parameter.hpp"
 #include "tessel/core/tensor.hpp"
@@ -36,6 +37,9 @@ struct ModelInputs {
   const float* loss_weight = nullptr;  // per-token loss weight; null = 1 for every token
   // Attention mask [B, Hm, T, T] (Hm = 1, heads or kv_heads); null = causal.
   const attention::ColumnMask* mask = nullptr;
+  // Replaces every layer's attention kernel (then `mask` is not used by attention); must live
+  // through the micro-batch's backward. null = the FlashMask kernel.
+  attention::AttentionHook* attention = nullptr;
 };
 
 // Everything one micro-batch's forward keeps for its backward, plus backward
@@ -52,6 +56,7 @@ struct Activations {
   Tensor targets;             // i32 [N]
   Tensor loss_weight;         // f32 [N]
   attention::TiledMask mask;  // the attention mask with its tile summaries, shared by all layers
+  attention::AttentionHook* attention = nullptr;  // ModelInputs::attention
 
   // Forward cache. Per-layer buffers stack the layers along dimension 0. The
   // norm means exist only for layernorm.

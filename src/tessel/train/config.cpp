@@ -260,7 +260,10 @@ std::vector<ConfigKey> build_schema() {
                  FIELD(optim.decay_tags)),
       int_key("parallel.dp", "data-parallel degree; 0 = world / (pp * cp)", FIELD(parallel.dp)),
       int_key("parallel.pp", "pipeline stages", FIELD(parallel.pp)),
-      int_key("parallel.cp", "context-parallel degree", FIELD(parallel.cp)),
+      int_key("parallel.cp",
+              "context-parallel degree: each sequence split over cp ranks in 2 * cp zigzag "
+              "chunks (train.seq_len divisible by 2 * cp)",
+              FIELD(parallel.cp)),
       int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
@@ -429,13 +432,19 @@ void validate(const Config& c) {
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
-  if (c.parallel.pp > 1 || c.parallel.cp > 1)
-    input_error(
-        "config keys 'parallel.pp', 'parallel.cp' must be 1: pipeline and context parallelism "
-        "are not available yet");
+  if (c.parallel.pp > 1)
+    input_error("config key 'parallel.pp' must be 1: pipeline parallelism is not available yet");
+  if (c.parallel.cp > 1 && c.train.seq_len % (2 * c.parallel.cp) != 0)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " needs train.seq_len divisible by 2 * cp (zigzag chunks), got seq_len = ",
+                c.train.seq_len);
   const std::vector<bool> moe_blocks = c.model.moe_mask();
-  if (std::find(moe_blocks.begin(), moe_blocks.end(), true) != moe_blocks.end() &&
-      c.model.moe.experts % c.parallel.ep != 0)
+  const bool moe = std::find(moe_blocks.begin(), moe_blocks.end(), true) != moe_blocks.end();
+  // The MoE balancing sums run over dp only; cp ranks would update their copies differently.
+  if (moe && c.parallel.cp > 1)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " is not available with MoE blocks yet (model.moe_*); use cp = 1");
+  if (moe && c.model.moe.experts % c.parallel.ep != 0)
     input_error("config key 'parallel.ep' = ", c.parallel.ep,
                 " must divide model.moe_experts = ", c.model.moe.experts);
   if (c.parallel.bucket_mb <= 0)

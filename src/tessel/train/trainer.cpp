@@ -138,13 +138,17 @@ struct Trainer::State {
   PhaseMark build_mark;
   comm::Mesh mesh;
   comm::Communicator& dp;
+  // With context parallelism the cp ranks of a dp rank split each sequence: the loss and the
+  // gradients sum over dp x cp (the ranks with this pipeline stage).
+  std::unique_ptr<comm::Communicator> dp_cp;
+  comm::Communicator& grad_group;
   model::Gpt model;
   parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
   MoeMetrics moe_step, moe_val;
   std::unique_ptr<optim::Optimizer> optimizer;
   optim::LrSchedule schedule;
   parallel::GradientReducer reducer;
-  std::map<int64_t, std::unique_ptr<model::Activations>> acts;  // by micro-batch rows
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
   std::jthread warmup;  // fast start: the synthetic step, beside the data warm-up below
   std::exception_ptr warmup_failure;
   PhaseMark data_mark;
@@ -177,6 +181,8 @@ struct Trainer::State {
         build_mark(mark_start(times)),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
+        dp_cp(shape.cp > 1 ? w.split(mesh.coordinate(comm::Axis::pp), w.rank()) : nullptr),
+        grad_group(dp_cp ? *dp_cp : dp),
         model(config.model, uint64_t(config.run.seed)),
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
@@ -184,7 +190,7 @@ struct Trainer::State {
         optimizer(optim::make_optimizer(config.optim, model.parameters())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
-        reducer(dp, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
+        reducer(grad_group, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
                                        : std::jthread()),
         data_mark(ledger, Phase::data_warmup),
@@ -226,13 +232,13 @@ struct Trainer::State {
   // the training micro-batch's activations, and runs one forward and backward on a
   // synthetic one-row batch (starts the thread pools, warms the kernels) with activations
   // of its own. Only the gradients change, and every step zeroes them first. Not for MoE
-  // models: their backward feeds the balancing statistics of the first update.
+  // models (their backward feeds the first balance update) nor under context parallelism.
   void synthetic_step() {
     try {
       set_num_threads(int(config.run.threads));
-      activations(config.train.micro_batch);
+      activations(config.train.micro_batch, config.train.seq_len / config.parallel.cp);
       const auto& moe = model.moe_blocks();
-      if (std::find(moe.begin(), moe.end(), true) != moe.end()) return;
+      if (config.parallel.cp > 1 || std::find(moe.begin(), moe.end(), true) != moe.end()) return;
       const int64_t T = config.train.seq_len;
       std::vector<int32_t> tokens(static_cast<size_t>(T)), targets(tokens), positions(tokens);
       std::vector<float> mask(size_t(T), 1.0f);
@@ -256,9 +262,9 @@ struct Trainer::State {
     if (warmup_failure) std::rethrow_exception(warmup_failure);
   }
 
-  model::Activations& activations(int64_t rows) {
-    auto& a = acts[rows];
-    if (!a) a = model.make_activations(rows, config.train.seq_len);
+  model::Activations& activations(int64_t rows, int64_t T) {
+    auto& a = acts[{rows, T}];
+    if (!a) a = model.make_activations(rows, T);
     return *a;
   }
 
@@ -355,9 +361,9 @@ struct Trainer::State {
     moe_val.clear();
     for (const auto& b : val_batches) {
       stats[0] +=
-          model.forward(activations(b.B), BatchInputs(b, config.data.attention_mask).inputs());
+          model.forward(activations(b.B, b.T), BatchInputs(b, config.data.attention_mask).inputs());
       stats[1] += mask_sum(b);
-      moe_val.add(activations(b.B));
+      moe_val.add(activations(b.B, b.T));
     }
     model.set_expert_comm(&experts);
     dp.all_reduce(std::span<double>(stats, 2));
@@ -505,13 +511,17 @@ TrainResult Trainer::run() {
     const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
     for (int64_t m = 0; m < c.train.accum; ++m) {
       data::Batch batch = s.loader.next();
-      model::Activations& acts = s.activations(batch.B);
-      stats[0] += s.model.forward(acts, BatchInputs(batch, c.data.attention_mask).inputs());
-      stats[1] += mask_sum(batch);
+      const BatchInputs full(batch, c.data.attention_mask);
+      std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
+      if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.model);
+      const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+      model::Activations& acts = s.activations(in.B, in.T);
+      stats[0] += s.model.forward(acts, in);
+      stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
       s.model.backward(acts, 1.0f);
       if (!s.moe_step.empty()) s.moe_step.add(acts);
     }
-    s.dp.all_reduce(std::span<double>(stats, 2));
+    s.grad_group.all_reduce(std::span<double>(stats, 2));
     if (!s.moe_step.empty()) {
       s.moe_step.add_all_to_all_bytes(
           double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
