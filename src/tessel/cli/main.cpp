@@ -3,6 +3,9 @@
 //   train       train a GPT (one process, or under mpirun: data parallel)
 //   generate    sample text from a run's latest checkpoint
 //   bench-gemm  this machine's GEMM peak, the denominator of MFU
+//   run         supervise a training job: launch it under mpirun, relaunch it on failure
+//   ett-report  a run's effective training time: ett.json, ett.html, ett_trace.json
+//   export      consolidate a checkpoint into one safetensors file and its config
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +25,9 @@
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/config.hpp"
+#include "tessel/train/ett.hpp"
+#include "tessel/train/export.hpp"
+#include "tessel/train/supervisor.hpp"
 #include "tessel/train/trainer.hpp"
 
 using namespace tessel;
@@ -30,8 +36,8 @@ namespace {
 
 std::string schema_help() {
   std::ostringstream os;
-  os << "Config keys (TOML tables [run], [data], [model], [train], [optim], [parallel], [mfu];\n"
-        "override any with --set key=value). Defaults shown:\n\n";
+  os << "Config keys (TOML tables [run], [data], [model], [train], [optim], [parallel], [mfu],\n"
+        "[fault]; override any with --set key=value). Defaults shown:\n\n";
   train::Config defaults;
   for (const auto& k : train::config_schema()) {
     std::string left = "  " + k.name + " = " + k.get(defaults);
@@ -90,10 +96,41 @@ int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
   return 0;
 }
 
+int run_ett_report(const std::string& run_dir) {
+  train::EttReport r = train::write_ett_report(run_dir);
+  std::printf(
+      "%s: W %.3f s over %zu attempt(s), ETT %.2f%%, TTS %.3f s, NoF %d, MFU %.2f%%, goodput "
+      "%.2f%%\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
+      run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof, 100 * r.mfu,
+      100 * r.goodput, run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
+  return 0;
+}
+
+int run_export(const std::string& checkpoint, const std::string& out) {
+  train::ExportResult r = train::export_checkpoint(checkpoint, out);
+  std::printf(
+      "exported %s (step %lld): %lld tensors, %llu bytes -> %s/model.safetensors, %s/config.toml\n",
+      r.checkpoint.c_str(), static_cast<long long>(r.step), static_cast<long long>(r.tensors),
+      static_cast<unsigned long long>(r.bytes), out.c_str(), out.c_str());
+  return 0;
+}
+
+// The arguments of `tessel train` that `tessel run` passes on to every attempt.
+std::vector<std::string> train_arguments(const std::string& config_path,
+                                         const std::vector<std::string>& overrides) {
+  std::vector<std::string> args;
+  if (!config_path.empty()) args = {"--config", config_path};
+  for (const auto& o : overrides) args.insert(args.end(), {"--set", o});
+  return args;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  train::ProcessTimes times;
+  times.started_ns = train::monotonic_ns();
   auto guard = comm::init_communication(&argc, &argv);
+  times.comm_ready_ns = train::monotonic_ns();
   comm::Communicator& world = guard.world();
   CLI::App app{
       "tessel: distributed training of transformer language models.\n"
@@ -148,6 +185,32 @@ int main(int argc, char** argv) {
   bench->add_option("--threads", gemm_threads, "threads; 0 = OMP_NUM_THREADS or all cores");
   bench->add_flag("--json", gemm_json, "print JSON");
 
+  train::SuperviseOptions sup;
+  std::string sup_config;
+  std::vector<std::string> sup_overrides;
+  auto* runc = app.add_subcommand(
+      "run", "supervise a training job: launch it on --np MPI ranks, relaunch it on failure");
+  runc->add_option("--np", sup.ranks, "MPI ranks")->capture_default_str();
+  runc->add_option("--max-restarts", sup.max_restarts, "relaunches after a failure")
+      ->capture_default_str();
+  runc->add_option("--threads", sup.threads, "threads per rank; 0 = cores / ranks")
+      ->capture_default_str();
+  runc->add_option("--launcher", sup.launcher, "MPI launcher")->capture_default_str();
+  runc->add_option("--config", sup_config, "TOML config file, as for train");
+  runc->add_option("--set", sup_overrides, "override a config key, as for train")->take_all();
+
+  std::string report_dir;
+  auto* report = app.add_subcommand(
+      "ett-report", "effective training time of a run: ett.json, ett.html, ett_trace.json");
+  report->add_option("RUN_DIR", report_dir, "run directory")->required();
+
+  std::string export_from, export_to;
+  auto* exportc = app.add_subcommand(
+      "export", "consolidate a checkpoint into OUT/model.safetensors and OUT/config.toml");
+  exportc->add_option("CHECKPOINT", export_from, "checkpoint directory, or a run directory")
+      ->required();
+  exportc->add_option("OUT", export_to, "output directory")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -162,10 +225,21 @@ int main(int argc, char** argv) {
         return 0;
       }
       train::Config config = train::load_config(config_path, overrides);
-      train::Trainer trainer(std::move(config), world);
+      train::Trainer trainer(std::move(config), world, times);
       trainer.run();
       return 0;
     }
+    if (*runc) {
+      if (world.size() > 1) input_error("tessel run starts its own MPI job; run it without mpirun");
+      sup.run_dir = train::load_config(sup_config, sup_overrides).run.dir;  // also validates
+      sup.train_args = train_arguments(sup_config, sup_overrides);
+      sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
+      int status = train::supervise(sup);
+      if (status == 0) run_ett_report(sup.run_dir);
+      return status;
+    }
+    if (*report) return world.rank() == 0 ? run_ett_report(report_dir) : 0;
+    if (*exportc) return world.rank() == 0 ? run_export(export_from, export_to) : 0;
     if (*gen) return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {

@@ -37,4 +37,17 @@ void write_file_atomically(const std::string& path, std::string_view bytes) {
   fsync_path(dir.empty() ? "." : dir.string());
 }
 
+void remove_temporary_files(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(dir)) return;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::string name = e.path().filename().string();
+    auto at = name.rfind(".tmp.");
+    if (at == std::string::npos || at + 5 == name.size()) continue;
+    std::string pid = name.substr(at + 5);
+    if (e.is_regular_file() && pid.find_first_not_of("0123456789") == std::string::npos)
+      fs::remove(e.path());
+  }
+}
+
 }  // namespace tessel

@@ -14,4 +14,8 @@ void write_file_atomically(const std::string& path, std::string_view bytes);
 // fsync of an existing file or directory (a directory: its entries, e.g. after a rename).
 void fsync_path(const std::string& path);
 
+// Removes the files `<name>.tmp.<pid>` that write_file_atomically leaves in `dir` when
+// its process dies between the write and the rename.
+void remove_temporary_files(const std::string& dir);
+
 }  // namespace tessel

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
@@ -18,11 +19,19 @@ namespace tessel::train {
 namespace {
 
 constexpr const char* kManifest = "manifest.json";
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
+constexpr const char* kKinds[2] = {"model", "optimizer"};
+constexpr size_t kRecord = 5;  // per rank: ok, then bytes and CRC of its two files
 
 std::string step_name(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string shard_name(const char* kind, int rank, int ranks) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s-%05d-of-%05d.safetensors", kind, rank, ranks);
   return buf;
 }
 
@@ -52,13 +61,28 @@ std::vector<fs::path> complete_checkpoints(const fs::path& root) {
   return dirs;
 }
 
-// Collective: throws on every rank when any rank's `failure` is set, so no rank is left
-// waiting for a peer that gave up.
-void agree(comm::Communicator& group, const std::string& failure, const fs::path& dir,
-           const char* elsewhere) {
-  if (comm::all_agree(group, failure.empty())) return;
-  if (group.rank() == 0) fs::remove_all(fs::path(dir.string() + ".incomplete"));
-  input_error("checkpoint ", dir.string(), " not saved: ", failure.empty() ? elsewhere : failure);
+std::vector<std::string> names_of(const std::vector<NamedTensor>& tensors) {
+  std::vector<std::string> names;
+  for (const auto& t : tensors) names.push_back(t.name);
+  return names;
+}
+
+// Copies the tensors of `from` owned by `rank` into `into`, reusing its buffers when the
+// shapes are those of the previous save.
+void stage_share(const std::vector<NamedTensor>& from, const std::vector<int>& owner, int rank,
+                 std::vector<NamedTensor>& into) {
+  size_t j = 0;
+  for (size_t i = 0; i < from.size(); ++i) {
+    if (owner[i] != rank) continue;
+    const Tensor& src = from[i].tensor;
+    if (j == into.size()) into.push_back({from[i].name, Tensor(src.shape(), src.dtype())});
+    NamedTensor& dst = into[j++];
+    if (dst.tensor.shape() != src.shape() || dst.tensor.dtype() != src.dtype())
+      dst.tensor = Tensor(src.shape(), src.dtype());
+    dst.name = from[i].name;
+    std::memcpy(dst.tensor.raw(), src.raw(), src.bytes());
+  }
+  into.resize(j);
 }
 
 }  // namespace
@@ -90,61 +114,240 @@ void restore_tensor(const std::vector<NamedTensor>& from, const std::string& nam
   input_error(source, ": tensor '", name, "' missing from the checkpoint");
 }
 
+std::vector<int> assign_writers(const std::vector<NamedTensor>& tensors, int ranks) {
+  TESSEL_CHECK(ranks >= 1, "assign_writers needs at least one rank");
+  std::vector<size_t> load(size_t(ranks), 0);
+  std::vector<int> owner;
+  for (const auto& t : tensors) {
+    int r = int(std::min_element(load.begin(), load.end()) - load.begin());
+    load[size_t(r)] += t.tensor.bytes();
+    owner.push_back(r);
+  }
+  return owner;
+}
+
 CheckpointStore::CheckpointStore(std::string root, int64_t keep)
     : root_(std::move(root)), keep_(keep) {
   TESSEL_CHECK(keep_ >= 2, "keep_checkpoints must be >= 2");
 }
 
 void CheckpointStore::save(comm::Communicator& group, const CheckpointContent& content) {
-  fs::path root(root_);
-  fs::path final_dir = root / step_name(content.step);
-  fs::path tmp_dir = root / (step_name(content.step) + ".incomplete");
-  const std::pair<const char*, const std::vector<NamedTensor>*> files[] = {
-      {"model.safetensors", &content.model}, {"optimizer.safetensors", &content.optimizer}};
-  // Phase one: rank 0 writes the tensor files (durably); every rank reports success.
-  std::string failure;
-  if (group.rank() == 0) {
-    try {
-      fs::create_directories(root);
-      fs::remove_all(tmp_dir);
-      fs::create_directories(tmp_dir);
-      for (const auto& [name, tensors] : files) {
-        write_safetensors((tmp_dir / name).string(), *tensors);
-        fsync_path((tmp_dir / name).string());
-      }
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  agree(group, failure, final_dir, "another rank failed to write its part");
-  // Phase two: the manifest (written last) makes the directory a checkpoint; the rename
-  // publishes it and `latest` points at it. Each step is durable before the next.
-  if (group.rank() == 0) {
-    try {
-      nlohmann::json manifest;
-      manifest["format"] = "tessel-checkpoint";
-      manifest["version"] = kFormatVersion;
-      manifest["step"] = content.step;
-      manifest["state"] = content.state;
-      for (const auto& [name, tensors] : files) {
-        fs::path p = tmp_dir / name;
-        manifest["files"].push_back(
-            {{"name", name}, {"bytes", fs::file_size(p)}, {"crc32", file_crc32(p.string())}});
-      }
-      write_file_atomically((tmp_dir / kManifest).string(), manifest.dump(2));
-      fs::remove_all(final_dir);
-      fs::rename(tmp_dir, final_dir);
-      fsync_path(root.string());
-      write_file_atomically((root / "latest").string(), step_name(content.step) + "\n");
-      auto dirs = complete_checkpoints(root);
-      for (size_t i = 0; i + size_t(keep_) < dirs.size(); ++i) fs::remove_all(dirs[i]);
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  agree(group, failure, final_dir, "rank 0 failed to commit it");
+  AsyncCheckpointer writer(*this, group);
+  writer.save(content);
+  writer.wait();
 }
 
+void CheckpointStore::sweep_leftovers() const {
+  if (!fs::is_directory(root_)) return;
+  for (const auto& e : fs::directory_iterator(root_))
+    if (e.is_directory() && e.path().extension() == ".incomplete") fs::remove_all(e.path());
+  remove_temporary_files(root_);
+}
+
+// ---------------------------------------------------------------------------
+// AsyncCheckpointer
+
+AsyncCheckpointer::AsyncCheckpointer(const CheckpointStore& store, comm::Communicator& group)
+    : store_(store), group_(group), rank_(group.rank()), ranks_(group.size()) {
+  writer_ = std::thread([this] { writer_loop(); });
+}
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  writer_.join();
+  // A collective still pending here waits for peers that may never join it (this rank is
+  // unwinding from an error): leave it to the process exit rather than block.
+  if (request_ && !request_->done()) (void)request_.release();
+}
+
+void AsyncCheckpointer::writer_loop() {
+  for (;;) {
+    bool write = false;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || job_write_ || job_commit_; });
+      if (stop_) return;
+      write = job_write_;
+      job_write_ = job_commit_ = false;
+    }
+    std::string failure;
+    try {
+      if (write)
+        write_files();
+      else
+        commit();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    {
+      std::lock_guard lock(mu_);
+      failure_ = failure;
+      staged_ = done_ = true;
+    }
+    cv_.notify_all();
+  }
+}
+
+void AsyncCheckpointer::write_files() {
+  const CheckpointContent& c = content_;
+  const std::vector<NamedTensor>* kinds[2] = {&c.model, &c.optimizer};
+  std::vector<NamedTensor>* staged[2] = {&staged_model_, &staged_optimizer_};
+  for (int k = 0; k < 2; ++k)
+    stage_share(*kinds[k], assign_writers(*kinds[k], ranks_), rank_, *staged[k]);
+  {
+    std::lock_guard lock(mu_);
+    staged_ = true;
+  }
+  cv_.notify_all();
+  record_.assign(kRecord, 0);
+  fs::path tmp = fs::path(store_.root()) / (step_name(c.step) + ".incomplete");
+  std::error_code ec;
+  fs::create_directories(tmp, ec);  // every rank; the others may have made it already
+  if (!fs::is_directory(tmp)) input_error(tmp.string(), ": cannot create: ", ec.message());
+  for (int k = 0; k < 2; ++k) {
+    std::string path = (tmp / shard_name(kKinds[k], rank_, ranks_)).string();
+    uint32_t crc = 0;
+    write_safetensors(path, *staged[k], {}, &crc);
+    fsync_path(path);
+    record_[1 + 2 * k] = int64_t(fs::file_size(path));
+    record_[2 + 2 * k] = int64_t(crc);
+  }
+  if (on_files_written) on_files_written(c.step);
+  record_[0] = 1;
+}
+
+void AsyncCheckpointer::commit() {
+  const CheckpointContent& c = content_;
+  fs::path root(store_.root());
+  fs::path final_dir = root / step_name(c.step);
+  fs::path tmp = root / (step_name(c.step) + ".incomplete");
+  nlohmann::json manifest;
+  manifest["format"] = "tessel-checkpoint";
+  manifest["version"] = kFormatVersion;
+  manifest["step"] = c.step;
+  manifest["ranks"] = ranks_;
+  manifest["tensors"] = {{"model", names_of(c.model)}, {"optimizer", names_of(c.optimizer)}};
+  manifest["state"] = c.state;
+  manifest["files"] = nlohmann::json::array();
+  for (int r = 0; r < ranks_; ++r)
+    for (int k = 0; k < 2; ++k)
+      manifest["files"].push_back({{"name", shard_name(kKinds[k], r, ranks_)},
+                                   {"bytes", gathered_[kRecord * size_t(r) + 1 + 2 * size_t(k)]},
+                                   {"crc32", gathered_[kRecord * size_t(r) + 2 + 2 * size_t(k)]}});
+  write_file_atomically((tmp / kManifest).string(), manifest.dump(2));
+  fs::remove_all(final_dir);
+  fs::rename(tmp, final_dir);
+  fsync_path(root.string());
+  write_file_atomically((root / "latest").string(), step_name(c.step) + "\n");
+  auto dirs = complete_checkpoints(root);
+  for (size_t i = 0; i + size_t(store_.keep()) < dirs.size(); ++i) fs::remove_all(dirs[i]);
+  if (on_committed) on_committed(final_dir.string(), c.step);
+}
+
+void AsyncCheckpointer::save(const CheckpointContent& content) {
+  wait();  // at most one save in flight
+  {
+    std::lock_guard lock(mu_);
+    content_ = content;
+    failure_.clear();
+    staged_ = done_ = false;
+    job_write_ = true;
+  }
+  cv_.notify_all();
+  stage_ = Stage::writing;
+}
+
+void AsyncCheckpointer::wait_staged() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [this] { return staged_; });
+}
+
+bool AsyncCheckpointer::staging() const {
+  std::lock_guard lock(mu_);
+  return !staged_;
+}
+
+void AsyncCheckpointer::poll() {
+  advance(false);
+}
+
+void AsyncCheckpointer::wait() {
+  advance(true);
+}
+
+void AsyncCheckpointer::fail(const std::string& why) {
+  stage_ = Stage::idle;
+  input_error("checkpoint ", (fs::path(store_.root()) / step_name(content_.step)).string(),
+              " not saved: ", why);
+}
+
+// The commit protocol, run by the training thread: each stage either completes (and the
+// next begins) or, without `block`, returns until the next call.
+void AsyncCheckpointer::advance(bool block) {
+  auto writer_done = [&] {
+    std::unique_lock lock(mu_);
+    if (block) cv_.wait(lock, [this] { return done_; });
+    return done_;
+  };
+  auto request_done = [&] { return block ? (request_->wait(), true) : request_->test(); };
+  auto agree_on_commit = [&](bool ok) {  // phase two: every rank's view of rank 0's commit
+    agree_flag_ = ok ? 1 : 0;
+    request_ = std::make_unique<comm::Request>(
+        group_.iall_reduce(&agree_flag_, 1, comm::ElemType::i64, comm::ReduceOp::min));
+    stage_ = Stage::agree_commit;
+  };
+  for (;;) {
+    switch (stage_) {
+      case Stage::idle:
+        return;
+      case Stage::writing:
+        if (!writer_done()) return;
+        gathered_.assign(kRecord * size_t(ranks_), 0);
+        request_ = std::make_unique<comm::Request>(
+            group_.iall_gather(record_.data(), gathered_.data(), kRecord, comm::ElemType::i64));
+        stage_ = Stage::agree_files;
+        break;
+      case Stage::agree_files: {
+        if (!request_done()) return;
+        bool all_ok = true;
+        for (int r = 0; r < ranks_; ++r) all_ok = all_ok && gathered_[kRecord * size_t(r)] == 1;
+        if (!all_ok) {
+          if (rank_ == 0)
+            fs::remove_all(fs::path(store_.root()) / (step_name(content_.step) + ".incomplete"));
+          fail(failure_.empty() ? "another rank failed to write its part" : failure_);
+        }
+        if (rank_ == 0) {
+          {
+            std::lock_guard lock(mu_);
+            done_ = false;
+            job_commit_ = true;
+          }
+          cv_.notify_all();
+          stage_ = Stage::committing;
+        } else {
+          agree_on_commit(true);
+        }
+        break;
+      }
+      case Stage::committing:
+        if (!writer_done()) return;
+        agree_on_commit(failure_.empty());
+        break;
+      case Stage::agree_commit:
+        if (!request_done()) return;
+        if (agree_flag_ != 1) fail(failure_.empty() ? "rank 0 failed to commit it" : failure_);
+        last_committed_ = content_.step;
+        stage_ = Stage::idle;
+        return;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 std::optional<std::string> CheckpointStore::latest() const {
   fs::path root(root_);
   std::ifstream in(root / "latest");
@@ -187,6 +390,7 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text) {
     input_error(dir_text, ": not a complete checkpoint (no ", kManifest, ")");
   nlohmann::json manifest = read_json(manifest_path);
   CheckpointContent content;
+  std::vector<std::string> files;
   try {
     if (manifest.at("format") != "tessel-checkpoint" || manifest.at("version") != kFormatVersion)
       input_error(manifest_path.string(), ": unsupported checkpoint format or version");
@@ -201,12 +405,28 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text) {
                     f.at("bytes").get<uint64_t>(), " (truncated or corrupt)");
       if (file_crc32(p.string()) != f.at("crc32").get<uint32_t>())
         input_error(p.string(), ": checksum mismatch (corrupt checkpoint file)");
+      files.push_back(name);
+    }
+    // Each kind's shares, merged by name into the saved order.
+    std::vector<NamedTensor>* into[2] = {&content.model, &content.optimizer};
+    for (int k = 0; k < 2; ++k) {
+      std::map<std::string, Tensor> by_name;
+      std::string prefix = std::string(kKinds[k]) + "-";
+      for (const auto& name : files)
+        if (name.rfind(prefix, 0) == 0)
+          for (auto& nt : read_safetensors((dir / name).string()).tensors)
+            by_name[nt.name] = std::move(nt.tensor);
+      for (const auto& name : manifest.at("tensors").at(kKinds[k])) {
+        auto it = by_name.find(name.get<std::string>());
+        if (it == by_name.end())
+          input_error(manifest_path.string(), ": tensor '", name.get<std::string>(),
+                      "' is in no checkpoint file");
+        into[k]->push_back({it->first, it->second});
+      }
     }
   } catch (const nlohmann::json::exception& e) {
     input_error(manifest_path.string(), ": malformed manifest (", e.what(), ")");
   }
-  content.model = read_safetensors((dir / "model.safetensors").string()).tensors;
-  content.optimizer = read_safetensors((dir / "optimizer.safetensors").string()).tensors;
   return content;
 }
 

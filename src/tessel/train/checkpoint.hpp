@@ -1,18 +1,31 @@
 #pragma once
 // Checkpoints: a directory per step under <run>/checkpoints/, holding
-//   model.safetensors      parameter values (replicated over dp, written by rank 0)
-//   optimizer.safetensors  optimizer state (replicated under plain data parallelism)
-//   manifest.json          step, trainer state (data-loader position, ...), the model
-//                          config, and every file with its size and CRC-32 — written LAST.
-// Two-phase commit: files go into `step-N.incomplete/`, all ranks agree that their
-// writes succeeded, rank 0 writes the manifest, renames the directory to `step-N/`
-// and then points `latest` at it. A crash at any moment leaves the previous
-// checkpoint intact and `latest` valid. Loading verifies every checksum.
-// (Issue #8 moves the writing to a background thread; the layout stays.)
+//   model-RRRRR-of-PPPPP.safetensors      rank R's share of the parameter values
+//   optimizer-RRRRR-of-PPPPP.safetensors  rank R's share of the optimizer state
+//   manifest.json                         step, trainer state (data-loader position, ...),
+//                                         the model config, every file with its size and
+//                                         CRC-32, the tensor order — written LAST.
+// The P ranks of the saving job split the (replicated) tensors between them, balanced by
+// bytes, so each writes 1/P of the state; a load merges the shares by tensor name, so a
+// checkpoint of P ranks loads into any number of ranks.
+//
+// Asynchronous two-phase commit (spec section 4.2): save() hands the tensors to a
+// background writer, which copies this rank's share into reusable host staging buffers,
+// then writes and fsyncs its files into `step-N.incomplete/`. The training thread must
+// call wait_staged() before it next changes those tensors, and poll() from time to time:
+// it gathers every rank's result (non-blocking collectives on a communicator of the
+// checkpointer's own), rank 0's writer then writes the manifest, renames the directory to
+// `step-N/`, fsyncs `checkpoints/`, points `latest` at it and applies retention; a second
+// agreement ends the save. At most one save is in flight. A crash at any moment leaves
+// the previous checkpoint intact and `latest` valid. Loading verifies every checksum.
+#include <condition_variable>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tessel/comm/communicator.hpp"
@@ -27,19 +40,26 @@ struct CheckpointContent {
   nlohmann::json state;  // trainer state: loader position, config, ...
 };
 
+// The rank that writes each tensor: in order, each goes to the rank with the fewest bytes
+// so far (lowest rank on ties). Deterministic for a tensor list and rank count.
+std::vector<int> assign_writers(const std::vector<NamedTensor>& tensors, int ranks);
+
 class CheckpointStore {
  public:
-  // `root` is the checkpoints directory; keep >= 2 newest complete checkpoints are kept.
+  // `root` is the checkpoints directory; the `keep` (>= 2) newest complete checkpoints
+  // are kept.
   CheckpointStore(std::string root, int64_t keep);
 
-  // Collective over `group` (every rank calls it). Rank 0 writes the files.
+  // Synchronous save: an AsyncCheckpointer over `group`, saved and waited for.
+  // Collective over `group`.
   void save(comm::Communicator& group, const CheckpointContent& content);
 
   // Path of the newest complete checkpoint, if any. Follows `latest`; when that is
   // missing or incomplete, falls back to the newest directory with a manifest.
   std::optional<std::string> latest() const;
 
-  // Reads and verifies the checkpoint at `dir` (sizes, checksums, manifest fields).
+  // Reads and verifies the checkpoint at `dir` (sizes, checksums, manifest fields); the
+  // error names the file that failed.
   static CheckpointContent load(const std::string& dir);
 
   struct Loaded {
@@ -57,9 +77,76 @@ class CheckpointStore {
   // damaged), so retention never keeps them in place of good ones.
   void discard_newer_than(const std::string& dir) const;
 
+  // Removes what a killed save leaves behind: `step-N.incomplete/` directories and the
+  // temporary files of atomic writes (`latest.tmp.<pid>`). Call before the first save.
+  void sweep_leftovers() const;
+
+  const std::string& root() const { return root_; }
+  int64_t keep() const { return keep_; }
+
  private:
   std::string root_;
   int64_t keep_;
+};
+
+class AsyncCheckpointer {
+ public:
+  // `group` is used by this checkpointer alone (its collectives run while the training
+  // uses other communicators); every rank of it saves the same steps.
+  AsyncCheckpointer(const CheckpointStore& store, comm::Communicator& group);
+  // Joins the writer; a save not yet committed is abandoned (its directory stays
+  // `.incomplete`, swept at the next start).
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+
+  // Starts saving `content`, whose tensors view live state. Waits for the previous save
+  // to be committed first (at most one in flight). The tensors must not change until
+  // wait_staged() returns.
+  void save(const CheckpointContent& content);
+  // Blocks until the writer has copied this rank's share into the staging buffers.
+  void wait_staged();
+  bool staging() const;  // a copy is pending (wait_staged() would block)
+  // Advances the commit protocol without blocking. Throws when the save failed on any
+  // rank (on every rank: "checkpoint ... not saved: ...").
+  void poll();
+  // Blocks until the save in flight is committed; throws like poll().
+  void wait();
+  bool in_flight() const { return stage_ != Stage::idle; }
+  // Step of the newest checkpoint this checkpointer committed (-1: none).
+  int64_t last_committed() const { return last_committed_; }
+
+  // Fault-injection hooks, called on the writer thread: after this rank's files of
+  // `step` are durable (before the agreement), and after rank 0 committed `dir`.
+  std::function<void(int64_t step)> on_files_written;
+  std::function<void(const std::string& dir, int64_t step)> on_committed;
+
+ private:
+  enum class Stage { idle, writing, agree_files, committing, agree_commit };
+  void advance(bool block);
+  void writer_loop();
+  void write_files();  // writer thread
+  void commit();       // writer thread, rank 0
+  [[noreturn]] void fail(const std::string& why);
+
+  const CheckpointStore& store_;
+  comm::Communicator& group_;
+  const int rank_, ranks_;
+  Stage stage_ = Stage::idle;
+  int64_t last_committed_ = -1;
+
+  // The job shared with the writer thread (guarded by mu_).
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, job_write_ = false, job_commit_ = false;
+  bool staged_ = true, done_ = true;
+  std::string failure_;                                       // writer failure of the current job
+  CheckpointContent content_;                                 // views; this rank copies its share
+  std::vector<NamedTensor> staged_model_, staged_optimizer_;  // reusable staging buffers
+  std::vector<int64_t> record_, gathered_;  // [ok, bytes, crc] per file, every rank's
+  std::unique_ptr<comm::Request> request_;  // the agreement in progress
+  int64_t agree_flag_ = 0;
+  std::thread writer_;
 };
 
 // Copies the tensor called `name` in `from` into `to` (same shape and dtype), or throws

@@ -223,6 +223,21 @@ std::vector<ConfigKey> build_schema() {
       bool_key("train.save_final", "checkpoint after the last step", FIELD(train.save_final)),
       int_key("train.keep_checkpoints", "checkpoints kept (newest first)",
               FIELD(train.keep_checkpoints)),
+      bool_key("train.checkpoint_async",
+               "write checkpoints in the background (training waits only for the copy)",
+               FIELD(train.checkpoint_async)),
+      choice_key<std::string>(
+          "train.checkpoint_policy",
+          "checkpoint interval: fixed (checkpoint_every), young or daly (from the measured "
+          "blocking time and the MTBF; checkpoint_every is the first interval)",
+          {{"fixed", "fixed"}, {"young", "young"}, {"daly", "daly"}},
+          FIELD(train.checkpoint_policy)),
+      float_key("train.mtbf_seconds",
+                "mean time between failures for young/daly until the run has seen a failure",
+                FIELD(train.mtbf_seconds)),
+      bool_key("train.fast_start",
+               "warm up on a synthetic batch while the data loads; reuse the run's GEMM peak",
+               FIELD(train.fast_start)),
       bool_key("train.resume", "resume from the run directory's latest checkpoint",
                FIELD(train.resume)),
       int_key("train.sample_tokens", "tokens of the final text sample; 0 = none",
@@ -254,6 +269,23 @@ std::vector<ConfigKey> build_schema() {
                 FIELD(parallel.bucket_mb)),
       float_key("mfu.peak_gflops", "per-rank peak GFLOP/s; 0 = measure GEMM peak at start",
                 FIELD(mfu.peak_gflops)),
+      int_key("fault.kill_rank", "rank that the fault injector kills", FIELD(fault.kill_rank)),
+      string_key("fault.kill_steps",
+                 "comma-separated steps, the k-th for attempt k: SIGKILL after that step's "
+                 "update (0 or empty = none)",
+                 FIELD(fault.kill_steps)),
+      string_key("fault.kill_seconds",
+                 "comma-separated seconds, the k-th for attempt k: SIGKILL that long after "
+                 "the attempt began",
+                 FIELD(fault.kill_seconds)),
+      choice_key<std::string>("fault.kill_in",
+                              "where a kill_steps fault strikes: step (after the update) or "
+                              "checkpoint_write (that step's checkpoint, before its manifest)",
+                              {{"step", "step"}, {"checkpoint_write", "checkpoint_write"}},
+                              FIELD(fault.kill_in)),
+      int_key("fault.corrupt_step",
+              "flip a byte of the committed checkpoint of this step (0 = none)",
+              FIELD(fault.corrupt_step)),
   };
 }
 #undef FIELD
@@ -417,6 +449,13 @@ void validate(const Config& c) {
                 " must divide model.moe_experts = ", c.model.moe.experts);
   if (c.parallel.bucket_mb <= 0)
     input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
+  if (c.train.checkpoint_policy != "fixed" && c.train.checkpoint_every < 1)
+    input_error("config key 'train.checkpoint_policy' = ", c.train.checkpoint_policy,
+                " needs train.checkpoint_every >= 1 (the first interval, which measures the "
+                "blocking time)");
+  if (c.train.mtbf_seconds <= 0)
+    input_error("config key 'train.mtbf_seconds' must be positive, got ", c.train.mtbf_seconds);
+  validate(c.fault);
   non_negative("run.threads", double(c.run.threads));
   non_negative("mfu.peak_gflops", c.mfu.peak_gflops);
 }

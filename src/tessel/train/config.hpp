@@ -10,6 +10,7 @@
 
 #include "tessel/model/gpt_config.hpp"
 #include "tessel/optim/optimizer.hpp"
+#include "tessel/train/fault.hpp"
 
 namespace tessel::train {
 
@@ -43,6 +44,10 @@ struct TrainLoopConfig {
   int64_t checkpoint_every = 0;  // 0 = no periodic checkpoints (see save_final)
   bool save_final = true;        // checkpoint after the last step
   int64_t keep_checkpoints = 2;
+  bool checkpoint_async = true;             // background writer; false = training waits for it
+  std::string checkpoint_policy = "fixed";  // fixed | young | daly (checkpoint_interval.hpp)
+  double mtbf_seconds = 86400;  // mean time between failures for young/daly until one is seen
+  bool fast_start = true;       // synthetic warm-up beside the data warm-up; cached GEMM peak
   bool resume = true;  // continue from the run directory's latest checkpoint when there is one
   int64_t sample_tokens = 200;  // text sample printed at the end; 0 = none
   std::string sample_prompt = "And God said";
@@ -73,6 +78,7 @@ struct Config {
   optim::OptimizerConfig optim;
   ParallelConfig parallel;
   MfuConfig mfu;
+  FaultConfig fault;
 };
 
 // One key of the schema: its dotted name, help text, and how to read/write it.

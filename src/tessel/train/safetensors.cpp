@@ -1,5 +1,8 @@
 #include "tessel/train/safetensors.hpp"
 
+#include <zlib.h>
+
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -32,8 +35,8 @@ DType from_st_dtype(const std::string& path, const std::string& name, const std:
 }  // namespace
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
-  nlohmann::ordered_json header;
+                       const std::map<std::string, std::string>& metadata, uint32_t* crc32) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();  // "{}" when empty
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -50,12 +53,21 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   uint64_t n = text.size();
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = (n >> (8 * i)) & 0xff;
-  out.write(reinterpret_cast<const char*>(len), 8);
-  out.write(text.data(), std::streamsize(text.size()));
-  for (const auto& nt : tensors)
-    out.write(static_cast<const char*>(nt.tensor.raw()), std::streamsize(nt.tensor.bytes()));
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  auto put = [&](const void* data, size_t bytes) {
+    out.write(static_cast<const char*>(data), std::streamsize(bytes));
+    if (!crc32) return;
+    // zlib takes uInt lengths: feed large tensors in pieces.
+    for (size_t at = 0; at < bytes; at += size_t(1) << 30)
+      crc = ::crc32(crc, static_cast<const Bytef*>(data) + at,
+                    uInt(std::min(bytes - at, size_t(1) << 30)));
+  };
+  put(len, 8);
+  put(text.data(), text.size());
+  for (const auto& nt : tensors) put(nt.tensor.raw(), nt.tensor.bytes());
   out.flush();
   if (!out) input_error(path, ": write failed (disk full?)");
+  if (crc32) *crc32 = uint32_t(crc);
 }
 
 const Tensor* SafetensorsFile::find(const std::string& name) const {

@@ -16,9 +16,11 @@ struct NamedTensor {
   Tensor tensor;
 };
 
-// Writes `tensors` in the given order to `path` (overwrites).
+// Writes `tensors` in the given order to `path` (overwrites). With `crc32`, also returns
+// the CRC-32 (zlib) of the file's bytes, computed while writing.
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+                       const std::map<std::string, std::string>& metadata = {},
+                       uint32_t* crc32 = nullptr);
 
 struct SafetensorsFile {
   std::vector<NamedTensor> tensors;  // in file order

@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -32,6 +33,9 @@
 #include "tessel/parallel/expert_parallel.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
+#include "tessel/train/checkpoint_interval.hpp"
+#include "tessel/train/ett.hpp"
+#include "tessel/train/fault.hpp"
 #include "tessel/train/metrics.hpp"
 #include "tessel/train/moe_metrics.hpp"
 
@@ -73,6 +77,47 @@ std::string broadcast_text(comm::Communicator& group, const std::string& text) {
   return std::string(bytes.begin(), bytes.end());
 }
 
+// Two runs writing one run directory would interleave checkpoints and metrics: rank 0
+// holds an exclusive lock on <dir>/lock for the run (released by the kernel if it dies).
+struct RunDirLock {
+  int fd = -1;
+  explicit RunDirLock(const std::string& dir, bool take) {
+    if (!take) return;
+    fs::create_directories(dir);
+    std::string path = dir + "/lock";
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) input_error(path, ": cannot open: ", std::strerror(errno));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(fd);
+      input_error(dir, ": in use by another tessel run (", path,
+                  " is locked); wait for it or choose another run.dir");
+    }
+  }
+  ~RunDirLock() {
+    if (fd >= 0) ::close(fd);
+  }
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+};
+
+// This attempt's index, the same on every rank: `tessel run` passes it in
+// TESSEL_ETT_ATTEMPT; otherwise rank 0 counts the run directory's attempt logs.
+int agree_attempt(comm::Communicator& world, const std::string& run_dir) {
+  int64_t attempt = 0;
+  if (world.rank() == 0) {
+    const char* env = std::getenv("TESSEL_ETT_ATTEMPT");
+    attempt = env ? std::atoll(env) : count_attempts(run_dir);
+  }
+  world.broadcast(std::span<int64_t>(&attempt, 1), 0);
+  return int(attempt);
+}
+
+// Marks, between two members of Trainer::State, where one start-up leaf ends and the next
+// begins (members are built in declaration order).
+struct PhaseMark {
+  PhaseMark(EttLedger& ledger, Phase phase) { ledger.enter(phase); }
+};
+
 double mask_sum(const data::Batch& b) {
   double n = 0;
   for (float w : b.loss_mask) n += w;
@@ -84,50 +129,60 @@ double mask_sum(const data::Batch& b) {
 struct Trainer::State {
   Config config;
   comm::Communicator& world;
+  bool is_root;
+  bool supervised = std::getenv("TESSEL_ETT_ATTEMPT") != nullptr;  // by `tessel run`
+  int64_t t0;       // when this attempt began (process start, or the trainer's construction)
+  RunDirLock lock;  // rank 0's exclusive lock on <run.dir>/lock, held for the run
+  int attempt;
+  EttLedger ledger;  // rank 0 writes the attempt's ETT log
+  PhaseMark build_mark;
   comm::Mesh mesh;
   comm::Communicator& dp;
   // With context parallelism the cp ranks of a dp rank split each sequence: the loss and the
   // gradients sum over dp x cp (the ranks with this pipeline stage).
   std::unique_ptr<comm::Communicator> dp_cp;
   comm::Communicator& grad_group;
-  bool is_root;
   model::Gpt model;
   parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
   MoeMetrics moe_step, moe_val;
   std::unique_ptr<optim::Optimizer> optimizer;
   optim::LrSchedule schedule;
   parallel::GradientReducer reducer;
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
+  std::jthread warmup;  // fast start: the synthetic step, beside the data warm-up below
+  std::exception_ptr warmup_failure;
+  PhaseMark data_mark;
   data::DataLoader loader;
   std::vector<data::Batch> val_batches;
-  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
   CheckpointStore store;
+  std::unique_ptr<comm::Communicator> ckpt_comm;  // the checkpointer's own collectives
+  AsyncCheckpointer checkpointer;
+  FaultInjector faults;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
-  int lock_fd = -1;  // rank 0's exclusive lock on <run.dir>/lock, held for the run
+  bool finished = false;  // run() completed
 
   ~State() {
-    if (lock_fd >= 0) ::close(lock_fd);  // also released by the kernel if the process dies
+    // `tessel run` writes the exit line itself, after the job's teardown.
+    if (!supervised && ledger.active()) try {
+        ledger.event({{"event", "exit"}, {"status", finished ? 0 : 1}});
+      } catch (const std::exception&) {
+      }
   }
 
-  // Two runs writing one run directory would interleave checkpoints and metrics.
-  void lock_run_dir() {
-    fs::create_directories(config.run.dir);
-    std::string path = config.run.dir + "/lock";
-    lock_fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (lock_fd < 0) input_error(path, ": cannot open: ", std::strerror(errno));
-    if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0)
-      input_error(config.run.dir, ": in use by another tessel run (", path,
-                  " is locked); wait for it or choose another run.dir");
-  }
-
-  State(Config c, comm::Communicator& w, comm::MeshShape shape)
+  State(Config c, comm::Communicator& w, comm::MeshShape shape, const ProcessTimes& times)
       : config(std::move(c)),
         world(w),
+        is_root(w.rank() == 0),
+        t0(times.started_ns >= 0 ? times.started_ns : monotonic_ns()),
+        lock(config.run.dir, is_root),
+        attempt(agree_attempt(w, config.run.dir)),
+        ledger(is_root ? EttLedger(config.run.dir, attempt, !supervised, t0) : EttLedger()),
+        build_mark(mark_start(times)),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
         dp_cp(shape.cp > 1 ? w.split(mesh.coordinate(comm::Axis::pp), w.rank()) : nullptr),
         grad_group(dp_cp ? *dp_cp : dp),
-        is_root(w.rank() == 0),
         model(config.model, uint64_t(config.run.seed)),
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
@@ -136,6 +191,9 @@ struct Trainer::State {
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
         reducer(grad_group, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
+        warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
+                                       : std::jthread()),
+        data_mark(ledger, Phase::data_warmup),
         loader(
             config.data.path + "/train.tok",
             data::LoaderOptions{config.train.seq_len, config.train.micro_batch, config.train.accum,
@@ -145,12 +203,63 @@ struct Trainer::State {
                                              config.train.micro_batch, config.train.eval_sequences,
                                              mesh.coordinate(comm::Axis::dp),
                                              mesh.size(comm::Axis::dp))),
-        store(config.run.dir + "/checkpoints", config.train.keep_checkpoints) {
+        store(config.run.dir + "/checkpoints", config.train.keep_checkpoints),
+        ckpt_comm(w.split(0, w.rank())),
+        checkpointer(store, *ckpt_comm),
+        faults(config.fault, attempt, w.rank(), attempt_path(config.run.dir, attempt), t0) {
+    if (config.fault.kill_rank >= w.size())
+      input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
+                  " is not a rank of this job (world size ", w.size(), ")");
     model.set_expert_comm(&experts);
     int64_t data_vocab = loader.shard().vocab_size();
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
+    checkpointer.on_files_written = [this](int64_t step) { faults.in_checkpoint_write(step); };
+    checkpointer.on_committed = [this](const std::string& dir, int64_t step) {
+      faults.after_commit(dir, step);
+    };
+  }
+
+  // The leaves before the trainer existed: MPI start-up and config parsing (CLI).
+  PhaseMark mark_start(const ProcessTimes& times) {
+    if (times.started_ns >= 0) ledger.enter(Phase::comm_init, -1, times.started_ns);
+    if (times.comm_ready_ns >= 0) ledger.enter(Phase::other, -1, times.comm_ready_ns);
+    return PhaseMark(ledger, Phase::model_build);
+  }
+
+  // Fast start, beside the data warm-up of the main thread: allocates (and so first-touches)
+  // the training micro-batch's activations, and runs one forward and backward on a
+  // synthetic one-row batch (starts the thread pools, warms the kernels) with activations
+  // of its own. Only the gradients change, and every step zeroes them first. Not for MoE
+  // models (their backward feeds the first balance update) nor under context parallelism.
+  void synthetic_step() {
+    try {
+      set_num_threads(int(config.run.threads));
+      activations(config.train.micro_batch, config.train.seq_len / config.parallel.cp);
+      const auto& moe = model.moe_blocks();
+      if (config.parallel.cp > 1 || std::find(moe.begin(), moe.end(), true) != moe.end()) return;
+      const int64_t T = config.train.seq_len;
+      std::vector<int32_t> tokens(static_cast<size_t>(T)), targets(tokens), positions(tokens);
+      std::vector<float> mask(size_t(T), 1.0f);
+      for (int64_t i = 0; i < T; ++i) {
+        tokens[size_t(i)] = int32_t(i % config.model.vocab);
+        targets[size_t(i)] = int32_t((i + 1) % config.model.vocab);
+        positions[size_t(i)] = int32_t(i);
+      }
+      auto a = model.make_activations(1, T);
+      model.forward(*a, {1, T, tokens.data(), positions.data(), targets.data(), mask.data()});
+      model.backward(*a, 1.0f);
+    } catch (...) {
+      warmup_failure = std::current_exception();
+    }
+  }
+
+  void finish_warmup() {
+    if (!warmup.joinable()) return;
+    ledger.enter(Phase::warmup);
+    warmup.join();
+    if (warmup_failure) std::rethrow_exception(warmup_failure);
   }
 
   model::Activations& activations(int64_t rows, int64_t T) {
@@ -186,7 +295,8 @@ struct Trainer::State {
     content.state = {{"compatibility", compatibility()},
                      {"loader", {{"step", ls.step}, {"micro", ls.micro}}},
                      {"config", to_toml(config)}};
-    store.save(world, content);
+    checkpointer.save(content);
+    if (!config.train.checkpoint_async) checkpointer.wait();
   }
 
   // Rank 0 picks the checkpoint (the newest that verifies) and every rank loads that
@@ -234,12 +344,15 @@ struct Trainer::State {
       else if (have[key] != value)
         input_error(*latest, ": checkpoint has ", key, " = ", text(have[key]), " but this run has ",
                     text(value), "; resume with the checkpoint's setting or use a new run.dir");
+    finish_warmup();  // its forward reads the weights restored here
+    ledger.enter(Phase::checkpoint_load);
     for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, *latest);
     for (auto& st : optimizer->state())
       restore_tensor(content.optimizer, st.name, st.tensor, *latest);
     const auto& ls = content.state.at("loader");
     loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
     start_step = resumed_from = content.step;
+    ledger.event({{"event", "resume"}, {"step", content.step}, {"dir", chosen}});
   }
 
   double validate_loss() {
@@ -271,7 +384,7 @@ struct Trainer::State {
   }
 };
 
-Trainer::Trainer(Config config, comm::Communicator& world) {
+Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   comm::MeshShape shape{int(config.parallel.pp), int(config.parallel.dp), int(config.parallel.cp),
                         int(config.parallel.ep)};
   if (shape.dp == 0) shape.dp = std::max(1, world.size() / (shape.pp * shape.cp));
@@ -280,21 +393,29 @@ Trainer::Trainer(Config config, comm::Communicator& world) {
   set_num_threads(threads);
   config.run.threads = threads;
   config.parallel.dp = shape.dp;
-  s_ = std::make_unique<State>(std::move(config), world, shape);
-  if (s_->is_root) s_->lock_run_dir();
-  if (s_->config.train.resume)
-    s_->resume();
-  else if (s_->store.latest())
+  s_ = std::make_unique<State>(std::move(config), world, shape, times);
+  State& s = *s_;
+  // What a killed run left: half-written checkpoints and temporary files of atomic writes.
+  if (s.is_root) {
+    s.store.sweep_leftovers();
+    remove_temporary_files(s.config.run.dir);
+  }
+  s.ledger.enter(Phase::checkpoint_load);
+  if (s.config.train.resume)
+    s.resume();
+  else if (s.store.latest())
     // A fresh run here would mix its checkpoints with the old run's (and retention,
     // which keeps the highest steps, could delete the new ones).
-    input_error(s_->config.run.dir,
+    input_error(s.config.run.dir,
                 ": holds checkpoints of an earlier run but train.resume = "
                 "false; choose a new run.dir or remove ",
-                s_->config.run.dir, "/checkpoints");
+                s.config.run.dir, "/checkpoints");
+  s.finish_warmup();
+  s.ledger.enter(Phase::other);
   // Written only once the run is accepted, so a rejected run leaves the directory as it was.
-  if (s_->is_root) {
-    fs::create_directories(s_->config.run.dir);
-    write_file_atomically(s_->config.run.dir + "/config.toml", to_toml(s_->config));
+  if (s.is_root) {
+    fs::create_directories(s.config.run.dir);
+    write_file_atomically(s.config.run.dir + "/config.toml", to_toml(s.config));
   }
   world.barrier();
 }
@@ -307,12 +428,30 @@ TrainResult Trainer::run() {
   TrainResult result;
   result.resumed_from = s.resumed_from;
 
-  // The MFU denominator: every rank measures GEMM at once (as they will compute).
+  // The MFU denominator: every rank measures GEMM at once (as they will compute). With
+  // train.fast_start a restart reuses the peak its run directory measured before.
+  s.ledger.enter(Phase::warmup);
   double peak = c.mfu.peak_gflops;
   if (peak <= 0) {
-    double measured = kernels::measure_gemm_peak_gflops(1024, 0.5);  // as `tessel bench-gemm`
-    s.world.all_reduce(std::span<double>(&measured, 1));
-    peak = measured / s.world.size();
+    const std::string cache = c.run.dir + "/gemm_peak.json";
+    const nlohmann::json key = {{"ranks", s.world.size()}, {"threads", num_threads()}};
+    double cached[2] = {0, 0};  // found, value (rank 0's)
+    if (s.is_root && c.train.fast_start && fs::exists(cache)) {
+      std::ifstream in(cache);
+      auto j = nlohmann::json::parse(in, nullptr, false);
+      if (j.is_object() && j.value("key", nlohmann::json()) == key && j["peak_gflops"].is_number())
+        cached[0] = 1, cached[1] = j["peak_gflops"].get<double>();
+    }
+    s.world.broadcast(std::span<double>(cached, 2), 0);
+    if (cached[0] > 0) {
+      peak = cached[1];
+    } else {
+      double measured = kernels::measure_gemm_peak_gflops(1024, 0.5);  // as `tessel bench-gemm`
+      s.world.all_reduce(std::span<double>(&measured, 1));
+      peak = measured / s.world.size();
+      if (s.is_root && c.train.fast_start)
+        write_file_atomically(cache, nlohmann::json{{"key", key}, {"peak_gflops", peak}}.dump());
+    }
   }
   result.peak_gflops = peak;
 
@@ -342,10 +481,29 @@ TrainResult Trainer::run() {
                  {"ranks", s.world.size()},
                  {"threads", num_threads()},
                  {"start_step", s.start_step}});
+  // Checkpoint interval: fixed multiples of train.checkpoint_every, or (young, daly) from
+  // the blocking time of the previous save and the MTBF, decided by rank 0 for all ranks.
+  const bool adaptive = c.train.checkpoint_policy != "fixed";
+  double mtbf = c.train.mtbf_seconds;
+  if (adaptive && s.is_root) {
+    EttReport seen = analyze_ett(c.run.dir);
+    if (seen.nof > 0) mtbf = seen.wall / seen.nof;  // observed
+  }
+  int64_t next_save = -1, decide_at = -1;  // adaptive: the next save; the step deciding it
+  if (adaptive) next_save = s.start_step + c.train.checkpoint_every;
+  double blocking = 0;  // seconds training waited for checkpoints since the last decision
+  auto block_on = [&](auto&& wait) {
+    Timer t;
+    wait();
+    blocking += t.seconds();
+  };
+
   Timer run_timer;
   double train_seconds = 0;
   ParameterList params = s.model.parameters();
   for (int64_t step = s.start_step; step < c.train.steps; ++step) {
+    s.ledger.enter(Phase::productive, step + 1);
+    s.checkpointer.poll();  // twice per step: a commit needs a few rounds
     Timer step_timer;
     s.model.zero_grads();
     double stats[2] = {0, 0};  // loss sum, loss tokens
@@ -378,8 +536,15 @@ TrainResult Trainer::run() {
                   s.store.latest().value_or("no checkpoint yet") + ")");
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
     double lr = s.schedule.lr(step + 1);
+    if (s.checkpointer.staging()) {  // the snapshot must not see this update
+      s.ledger.enter(Phase::checkpoint_blocking);
+      block_on([&] { s.checkpointer.wait_staged(); });
+      s.ledger.enter(Phase::productive, step + 1);
+    }
     s.optimizer->step(s.schedule.scale(step + 1));
     s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
+    s.faults.after_step(step + 1);
+    s.checkpointer.poll();
     double dt = step_timer.seconds();
     train_seconds += dt;
 
@@ -416,6 +581,7 @@ TrainResult Trainer::run() {
       s.log(line);
     }
     if ((c.train.eval_every > 0 && rec.step % c.train.eval_every == 0) || last) {
+      s.ledger.enter(Phase::eval);
       double val = s.validate_loss();
       result.validation.emplace_back(rec.step, val);
       nlohmann::json val_record = {{"step", rec.step}, {"val_loss", val}};
@@ -426,13 +592,35 @@ TrainResult Trainer::run() {
                     static_cast<long long>(rec.step), val, val / std::log(2.0));
       s.log(line);
     }
-    if ((c.train.checkpoint_every > 0 && rec.step % c.train.checkpoint_every == 0) ||
-        (last && c.train.save_final)) {
-      s.save(rec.step);
-      s.log("step " + std::to_string(rec.step) + " | checkpoint saved to " + c.run.dir +
-            "/checkpoints");
+    if (adaptive && rec.step == decide_at) {
+      int64_t interval = 0;
+      const double step_seconds = train_seconds / double(rec.step - s.start_step);
+      if (s.is_root)
+        interval = checkpoint_interval_steps(c.train.checkpoint_policy, c.train.checkpoint_every,
+                                             blocking, mtbf, step_seconds);
+      s.world.broadcast(std::span<int64_t>(&interval, 1), 0);
+      next_save = decide_at - 1 + interval;
+      write_metrics({{"event", "checkpoint_interval"},
+                     {"step", rec.step},
+                     {"blocking_seconds", blocking},
+                     {"mtbf_seconds", mtbf},
+                     {"step_seconds", step_seconds},
+                     {"interval_steps", interval}});
+    }
+    bool periodic = adaptive
+                        ? rec.step == next_save
+                        : c.train.checkpoint_every > 0 && rec.step % c.train.checkpoint_every == 0;
+    if (periodic || (last && c.train.save_final)) {
+      s.ledger.enter(last ? Phase::shutdown : Phase::checkpoint_blocking);
+      blocking = 0;
+      block_on([&] { s.save(rec.step); });
+      decide_at = rec.step + 1;  // once the next step has waited for the staging copy
+      s.log("step " + std::to_string(rec.step) + " | checkpoint " +
+            (c.train.checkpoint_async ? "started" : "saved") + " in " + c.run.dir + "/checkpoints");
     }
   }
+  s.ledger.enter(Phase::shutdown);
+  s.checkpointer.wait();
   if (s.start_step >= c.train.steps)
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
@@ -443,6 +631,7 @@ TrainResult Trainer::run() {
   }
   s.log("done in " + format_duration(run_timer.seconds()) + "; metrics in " + c.run.dir +
         "/metrics.jsonl");
+  s.finished = true;
   return result;
 }
 

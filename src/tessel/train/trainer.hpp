@@ -1,7 +1,8 @@
 #pragma once
 // The training loop: data parallel over the dp axis of the mesh, gradient
 // accumulation over micro-batches, warmup + cosine learning rate, global-norm
-// clipping, periodic validation, metrics.jsonl, synchronous checkpoints and resume.
+// clipping, periodic validation, metrics.jsonl, asynchronous checkpoints and resume, the
+// ETT ledger of the attempt, fault injection.
 //
 // One step, on every rank:
 //   zero grads; for each of `accum` micro-batches: forward, backward (loss-sum grads)
@@ -30,12 +31,20 @@ struct TrainResult {
   double peak_gflops = 0;                              // per-rank MFU denominator
 };
 
+// When the process started and when MPI was ready (monotonic_ns of ett.hpp; -1 = not
+// known): the first leaves of the attempt's ETT log. The CLI passes them.
+struct ProcessTimes {
+  int64_t started_ns = -1;
+  int64_t comm_ready_ns = -1;
+};
+
 class Trainer {
  public:
   // Builds the mesh (InputError when the world does not match parallel.*), the model,
   // optimizer and data, and resumes from the run directory's latest checkpoint when
-  // train.resume is set. Collective over `world`.
-  Trainer(Config config, comm::Communicator& world);
+  // train.resume is set. Collective over `world`. Rank 0 records the attempt in
+  // <run.dir>/ett/ (ett.hpp).
+  Trainer(Config config, comm::Communicator& world, ProcessTimes times = {});
   ~Trainer();
   TrainResult run();
 

@@ -134,7 +134,9 @@ TEST(DataParallel, ADamagedNewestCheckpointResumesAllRanksFromThePreviousOne) {
   c.train.checkpoint_every = 25;
   auto full = run_on(world, c);  // checkpoints at 25 and 50
   if (world.rank() == 0) {
-    std::string damaged = run + "/checkpoints/step-00000050/optimizer.safetensors";
+    char shard[64];  // rank 0's share of the optimizer state
+    std::snprintf(shard, sizeof shard, "optimizer-00000-of-%05d.safetensors", world.size());
+    std::string damaged = run + "/checkpoints/step-00000050/" + shard;
     fs::resize_file(damaged, fs::file_size(damaged) - 1);
   }
   world.barrier();

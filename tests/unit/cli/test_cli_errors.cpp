@@ -9,35 +9,13 @@
 #include <fstream>
 
 #include "support/train_fixture.hpp"
+#include "unit/cli/cli_test_util.hpp"
 
 namespace fs = std::filesystem;
 using tessel::fixture::temp_dir;
+using namespace tessel::cli_test;
 
 namespace {
-
-struct Outcome {
-  int exit_code;
-  std::string out, err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-// Runs `tessel <args>` in a shell with stdout and stderr captured; with ranks > 0, on that
-// many MPI ranks through scripts/launch.sh.
-Outcome run_tessel(const std::string& args, int ranks = 0) {
-  std::string dir = temp_dir("tessel-cli");
-  std::string launcher = ranks > 0 ? "TESSEL_BIN=" + std::string(TESSEL_BINARY) +
-                                         " OMPI_ALLOW_RUN_AS_ROOT=1 "
-                                         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " TESSEL_LAUNCHER " " +
-                                         std::to_string(ranks)
-                                   : std::string(TESSEL_BINARY);
-  std::string cmd = launcher + " " + args + " >" + dir + "/out 2>" + dir + "/err";
-  int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir + "/out"), slurp(dir + "/err")};
-}
 
 void expect_one_line_error(const Outcome& o, std::initializer_list<std::string> parts) {
   EXPECT_NE(o.exit_code, 0);
@@ -130,22 +108,23 @@ TEST_F(CliTest, CorruptCheckpoint) {
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
   std::string ckpt = run + "/checkpoints/step-00000004";
   {
-    std::fstream f(ckpt + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(ckpt + "/model-00000-of-00001.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-3, std::ios::end);
     f.put('\x7f');
   }
   expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
-                        {"model.safetensors", "checksum"});
-  expect_one_line_error(run_tessel("generate --run " + run), {"model.safetensors"});
+                        {"model-00000-of-00001.safetensors", "checksum"});
+  expect_one_line_error(run_tessel("generate --run " + run), {"model-00000-of-00001.safetensors"});
 }
 
 TEST_F(CliTest, MissingCheckpoint) {
   std::string run = temp_dir("tessel-cli-run");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "no complete checkpoint"});
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
-  fs::remove(run + "/checkpoints/step-00000004/optimizer.safetensors");
+  fs::remove(run + "/checkpoints/step-00000004/optimizer-00000-of-00001.safetensors");
   expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
-                        {"optimizer.safetensors", "missing"});
+                        {"optimizer-00000-of-00001.safetensors", "missing"});
 }
 
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {

@@ -49,6 +49,18 @@ void corrupt_byte(const fs::path& path, std::streamoff offset) {
   f.put(char(c ^ 0x5a));
 }
 
+// Names and bytes of every tensor of `want` in `back`.
+void expect_same_content(const CheckpointContent& back, const CheckpointContent& want) {
+  ASSERT_EQ(back.model.size(), want.model.size());
+  ASSERT_EQ(back.optimizer.size(), want.optimizer.size());
+  for (size_t i = 0; i < want.model.size(); ++i) {
+    EXPECT_EQ(back.model[i].name, want.model[i].name);
+    expect_equal_bytes(back.model[i].tensor, want.model[i].tensor);
+  }
+  for (size_t i = 0; i < want.optimizer.size(); ++i)
+    expect_equal_bytes(back.optimizer[i].tensor, want.optimizer[i].tensor);
+}
+
 CheckpointContent content_at(int64_t step) {
   CheckpointContent c;
   c.step = step;
@@ -73,11 +85,20 @@ TEST(Safetensors, RoundTripKeepsOrderBytesAndMetadata) {
     expect_equal_bytes(f.tensors[i].tensor, tensors[i].tensor);
   }
   EXPECT_EQ(f.metadata.at("format"), "pt");
+  uint32_t crc = 0;  // computed while writing: the CRC of the file's bytes
+  write_safetensors(path, tensors, {{"format", "pt"}}, &crc);
+  EXPECT_EQ(crc, file_crc32(path));
   // The header length is a multiple of 8 so the data section is aligned.
   std::ifstream in(path, std::ios::binary);
   uint64_t n = 0;
   in.read(reinterpret_cast<char*>(&n), 8);
   EXPECT_EQ(n % 8, 0u);
+}
+
+TEST(Safetensors, AFileWithoutTensorsRoundTrips) {  // a rank's empty checkpoint share
+  std::string path = fixture::temp_dir("tessel-st") + "/empty.safetensors";
+  write_safetensors(path, {});
+  EXPECT_TRUE(read_safetensors(path).tensors.empty());
 }
 
 TEST(Safetensors, CorruptFilesAreInputErrorsNamingTheFile) {
@@ -112,10 +133,7 @@ TEST(Checkpoint, SaveLoadRetentionAndLatest) {
   CheckpointContent back = CheckpointStore::load(*store.latest());
   EXPECT_EQ(back.step, 30);
   EXPECT_EQ(back.state["loader"]["step"], 30);
-  auto want = content_at(30);
-  for (size_t i = 0; i < want.model.size(); ++i)
-    expect_equal_bytes(back.model[i].tensor, want.model[i].tensor);
-  expect_equal_bytes(back.optimizer[0].tensor, want.optimizer[0].tensor);
+  expect_same_content(back, content_at(30));
 }
 
 TEST(Checkpoint, IncompleteDirectoriesAreNeverLoaded) {
@@ -142,17 +160,90 @@ TEST(Checkpoint, CorruptionIsDetectedByChecksumAndSize) {
   CheckpointStore store(root, 2);
   store.save(group, content_at(1));
   std::string dir = *store.latest();
-  corrupt_byte(dir + "/model.safetensors",
-               std::streamoff(fs::file_size(dir + "/model.safetensors") - 2));
+  corrupt_byte(dir + "/model-00000-of-00001.safetensors",
+               std::streamoff(fs::file_size(dir + "/model-00000-of-00001.safetensors") - 2));
   std::string what = input_error_of([&] { CheckpointStore::load(dir); });
-  EXPECT_NE(what.find("model.safetensors"), std::string::npos) << what;
+  EXPECT_NE(what.find("model-00000-of-00001.safetensors"), std::string::npos) << what;
   EXPECT_NE(what.find("checksum"), std::string::npos) << what;
   store.save(group, content_at(2));
   dir = *store.latest();
-  fs::resize_file(dir + "/optimizer.safetensors", 10);
+  fs::resize_file(dir + "/optimizer-00000-of-00001.safetensors", 10);
   what = input_error_of([&] { CheckpointStore::load(dir); });
-  EXPECT_NE(what.find("optimizer.safetensors"), std::string::npos) << what;
+  EXPECT_NE(what.find("optimizer-00000-of-00001.safetensors"), std::string::npos) << what;
   std::ofstream(dir + "/manifest.json") << "{ not json";
   what = input_error_of([&] { CheckpointStore::load(dir); });
   EXPECT_NE(what.find("manifest.json"), std::string::npos) << what;
+}
+
+TEST(AsyncCheckpoint, ParametersChangedAfterSaveReturnsAreNotInTheCheckpoint) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 2);
+  AsyncCheckpointer writer(store, group);
+  CheckpointContent live = content_at(3);  // views of "live" tensors
+  const CheckpointContent want = content_at(3);
+  writer.save(live);
+  writer.wait_staged();  // what the trainer does before its optimizer step
+  // The optimizer now changes everything while the writer is still writing.
+  for (auto& nt : live.model) std::memset(nt.tensor.raw(), 0x7f, nt.tensor.bytes());
+  for (auto& nt : live.optimizer) std::memset(nt.tensor.raw(), 0x7f, nt.tensor.bytes());
+  writer.wait();
+  EXPECT_EQ(writer.last_committed(), 3);
+  expect_same_content(CheckpointStore::load(*store.latest()), want);
+}
+
+TEST(AsyncCheckpoint, OneSaveInFlightReusesStagingAndKeepsTheNewest) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 2);
+  AsyncCheckpointer writer(store, group);
+  for (int64_t step : {1, 2, 3}) {
+    writer.save(content_at(step));  // waits for the previous one to be committed
+    EXPECT_TRUE(writer.in_flight());
+    EXPECT_EQ(writer.last_committed(), step - 1 == 0 ? -1 : step - 1);
+  }
+  writer.wait();
+  EXPECT_FALSE(writer.in_flight());
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000003");
+  EXPECT_FALSE(fs::exists(root + "/step-00000001"));  // keep = 2
+  EXPECT_TRUE(fs::exists(root + "/step-00000002/manifest.json"));
+}
+
+TEST(AsyncCheckpoint, AWriteFailureLeavesNoCheckpointAndNamesTheStep) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 2);
+  store.save(group, content_at(1));
+  AsyncCheckpointer writer(store, group);
+  writer.on_files_written = [](int64_t) { throw InputError("disk full (injected)"); };
+  writer.save(content_at(2));
+  std::string what = input_error_of([&] { writer.wait(); });
+  EXPECT_NE(what.find("step-00000002 not saved: disk full (injected)"), std::string::npos) << what;
+  EXPECT_FALSE(fs::exists(root + "/step-00000002.incomplete"));
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000001");
+}
+
+TEST(Checkpoint, SweepRemovesWhatAKilledSaveLeft) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 2);
+  store.save(group, content_at(4));
+  fs::create_directories(root + "/step-00000008.incomplete");
+  std::ofstream(root + "/step-00000008.incomplete/model-00000-of-00001.safetensors") << "x";
+  std::ofstream(root + "/latest.tmp.12345") << "step-00000008\n";
+  std::ofstream(root + "/notes.tmp.txt") << "not ours";
+  store.sweep_leftovers();
+  EXPECT_FALSE(fs::exists(root + "/step-00000008.incomplete"));
+  EXPECT_FALSE(fs::exists(root + "/latest.tmp.12345"));
+  EXPECT_TRUE(fs::exists(root + "/notes.tmp.txt"));
+  EXPECT_TRUE(fs::exists(root + "/step-00000004/manifest.json"));
+}
+
+TEST(Checkpoint, WritersSplitTheTensorsByBytes) {
+  Tensor big({100}), mid({60}), small({30}), tiny({10});
+  std::vector<NamedTensor> t = {{"a", big}, {"b", mid}, {"c", small}, {"d", tiny}};
+  // a -> 0 (0 bytes so far); b -> 1; c -> 1 (240 < 400); d -> 1 (360 < 400).
+  EXPECT_EQ(assign_writers(t, 2), (std::vector<int>{0, 1, 1, 1}));
+  EXPECT_EQ(assign_writers(t, 1), (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(assign_writers(t, 5), (std::vector<int>{0, 1, 2, 3}));
 }

@@ -1,13 +1,19 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
+#include "tessel/train/checkpoint.hpp"
+#include "tessel/train/checkpoint_interval.hpp"
 #include "tessel/train/trainer.hpp"
 
 using namespace tessel;
@@ -75,7 +81,7 @@ TEST_F(TrainerTest, ADamagedNewestCheckpointResumesFromThePreviousOne) {
   c.train.checkpoint_every = 20;
   c.train.keep_checkpoints = 3;
   auto full = train_run(c);  // checkpoints at 20, 40 and 50
-  std::string damaged = run + "/checkpoints/step-00000050/model.safetensors";
+  std::string damaged = run + "/checkpoints/step-00000050/model-00000-of-00001.safetensors";
   fs::resize_file(damaged, fs::file_size(damaged) - 1);
   auto resumed = train_run(c);
   EXPECT_EQ(resumed.resumed_from, 40);
@@ -126,4 +132,89 @@ TEST_F(TrainerTest, DataVocabularyMustFitTheModel) {
   train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   c.model.vocab = 100;  // byte shards hold ids up to 255
   fixture::expect_input_error([&] { train_run(c); }, {"model.vocab", "train.tok"});
+}
+
+namespace {
+// Every tensor of both checkpoints, bitwise.
+void expect_same_checkpoint(const std::string& a_dir, const std::string& b_dir) {
+  auto a = train::CheckpointStore::load(a_dir), b = train::CheckpointStore::load(b_dir);
+  EXPECT_EQ(a.step, b.step);
+  ASSERT_EQ(a.model.size(), b.model.size());
+  ASSERT_EQ(a.optimizer.size(), b.optimizer.size());
+  for (size_t i = 0; i < a.model.size(); ++i)
+    EXPECT_EQ(
+        std::memcmp(a.model[i].tensor.raw(), b.model[i].tensor.raw(), a.model[i].tensor.bytes()), 0)
+        << a.model[i].name;
+  for (size_t i = 0; i < a.optimizer.size(); ++i)
+    EXPECT_EQ(std::memcmp(a.optimizer[i].tensor.raw(), b.optimizer[i].tensor.raw(),
+                          a.optimizer[i].tensor.bytes()),
+              0)
+        << a.optimizer[i].name;
+}
+}  // namespace
+
+TEST_F(TrainerTest, FastStartAndAsyncCheckpointsLeaveTheRunBitwiseUnchanged) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 12;
+  c.train.checkpoint_every = 3;
+  auto fast = train_run(c);  // fast start, asynchronous checkpoints (the defaults)
+  train::Config slow = c;
+  slow.run.dir = fixture::temp_dir("tessel-run");
+  slow.train.fast_start = false;
+  slow.train.checkpoint_async = false;
+  auto plain = train_run(slow);
+  ASSERT_EQ(fast.steps.size(), plain.steps.size());
+  for (size_t i = 0; i < fast.steps.size(); ++i)
+    EXPECT_EQ(fast.steps[i].loss, plain.steps[i].loss) << "step " << i + 1;
+  for (const char* step : {"/checkpoints/step-00000009", "/checkpoints/step-00000012"})
+    expect_same_checkpoint(c.run.dir + step, slow.run.dir + step);
+}
+
+TEST_F(TrainerTest, YoungAndDalyPoliciesChooseTheIntervalFromTheFormula) {
+  for (const char* policy : {"young", "daly"}) {
+    train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+    c.train.steps = 30;
+    c.train.checkpoint_every = 2;  // the first interval
+    c.train.checkpoint_policy = policy;
+    c.train.mtbf_seconds = 0.5;  // tiny: frequent checkpoints
+    c.train.keep_checkpoints = 100;
+    train_run(c);
+    std::ifstream in(c.run.dir + "/metrics.jsonl");
+    std::vector<int64_t> saved_after;  // interval decisions: step, interval
+    int decisions = 0;
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("event", "") != "checkpoint_interval") continue;
+      ++decisions;
+      int64_t want = train::checkpoint_interval_steps(
+          policy, 2, j["blocking_seconds"].get<double>(), j["mtbf_seconds"].get<double>(),
+          j["step_seconds"].get<double>());
+      EXPECT_EQ(j["interval_steps"].get<int64_t>(), want) << policy << ": " << line;
+      // The next checkpoint exists at (save step) + interval, if within the run.
+      int64_t next = j["step"].get<int64_t>() - 1 + want;
+      if (next < c.train.steps) {
+        EXPECT_TRUE(fs::exists(
+            c.run.dir + "/checkpoints/" +
+            (std::ostringstream() << "step-" << std::setw(8) << std::setfill('0') << next).str()))
+            << policy << " " << next;
+      }
+    }
+    EXPECT_GE(decisions, 1) << policy;
+  }
+}
+
+TEST_F(TrainerTest, ACorruptedShardIsFoundOnResumeByItsChecksum) {
+  std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = fixture::tiny_config(data_dir, run);
+  c.train.steps = 8;
+  c.train.checkpoint_every = 4;
+  c.fault.corrupt_step = 8;  // flips a byte of the final checkpoint once it is committed
+  train_run(c);
+  std::string dir = run + "/checkpoints/step-00000008";
+  fixture::expect_input_error([&] { train::CheckpointStore::load(dir); },
+                              {dir + "/model-00000-of-00001.safetensors", "checksum mismatch"});
+  c.fault.corrupt_step = 0;
+  c.train.steps = 10;
+  auto resumed = train_run(c);
+  EXPECT_EQ(resumed.resumed_from, 4);  // the damaged step 8 was passed over
 }

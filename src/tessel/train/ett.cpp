@@ -1,0 +1,433 @@
+#include "tessel/train/ett.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
+#include "tessel/train/checkpoint.hpp"
+
+namespace fs = std::filesystem;
+
+namespace tessel::train {
+
+namespace {
+
+constexpr const char* kPhaseNames[kNumPhases] = {"scheduling",
+                                                 "comm_init",
+                                                 "model_build",
+                                                 "data_warmup",
+                                                 "checkpoint_load",
+                                                 "warmup",
+                                                 "productive",
+                                                 "wasted",
+                                                 "checkpoint_blocking",
+                                                 "eval",
+                                                 "failure_detection",
+                                                 "shutdown",
+                                                 "other"};
+
+// Fill colours of the HTML page, by leaf.
+constexpr const char* kPhaseColors[kNumPhases] = {
+    "#9e9e9e", "#7e57c2", "#5c6bc0", "#26a69a", "#42a5f5", "#ffca28", "#66bb6a",
+    "#ef5350", "#ff7043", "#ab47bc", "#8d6e63", "#78909c", "#bdbdbd"};
+
+int idx(Phase p) {
+  return int(p);
+}
+double sec(int64_t ns) {
+  return double(ns) * 1e-9;
+}
+
+std::vector<nlohmann::json> read_log(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) input_error(path, ": cannot open ETT log");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) lines.push_back(line);
+  std::vector<nlohmann::json> records;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    auto j = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
+    bool usable = !j.is_discarded() && j.is_object() && j.contains("t") && j["t"].is_number();
+    if (!usable) {
+      if (i + 1 == lines.size()) break;  // a line cut short by a crash
+      input_error(path, ":", i + 1, ": malformed ETT record");
+    }
+    records.push_back(std::move(j));
+  }
+  return records;
+}
+
+// The step of the newest complete checkpoint of the run (0 if none).
+int64_t latest_checkpoint_step(const std::string& run_dir) {
+  auto latest = CheckpointStore(run_dir + "/checkpoints", 2).latest();
+  if (!latest) return 0;
+  std::string name = fs::path(*latest).filename().string();
+  return std::stoll(name.substr(5));
+}
+
+EttAttempt parse_attempt(const std::string& path, int index) {
+  auto records = read_log(path);
+  EttAttempt a;
+  a.index = index;
+  if (records.empty()) return a;
+  struct Boundary {
+    int64_t t;
+    Phase phase;
+    int64_t step;
+  };
+  std::vector<Boundary> bounds;
+  std::optional<int64_t> fault_t, exit_t;
+  a.t0 = records.front()["t"].get<int64_t>();
+  a.t1 = a.t0;
+  for (const auto& r : records) {
+    int64_t t = r["t"].get<int64_t>();
+    a.t1 = std::max(a.t1, t);
+    if (r.contains("phase")) {
+      auto p = phase_from_name(r["phase"].get<std::string>());
+      if (!p) input_error(path, ": unknown phase '", r["phase"].get<std::string>(), "'");
+      bounds.push_back({t, *p, r.value("step", int64_t(-1))});
+      continue;
+    }
+    std::string ev = r.value("event", "");
+    if (ev == "resume") a.resumed_from = r.value("step", int64_t(0));
+    if (ev == "fault" && !fault_t) {
+      fault_t = t;
+      a.injected = true;
+      a.failure_step = r.value("step", int64_t(-1));
+    }
+    if (ev == "exit") {
+      exit_t = t;
+      a.failed = r.value("status", 0) != 0;
+    }
+  }
+  if (exit_t) a.t1 = *exit_t;
+  if (fault_t) a.failed = true;
+  std::stable_sort(bounds.begin(), bounds.end(),
+                   [](const Boundary& x, const Boundary& y) { return x.t < y.t; });
+  const int64_t cut = fault_t ? std::min(*fault_t, a.t1) : a.t1;
+  auto add = [&](Phase p, int64_t t0, int64_t t1, int64_t step) {
+    if (t1 > t0) a.segments.push_back({p, t0, t1, step});
+  };
+  add(Phase::other, a.t0, bounds.empty() ? cut : std::min(bounds.front().t, cut), -1);
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    int64_t end = i + 1 < bounds.size() ? bounds[i + 1].t : a.t1;
+    add(bounds[i].phase, std::max(bounds[i].t, a.t0), std::min(end, cut), bounds[i].step);
+    if (bounds[i].phase == Phase::productive && a.first_step_ns < 0) a.first_step_ns = bounds[i].t;
+  }
+  if (fault_t) add(Phase::failure_detection, cut, a.t1, -1);
+  return a;
+}
+
+// Sums the leaves after the failed attempts' lost steps have been reclassified.
+void finish_attempt(EttAttempt& a) {
+  if (a.failed) {
+    int64_t max_step = a.durable_step;
+    for (auto& s : a.segments)
+      if (s.phase == Phase::productive) {
+        max_step = std::max(max_step, s.step);
+        if (s.step > a.durable_step) s.phase = Phase::wasted;
+      }
+    if (a.failure_step < 0) a.failure_step = max_step;
+    a.wasted_steps = std::max<int64_t>(0, a.failure_step - a.durable_step);
+  }
+  a.leaf_ns.fill(0);
+  for (const auto& s : a.segments) a.leaf_ns[idx(s.phase)] += s.t1 - s.t0;
+}
+
+double mean_mfu(const std::string& run_dir) {
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  double sum = 0;
+  int n = 0;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("loss") && j.contains("mfu"))
+      sum += j["mfu"].get<double>(), ++n;
+  }
+  return n ? sum / n : 0.0;
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+// Consecutive segments of one leaf merged (for drawing).
+std::vector<EttSegment> merged(const std::vector<EttSegment>& segs) {
+  std::vector<EttSegment> out;
+  for (const auto& s : segs)
+    if (!out.empty() && out.back().phase == s.phase && out.back().t1 == s.t0)
+      out.back().t1 = s.t1;
+    else
+      out.push_back(s);
+  return out;
+}
+
+}  // namespace
+
+const char* phase_name(Phase phase) {
+  return kPhaseNames[idx(phase)];
+}
+
+std::optional<Phase> phase_from_name(std::string_view name) {
+  for (int i = 0; i < kNumPhases; ++i)
+    if (name == kPhaseNames[i]) return Phase(i);
+  return std::nullopt;
+}
+
+int64_t monotonic_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+void append_json_line(const std::string& path, const nlohmann::json& record) {
+  std::string line = record.dump() + "\n";
+  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) input_error(path, ": cannot open for appending: ", std::strerror(errno));
+  bool ok = ::write(fd, line.data(), line.size()) == ssize_t(line.size());
+  int saved = errno;
+  ::close(fd);
+  if (!ok) input_error(path, ": write failed: ", std::strerror(saved));
+}
+
+std::string ett_dir(const std::string& run_dir) {
+  return run_dir + "/ett";
+}
+
+std::string attempt_path(const std::string& run_dir, int attempt) {
+  char name[32];
+  std::snprintf(name, sizeof name, "/attempt-%04d.jsonl", attempt);
+  return ett_dir(run_dir) + name;
+}
+
+int count_attempts(const std::string& run_dir) {
+  int n = 0;
+  while (fs::exists(attempt_path(run_dir, n))) ++n;
+  return n;
+}
+
+EttLedger::EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0)
+    : path_(attempt_path(run_dir, attempt)), attempt_(attempt) {
+  fs::create_directories(ett_dir(run_dir));
+  if (begin) event({{"event", "attempt"}, {"attempt", attempt}, {"t", t0}});
+}
+
+void EttLedger::enter(Phase phase, int64_t step, int64_t t) {
+  if (!active()) return;
+  nlohmann::json r = {{"phase", phase_name(phase)}, {"t", t}};
+  if (step >= 0) r["step"] = step;
+  append_json_line(path_, r);
+}
+
+void EttLedger::event(nlohmann::json record) {
+  if (!active()) return;
+  if (!record.contains("t")) record["t"] = monotonic_ns();
+  append_json_line(path_, record);
+}
+
+EttReport analyze_ett(const std::string& run_dir) {
+  EttReport rep;
+  int n = count_attempts(run_dir);
+  for (int i = 0; i < n; ++i) rep.attempts.push_back(parse_attempt(attempt_path(run_dir, i), i));
+  for (int i = 0; i < n; ++i) {
+    auto& a = rep.attempts[i];
+    if (!a.failed && i + 1 < n && a.t1 == a.t0) a.failed = true;  // empty log of a dead attempt
+    a.durable_step = i + 1 < n ? rep.attempts[i + 1].resumed_from
+                               : (a.failed ? latest_checkpoint_step(run_dir) : -1);
+    finish_attempt(a);
+  }
+  for (int i = 0; i < n; ++i) {
+    const auto& a = rep.attempts[i];
+    rep.wall += a.seconds();
+    for (int p = 0; p < kNumPhases; ++p) rep.leaves[p] += sec(a.leaf_ns[p]);
+    for (const auto& s : a.segments)
+      if (s.phase == Phase::checkpoint_blocking) rep.ckpt_block.push_back(sec(s.t1 - s.t0));
+    if (a.failed) {
+      ++rep.nof;
+      rep.injected += a.injected;
+      double ttr = sec(a.leaf_ns[idx(Phase::wasted)] + a.leaf_ns[idx(Phase::failure_detection)]);
+      if (i + 1 < n) {
+        const auto& b = rep.attempts[i + 1];
+        ttr += sec((b.first_step_ns >= 0 ? b.first_step_ns : b.t1) - b.t0);
+      }
+      rep.ttr.push_back(ttr);
+    }
+  }
+  if (n > 0) {
+    const auto& a = rep.attempts[0];
+    int64_t first = a.first_step_ns >= 0 ? a.first_step_ns : a.t1;
+    rep.tts = sec(first - a.t0);
+    for (const auto& s : a.segments)
+      if (s.t0 < first) rep.tts_by_phase[idx(s.phase)] += sec(std::min(s.t1, first) - s.t0);
+  }
+  rep.productive = rep.leaves[idx(Phase::productive)];
+  rep.ett = rep.wall > 0 ? rep.productive / rep.wall : 0;
+  rep.mfu = mean_mfu(run_dir);
+  rep.goodput = rep.mfu * rep.ett;
+  return rep;
+}
+
+nlohmann::json ett_json(const EttReport& r) {
+  auto leaves = [](const auto& arr, auto conv) {
+    nlohmann::json j = nlohmann::json::object();
+    for (int p = 0; p < kNumPhases; ++p) j[kPhaseNames[p]] = conv(arr[p]);
+    return j;
+  };
+  auto same = [](double v) { return v; };
+  nlohmann::json j;
+  j["wall_seconds"] = r.wall;
+  j["productive_seconds"] = r.productive;
+  j["ett"] = r.ett;
+  j["tts_seconds"] = r.tts;
+  j["tts_by_phase"] = leaves(r.tts_by_phase, same);
+  j["nof"] = r.nof;
+  j["nof_injected"] = r.injected;
+  j["ttr_seconds"] = r.ttr;
+  j["checkpoint_blocking_seconds"] = r.ckpt_block;
+  j["mfu"] = r.mfu;
+  j["goodput"] = r.goodput;
+  j["leaves"] = leaves(r.leaves, same);
+  for (const auto& a : r.attempts) {
+    nlohmann::json aj = {{"attempt", a.index},
+                         {"seconds", a.seconds()},
+                         {"failed", a.failed},
+                         {"injected", a.injected},
+                         {"resumed_from", a.resumed_from},
+                         {"leaves", leaves(a.leaf_ns, [](int64_t ns) { return sec(ns); })}};
+    if (a.failed) {
+      aj["failure_step"] = a.failure_step;
+      aj["durable_step"] = a.durable_step;
+      aj["wasted_steps"] = a.wasted_steps;
+    }
+    j["attempts"].push_back(aj);
+  }
+  return j;
+}
+
+nlohmann::json ett_chrome_trace(const EttReport& r) {
+  nlohmann::json events = nlohmann::json::array();
+  if (r.attempts.empty()) return {{"traceEvents", events}};
+  const int64_t origin = r.attempts.front().t0;
+  for (const auto& a : r.attempts) {
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 1},
+                      {"tid", a.index},
+                      {"args", {{"name", "attempt " + std::to_string(a.index)}}}});
+    for (const auto& s : a.segments) {
+      nlohmann::json e = {{"name", phase_name(s.phase)},
+                          {"cat", "ett"},
+                          {"ph", "X"},
+                          {"pid", 1},
+                          {"tid", a.index},
+                          {"ts", double(s.t0 - origin) / 1e3},
+                          {"dur", double(s.t1 - s.t0) / 1e3}};
+      if (s.step >= 0) e["args"] = {{"step", s.step}};
+      events.push_back(e);
+    }
+  }
+  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+}
+
+std::string ett_html(const EttReport& r, const std::string& title) {
+  std::ostringstream h;
+  h << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>ETT report: " << title
+    << "</title>\n<style>body{font-family:sans-serif;margin:24px}table{border-collapse:collapse}"
+       "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+       "th{background:#f3f3f3}.l{text-align:left}</style></head><body>\n";
+  h << "<h1>Effective training time: " << title << "</h1>\n<table>\n";
+  auto row = [&](const std::string& k, const std::string& v) {
+    h << "<tr><th class=\"l\">" << k << "</th><td>" << v << "</td></tr>\n";
+  };
+  row("wall time W", fmt("%.3f s", r.wall));
+  row("productive T_prod", fmt("%.3f s", r.productive));
+  row("ETT%", fmt("%.2f %%", 100 * r.ett));
+  row("TTS", fmt("%.3f s", r.tts));
+  row("NoF (injected)", std::to_string(r.nof) + " (" + std::to_string(r.injected) + ")");
+  std::string ttr;
+  for (double t : r.ttr) ttr += (ttr.empty() ? "" : ", ") + fmt("%.3f s", t);
+  row("TTR per failure", ttr.empty() ? "-" : ttr);
+  row("mean MFU", fmt("%.2f %%", 100 * r.mfu));
+  row("goodput = MFU x ETT%", fmt("%.2f %%", 100 * r.goodput));
+  h << "</table>\n";
+
+  const int W = 900, bar = 26, gap = 10, left = 90;
+  double longest = 1e-9;
+  for (const auto& a : r.attempts) longest = std::max(longest, a.seconds());
+  auto legend = [&]() {
+    h << "<p>";
+    for (int p = 0; p < kNumPhases; ++p)
+      h << "<span style=\"display:inline-block;margin-right:12px\"><span style=\"display:inline-"
+           "block;width:12px;height:12px;background:"
+        << kPhaseColors[p] << "\"></span> " << kPhaseNames[p] << "</span>";
+    h << "</p>\n";
+  };
+  h << "<h2>Leaves per attempt</h2>\n";
+  legend();
+  int height = int(r.attempts.size()) * (bar + gap) + gap;
+  h << "<svg width=\"" << W + left + 120 << "\" height=\"" << height
+    << "\" xmlns=\"http://www.w3.org/2000/svg\" font-size=\"12\">\n";
+  for (size_t i = 0; i < r.attempts.size(); ++i) {
+    const auto& a = r.attempts[i];
+    int y = gap + int(i) * (bar + gap);
+    h << "<text x=\"0\" y=\"" << y + bar * 0.7 << "\">attempt " << a.index
+      << (a.failed ? " \xe2\x9c\x97" : "") << "</text>\n";
+    double x = left;
+    for (int p = 0; p < kNumPhases; ++p) {
+      double w = sec(a.leaf_ns[p]) / longest * W;
+      if (w <= 0) continue;
+      h << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << bar
+        << "\" fill=\"" << kPhaseColors[p] << "\"><title>" << kPhaseNames[p] << ": "
+        << fmt("%.3f s", sec(a.leaf_ns[p])) << "</title></rect>\n";
+      x += w;
+    }
+    h << "<text x=\"" << x + 6 << "\" y=\"" << y + bar * 0.7 << "\">" << fmt("%.2f s", a.seconds())
+      << "</text>\n";
+  }
+  h << "</svg>\n<h2>Timeline</h2>\n";
+  legend();
+  double job = 1e-9;
+  const int64_t origin = r.attempts.empty() ? 0 : r.attempts.front().t0;
+  for (const auto& a : r.attempts) job = std::max(job, sec(a.t1 - origin));
+  h << "<svg width=\"" << W + left + 20 << "\" height=\"" << height + 20
+    << "\" xmlns=\"http://www.w3.org/2000/svg\" font-size=\"12\">\n";
+  for (size_t i = 0; i < r.attempts.size(); ++i) {
+    const auto& a = r.attempts[i];
+    int y = gap + int(i) * (bar + gap);
+    h << "<text x=\"0\" y=\"" << y + bar * 0.7 << "\">attempt " << a.index << "</text>\n";
+    for (const auto& s : merged(a.segments)) {
+      double x = left + sec(s.t0 - origin) / job * W, w = sec(s.t1 - s.t0) / job * W;
+      h << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << std::max(w, 0.5)
+        << "\" height=\"" << bar << "\" fill=\"" << kPhaseColors[idx(s.phase)] << "\"><title>"
+        << phase_name(s.phase) << ": " << fmt("%.3f s", sec(s.t1 - s.t0)) << "</title></rect>\n";
+    }
+  }
+  h << "<text x=\"" << left << "\" y=\"" << height + 14 << "\">0 s</text><text x=\""
+    << left + W - 40 << "\" y=\"" << height + 14 << "\">" << fmt("%.2f s", job) << "</text>\n";
+  h << "</svg>\n</body></html>\n";
+  return h.str();
+}
+
+EttReport write_ett_report(const std::string& run_dir) {
+  if (count_attempts(run_dir) == 0)
+    input_error(run_dir, ": no ETT log (", ett_dir(run_dir),
+                "/attempt-0000.jsonl); run `tessel train` or `tessel run` first");
+  EttReport r = analyze_ett(run_dir);
+  write_file_atomically(run_dir + "/ett.json", ett_json(r).dump(2) + "\n");
+  write_file_atomically(run_dir + "/ett_trace.json", ett_chrome_trace(r).dump() + "\n");
+  write_file_atomically(run_dir + "/ett.html", ett_html(r, run_dir));
+  return r;
+}
+
+}  // namespace tessel::train

@@ -1,0 +1,139 @@
+#pragma once
+// The effective-training-time (ETT) ledger (spec ett_checkpoint.md sections 1-2).
+//
+// Every wall-clock second of a job, across all its attempts, belongs to exactly one leaf
+// phase. An attempt (one launch of the MPI job) has its own append-only log
+//   <run.dir>/ett/attempt-NNNN.jsonl
+// of JSON lines, each written with one write(2) and never rewritten, so a crash loses
+// nothing already written:
+//   {"event": "attempt", "attempt": k, "t": ns}     the attempt begins (first line)
+//   {"phase": "comm_init", "t": ns}                 leaf `comm_init` begins at t; the
+//                                                   previous leaf ends there
+//   {"phase": "productive", "t": ns, "step": s}     training step s (1-based) begins
+//   {"event": "resume", "step": c, "t": ns}         the attempt continues from checkpoint c
+//   {"event": "fault", "t": ns, "rank": r, "step": s, "kind": "..."}   injected failure
+//   {"event": "exit", "t": ns, "status": code}      the attempt ended (last line)
+// Times are CLOCK_MONOTONIC nanoseconds, one clock for every process of this machine
+// (the supervisor and the ranks). A leaf lasts from its line to the next phase line, the
+// fault, or the exit. The supervisor (`tessel run`) writes the attempt and exit lines and
+// the `scheduling` leaf; rank 0 of the job writes the rest; a rank that injects a fault
+// writes its fault line.
+//
+// The analysis turns the logs into the spec's decomposition: steps of a failed attempt
+// after the checkpoint the next attempt resumed from are `wasted`, the time from a fault
+// to the attempt's exit is `failure_detection`; TTS, NoF, TTR per failure, ETT% and
+// goodput = MFU x ETT% follow.
+#include <array>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tessel::train {
+
+// The leaves of the phase tree (spec 1.2). TTS and TTR_i are the start-up leaves of the
+// first and of later attempts; `wasted` and `failure_detection` belong to TTR_i.
+enum class Phase : uint8_t {
+  scheduling,           // launcher start (or relaunch decision) until the process runs
+  comm_init,            // MPI initialization
+  model_build,          // mesh, model, optimizer, gradient buckets
+  data_warmup,          // data loader and validation batches
+  checkpoint_load,      // choosing, reading, verifying and restoring a checkpoint
+  warmup,               // synthetic-batch warm-up, GEMM peak measurement
+  productive,           // training steps that count
+  wasted,               // training steps lost at a failure (analysis only)
+  checkpoint_blocking,  // training waits for a checkpoint (staging, backpressure)
+  eval,                 // validation
+  failure_detection,    // a failure until the supervisor sees the job end (analysis)
+  shutdown,             // final checkpoint, sample, teardown
+  other,                // config parsing and anything else
+};
+constexpr int kNumPhases = 13;
+const char* phase_name(Phase phase);
+std::optional<Phase> phase_from_name(std::string_view name);
+
+// CLOCK_MONOTONIC in nanoseconds.
+int64_t monotonic_ns();
+
+// Appends `record` as one line to `path` with a single write(2) on an O_APPEND
+// descriptor, so lines of several processes never interleave. InputError on failure.
+void append_json_line(const std::string& path, const nlohmann::json& record);
+
+std::string ett_dir(const std::string& run_dir);
+std::string attempt_path(const std::string& run_dir, int attempt);
+// The number of attempt logs in the run directory (the next attempt's index).
+int count_attempts(const std::string& run_dir);
+
+// Rank 0's writer of one attempt log; a default-constructed ledger records nothing
+// (the other ranks). Entering a leaf closes the previous one.
+class EttLedger {
+ public:
+  EttLedger() = default;
+  // Opens attempt `attempt` of `run_dir` (appending); with `begin`, writes the attempt
+  // line at `t0` (an attempt not started by the supervisor).
+  EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0 = monotonic_ns());
+  bool active() const { return !path_.empty(); }
+  int attempt() const { return attempt_; }
+  const std::string& path() const { return path_; }
+  // Leaf `phase` begins at `t` (training steps carry their 1-based number).
+  void enter(Phase phase, int64_t step = -1, int64_t t = monotonic_ns());
+  // Any other line (resume, fault, exit); "t" is added when missing.
+  void event(nlohmann::json record);
+
+ private:
+  std::string path_;
+  int attempt_ = 0;
+};
+
+// One contiguous piece of an attempt in one leaf.
+struct EttSegment {
+  Phase phase;
+  int64_t t0, t1;     // ns
+  int64_t step = -1;  // training step, for productive and wasted segments
+};
+
+struct EttAttempt {
+  int index = 0;
+  int64_t t0 = 0, t1 = 0;  // ns: first line, exit (or last line)
+  std::vector<EttSegment> segments;
+  std::array<int64_t, kNumPhases> leaf_ns{};
+  bool failed = false;
+  bool injected = false;       // a fault line: the failure was injected
+  int64_t resumed_from = 0;    // checkpoint step this attempt started from (0 = fresh)
+  int64_t failure_step = -1;   // steps completed when it failed
+  int64_t durable_step = -1;   // checkpoint the next attempt resumed from
+  int64_t wasted_steps = 0;    // failure_step - durable_step
+  int64_t first_step_ns = -1;  // when its first training step began
+  double seconds() const { return double(t1 - t0) * 1e-9; }
+};
+
+struct EttReport {
+  std::vector<EttAttempt> attempts;
+  double wall = 0;        // W: sum of attempt durations, seconds
+  double productive = 0;  // T_prod
+  double ett = 0;         // T_prod / W
+  double tts = 0;         // first attempt: start until its first step
+  std::array<double, kNumPhases> tts_by_phase{};
+  int nof = 0;                              // failed attempts
+  int injected = 0;                         // of which injected
+  std::vector<double> ttr;                  // per failure: wasted + detection + next start-up
+  std::vector<double> ckpt_block;           // each checkpoint_blocking segment, seconds
+  double mfu = 0;                           // mean step MFU of metrics.jsonl
+  double goodput = 0;                       // mfu * ett
+  std::array<double, kNumPhases> leaves{};  // seconds, whole job
+};
+
+// Reads <run_dir>/ett/*.jsonl (and metrics.jsonl for MFU). InputError naming the file
+// for a malformed log line other than a last line cut short by a crash.
+EttReport analyze_ett(const std::string& run_dir);
+nlohmann::json ett_json(const EttReport& report);
+// Chrome trace (chrome://tracing, Perfetto): one row per attempt, one slice per segment.
+nlohmann::json ett_chrome_trace(const EttReport& report);
+// A self-contained HTML page: summary table, stacked bar of leaves per attempt, timeline.
+std::string ett_html(const EttReport& report, const std::string& title);
+// Writes ett.json, ett.html and ett_trace.json into `run_dir`; returns the report.
+EttReport write_ett_report(const std::string& run_dir);
+
+}  // namespace tessel::train

@@ -1,0 +1,48 @@
+#include "tessel/train/export.hpp"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
+#include "tessel/train/checkpoint.hpp"
+
+namespace fs = std::filesystem;
+
+namespace tessel::train {
+
+ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir) {
+  ExportResult r;
+  CheckpointContent content;
+  if (fs::is_directory(fs::path(checkpoint) / "checkpoints")) {
+    auto loaded = CheckpointStore(checkpoint + "/checkpoints", 2)
+                      .load_newest_valid([](const std::string& why) {
+                        std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
+                      });
+    if (!loaded)
+      input_error(checkpoint, ": no complete checkpoint under ", checkpoint, "/checkpoints");
+    r.checkpoint = loaded->dir;
+    content = std::move(loaded->content);
+  } else {
+    r.checkpoint = checkpoint;
+    content = CheckpointStore::load(checkpoint);
+  }
+  r.step = content.step;
+  r.tensors = int64_t(content.model.size());
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (!fs::is_directory(out_dir)) input_error(out_dir, ": cannot create: ", ec.message());
+  const std::string path = out_dir + "/model.safetensors";
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  write_safetensors(tmp, content.model, {{"format", "pt"}, {"step", std::to_string(r.step)}});
+  fsync_path(tmp);
+  fs::rename(tmp, path);
+  fsync_path(out_dir);
+  write_file_atomically(out_dir + "/config.toml", content.state.at("config").get<std::string>());
+  r.bytes = fs::file_size(path);
+  return r;
+}
+
+}  // namespace tessel::train

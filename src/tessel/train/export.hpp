@@ -1,0 +1,23 @@
+#pragma once
+// `tessel export`: publishing moved off the trainer. A standalone job consolidates a
+// sharded checkpoint (verified as for a resume) into
+//   OUT/model.safetensors   every parameter, in the model's order, one file
+//   OUT/config.toml         the resolved run config of the checkpoint
+// readable by other tools (the safetensors format: safetensors.hpp).
+#include <cstdint>
+#include <string>
+
+namespace tessel::train {
+
+struct ExportResult {
+  std::string checkpoint;  // the checkpoint directory that was exported
+  int64_t step = 0;
+  int64_t tensors = 0;
+  uint64_t bytes = 0;  // of model.safetensors
+};
+
+// `checkpoint` is a checkpoint directory (step-N) or a run directory (its newest checkpoint
+// that verifies). InputError naming the file on a damaged checkpoint.
+ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir);
+
+}  // namespace tessel::train

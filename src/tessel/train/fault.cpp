@@ -1,0 +1,136 @@
+#include "tessel/train/fault.hpp"
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tessel/core/error.hpp"
+#include "tessel/train/ett.hpp"
+
+namespace tessel::train {
+
+namespace {
+
+// The comma-separated entries of `text` (empty entries are errors).
+std::vector<std::string> entries(const std::string& key, const std::string& text) {
+  std::vector<std::string> out;
+  if (text.empty()) return out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (item.empty()) input_error("config key '", key, "': empty entry in '", text, "'");
+    out.push_back(item);
+  }
+  return out;
+}
+
+int64_t step_entry(const std::string& item) {
+  try {
+    size_t used = 0;
+    long long v = std::stoll(item, &used);
+    if (used == item.size() && v >= 0) return v;
+  } catch (const std::exception&) {
+  }
+  input_error("config key 'fault.kill_steps': expected comma-separated steps >= 0, got '", item,
+              "'");
+}
+
+double seconds_entry(const std::string& item) {
+  try {
+    size_t used = 0;
+    double v = std::stod(item, &used);
+    if (used == item.size() && v >= 0) return v;
+  } catch (const std::exception&) {
+  }
+  input_error("config key 'fault.kill_seconds': expected comma-separated seconds >= 0, got '", item,
+              "'");
+}
+
+}  // namespace
+
+void validate(const FaultConfig& c) {
+  if (c.kill_rank < 0)
+    input_error("config key 'fault.kill_rank' must not be negative, got ", c.kill_rank);
+  for (const auto& s : entries("fault.kill_steps", c.kill_steps)) step_entry(s);
+  for (const auto& s : entries("fault.kill_seconds", c.kill_seconds)) seconds_entry(s);
+  if (c.kill_in != "step" && c.kill_in != "checkpoint_write")
+    input_error("config key 'fault.kill_in': expected step or checkpoint_write, got '", c.kill_in,
+                "'");
+  if (c.corrupt_step < 0)
+    input_error("config key 'fault.corrupt_step' must not be negative, got ", c.corrupt_step);
+}
+
+FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::string ledger_path,
+                             int64_t t0_ns)
+    : rank_(rank), corrupt_step_(c.corrupt_step), ledger_(std::move(ledger_path)) {
+  auto steps = entries("fault.kill_steps", c.kill_steps);
+  auto secs = entries("fault.kill_seconds", c.kill_seconds);
+  if (rank != int(c.kill_rank)) return;
+  if (size_t(attempt) < steps.size()) kill_step_ = step_entry(steps[size_t(attempt)]);
+  if (size_t(attempt) < secs.size()) kill_seconds_ = seconds_entry(secs[size_t(attempt)]);
+  in_write_ = c.kill_in == "checkpoint_write";
+  if (kill_step_ == 0) kill_step_ = -1;
+  armed_ = kill_step_ > 0 || kill_seconds_ >= 0;
+  if (kill_seconds_ >= 0)
+    timer_ = std::thread([this, t0_ns] {
+      int64_t deadline = t0_ns + int64_t(kill_seconds_ * 1e9);
+      std::unique_lock lock(mu_);
+      while (!stop_) {
+        int64_t left = deadline - monotonic_ns();
+        if (left <= 0) kill("kill_after_seconds");
+        cv_.wait_for(lock, std::chrono::nanoseconds(left));
+      }
+    });
+}
+
+FaultInjector::~FaultInjector() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (timer_.joinable()) timer_.join();
+}
+
+void FaultInjector::kill(const char* kind) {
+  if (!ledger_.empty()) {
+    try {
+      append_json_line(ledger_, {{"event", "fault"},
+                                 {"t", monotonic_ns()},
+                                 {"rank", rank_},
+                                 {"step", completed_.load()},
+                                 {"kind", kind}});
+    } catch (const std::exception&) {
+    }
+  }
+  std::fprintf(stderr, "tessel: fault injection: rank %d kills itself (%s, step %lld)\n", rank_,
+               kind, static_cast<long long>(completed_.load()));
+  std::fflush(stderr);
+  std::raise(SIGKILL);
+  std::abort();  // not reached
+}
+
+void FaultInjector::after_step(int64_t step) {
+  completed_ = step;
+  if (armed_ && !in_write_ && step == kill_step_) kill("kill_at_step");
+}
+
+void FaultInjector::in_checkpoint_write(int64_t step) {
+  if (armed_ && in_write_ && step == kill_step_) kill("kill_in_checkpoint_write");
+}
+
+void FaultInjector::after_commit(const std::string& dir, int64_t step) {
+  if (step != corrupt_step_ || rank_ != 0) return;
+  std::string path = dir + "/model-00000-of-";
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().filename().string().rfind("model-00000-of-", 0) == 0) path = e.path().string();
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-1, std::ios::end);
+  char c = 0;
+  f.get(c);
+  f.seekp(-1, std::ios::end);
+  f.put(char(c ^ 0x01));
+}
+
+}  // namespace tessel::train

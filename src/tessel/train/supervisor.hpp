@@ -1,0 +1,30 @@
+#pragma once
+// `tessel run`: the supervisor of a training job (spec section 5). It launches the MPI job
+// (mpirun, as scripts/launch.sh does), waits for it, and when it fails relaunches it (it
+// resumes from the newest durable checkpoint: train.resume), up to `max_restarts` times.
+// It writes each attempt's first and last lines of the ETT log (ett.hpp): the attempt
+// begins when the supervisor starts it (for a relaunch: when it saw the previous attempt
+// end, so detection-to-relaunch time is the relaunch's `scheduling` leaf) and ends when
+// the job's processes have all exited. A job that stops with exit status 2 (bad input)
+// is not relaunched: the same input would fail again.
+#include <string>
+#include <vector>
+
+namespace tessel::train {
+
+struct SuperviseOptions {
+  std::string binary;                   // the tessel executable the ranks run
+  std::string launcher = "mpirun";      // MPI launcher on PATH
+  int ranks = 1;                        // -np
+  int threads = 0;                      // OMP_NUM_THREADS per rank; 0 = cores / ranks
+  int max_restarts = 3;                 // relaunches after the first attempt
+  std::string run_dir;                  // the job's run.dir (its ETT log)
+  std::vector<std::string> train_args;  // arguments after `tessel train`
+  bool quiet = false;                   // no progress lines of the supervisor
+};
+
+// Runs the job to success or until the restarts are spent; returns the last attempt's
+// exit status (0 = success).
+int supervise(const SuperviseOptions& options);
+
+}  // namespace tessel::train

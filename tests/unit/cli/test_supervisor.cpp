@@ -1,0 +1,246 @@
+// `tessel run` on 2 MPI ranks with injected failures: relaunches, the ETT ledger, bitwise
+// recovery, a kill inside the checkpoint writer; `tessel export` read back independently.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "support/train_fixture.hpp"
+#include "tessel/model/gpt.hpp"
+#include "tessel/train/checkpoint.hpp"
+#include "tessel/train/config.hpp"
+#include "unit/cli/cli_test_util.hpp"
+
+namespace fs = std::filesystem;
+using namespace tessel;
+using namespace tessel::cli_test;
+
+namespace {
+
+// A minimal safetensors reader of its own (not the trainer's loader): 8-byte little-endian
+// header length, JSON header, raw tensor bytes.
+struct RawTensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::string bytes;
+};
+std::map<std::string, RawTensor> read_raw_safetensors(const std::string& path,
+                                                      nlohmann::json* metadata = nullptr) {
+  std::string bytes = slurp(path);
+  EXPECT_GE(bytes.size(), 8u) << path;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | uint8_t(bytes[size_t(i)]);
+  auto header = nlohmann::json::parse(bytes.substr(8, n));
+  std::map<std::string, RawTensor> out;
+  for (const auto& [name, e] : header.items()) {
+    if (name == "__metadata__") {
+      if (metadata) *metadata = e;
+      continue;
+    }
+    RawTensor t;
+    t.dtype = e["dtype"].get<std::string>();
+    t.shape = e["shape"].get<std::vector<int64_t>>();
+    size_t b = e["data_offsets"][0], end = e["data_offsets"][1];
+    int64_t count = 1;
+    for (int64_t d : t.shape) count *= d;
+    EXPECT_EQ(int64_t(end - b), count * (t.dtype == "BF16" ? 2 : 4)) << name;
+    t.bytes = bytes.substr(8 + n + b, end - b);
+    out[name] = std::move(t);
+  }
+  return out;
+}
+
+// Every shard of one kind ("model", "optimizer") of a checkpoint directory, merged.
+std::map<std::string, RawTensor> read_shards(const std::string& dir, const std::string& kind) {
+  std::map<std::string, RawTensor> all;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().rfind(kind + "-", 0) == 0)
+      for (auto& [k, v] : read_raw_safetensors(e.path().string())) all[k] = std::move(v);
+  return all;
+}
+
+void expect_same_tensors(const std::map<std::string, RawTensor>& a,
+                         const std::map<std::string, RawTensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << name;
+    EXPECT_EQ(t.dtype, b.at(name).dtype) << name;
+    EXPECT_EQ(t.shape, b.at(name).shape) << name;
+    EXPECT_TRUE(t.bytes == b.at(name).bytes) << name;
+  }
+}
+
+std::vector<nlohmann::json> jsonl(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// step -> loss of metrics.jsonl; every step must appear once.
+std::map<int64_t, double> loss_curve(const std::string& run) {
+  std::map<int64_t, double> curve;
+  for (const auto& j : jsonl(run + "/metrics.jsonl"))
+    if (j.contains("loss")) {
+      EXPECT_FALSE(curve.count(j["step"])) << "step " << j["step"] << " twice";
+      curve[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    }
+  return curve;
+}
+
+constexpr int kSteps = 16;
+
+struct SupervisorTest : ::testing::Test {
+  static void SetUpTestSuite() {
+    data = fixture::make_dataset(fixture::temp_dir("tessel-sup-data"));
+    reference = fixture::temp_dir("tessel-sup-ref");
+    Outcome o = run_tessel(run_args(reference));
+    ASSERT_EQ(o.exit_code, 0) << o.err;
+  }
+  // `extra`: more --set options (they come last: --set takes every argument after it).
+  static std::string run_args(const std::string& run, const std::string& extra = "",
+                              int restarts = 3) {
+    return "run --np 2 --threads 1 --max-restarts " + std::to_string(restarts) +
+           " --set data.path=" + data + " --set run.dir=" + run +
+           " --set run.quiet=true --set model.layers=1 --set model.width=32 --set model.heads=2"
+           " --set model.max_seq=16 --set train.seq_len=16 --set train.micro_batch=2"
+           " --set train.steps=" +
+           std::to_string(kSteps) +
+           " --set optim.warmup_steps=2 --set train.sample_tokens=0 --set mfu.peak_gflops=1"
+           " --set train.checkpoint_every=4 --set train.keep_checkpoints=3 --set "
+           "train.eval_every=0" +
+           extra;
+  }
+  static std::string final_checkpoint(const std::string& run) {
+    return run + "/checkpoints/step-000000" + std::to_string(kSteps);
+  }
+  static std::string data, reference;
+};
+std::string SupervisorTest::data, SupervisorTest::reference;
+
+}  // namespace
+
+TEST_F(SupervisorTest, TwoInjectedFailuresEndBitwiseLikeAFailureFreeRun) {
+  std::string run = fixture::temp_dir("tessel-sup-faults");
+  Outcome o = run_tessel(run_args(run, " --set fault.kill_rank=1 --set fault.kill_steps=6,11"));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  // Same weights and optimizer state, and the same loss for every step.
+  expect_same_tensors(read_shards(final_checkpoint(run), "model"),
+                      read_shards(final_checkpoint(reference), "model"));
+  expect_same_tensors(read_shards(final_checkpoint(run), "optimizer"),
+                      read_shards(final_checkpoint(reference), "optimizer"));
+  auto curve = loss_curve(run), want = loss_curve(reference);
+  EXPECT_EQ(curve.size(), size_t(kSteps));
+  EXPECT_EQ(curve, want);
+
+  auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));  // written by `tessel run`
+  EXPECT_EQ(ett["nof"], 2);
+  EXPECT_EQ(ett["nof_injected"], 2);
+  ASSERT_EQ(ett["attempts"].size(), 3u);
+  // The checkpoint each relaunch resumed from: the newest one committed before the kill
+  // (a save still in flight at the kill is lost), a multiple of checkpoint_every.
+  const int64_t kill_steps[2] = {6, 11};
+  for (int i = 0; i < 2; ++i) {
+    const auto& a = ett["attempts"][size_t(i)];
+    int64_t durable = ett["attempts"][size_t(i) + 1]["resumed_from"].get<int64_t>();
+    EXPECT_TRUE(a["failed"].get<bool>());
+    EXPECT_EQ(a["failure_step"], kill_steps[i]);
+    EXPECT_EQ(durable % 4, 0);
+    EXPECT_LE(durable, kill_steps[i]);
+    EXPECT_GE(durable, i == 0 ? 0 : ett["attempts"][size_t(i)]["resumed_from"].get<int64_t>());
+    EXPECT_EQ(a["durable_step"], durable);
+    EXPECT_EQ(a["wasted_steps"], kill_steps[i] - durable);
+    if (a["wasted_steps"].get<int64_t>() > 0) {
+      EXPECT_GT(a["leaves"]["wasted"].get<double>(), 0);
+    }
+  }
+  EXPECT_FALSE(ett["attempts"][2]["failed"].get<bool>());
+  ASSERT_EQ(ett["ttr_seconds"].size(), 2u);
+  for (const auto& a : ett["attempts"]) {
+    double sum = 0;
+    for (const auto& [k, v] : a["leaves"].items()) sum += v.get<double>();
+    EXPECT_NEAR(sum, a["seconds"].get<double>(), 1e-3);  // acceptance: within 1 ms
+    EXPECT_GT(a["leaves"]["scheduling"].get<double>(), 0);
+  }
+  EXPECT_GT(ett["attempts"][2]["leaves"]["productive"].get<double>(), 0);
+  EXPECT_GT(ett["attempts"][0]["leaves"]["failure_detection"].get<double>(), 0);
+  EXPECT_TRUE(fs::exists(run + "/ett.html"));
+  EXPECT_TRUE(fs::exists(run + "/ett_trace.json"));
+}
+
+TEST_F(SupervisorTest, AKillDuringACheckpointWriteKeepsThePreviousOneAndResumesFromIt) {
+  std::string run = fixture::temp_dir("tessel-sup-kill-write");
+  Outcome o = run_tessel(run_args(run,
+                                  " --set fault.kill_rank=1 --set fault.kill_in=checkpoint_write"
+                                  " --set fault.kill_steps=8",
+                                  0));
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.err.find("no restarts left"), std::string::npos) << o.err;
+  std::string ckpts = run + "/checkpoints";
+  EXPECT_EQ(slurp(ckpts + "/latest"), "step-00000004\n");
+  EXPECT_TRUE(fs::exists(ckpts + "/step-00000008.incomplete"));
+  EXPECT_FALSE(fs::exists(ckpts + "/step-00000008.incomplete/manifest.json"));
+  EXPECT_FALSE(fs::exists(ckpts + "/step-00000008"));
+
+  // The next job (attempt 1: no fault) resumes from step 4 and ends like the reference.
+  o = run_tessel(run_args(run,
+                          " --set fault.kill_rank=1 --set fault.kill_in=checkpoint_write"
+                          " --set fault.kill_steps=8"));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  bool resumed_at_4 = false;
+  for (const auto& j : jsonl(run + "/metrics.jsonl"))
+    resumed_at_4 |= j.value("event", "") == "start" && j["start_step"] == 4;
+  EXPECT_TRUE(resumed_at_4);
+  expect_same_tensors(read_shards(final_checkpoint(run), "model"),
+                      read_shards(final_checkpoint(reference), "model"));
+  EXPECT_EQ(loss_curve(run), loss_curve(reference));
+}
+
+TEST_F(SupervisorTest, ExportWritesOneSafetensorsFileThatAnotherReaderLoads) {
+  std::string out = fixture::temp_dir("tessel-export");
+  Outcome o = run_tessel("export " + reference + " " + out);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  nlohmann::json metadata;
+  auto exported = read_raw_safetensors(out + "/model.safetensors", &metadata);
+  EXPECT_EQ(metadata["format"], "pt");
+  EXPECT_EQ(metadata["step"], std::to_string(kSteps));
+  // Exactly the checkpoint's parameters, bitwise (its 2 shards merged by the same reader).
+  expect_same_tensors(exported, read_shards(final_checkpoint(reference), "model"));
+  // The config rebuilds a model with exactly these parameter names and shapes.
+  train::Config config = train::load_config(out + "/config.toml", {});
+  model::Gpt gpt(config.model, 0);
+  size_t params = 0;
+  for (const auto& p : gpt.parameters()) {
+    ++params;
+    ASSERT_TRUE(exported.count(p.name)) << p.name;
+    EXPECT_EQ(exported.at(p.name).shape, p.value.shape()) << p.name;
+    EXPECT_EQ(exported.at(p.name).dtype, "F32") << p.name;
+  }
+  EXPECT_EQ(params, exported.size());
+  // A damaged checkpoint is refused with the file named.
+  std::string dir = final_checkpoint(reference) + "-copy";
+  fs::copy(final_checkpoint(reference), dir);
+  std::string shard = dir + "/model-00001-of-00002.safetensors";
+  fs::resize_file(shard, fs::file_size(shard) - 1);
+  o = run_tessel("export " + dir + " " + out);
+  EXPECT_EQ(o.exit_code, 2);
+  EXPECT_NE(o.err.find(shard), std::string::npos) << o.err;
+  fs::remove_all(dir);
+}
+
+TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
+  std::string run = fixture::temp_dir("tessel-sup-seconds");
+  // Attempt 0 dies 0.3 s after it began (during start-up or the first steps); attempt 1
+  // has no fault and finishes.
+  Outcome o = run_tessel(run_args(run, " --set fault.kill_rank=0 --set fault.kill_seconds=0.3"));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 1);
+  EXPECT_EQ(ett["nof_injected"], 1);
+  EXPECT_NE(slurp(run + "/ett/attempt-0000.jsonl").find("\"kind\":\"kill_after_seconds\""),
+            std::string::npos);
+  EXPECT_EQ(loss_curve(run), loss_curve(reference));
+}

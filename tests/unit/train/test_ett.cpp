@@ -1,0 +1,179 @@
+// The ETT ledger: hand-written attempt logs with known leaves, and the log a real training
+// run writes.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "support/train_fixture.hpp"
+#include "tessel/comm/single_communicator.hpp"
+#include "tessel/train/ett.hpp"
+#include "tessel/train/trainer.hpp"
+
+using namespace tessel;
+using namespace tessel::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t ms = 1000000;  // ns
+// Leaves are sums of integer nanosecond differences; 1 ms is the acceptance bound.
+constexpr double kSumTolerance = 1e-3;
+
+void line(const std::string& path, nlohmann::json j) {
+  append_json_line(path, j);
+}
+void phase(const std::string& path, const char* p, int64_t t, int64_t step = -1) {
+  nlohmann::json j = {{"phase", p}, {"t", t}};
+  if (step >= 0) j["step"] = step;
+  line(path, j);
+}
+
+double leaf(const EttAttempt& a, Phase p) {
+  return double(a.leaf_ns[int(p)]) * 1e-9;
+}
+
+// Attempt 0 checkpoints after step 2, is killed after step 5 and seen dead 80 ms later;
+// attempt 1 resumes from step 2 and finishes steps 3-5.
+std::string two_attempt_run() {
+  std::string run = fixture::temp_dir("tessel-ett");
+  fs::create_directories(ett_dir(run));
+  std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1);
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  phase(a0, "scheduling", 0);
+  phase(a0, "comm_init", 100 * ms);
+  phase(a0, "model_build", 150 * ms);
+  phase(a0, "data_warmup", 200 * ms);
+  phase(a0, "checkpoint_load", 250 * ms);
+  phase(a0, "warmup", 260 * ms);
+  phase(a0, "productive", 300 * ms, 1);
+  phase(a0, "productive", 400 * ms, 2);
+  phase(a0, "checkpoint_blocking", 500 * ms);
+  phase(a0, "productive", 520 * ms, 3);
+  phase(a0, "productive", 620 * ms, 4);
+  phase(a0, "productive", 720 * ms, 5);
+  line(a0, {{"event", "fault"}, {"t", 820 * ms}, {"rank", 1}, {"step", 5}, {"kind", "kill"}});
+  line(a0, {{"event", "exit"}, {"t", 900 * ms}, {"status", 137}});
+  line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 900 * ms}});
+  phase(a1, "scheduling", 900 * ms);
+  phase(a1, "comm_init", 1000 * ms);
+  phase(a1, "model_build", 1020 * ms);
+  phase(a1, "data_warmup", 1040 * ms);
+  phase(a1, "checkpoint_load", 1060 * ms);
+  line(a1, {{"event", "resume"}, {"t", 1070 * ms}, {"step", 2}});
+  phase(a1, "warmup", 1080 * ms);
+  phase(a1, "productive", 1100 * ms, 3);
+  phase(a1, "productive", 1200 * ms, 4);
+  phase(a1, "productive", 1300 * ms, 5);
+  phase(a1, "shutdown", 1400 * ms);
+  line(a1, {{"event", "exit"}, {"t", 1500 * ms}, {"status", 0}});
+  std::ofstream(a1, std::ios::app) << "{\"phase\": \"produ";  // a line cut short by a crash
+  return run;
+}
+
+}  // namespace
+
+TEST(EttLedger, HandWrittenRunHasTheExpectedLeavesAndMetrics) {
+  EttReport r = analyze_ett(two_attempt_run());
+  ASSERT_EQ(r.attempts.size(), 2u);
+  const EttAttempt& a = r.attempts[0];
+  EXPECT_TRUE(a.failed);
+  EXPECT_TRUE(a.injected);
+  EXPECT_EQ(a.failure_step, 5);
+  EXPECT_EQ(a.durable_step, 2);
+  EXPECT_EQ(a.wasted_steps, 3);
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::productive), 0.2);  // steps 1 and 2
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::wasted), 0.3);      // steps 3-5, lost
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::failure_detection), 0.08);
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::checkpoint_blocking), 0.02);
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::scheduling), 0.1);
+  const EttAttempt& b = r.attempts[1];
+  EXPECT_FALSE(b.failed);
+  EXPECT_EQ(b.resumed_from, 2);
+  EXPECT_DOUBLE_EQ(leaf(b, Phase::productive), 0.3);
+  EXPECT_DOUBLE_EQ(leaf(b, Phase::checkpoint_load), 0.02);
+  EXPECT_DOUBLE_EQ(leaf(b, Phase::shutdown), 0.1);
+  for (const auto& at : r.attempts) {
+    double sum = 0;
+    for (int64_t ns : at.leaf_ns) sum += double(ns) * 1e-9;
+    EXPECT_NEAR(sum, at.seconds(), kSumTolerance) << "attempt " << at.index;
+  }
+  EXPECT_DOUBLE_EQ(r.wall, 1.5);
+  EXPECT_DOUBLE_EQ(r.productive, 0.5);
+  EXPECT_DOUBLE_EQ(r.ett, 0.5 / 1.5);
+  EXPECT_DOUBLE_EQ(r.tts, 0.3);
+  EXPECT_DOUBLE_EQ(r.tts_by_phase[int(Phase::scheduling)], 0.1);
+  EXPECT_EQ(r.nof, 1);
+  EXPECT_EQ(r.injected, 1);
+  ASSERT_EQ(r.ttr.size(), 1u);
+  EXPECT_NEAR(r.ttr[0], 0.3 + 0.08 + 0.2, 1e-12);  // wasted + detection + restart to step
+  ASSERT_EQ(r.ckpt_block.size(), 1u);
+  EXPECT_DOUBLE_EQ(r.ckpt_block[0], 0.02);
+}
+
+TEST(EttLedger, ChromeTraceAndHtmlCoverEverySegment) {
+  EttReport r = analyze_ett(two_attempt_run());
+  nlohmann::json trace = ett_chrome_trace(r);
+  double total_us = 0;
+  int slices = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X") total_us += e["dur"].get<double>(), ++slices;
+  EXPECT_NEAR(total_us, 1.5e6, 1e-3);
+  size_t segments = r.attempts[0].segments.size() + r.attempts[1].segments.size();
+  EXPECT_EQ(size_t(slices), segments);
+  std::string html = ett_html(r, "hand");
+  EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
+  EXPECT_NE(html.find("attempt 1"), std::string::npos);
+  EXPECT_NE(html.find("33.33 %"), std::string::npos);  // ETT% of the table
+  EXPECT_EQ(html.find("<script"), std::string::npos);  // self-contained, static
+}
+
+TEST(EttLedger, AMalformedLineInsideALogNamesTheFile) {
+  std::string run = two_attempt_run();
+  std::string a0 = attempt_path(run, 0);
+  std::ofstream(a0, std::ios::app) << "garbage\n{\"event\": \"exit\", \"t\": 1}\n";
+  try {
+    analyze_ett(run);
+    FAIL() << "no error";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(a0), std::string::npos) << e.what();
+  }
+}
+
+TEST(EttLedger, TrainingRunsRecordEveryStepAndTheResume) {
+  std::string data = fixture::make_dataset(fixture::temp_dir("tessel-ett-data"));
+  std::string run = fixture::temp_dir("tessel-ett-run");
+  Config c = fixture::tiny_config(data, run);
+  c.train.steps = 6;
+  c.train.checkpoint_every = 4;
+  c.train.save_final = false;  // the last checkpoint is step 4
+  {
+    comm::SingleCommunicator world;
+    Trainer(c, world).run();
+  }
+  c.train.steps = 12;
+  {
+    comm::SingleCommunicator world;
+    Trainer(c, world).run();
+  }
+  EttReport r = analyze_ett(run);
+  ASSERT_EQ(r.attempts.size(), 2u);
+  EXPECT_EQ(r.nof, 0);
+  EXPECT_EQ(r.attempts[1].resumed_from, 4);  // the last checkpoint of the first run
+  for (const auto& a : r.attempts) {
+    double sum = 0;
+    for (int64_t ns : a.leaf_ns) sum += double(ns) * 1e-9;
+    EXPECT_NEAR(sum, a.seconds(), kSumTolerance);
+    EXPECT_GT(a.leaf_ns[int(Phase::productive)], 0);
+    EXPECT_GT(a.leaf_ns[int(Phase::checkpoint_blocking)], 0);
+  }
+  std::set<int64_t> steps[2];
+  for (int i = 0; i < 2; ++i)
+    for (const auto& s : r.attempts[size_t(i)].segments)
+      if (s.phase == Phase::productive) steps[i].insert(s.step);
+  EXPECT_EQ(steps[0], (std::set<int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(steps[1], (std::set<int64_t>{5, 6, 7, 8, 9, 10, 11, 12}));
+  EXPECT_GT(r.ett, 0.0);
+  EXPECT_LE(r.ett, 1.0);
+}
