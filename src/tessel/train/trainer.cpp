@@ -122,7 +122,7 @@ struct Trainer::State {
         dp(mesh.group(comm::Axis::dp)),
         is_root(w.rank() == 0),
         model(config.model, uint64_t(config.run.seed)),
-        optimizer(optim::make_optimizer(config.optim, model.parameters())),
+        optimizer(optim::make_optimizer(config.optim, model.parameters(), &dp, qkv_blocks())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
         reducer(dp, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
@@ -140,6 +140,18 @@ struct Trainer::State {
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
+  }
+
+  // optim.qkv_split: the row blocks of every fused QKV weight.
+  std::map<std::string, std::vector<int64_t>> qkv_blocks() const {
+    const auto& m = config.model;
+    auto blocks = optim::qkv_row_blocks(config.optim.qkv_split, m.heads * m.head_dim(),
+                                        m.num_kv_heads() * m.head_dim(), m.head_dim());
+    std::map<std::string, std::vector<int64_t>> out;
+    if (!blocks.empty())
+      for (int64_t i = 0; i < m.layers; ++i)
+        out["blocks." + std::to_string(i) + ".attn.qkv.weight"] = blocks;
+    return out;
   }
 
   model::Activations& activations(int64_t rows) {
