@@ -44,7 +44,7 @@ struct NsOptions {
   std::vector<NsTriple> coefficients = ns_coefficients("keller", 5);
   bool gram = true;
   std::vector<int> restarts = {2};  // 0-based steps before which Gram NS restarts
-  int64_t gram_min = 128;           // smallest short side that uses Gram NS
+  int64_t gram_min = 64;            // smallest short side that uses Gram NS (bench_optim)
   bool symmetric = true;            // standard NS: SYRK for A and A^2 (false: GEMM only)
 };
 

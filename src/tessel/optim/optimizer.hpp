@@ -65,7 +65,7 @@ struct OptimizerConfig {
   int64_t ns_steps = 5;
   bool ns_gram = true;            // Gram Newton-Schulz where it pays (newton_schulz.hpp)
   std::string ns_restarts = "2";  // comma-separated 0-based steps before which Gram NS restarts
-  int64_t ns_gram_min = 128;      // smallest short side that uses Gram NS
+  int64_t ns_gram_min = 64;       // smallest short side that uses Gram NS
   double fraction = 0.25;         // dion2/dion3: fraction of rows orthogonalized per step
   double ef_decay = 0.95;         // dion2/dion3: momentum decay of the selected rows
   std::string selection_scope = "local";  // local | global
