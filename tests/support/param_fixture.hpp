@@ -20,13 +20,13 @@ struct ParamSet {
   Tensor values, grads;
   ParameterList params;
 
-  ParamSet(const std::vector<ParamSpec>& specs, uint64_t seed) {
+  ParamSet(const std::vector<ParamSpec>& specs, uint64_t seed, float value_std = 0.1f) {
     int64_t total = 0;
     for (const ParamSpec& s : specs) total += shape_numel(s.shape);
     values = Tensor({total});
     grads = Tensor({total});
     Rng rng(seed);
-    rng.fill_normal(values.f32(), total, 0.0f, 0.1f);
+    rng.fill_normal(values.f32(), total, 0.0f, value_std);
     int64_t offset = 0;
     for (const ParamSpec& s : specs) {
       params.push_back({s.name, s.tag, values.view(offset, s.shape), grads.view(offset, s.shape)});
@@ -44,11 +44,16 @@ struct ParamSet {
 // ranks; 3x16 has empty row shards on 4 ranks; 40x8 is tall) beside embedding, head, norm and
 // bias parameters that must go to AdamW.
 inline std::vector<ParamSpec> muon_test_specs() {
-  return {{"embed", ParamTag::embedding, {30, 16}},  {"b0.qkv", ParamTag::hidden_matrix, {24, 16}},
-          {"b0.bias", ParamTag::bias, {24}},         {"b0.out", ParamTag::hidden_matrix, {16, 16}},
-          {"b0.norm", ParamTag::norm, {16}},         {"b0.fc", ParamTag::hidden_matrix, {40, 8}},
-          {"b1.qkv", ParamTag::hidden_matrix, {24, 16}}, {"b1.gate", ParamTag::hidden_matrix, {3, 16}},
-          {"b1.out", ParamTag::hidden_matrix, {16, 16}}, {"b2.qkv", ParamTag::hidden_matrix, {24, 16}},
+  return {{"embed", ParamTag::embedding, {30, 16}},
+          {"b0.qkv", ParamTag::hidden_matrix, {24, 16}},
+          {"b0.bias", ParamTag::bias, {24}},
+          {"b0.out", ParamTag::hidden_matrix, {16, 16}},
+          {"b0.norm", ParamTag::norm, {16}},
+          {"b0.fc", ParamTag::hidden_matrix, {40, 8}},
+          {"b1.qkv", ParamTag::hidden_matrix, {24, 16}},
+          {"b1.gate", ParamTag::hidden_matrix, {3, 16}},
+          {"b1.out", ParamTag::hidden_matrix, {16, 16}},
+          {"b2.qkv", ParamTag::hidden_matrix, {24, 16}},
           {"head", ParamTag::head, {30, 16}}};
 }
 

@@ -18,7 +18,9 @@ using tessel::fixture::ParamSet;
 namespace {
 
 const std::vector<ParamTag> kDecay = {ParamTag::hidden_matrix, ParamTag::embedding, ParamTag::head};
-AdamWHyper adam() { return {1e-2, 0.9, 0.95, 1e-8, 0.1}; }
+AdamWHyper adam() {
+  return {1e-2, 0.9, 0.95, 1e-8, 0.1};
+}
 
 MuonHyper hyper(MuonVariant v, MuonMode mode, bool local) {
   MuonHyper h;

@@ -1,9 +1,8 @@
-#include "tessel/kernels/cpu/symmetric.hpp"
-
 #include <gtest/gtest.h>
 
 #include "kernel_test_util.hpp"
 #include "tessel/kernels/cpu/gemm.hpp"
+#include "tessel/kernels/cpu/symmetric.hpp"
 
 namespace tessel::kernels {
 namespace {

@@ -23,7 +23,8 @@ struct Svd {
 // row-major is polar(B)^T = polar(A).
 inline Svd svd(std::vector<double> A, int64_t r, int64_t c) {
   const int m = int(c), n = int(r), k = std::min(m, n);
-  std::vector<double> s(static_cast<size_t>(k)), u(size_t(m) * size_t(k)), vt(size_t(k) * size_t(n));
+  std::vector<double> s(static_cast<size_t>(k)), u(size_t(m) * size_t(k)),
+      vt(size_t(k) * size_t(n));
   int lwork = -1, info = 0;
   double query = 0;
   dgesvd_("S", "S", &m, &n, A.data(), &m, s.data(), u.data(), &m, vt.data(), &k, &query, &lwork,

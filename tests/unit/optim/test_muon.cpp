@@ -1,5 +1,3 @@
-#include "tessel/optim/muon.hpp"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +9,7 @@
 
 #include "support/expect_input_error.hpp"
 #include "support/param_fixture.hpp"
+#include "tessel/optim/muon.hpp"
 #include "tessel/optim/row_selection.hpp"
 
 using namespace tessel;
@@ -33,7 +32,9 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return d / s;
 }
 
-std::vector<float> values_of(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+std::vector<float> values_of(const Tensor& t) {
+  return {t.f32(), t.f32() + t.numel()};
+}
 
 const Tensor& state_named(std::vector<StateTensor>& st, const std::string& name) {
   for (auto& s : st)
@@ -51,7 +52,9 @@ MuonHyper hyper(MuonVariant v = MuonVariant::muon) {
   return h;
 }
 
-AdamWHyper adam() { return {1e-2, 0.9, 0.95, 1e-8, 0.1}; }
+AdamWHyper adam() {
+  return {1e-2, 0.9, 0.95, 1e-8, 0.1};
+}
 const std::vector<ParamTag> kDecay = {ParamTag::hidden_matrix, ParamTag::embedding, ParamTag::head};
 
 // Muon on one matrix, from the spec's formulas.
@@ -72,8 +75,7 @@ struct Reference {
     orthogonalize(U.data(), rows, cols, h.ns, O.data());
     const float s = float(lr * lr_adjust(h.lr_rule, rows, cols));
     const float decay = float(1.0 - lr * h.weight_decay);
-    for (int64_t i = 0; i < n; ++i)
-      p.value.f32()[i] = p.value.f32()[i] * decay - s * O[size_t(i)];
+    for (int64_t i = 0; i < n; ++i) p.value.f32()[i] = p.value.f32()[i] * decay - s * O[size_t(i)];
   }
 };
 
@@ -95,8 +97,8 @@ TEST(Muon, RoutesByTagAndMatchesReference) {
   for (bool lerp : {false, true})
     for (bool nesterov : {false, true})
       for (LrRule rule : {LrRule::spectral_norm, LrRule::rms_norm, LrRule::keller}) {
-        SCOPED_TRACE(testing::Message() << "lerp " << lerp << " nesterov " << nesterov << " rule "
-                                        << int(rule));
+        SCOPED_TRACE(testing::Message()
+                     << "lerp " << lerp << " nesterov " << nesterov << " rule " << int(rule));
         MuonHyper h = hyper();
         h.lerp = lerp;
         h.nesterov = nesterov;
@@ -235,7 +237,8 @@ TEST(RowSelection, NorMuonNormalization) {
   std::vector<double> row_scale(static_cast<size_t>(k));
   for (int64_t i = 0; i < k; ++i) {
     double ss = 0;
-    for (int64_t j = 0; j < cols; ++j) ss += double(O0[size_t(i * cols + j)]) * O0[size_t(i * cols + j)];
+    for (int64_t j = 0; j < cols; ++j)
+      ss += double(O0[size_t(i * cols + j)]) * O0[size_t(i * cols + j)];
     const double vi = 0.9 * v0[size_t(ids[size_t(i)])] + 0.1 * ss / double(cols);
     EXPECT_NEAR(v[size_t(ids[size_t(i)])], vi, 1e-6 * vi);
     row_scale[size_t(i)] = 1.0 / (std::sqrt(vi) + 1e-8);
@@ -263,7 +266,8 @@ TEST(MuonState, RoundTripIsBitwise) {
       for (int s = 0; s < 3; ++s) ps.random_grads(30 + s), opt.step(1.0);
       std::vector<Tensor> saved;
       std::vector<std::string> names;
-      for (const StateTensor& s : opt.state()) saved.push_back(s.tensor.clone()), names.push_back(s.name);
+      for (const StateTensor& s : opt.state())
+        saved.push_back(s.tensor.clone()), names.push_back(s.name);
       EXPECT_EQ(names[0], opt.name() + ".step");
       EXPECT_NE(std::find(names.begin(), names.end(), "adamw.m/embed"), names.end());
       const auto params = ps.snapshot();
@@ -306,7 +310,8 @@ TEST(MuonFactory, NamesAndBadConfig) {
   expect_input_error(with([](OptimizerConfig& c) { c.ns_coefficients = "you"; }),
                      {"optim.ns_coefficients"});
   expect_input_error(with([](OptimizerConfig& c) { c.ns_steps = 0; }), {"optim.ns_steps"});
-  expect_input_error(with([](OptimizerConfig& c) { c.ns_restarts = "2,x"; }), {"optim.ns_restarts"});
+  expect_input_error(with([](OptimizerConfig& c) { c.ns_restarts = "2,x"; }),
+                     {"optim.ns_restarts"});
   expect_input_error(with([](OptimizerConfig& c) { c.ns_gram_min = 0; }), {"optim.ns_gram_min"});
   expect_input_error(with([](OptimizerConfig& c) { c.fraction = 0; }), {"optim.fraction"});
   expect_input_error(with([](OptimizerConfig& c) { c.ef_decay = 2; }), {"optim.ef_decay"});

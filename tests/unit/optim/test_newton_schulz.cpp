@@ -1,5 +1,3 @@
-#include "tessel/optim/newton_schulz.hpp"
-
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -7,6 +5,7 @@
 
 #include "svd_util.hpp"
 #include "tessel/core/rng.hpp"
+#include "tessel/optim/newton_schulz.hpp"
 
 using namespace tessel;
 using namespace tessel::optim;
@@ -22,7 +21,9 @@ std::vector<float> gaussian(uint64_t seed, int64_t rows, int64_t cols) {
   return x;
 }
 
-std::vector<double> f64(const std::vector<float>& x) { return {x.begin(), x.end()}; }
+std::vector<double> f64(const std::vector<float>& x) {
+  return {x.begin(), x.end()};
+}
 
 std::vector<float> orth(const std::vector<float>& U, int64_t r, int64_t c, const NsOptions& o) {
   std::vector<float> out(U.size());
@@ -141,7 +142,8 @@ TEST(NewtonSchulz, RestartFixesIllConditionedDrift) {
   for (int64_t i = 0; i < n; ++i) {
     const float s = float(std::pow(1e-4, double(i) / double(n - 1)));
     for (int64_t p = 0; p < n; ++p)
-      for (int64_t j = 0; j < m; ++j) X[size_t(p * m + j)] += A[size_t(p * n + i)] * s * B[size_t(i * m + j)];
+      for (int64_t j = 0; j < m; ++j)
+        X[size_t(p * m + j)] += A[size_t(p * n + i)] * s * B[size_t(i * m + j)];
   }
   double ss = 0;
   for (float x : X) ss += double(x) * x;
