@@ -97,7 +97,9 @@ void BM_CommutingProduct(benchmark::State& state) {
   }
   state.SetLabel(state.range(1) == 0 ? "gemm" : "lower tiles");
 }
-BENCHMARK(BM_CommutingProduct)->ArgsProduct({{512, 1024, 2048}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CommutingProduct)
+    ->ArgsProduct({{512, 1024, 2048}, {0, 1}})
+    ->Unit(benchmark::kMillisecond);
 
 // The GPT-2-small parameter registry (model/gpt.cpp order and tags), values and gradients.
 struct Gpt2Small {
@@ -141,7 +143,9 @@ void BM_OptimizerStep(benchmark::State& state) {
   const int64_t config = state.range(0);
   MuonHyper h;
   h.variant = config == 2 ? MuonVariant::dion3 : MuonVariant::muon;
-  h.mode = config == 0 ? MuonMode::allgather : config == 3 ? MuonMode::replicated : MuonMode::sharded;
+  h.mode = config == 0   ? MuonMode::allgather
+           : config == 3 ? MuonMode::replicated
+                         : MuonMode::sharded;
   h.ns.gram = config != 0;
   h.ns.symmetric = config != 0;
   h.weight_decay = 0.1;

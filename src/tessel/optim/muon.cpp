@@ -56,8 +56,8 @@ Muon::Muon(ParameterList params, const MuonHyper& hyper, const AdamWHyper& adam,
   int64_t full = 0, local = 0, vrows = 0;
   for (size_t pi = 0; pi < params_.size(); ++pi) {
     const Parameter& p = params_[pi];
-    TESSEL_CHECK(p.value.shape().size() == 2 && p.value.shape() == p.grad.shape(),
-                 "hidden matrix ", p.name, " must be 2-D with a gradient of its shape, got ",
+    TESSEL_CHECK(p.value.shape().size() == 2 && p.value.shape() == p.grad.shape(), "hidden matrix ",
+                 p.name, " must be 2-D with a gradient of its shape, got ",
                  shape_str(p.value.shape()));
     const int64_t rows = p.value.shape()[0], cols = p.value.shape()[1];
     std::vector<int64_t> blocks{rows};

@@ -211,10 +211,10 @@ void orthogonalize(const T* U, int64_t rows, int64_t cols, const NsOptions& o, T
   });
 }
 
-#define TESSEL_INSTANTIATE(T)                                                                \
-  template void newton_schulz<T>(T*, int64_t, int64_t, std::span<const NsTriple>);           \
-  template void gram_newton_schulz<T>(T*, int64_t, int64_t, std::span<const NsTriple>,       \
-                                      std::span<const int>);                                 \
+#define TESSEL_INSTANTIATE(T)                                                          \
+  template void newton_schulz<T>(T*, int64_t, int64_t, std::span<const NsTriple>);     \
+  template void gram_newton_schulz<T>(T*, int64_t, int64_t, std::span<const NsTriple>, \
+                                      std::span<const int>);                           \
   template void orthogonalize<T>(const T*, int64_t, int64_t, const NsOptions&, T*);
 TESSEL_INSTANTIATE(float)
 TESSEL_INSTANTIATE(double)

@@ -64,8 +64,7 @@ void validate(const OptimizerConfig& c) {
   check_choice(c.name, "optim.name", {"adamw", "muon", "dion2", "dion3"});
   check_range(std::isfinite(c.muon_lr) && c.muon_lr > 0 && c.muon_lr * c.weight_decay < 1,
               "optim.muon_lr", c.muon_lr, "> 0 and muon_lr * weight_decay < 1");
-  check_range(c.momentum >= 0 && c.momentum < 1, "optim.momentum", c.momentum,
-              "0 <= momentum < 1");
+  check_range(c.momentum >= 0 && c.momentum < 1, "optim.momentum", c.momentum, "0 <= momentum < 1");
   check_choice(c.momentum_form, "optim.momentum_form", {"sum", "lerp"});
   check_choice(c.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"});
   check_choice(c.ns_coefficients, "optim.ns_coefficients", {"keller", "polar_express"});
@@ -73,8 +72,7 @@ void validate(const OptimizerConfig& c) {
               "1 <= ns_steps <= 100");
   parse_restarts(c.ns_restarts);
   check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", double(c.ns_gram_min), ">= 1");
-  check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction,
-              "0 < fraction <= 1");
+  check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction, "0 < fraction <= 1");
   check_range(c.ef_decay >= 0 && c.ef_decay <= 1, "optim.ef_decay", c.ef_decay,
               "0 <= ef_decay <= 1");
   check_choice(c.selection_scope, "optim.selection_scope", {"local", "global"});
@@ -111,7 +109,8 @@ std::vector<ParamTag> parse_decay_tags(const std::string& text) {
 std::vector<int64_t> qkv_row_blocks(const std::string& split, int64_t q_rows, int64_t kv_rows,
                                     int64_t head_dim) {
   if (split == "blocks") return {q_rows, kv_rows, kv_rows};
-  if (split == "heads") return std::vector<int64_t>(size_t((q_rows + 2 * kv_rows) / head_dim), head_dim);
+  if (split == "heads")
+    return std::vector<int64_t>(size_t((q_rows + 2 * kv_rows) / head_dim), head_dim);
   return {};
 }
 
@@ -128,11 +127,10 @@ std::unique_ptr<Optimizer> make_optimizer(
   h.momentum = config.momentum;
   h.lerp = config.momentum_form == "lerp";
   h.nesterov = config.nesterov;
-  const bool decays =
-      std::find(decay.begin(), decay.end(), ParamTag::hidden_matrix) != decay.end();
+  const bool decays = std::find(decay.begin(), decay.end(), ParamTag::hidden_matrix) != decay.end();
   h.weight_decay = decays ? config.weight_decay : 0.0;
-  h.lr_rule =
-      LrRule(check_choice(config.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"}));
+  h.lr_rule = LrRule(
+      check_choice(config.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"}));
   h.ns.coefficients = ns_coefficients(config.ns_coefficients, int(config.ns_steps));
   h.ns.gram = config.ns_gram;
   h.ns.restarts = parse_restarts(config.ns_restarts);

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "tessel/comm/communicator.hpp"
-
 #include "tessel/core/parameter.hpp"
 #include "tessel/core/tensor.hpp"
 

@@ -1,8 +1,8 @@
 #pragma once
-// The calls into OpenBLAS (GEMM and SYRK). tessel links OpenBLAS's OpenMP build, so BLAS threads are
-// tessel's OpenMP threads (no second pool competing for the cores): outside a parallel
-// region a call uses the whole pool, inside one (e.g. per attention block) it runs
-// single-threaded on the calling thread.
+// The calls into OpenBLAS (GEMM and SYRK). tessel links OpenBLAS's OpenMP build, so BLAS threads
+// are tessel's OpenMP threads (no second pool competing for the cores): outside a parallel region a
+// call uses the whole pool, inside one (e.g. per attention block) it runs single-threaded on the
+// calling thread.
 #include <cstdint>
 
 namespace tessel::kernels::detail {

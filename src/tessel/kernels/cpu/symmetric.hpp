@@ -10,8 +10,8 @@
 // syrk is one OpenBLAS SYRK call (half the flops of the GEMM A A^T). commuting_product is a
 // blocked kernel: for each tile-row panel i of `kSymmetricTile` rows it computes only the
 // lower tiles C[i, 0..i] with one GEMM (K = n), about half the flops of the full product;
-// below two tiles it is one full GEMM (then mirrored too). With beta != 0, C must be symmetric on entry. Both
-// call `gemm`/SYRK outside any parallel region (the whole OpenMP pool); results are
+// below two tiles it is one full GEMM (then mirrored too). With beta != 0, C must be symmetric on
+// entry. Both call `gemm`/SYRK outside any parallel region (the whole OpenMP pool); results are
 // deterministic for a fixed thread count.
 #include <cstdint>
 

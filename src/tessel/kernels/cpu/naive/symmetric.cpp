@@ -14,8 +14,8 @@ void commuting_product(int64_t n, T alpha, const T* A, const T* B, T beta, T* C)
   gemm<T>(false, false, n, n, n, alpha, A, n, B, n, beta, C, n);
 }
 
-#define TESSEL_INSTANTIATE(T)                                             \
-  template void syrk<T>(int64_t, int64_t, T, const T*, T, T*);            \
+#define TESSEL_INSTANTIATE(T)                                  \
+  template void syrk<T>(int64_t, int64_t, T, const T*, T, T*); \
   template void commuting_product<T>(int64_t, T, const T*, const T*, T, T*);
 TESSEL_INSTANTIATE(float)
 TESSEL_INSTANTIATE(double)
