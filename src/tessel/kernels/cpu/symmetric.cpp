@@ -8,10 +8,21 @@
 
 namespace tessel::kernels {
 
+// Blocked: 64 x 64 tiles of the lower triangle are copied transposed, so the strided writes
+// of the transpose stay in cache.
 void mirror_lower(int64_t n, float* C) {
-#pragma omp parallel for schedule(static) if (n >= 256)
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < i; ++j) C[j * n + i] = C[i * n + j];
+  constexpr int64_t kB = 64;
+  const int64_t tiles = (n + kB - 1) / kB;
+#pragma omp parallel for schedule(static) if (n >= 512)
+  for (int64_t bi = 0; bi < tiles; ++bi) {
+    const int64_t i0 = bi * kB, i1 = std::min(n, i0 + kB);
+    for (int64_t j0 = 0; j0 <= i0; j0 += kB) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t j1 = std::min(i, j0 + kB);
+        for (int64_t j = j0; j < j1; ++j) C[j * n + i] = C[i * n + j];
+      }
+    }
+  }
 }
 
 void syrk(int64_t n, int64_t k, float alpha, const float* A, float beta, float* C) {

@@ -17,7 +17,7 @@
 
 namespace tessel::kernels {
 
-inline constexpr int64_t kSymmetricTile = 128;
+inline constexpr int64_t kSymmetricTile = 256;  // at n = 2048, 256 beat 128, 512 and 1024
 
 void syrk(int64_t n, int64_t k, float alpha, const float* A, float beta, float* C);
 void commuting_product(int64_t n, float alpha, const float* A, const float* B, float beta,
