@@ -184,7 +184,10 @@ BENCHMARK(BM_OptimizerStep)
 
 int main(int argc, char** argv) {
   auto guard = comm::init_communication(&argc, &argv);
-  if (guard.world().rank() != 0 && !std::freopen("/dev/null", "w", stdout)) return 1;
+  // Rank 0 reports (Google Benchmark writes its context to stderr, results to stdout).
+  if (guard.world().rank() != 0 &&
+      (!std::freopen("/dev/null", "w", stdout) || !std::freopen("/dev/null", "w", stderr)))
+    return 1;
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -60,6 +60,8 @@ Muon::Muon(ParameterList params, const MuonHyper& hyper, const AdamWHyper& adam,
                  p.name, " must be 2-D with a gradient of its shape, got ",
                  shape_str(p.value.shape()));
     const int64_t rows = p.value.shape()[0], cols = p.value.shape()[1];
+    // Row numbers travel as f32 beside the update rows: exact below 2^24.
+    TESSEL_CHECK(rows < (int64_t(1) << 24), "hidden matrix ", p.name, " has too many rows");
     std::vector<int64_t> blocks{rows};
     if (auto it = row_blocks.find(p.name); it != row_blocks.end()) blocks = it->second;
     TESSEL_CHECK(std::accumulate(blocks.begin(), blocks.end(), int64_t(0)) == rows,
