@@ -6,7 +6,6 @@
 #include "tessel/core/error.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/kernels/cpu/activations.hpp"
-#include "tessel/kernels/cpu/attention.hpp"
 #include "tessel/kernels/cpu/cross_entropy.hpp"
 #include "tessel/kernels/cpu/embedding.hpp"
 #include "tessel/kernels/cpu/gemm.hpp"
@@ -233,6 +232,10 @@ void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
                " tokens given to activations for ", acts.B, " x ", acts.T);
   const int64_t N = acts.B * acts.T, T = acts.T, V = config_.vocab;
   auto where = [T](int64_t n) { return detail::concat("[", n / T, ", ", n % T, "]"); };
+  // The mask is copied with its tile summaries, computed once for all layers.
+  acts.mask =
+      attention::TiledMask(in.mask ? *in.mask : attention::ColumnMask::causal_only(acts.B, T, T));
+  attention::check_mask_fits(acts.mask, attention_shape(acts));
   acts.has_tokens = in.tokens != nullptr;
   acts.has_targets = in.targets != nullptr;
   int32_t* tokens = acts.tokens.i32();
@@ -338,8 +341,8 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
     kn::rope_forward(q, q, pos, N, H_, D_, theta);
     kn::rope_forward(k, k, pos, N, Hkv_, D_, theta);
   }
-  kn::causal_attention_forward(o, acts.attn_lse.f32() + l * N * H_, q, k, v,
-                               {acts.B, acts.T, H_, Hkv_, D_});
+  attention::flash_attention_forward(o, acts.attn_lse.f32() + l * N * H_, q, k, v,
+                                     attention_shape(acts), acts.mask);
   kn::linear_forward(m, o, value(p.out_w), value(p.out_b), N, Q, C);
   add_into(m, x, N * C);
 
@@ -426,8 +429,9 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* dq = acts.d_split.f32();
   float* dk = dq + N * Q;
   float* dv = dk + N * KV;
-  kn::causal_attention_backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o,
-                                acts.attn_lse.f32() + l * N * H_, {acts.B, acts.T, H_, Hkv_, D_});
+  attention::flash_attention_backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o,
+                                      acts.attn_lse.f32() + l * N * H_, attention_shape(acts),
+                                      acts.mask);
   if (config_.positions == PositionType::rotary) {
     const int32_t* pos = acts.positions.i32();
     const float theta = float(config_.rope_theta);

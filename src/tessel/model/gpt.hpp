@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "tessel/attention/flash_attention.hpp"
 #include "tessel/core/parameter.hpp"
 #include "tessel/core/tensor.hpp"
 #include "tessel/model/gpt_config.hpp"
@@ -30,6 +31,8 @@ struct ModelInputs {
   const int32_t* positions = nullptr;  // in [0, max_seq); null = 0..T-1 in every row
   const int32_t* targets = nullptr;    // next-token ids; null = inference (no loss, no backward)
   const float* loss_weight = nullptr;  // per-token loss weight; null = 1 for every token
+  // Attention mask [B, Hm, T, T] (Hm = 1, heads or kv_heads); null = causal.
+  const attention::ColumnMask* mask = nullptr;
 };
 
 // Everything one micro-batch's forward keeps for its backward, plus backward
@@ -41,10 +44,11 @@ struct Activations {
   bool has_tokens = false, has_targets = false;
 
   // Inputs, copied by load_inputs.
-  Tensor tokens;       // i32 [N]
-  Tensor positions;    // i32 [N]
-  Tensor targets;      // i32 [N]
-  Tensor loss_weight;  // f32 [N]
+  Tensor tokens;              // i32 [N]
+  Tensor positions;           // i32 [N]
+  Tensor targets;             // i32 [N]
+  Tensor loss_weight;         // f32 [N]
+  attention::TiledMask mask;  // the attention mask with its tile summaries, shared by all layers
 
   // Forward cache. Per-layer buffers stack the layers along dimension 0. The
   // norm means exist only for layernorm.
@@ -146,6 +150,9 @@ class Gpt {
                     int64_t N) const;
   void norm_backward(float* dx, int w, int b, const float* dy, const float* x, const float* mean,
                      const float* rstd, int64_t N);
+  attention::AttentionShape attention_shape(const Activations& acts) const {
+    return {acts.B, acts.T, acts.T, H_, Hkv_, D_};
+  }
   void block_forward(Activations& acts, int64_t layer) const;
   void block_backward(Activations& acts, int64_t layer);
 

@@ -125,6 +125,13 @@ std::vector<ConfigKey> build_schema() {
       bool_key("run.quiet", "suppress progress lines", FIELD(run.quiet)),
       string_key("data.path", "directory holding train.tok and val.tok", FIELD(data.path)),
       bool_key("data.shuffle", "shuffle training windows each epoch", FIELD(data.shuffle)),
+      choice_key<AttentionMaskKind>(
+          "data.attention_mask",
+          "attention of packed rows: causal_document = within each document (positions restart "
+          "at each document), causal = across the whole row",
+          {{"causal_document", AttentionMaskKind::causal_document},
+           {"causal", AttentionMaskKind::causal}},
+          FIELD(data.attention_mask)),
       int_key("model.vocab", "vocabulary size", FIELD(model.vocab)),
       int_key("model.layers", "transformer blocks", FIELD(model.layers)),
       int_key("model.width", "residual width", FIELD(model.width)),

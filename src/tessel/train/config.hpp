@@ -20,9 +20,15 @@ struct RunConfig {
   bool quiet = false;   // no progress lines (tests)
 };
 
+// How a packed training row attends: causal_document = only inside each document, with
+// positions restarting at every document start (a packed row computes what its documents
+// would compute one by one); causal = across the whole row, positions 0..T-1.
+enum class AttentionMaskKind { causal_document, causal };
+
 struct DataConfig {
   std::string path = "data/bible";  // directory with train.tok and val.tok (`tessel prepare`)
   bool shuffle = true;
+  AttentionMaskKind attention_mask = AttentionMaskKind::causal_document;
 };
 
 struct TrainLoopConfig {

@@ -29,6 +29,7 @@
 #include "tessel/optim/grad_clip.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/parallel/data_parallel.hpp"
+#include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/metrics.hpp"
 
@@ -58,10 +59,6 @@ std::string format_duration(double seconds) {
   else
     std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
   return buf;
-}
-
-model::ModelInputs inputs_of(const data::Batch& b) {
-  return {b.B, b.T, b.tokens.data(), b.positions.data(), b.targets.data(), b.loss_mask.data()};
 }
 
 // Rank 0's `text` on every rank.
@@ -246,7 +243,8 @@ struct Trainer::State {
   double validate_loss() {
     double stats[2] = {0, 0};
     for (const auto& b : val_batches) {
-      stats[0] += model.forward(activations(b.B), inputs_of(b));
+      stats[0] +=
+          model.forward(activations(b.B), BatchInputs(b, config.data.attention_mask).inputs());
       stats[1] += mask_sum(b);
     }
     dp.all_reduce(std::span<double>(stats, 2));
@@ -345,7 +343,7 @@ TrainResult Trainer::run() {
     for (int64_t m = 0; m < c.train.accum; ++m) {
       data::Batch batch = s.loader.next();
       model::Activations& acts = s.activations(batch.B);
-      stats[0] += s.model.forward(acts, inputs_of(batch));
+      stats[0] += s.model.forward(acts, BatchInputs(batch, c.data.attention_mask).inputs());
       stats[1] += mask_sum(batch);
       s.model.backward(acts, 1.0f);
     }

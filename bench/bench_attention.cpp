@@ -1,0 +1,202 @@
+// FlashMask attention benchmark (issue #3). For head dims and sequence lengths given on the
+// command line it times the forward and backward of the tiled kernel over the standard masks,
+// and reports per case: the fraction of tiles computed, time, useful throughput (FLOPs of the
+// computed tiles: 4 D per element forward, 10 D backward) as a share of the GEMM peak measured
+// in the same run, and the mask's bytes against a dense Sq x Sk boolean mask. Then per
+// (D, S): R^2 of time against computed-tile fraction over the masks, and the speed-up of
+// skipping on causal-document masks (documents of 256-2048 tokens) against the same kernel
+// with skipping disabled, next to the 0.8 / (visible-tile fraction) target.
+//
+//   bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--reps 3]
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tessel/attention/flash_attention.hpp"
+#include "tessel/attention/mask_builders.hpp"
+#include "tessel/core/rng.hpp"
+#include "tessel/core/threading.hpp"
+#include "tessel/core/timer.hpp"
+#include "tessel/kernels/cpu/gemm_peak.hpp"
+
+using namespace tessel;
+using namespace tessel::attention;
+
+namespace {
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> out;
+  for (const char* p = s; *p;) {
+    out.push_back(std::strtoll(p, const_cast<char**>(&p), 10));
+    if (*p == ',') ++p;
+  }
+  return out;
+}
+
+std::vector<int64_t> documents(Rng& rng, int64_t N, int64_t lo, int64_t hi) {
+  std::vector<int64_t> d;
+  for (int64_t left = N; left > 0;) {
+    const int64_t len = std::min(left, lo + int64_t(rng.below(uint64_t(hi - lo + 1))));
+    d.push_back(len);
+    left -= len;
+  }
+  return d;
+}
+
+struct Case {
+  std::string name;
+  MaskColumns columns;
+};
+
+std::vector<Case> masks(int64_t N, Rng& rng) {
+  const auto docs = documents(rng, N, 256, 2048);
+  std::vector<int64_t> prefix;
+  for (int64_t len : docs) prefix.push_back(len / 4);
+  std::vector<Span> spans;
+  for (int64_t o = N / 8; o + N / 16 <= N; o += N / 4) spans.push_back({o, N / 16});
+  std::vector<int64_t> evict(static_cast<size_t>(N));
+  for (int64_t j = 0; j < N; ++j)
+    evict[size_t(j)] = std::min(N, j + 1 + int64_t(rng.below(uint64_t(N / 2))));
+  return {
+      {"full (no mask)", MaskColumns{false, 2,
+                                     [&] {
+                                       std::vector<int32_t> v;
+                                       for (int64_t j = 0; j < N; ++j)
+                                         v.insert(v.end(), {int32_t(N), 0});
+                                       return v;
+                                     }()}},
+      {"causal", causal_mask(N, N)},
+      {"sliding window N/8", sliding_window_mask(N, N, N / 8)},
+      {"causal document", causal_document_mask(docs)},
+      {"document", document_mask(docs)},
+      {"share question", share_question_mask(documents(rng, N, N / 8, N / 4))},
+      {"global + sliding window", global_sliding_window_mask(N, 64, N / 16, N / 16)},
+      {"causal blockwise", causal_blockwise_mask(documents(rng, N, N / 8, N / 4))},
+      {"prefix-LM causal N/4", prefix_lm_causal_mask(N, N / 4)},
+      {"prefix-LM document", prefix_lm_document_mask(docs, prefix)},
+      {"QK-sparse", qk_sparse_mask(N, spans)},
+      {"random eviction", random_eviction_mask(evict)},
+  };
+}
+
+struct Timing {
+  double fwd = 1e30, bwd = 1e30;
+};
+
+// One forward and one backward; keeps the faster of each in `t`.
+void time_once(Timing& t, const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt,
+               const std::vector<float>& q, const std::vector<float>& k,
+               const std::vector<float>& v) {
+  std::vector<float> o(q.size()), lse(size_t(s.B * s.Hq * s.Sq)), dq(q.size()), dk(k.size()),
+      dv(k.size());
+  Timer f;
+  flash_attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s, tm, opt);
+  t.fwd = std::min(t.fwd, f.seconds());
+  Timer b;
+  flash_attention_backward(dq.data(), dk.data(), dv.data(), o.data(), q.data(), k.data(), v.data(),
+                           o.data(), lse.data(), s, tm, opt);
+  t.bwd = std::min(t.bwd, b.seconds());
+}
+
+// Coefficient of determination of the least-squares line y = a + b x.
+double r_squared(const std::vector<double>& x, const std::vector<double>& y) {
+  const double n = double(x.size());
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < x.size(); ++i) mx += x[i] / n, my += y[i] / n;
+  double sxy = 0, sxx = 0, syy = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    sxy += (x[i] - mx) * (y[i] - my);
+    sxx += (x[i] - mx) * (x[i] - mx);
+    syy += (y[i] - my) * (y[i] - my);
+  }
+  return syy > 0 && sxx > 0 ? sxy * sxy / (sxx * syy) : 1.0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> dims{64, 128}, seqs{4096, 8192};
+  int64_t heads = 4, tile_k = TiledMask::kDefaultTileK;
+  FlashOptions opt;
+  int reps = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--dims")
+      dims = parse_list(argv[i + 1]);
+    else if (a == "--seqs")
+      seqs = parse_list(argv[i + 1]);
+    else if (a == "--heads")
+      heads = std::atoll(argv[i + 1]);
+    else if (a == "--reps")
+      reps = std::atoi(argv[i + 1]);
+    else if (a == "--tile-q")
+      opt.tile_q = std::atoll(argv[i + 1]);
+    else if (a == "--tile-k")
+      tile_k = std::atoll(argv[i + 1]);
+    else if (a == "--run-cols")
+      opt.run_cols = std::atoll(argv[i + 1]);
+    else {
+      std::fprintf(stderr,
+                   "usage: bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] "
+                   "[--reps 3] [--tile-q 64] [--tile-k 64] [--run-cols 512]\n");
+      return 2;
+    }
+  }
+  std::printf(
+      "threads %d, tile_q %lld, tile_k %lld, run_cols %lld; repetitions interleaved over "
+      "the masks, best of %d; GEMM peak = best 1024^3 sgemm of the repetitions\n",
+      num_threads(), (long long)opt.tile_q, (long long)tile_k, (long long)opt.run_cols, reps);
+  for (int64_t D : dims)
+    for (int64_t N : seqs) {
+      const AttentionShape s{1, N, N, heads, heads, D};
+      Rng rng(uint64_t(N * 131 + D));
+      std::vector<float> q(size_t(N * heads * D)), k(q.size()), v(q.size());
+      rng.fill_normal(q.data(), int64_t(q.size()), 0, 1);
+      rng.fill_normal(k.data(), int64_t(k.size()), 0, 1);
+      rng.fill_normal(v.data(), int64_t(v.size()), 0, 1);
+      const std::vector<Case> cases = masks(N, rng);
+      std::vector<TiledMask> tiled;
+      for (const Case& c : cases) tiled.emplace_back(stack_masks(N, N, 1, 1, {c.columns}), tile_k);
+      const size_t doc_case = 3;  // "causal document": also timed with skipping off
+      std::vector<Timing> t(cases.size());
+      Timing base;
+      FlashOptions no_skip = opt;
+      no_skip.skip_tiles = false;
+      double peak = 0;
+      for (int r = 0; r < reps; ++r) {
+        peak = std::max(peak, kernels::measure_gemm_peak_gflops(1024, 0.3));
+        for (size_t c = 0; c < cases.size(); ++c) time_once(t[c], s, tiled[c], opt, q, k, v);
+        time_once(base, s, tiled[doc_case], no_skip, q, k, v);
+      }
+      std::printf("\nD=%lld S=%lld B=1 H=%lld, GEMM peak %.1f GFLOP/s\n", (long long)D,
+                  (long long)N, (long long)heads, peak);
+      std::printf("%-24s %9s %9s %9s %8s %8s %18s\n", "mask", "computed", "fwd ms", "bwd ms",
+                  "fwd/peak", "bwd/peak", "mask B vs dense B");
+      std::vector<double> frac, tf, tb;
+      for (size_t c = 0; c < cases.size(); ++c) {
+        const TileCounts tc = count_tiles(tiled[c], heads, heads, opt.tile_q);
+        const double elems = double(tc.computed_elements);
+        const double fwd_gf = 4.0 * double(D) * elems / t[c].fwd * 1e-9;
+        const double bwd_gf = 10.0 * double(D) * elems / t[c].bwd * 1e-9;
+        std::printf("%-24s %9.3f %9.1f %9.1f %7.0f%% %7.0f%% %8lld vs %lld\n",
+                    cases[c].name.c_str(), tc.computed_fraction(), t[c].fwd * 1e3, t[c].bwd * 1e3,
+                    100 * fwd_gf / peak, 100 * bwd_gf / peak, (long long)tiled[c].bytes(),
+                    (long long)(N * N));
+        frac.push_back(tc.computed_fraction());
+        tf.push_back(t[c].fwd);
+        tb.push_back(t[c].bwd);
+      }
+      const double vis = count_tiles(tiled[doc_case], heads, heads, opt.tile_q).computed_fraction();
+      std::printf(
+          "causal document, skipping off: fwd %.1f ms (%.2fx), bwd %.1f ms (%.2fx); "
+          "target 0.8 / %.3f = %.2fx\n",
+          base.fwd * 1e3, base.fwd / t[doc_case].fwd, base.bwd * 1e3, base.bwd / t[doc_case].bwd,
+          vis, 0.8 / vis);
+      std::printf("R^2 of time vs computed fraction: forward %.4f, backward %.4f\n",
+                  r_squared(frac, tf), r_squared(frac, tb));
+    }
+  return 0;
+}

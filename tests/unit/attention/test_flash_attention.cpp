@@ -1,0 +1,278 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "support/expect_input_error.hpp"
+#include "tessel/attention/flash_attention.hpp"
+#include "tessel/core/bf16.hpp"
+#include "tessel/core/threading.hpp"
+#include "tessel/kernels/cpu/attention.hpp"
+#include "unit/attention/attention_test_util.hpp"
+
+namespace tessel::attention {
+namespace {
+
+using kernels::test::kFastVsNaive;
+using kernels::test::randn;
+using kernels::test::rel_error;
+using kernels::test::to_f64;
+using kernels::test::VecD;
+using kernels::test::VecF;
+
+// Spec tolerance: max error <= 1e-5 * max |reference| in f32.
+constexpr double kTol = 1e-5;
+
+// lse with -inf rows: the infinities must coincide, the finite entries match within kTol.
+double lse_error(const VecF& got, const VecD& want) {
+  double err = 0, scale = 1e-30;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isinf(want[i]) || std::isinf(got[i])) {
+      if (!(double(got[i]) == want[i])) return INFINITY;
+      continue;
+    }
+    err = std::max(err, std::abs(double(got[i]) - want[i]));
+    scale = std::max(scale, std::abs(want[i]));
+  }
+  return err / scale;
+}
+
+struct Problem {
+  AttentionShape s;
+  VecF q, k, v, dout;
+};
+
+Problem random_problem(const AttentionShape& s, uint64_t seed) {
+  Rng rng(seed);
+  return {s, randn(rng, size_t(s.B * s.Sq * s.Hq * s.D)),
+          randn(rng, size_t(s.B * s.Sk * s.Hk * s.D)), randn(rng, size_t(s.B * s.Sk * s.Hk * s.D)),
+          randn(rng, size_t(s.B * s.Sq * s.Hq * s.D))};
+}
+
+// Runs the fast kernel (f32) and the dense reference (f64) and compares O, LSE, dQ, dK, dV.
+void expect_matches_reference(const Problem& p, const ColumnMask& mask,
+                              const FlashOptions& opt = {},
+                              int64_t tile_k = TiledMask::kDefaultTileK) {
+  const AttentionShape& s = p.s;
+  const TiledMask tm(mask, tile_k);
+  const size_t nq = p.q.size(), nk = p.k.size(), nl = size_t(s.B * s.Hq * s.Sq);
+  VecF o(nq), lse(nl), dq(nq), dk(nk), dv(nk);
+  flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, opt);
+  flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(),
+                           p.v.data(), o.data(), lse.data(), s, tm, opt);
+  const VecD q = to_f64(p.q), k = to_f64(p.k), v = to_f64(p.v), g = to_f64(p.dout);
+  VecD ro(nq), rl(nl), rdq(nq), rdk(nk), rdv(nk);
+  naive::masked_attention_forward(ro.data(), rl.data(), q.data(), k.data(), v.data(), s, mask);
+  naive::masked_attention_backward(rdq.data(), rdk.data(), rdv.data(), g.data(), q.data(), k.data(),
+                                   v.data(), ro.data(), rl.data(), s, mask);
+  // An all-zero reference (every row masked) compares absolutely.
+  EXPECT_LT(rel_error(o, ro, 1.0), kTol);
+  EXPECT_LT(lse_error(lse, rl), kTol);
+  EXPECT_LT(rel_error(dq, rdq, 1.0), kTol);
+  EXPECT_LT(rel_error(dk, rdk, 1.0), kTol);
+  EXPECT_LT(rel_error(dv, rdv, 1.0), kTol);
+  for (float x : o) ASSERT_FALSE(std::isnan(x));
+  for (float x : dq) ASSERT_FALSE(std::isnan(x));
+}
+
+// All eleven masks at the spec's lengths; batch 2 with a different mask per row, GQA.
+TEST(FlashAttention, MatchesReferenceForEveryMaskType) {
+  Rng rng(3);
+  for (int64_t N : {1, 127, 128, 1000}) {
+    const auto row0 = test::standard_masks(N, rng), row1 = test::standard_masks(N, rng);
+    for (size_t t = 0; t < row0.size(); ++t) {
+      SCOPED_TRACE(row0[t].name + " N=" + std::to_string(N));
+      const AttentionShape s{2, N, N, 4, 2, 16};
+      expect_matches_reference(random_problem(s, 100 + t),
+                               stack_masks(N, N, 2, 1, {row0[t].columns, row1[t].columns}));
+    }
+  }
+}
+
+TEST(FlashAttention, MatchesReferenceAtLength4096) {
+  Rng rng(4);
+  for (const auto& c : test::standard_masks(4096, rng)) {
+    SCOPED_TRACE(c.name);
+    expect_matches_reference(random_problem({1, 4096, 4096, 1, 1, 8}, 5),
+                             stack_masks(4096, 4096, 1, 1, {c.columns}));
+  }
+}
+
+// One mask per query head (Hm = Hq) and per kv head (Hm = Hk).
+TEST(FlashAttention, PerHeadMasks) {
+  Rng rng(5);
+  const int64_t N = 200;
+  std::vector<MaskColumns> per_q, per_kv;
+  for (int h = 0; h < 4; ++h) per_q.push_back(test::standard_masks(N, rng)[2 + h].columns);
+  expect_matches_reference(random_problem({1, N, N, 4, 2, 16}, 6),
+                           stack_masks(N, N, 1, 4, {per_q[0], per_q[0], per_q[0], per_q[0]}));
+  // Mixed forms need one form per mask: use random 4-vector masks per head.
+  for (int h = 0; h < 4; ++h) per_q[size_t(h)] = test::random_mask(rng, N, N, false);
+  expect_matches_reference(random_problem({1, N, N, 4, 2, 16}, 7), stack_masks(N, N, 1, 4, per_q));
+  for (int h = 0; h < 2; ++h) per_kv.push_back(test::random_mask(rng, N, N, true));
+  expect_matches_reference(random_problem({1, N, N, 4, 2, 16}, 8), stack_masks(N, N, 1, 2, per_kv));
+}
+
+// Sq != Sk (bottom-right causal), random masks, odd tile sizes and head dims.
+TEST(FlashAttention, UnequalLengthsAndRandomMasks) {
+  Rng rng(9);
+  for (auto [Sq, Sk] : {std::pair<int64_t, int64_t>{100, 300}, {300, 100}, {1, 77}, {77, 1}}) {
+    SCOPED_TRACE("Sq=" + std::to_string(Sq) + " Sk=" + std::to_string(Sk));
+    expect_matches_reference(random_problem({1, Sq, Sk, 2, 1, 24}, 10),
+                             stack_masks(Sq, Sk, 1, 1, {causal_mask(Sq, Sk)}));
+    expect_matches_reference(random_problem({1, Sq, Sk, 2, 2, 8}, 11),
+                             stack_masks(Sq, Sk, 1, 1, {sliding_window_mask(Sq, Sk, 17)}));
+    expect_matches_reference(
+        random_problem({2, Sq, Sk, 3, 1, 5}, 12),
+        stack_masks(Sq, Sk, 2, 1,
+                    {test::random_mask(rng, Sq, Sk, false), test::random_mask(rng, Sq, Sk, false)}),
+        {.tile_q = 37}, 29);
+    expect_matches_reference(random_problem({1, Sq, Sk, 2, 1, 8}, 13),
+                             stack_masks(Sq, Sk, 1, 1, {test::random_mask(rng, Sq, Sk, true)}),
+                             {.tile_q = 16}, 600);
+  }
+}
+
+// Without skipping, fully masked tiles go through the element-wise mask: same results.
+TEST(FlashAttention, SkippingDisabledGivesTheSameResult) {
+  Rng rng(14);
+  const int64_t N = 300;
+  expect_matches_reference(random_problem({1, N, N, 2, 2, 16}, 15),
+                           stack_masks(N, N, 1, 1, {test::standard_masks(N, rng)[2].columns}),
+                           {.skip_tiles = false});
+}
+
+// Rows that see no key: O = 0, LSE = -inf, zero gradients, no NaN.
+TEST(FlashAttention, FullyMaskedRowsGiveZeros) {
+  const int64_t N = 100;
+  // Non-causal, every column masks rows [10, 70): those rows see nothing.
+  const ColumnMask mask =
+      stack_masks(N, N, 1, 1, {MaskColumns{false, 4, [&] {
+                                             std::vector<int32_t> v;
+                                             for (int64_t j = 0; j < N; ++j)
+                                               v.insert(v.end(), {10, 70, 0, 0});
+                                             return v;
+                                           }()}});
+  const Problem p = random_problem({1, N, N, 1, 1, 8}, 16);
+  expect_matches_reference(p, mask);
+  FlashForward f = flash_attention_forward(Tensor({1, N, 1, 8}), Tensor({1, N, 1, 8}),
+                                           Tensor({1, N, 1, 8}), TiledMask(mask));
+  for (int64_t i = 10; i < 70; ++i) {
+    EXPECT_EQ(f.lse.f32()[i], -INFINITY);
+    for (int d = 0; d < 8; ++d) EXPECT_EQ(f.o.f32()[i * 8 + d], 0.0f);
+  }
+  Tensor dout({1, N, 1, 8});
+  for (int64_t i = 0; i < dout.numel(); ++i) dout.f32()[i] = 1.0f;
+  const FlashGradients g = flash_attention_backward(
+      dout, Tensor({1, N, 1, 8}), Tensor({1, N, 1, 8}), Tensor({1, N, 1, 8}), f, TiledMask(mask));
+  for (int64_t i = 10 * 8; i < 70 * 8; ++i) EXPECT_EQ(g.dq.f32()[i], 0.0f);
+}
+
+// The #2 causal kernel is the causal twin: same results under the causal mask.
+TEST(FlashAttention, CausalEqualsPlainCausalKernel) {
+  const AttentionShape s{2, 190, 190, 4, 2, 32};
+  const Problem p = random_problem(s, 17);
+  const TiledMask tm(ColumnMask::causal_only(2, 190, 190));
+  VecF o(p.q.size()), lse(size_t(2 * 4 * 190)), o2 = o, lse2 = lse;
+  flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm);
+  kernels::causal_attention_forward(o2.data(), lse2.data(), p.q.data(), p.k.data(), p.v.data(),
+                                    {2, 190, 4, 2, 32});
+  EXPECT_LT(rel_error(o, to_f64(o2)), kFastVsNaive);
+  EXPECT_LT(rel_error(lse, to_f64(lse2)), kFastVsNaive);
+}
+
+// The f64 reference backward agrees with central differences of its forward.
+TEST(FlashAttention, ReferenceBackwardMatchesFiniteDifferences) {
+  const AttentionShape s{1, 9, 11, 2, 1, 3};
+  Rng rng(18);
+  const ColumnMask mask = stack_masks(9, 11, 1, 1, {test::random_mask(rng, 9, 11, true)});
+  const Problem p = random_problem(s, 19);
+  VecD q = to_f64(p.q), k = to_f64(p.k), v = to_f64(p.v), g = to_f64(p.dout);
+  const auto loss = [&] {
+    VecD o(q.size()), l(size_t(2 * 9));
+    naive::masked_attention_forward(o.data(), l.data(), q.data(), k.data(), v.data(), s, mask);
+    return kernels::test::dot(o, g);
+  };
+  VecD o(q.size()), l(size_t(2 * 9)), dq(q.size()), dk(k.size()), dv(v.size());
+  naive::masked_attention_forward(o.data(), l.data(), q.data(), k.data(), v.data(), s, mask);
+  naive::masked_attention_backward(dq.data(), dk.data(), dv.data(), g.data(), q.data(), k.data(),
+                                   v.data(), o.data(), l.data(), s, mask);
+  EXPECT_LT(rel_error(dq, kernels::test::numeric_grad(q, loss)), kernels::test::kFiniteDiff);
+  EXPECT_LT(rel_error(dk, kernels::test::numeric_grad(k, loss)), kernels::test::kFiniteDiff);
+  EXPECT_LT(rel_error(dv, kernels::test::numeric_grad(v, loss)), kernels::test::kFiniteDiff);
+}
+
+// Bitwise the same results on repeated runs and with 1 or 2 threads.
+TEST(FlashAttention, DeterministicAcrossRunsAndThreadCounts) {
+  Rng rng(20);
+  const int64_t N = 333;
+  const AttentionShape s{2, N, N, 4, 2, 16};
+  const Problem p = random_problem(s, 21);
+  const auto masks = test::standard_masks(N, rng);
+  // Causal document and share-question rows (both causal, V = 1).
+  const TiledMask tm(stack_masks(N, N, 2, 1, {masks[2].columns, masks[4].columns}));
+  const auto run = [&](int threads) {
+    set_num_threads(threads);
+    VecF o(p.q.size()), lse(size_t(2 * 4 * N)), dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
+    flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm);
+    flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(),
+                             p.v.data(), o.data(), lse.data(), s, tm);
+    o.insert(o.end(), dq.begin(), dq.end());
+    o.insert(o.end(), dk.begin(), dk.end());
+    o.insert(o.end(), dv.begin(), dv.end());
+    return o;
+  };
+  const int saved = num_threads();
+  const VecF a = run(2), b = run(2), c = run(1);
+  set_num_threads(saved);
+  EXPECT_TRUE(kernels::test::bitwise_equal(a, b));
+  EXPECT_TRUE(kernels::test::bitwise_equal(a, c));
+}
+
+// bf16 inputs: error within twice a naive f32 kernel's on the same rounded inputs, + 1e-3.
+TEST(FlashAttention, AcceptsBf16Inputs) {
+  Rng rng(22);
+  const int64_t N = 150;
+  const AttentionShape s{1, N, N, 2, 1, 16};
+  const Problem p = random_problem(s, 23);
+  const ColumnMask mask = stack_masks(N, N, 1, 1, {test::standard_masks(N, rng)[2].columns});
+  const auto tensor = [](const VecF& x, Shape shape, DType dt) {
+    Tensor t(shape);
+    std::copy(x.begin(), x.end(), t.f32());
+    return t.to(dt);
+  };
+  const Tensor q = tensor(p.q, {1, N, 2, 16}, DType::bf16);
+  const Tensor k = tensor(p.k, {1, N, 1, 16}, DType::bf16);
+  const Tensor v = tensor(p.v, {1, N, 1, 16}, DType::bf16);
+  const FlashForward f = flash_attention_forward(q, k, v, TiledMask(mask));
+  // Naive f32 on the bf16-rounded inputs vs the f64 reference on the exact inputs.
+  const Tensor q32 = q.to(DType::f32), k32 = k.to(DType::f32), v32 = v.to(DType::f32);
+  VecF no(p.q.size()), nl(size_t(2 * N));
+  naive::masked_attention_forward(no.data(), nl.data(), q32.f32(), k32.f32(), v32.f32(), s, mask);
+  const VecD q64 = to_f64(p.q), k64 = to_f64(p.k), v64 = to_f64(p.v);
+  VecD ro(p.q.size()), rl(size_t(2 * N));
+  naive::masked_attention_forward(ro.data(), rl.data(), q64.data(), k64.data(), v64.data(), s,
+                                  mask);
+  const VecF fo(f.o.f32(), f.o.f32() + f.o.numel());
+  EXPECT_LE(rel_error(fo, ro), 2 * rel_error(no, ro) + 1e-3);
+  EXPECT_GT(rel_error(fo, ro), 1e-4);  // the inputs really were rounded
+}
+
+TEST(FlashAttention, RejectsMismatchedMasks) {
+  const TiledMask tm(ColumnMask::causal_only(1, 8, 8));
+  VecF x(1024);
+  fixture::expect_input_error(
+      [&] {
+        flash_attention_forward(x.data(), x.data(), x.data(), x.data(), x.data(),
+                                {1, 8, 9, 1, 1, 4}, tm);
+      },
+      {"mask is for B=1 Sq=8 Sk=8", "Sk=9"});
+  fixture::expect_input_error(
+      [&] {
+        flash_attention_forward(x.data(), x.data(), x.data(), x.data(), x.data(),
+                                {1, 8, 8, 3, 2, 4}, tm);
+      },
+      {"Hq a multiple of Hk"});
+}
+
+}  // namespace
+}  // namespace tessel::attention

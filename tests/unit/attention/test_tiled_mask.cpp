@@ -1,0 +1,63 @@
+#include <gtest/gtest.h>
+
+#include "tessel/attention/tiled_mask.hpp"
+#include "unit/attention/attention_test_util.hpp"
+
+namespace tessel::attention {
+namespace {
+
+using kernels::test::uniform_int;
+
+// Brute force over random valid masks (4-vector and causal forms, Sq = Sk and Sq != Sk) and
+// random tile sizes: a skipped tile holds no visible element, an unmasked tile no masked one.
+TEST(TiledMask, ClassificationIsConservative) {
+  Rng rng(11);
+  int64_t skipped = 0, partial = 0, unmasked = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t Sq = uniform_int(rng, 1, 512);
+    const int64_t Sk = trial % 3 == 0 ? uniform_int(rng, 1, 512) : Sq;
+    const bool causal = trial % 2 == 0;
+    const TiledMask tm(stack_masks(Sq, Sk, 1, 1, {test::random_mask(rng, Sq, Sk, causal)}),
+                       uniform_int(rng, 1, 96));
+    const int64_t tile_q = uniform_int(rng, 1, 96);
+    const auto dense = naive::dense_mask(tm.mask());
+    for (int64_t r0 = 0; r0 < Sq; r0 += tile_q) {
+      const int64_t r1 = std::min(Sq, r0 + tile_q);
+      for (int64_t n = 0; n < tm.num_key_tiles(); ++n) {
+        const int64_t c0 = n * tm.tile_k(), c1 = std::min(Sk, c0 + tm.tile_k());
+        int64_t visible = 0;
+        for (int64_t i = r0; i < r1; ++i)
+          for (int64_t j = c0; j < c1; ++j) visible += dense[size_t(i * Sk + j)];
+        const TileKind kind = tm.classify(0, 0, r0, r1, n);
+        if (kind == TileKind::skip) {
+          ++skipped;
+          ASSERT_EQ(visible, 0) << "skipped tile with visible elements, trial " << trial;
+        } else if (kind == TileKind::unmasked) {
+          ++unmasked;
+          ASSERT_EQ(visible, (r1 - r0) * (c1 - c0)) << "unmasked tile with masked elements";
+        } else {
+          ++partial;
+        }
+      }
+    }
+  }
+  // The masks exercise every class.
+  EXPECT_GT(skipped, 0);
+  EXPECT_GT(partial, 0);
+  EXPECT_GT(unmasked, 0);
+}
+
+// Causal-document with 64-row tiles: the block structure is found exactly.
+TEST(TiledMask, CausalDocumentSkipsOffDiagonalBlocks) {
+  const TiledMask tm(stack_masks(256, 256, 1, 1, {causal_document_mask({128, 128})}), 64);
+  const TileCounts c = count_tiles(tm, 1, 1, 64);
+  // 4 x 4 tiles; per 128-document: 2 diagonal (partial) + 1 below-diagonal (unmasked).
+  EXPECT_EQ(c.total(), 16);
+  EXPECT_EQ(c.partial, 4);
+  EXPECT_EQ(c.unmasked, 2);
+  EXPECT_EQ(c.skipped, 10);
+  EXPECT_EQ(c.computed_elements, 6 * 64 * 64);
+}
+
+}  // namespace
+}  // namespace tessel::attention
