@@ -10,6 +10,7 @@ packages=(
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
   zlib1g-dev
   bible-kjv fortunes
+  jq
 )
 missing=()
 for p in "${packages[@]}"; do

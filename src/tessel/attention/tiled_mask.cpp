@@ -50,14 +50,17 @@ int64_t TiledMask::bytes() const {
   return mask_.bytes() + int64_t(minmax_.size() * sizeof(int32_t));
 }
 
-TileCounts count_tiles(const TiledMask& m, int64_t Hq, int64_t Hk, int64_t tile_q) {
+TileCounts count_tiles(const TiledMask& m, int64_t Hq, int64_t Hk, int64_t tile_q,
+                       int64_t row_begin, int64_t row_end) {
   m.mask().check_heads(Hq, Hk);
-  const int64_t Sq = m.mask().rows(), Sk = m.mask().cols();
+  const int64_t Sq = row_end < 0 ? m.mask().rows() : row_end, Sk = m.mask().cols();
+  TESSEL_CHECK(0 <= row_begin && row_begin <= Sq && Sq <= m.mask().rows(), "rows [", row_begin,
+               ", ", Sq, ")");
   TileCounts c;
   for (int64_t b = 0; b < m.mask().batch(); ++b)
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t hm = m.mask().head_for(h, Hq, Hk);
-      for (int64_t r0 = 0; r0 < Sq; r0 += tile_q) {
+      for (int64_t r0 = row_begin; r0 < Sq; r0 += tile_q) {
         const int64_t r1 = std::min(Sq, r0 + tile_q);
         for (int64_t n = 0; n < m.num_key_tiles(); ++n) {
           const TileKind kind = m.classify(b, hm, r0, r1, n);

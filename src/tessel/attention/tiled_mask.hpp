@@ -39,13 +39,15 @@ class TiledMask {
 };
 
 // How many (batch, query head, query tile, key tile) tiles of an attention call fall in each
-// class, and the query x key elements of the computed (non-skipped) tiles.
+// class, and the query x key elements of the computed (non-skipped) tiles. Query tiles of tile_q
+// rows start at row_begin and cover [row_begin, row_end) (row_end < 0: every row).
 struct TileCounts {
   int64_t skipped = 0, partial = 0, unmasked = 0;
   int64_t computed_elements = 0;
   int64_t total() const { return skipped + partial + unmasked; }
   double computed_fraction() const { return total() ? double(partial + unmasked) / total() : 0; }
 };
-TileCounts count_tiles(const TiledMask& mask, int64_t Hq, int64_t Hk, int64_t tile_q);
+TileCounts count_tiles(const TiledMask& mask, int64_t Hq, int64_t Hk, int64_t tile_q,
+                       int64_t row_begin = 0, int64_t row_end = -1);
 
 }  // namespace tessel::attention

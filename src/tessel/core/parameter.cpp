@@ -16,6 +16,10 @@ const char* param_tag_name(ParamTag tag) {
       return "norm";
     case ParamTag::bias:
       return "bias";
+    case ParamTag::router:
+      return "router";
+    case ParamTag::balance_bias:
+      return "balance_bias";
   }
   return "unknown";
 }

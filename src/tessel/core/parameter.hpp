@@ -18,6 +18,9 @@ enum class ParamTag {
   hidden_matrix,       // 2-D weights inside blocks (attention, MLP)
   norm,                // norm gains and biases
   bias,                // linear-layer biases
+  router,              // MoE router weights [E, C] (never decayed)
+  balance_bias,        // MoE selection bias beta [E]: set by the balancing update, never by a
+                       // gradient (its gradient stays 0, so AdamW leaves it unchanged)
 };
 const char* param_tag_name(ParamTag tag);
 

@@ -109,6 +109,18 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
   if (config_.positions == PositionType::learned)
     pos_embed_ =
         add("pos_embed.weight", ParamTag::position_embedding, {config_.max_seq, C_}, Init::normal);
+  // MoE blocks: router, selection bias, then each expert's MLP, then the shared expert.
+  const moe::LayerShape moe_shape{
+      C_, config_.moe_hidden_size(), config_.moe.shared,
+      config_.mlp == MlpType::gelu ? moe::ExpertMlp::gelu : moe::ExpertMlp::swiglu};
+  auto add_mlp = [&](const std::string& prefix, int64_t hidden, MlpParams& m) {
+    add_linear(prefix + ".fc_in", moe_shape.fc_in_rows(hidden), C_, Init::normal, m.fc_in_w,
+               m.fc_in_b);
+    add_linear(prefix + ".fc_out", C_, hidden, Init::scaled_normal, m.fc_out_w, m.fc_out_b);
+  };
+  moe_mask_ = config_.moe_mask();
+  moe_params_.resize(size_t(L));
+  balance_.resize(size_t(L));
   blocks_.resize(size_t(L));
   for (int64_t i = 0; i < L; ++i) {
     const std::string p = "blocks." + std::to_string(i) + ".";
@@ -117,6 +129,18 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
     add_linear(p + "attn.qkv", QKV_, C_, Init::normal, b.qkv_w, b.qkv_b);
     add_linear(p + "attn.out", C_, H_ * D_, Init::scaled_normal, b.out_w, b.out_b);
     add_norm(p + "mlp_norm", b.mlp_norm_w, b.mlp_norm_b);
+    if (moe_mask_[size_t(i)]) {
+      MoeParams& m = moe_params_[size_t(i)];
+      const int64_t E = config_.moe.experts;
+      m.router = add(p + "moe.router.weight", ParamTag::router, {E, C_}, Init::normal);
+      m.beta = add(p + "moe.router.balance_bias", ParamTag::balance_bias, {E}, Init::zeros);
+      m.experts.resize(size_t(E));
+      for (int64_t e = 0; e < E; ++e)
+        add_mlp(p + "moe.experts." + std::to_string(e), moe_shape.F, m.experts[size_t(e)]);
+      if (moe_shape.Fs > 0) add_mlp(p + "moe.shared", moe_shape.Fs, m.shared);
+      if (!moe_) moe_.emplace(config_.moe, moe_shape);
+      continue;
+    }
     add_linear(p + "mlp.fc_in", Fi_, C_, Init::normal, b.fc_in_w, b.fc_in_b);
     add_linear(p + "mlp.fc_out", C_, F_, Init::scaled_normal, b.fc_out_w, b.fc_out_b);
   }
@@ -166,9 +190,16 @@ void Gpt::zero_grads() {
 
 int64_t Gpt::matmul_parameters() const {
   int64_t n = config_.vocab * C_;  // the head, tied or not
-  for (const BlockParams& b : blocks_)
-    for (int i : {b.qkv_w, b.out_w, b.fc_in_w, b.fc_out_w})
-      n += parameters_[size_t(i)].value.numel();
+  auto numel = [&](int i) { return i < 0 ? 0 : parameters_[size_t(i)].value.numel(); };
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const BlockParams& b = blocks_[l];
+    for (int i : {b.qkv_w, b.out_w, b.fc_in_w, b.fc_out_w}) n += numel(i);
+    if (!moe_mask_[l]) continue;
+    // An MoE block: the router, top_k experts and the shared expert act on each token.
+    const MoeParams& m = moe_params_[l];
+    n += numel(m.router) + numel(m.shared.fc_in_w) + numel(m.shared.fc_out_w) +
+         config_.moe.top_k * (numel(m.experts[0].fc_in_w) + numel(m.experts[0].fc_out_w));
+  }
   return n;
 }
 
@@ -224,6 +255,7 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T) const {
   a->d_norm = Tensor({N, C});
   a->d_act = Tensor({N, F_});
   a->d_fc = Tensor({N, Fi_});
+  a->moe.resize(size_t(L));
   return a;
 }
 
@@ -236,6 +268,7 @@ void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
   acts.mask =
       attention::TiledMask(in.mask ? *in.mask : attention::ColumnMask::causal_only(acts.B, T, T));
   attention::check_mask_fits(acts.mask, attention_shape(acts));
+  acts.attention = in.attention;
   acts.has_tokens = in.tokens != nullptr;
   acts.has_targets = in.targets != nullptr;
   int32_t* tokens = acts.tokens.i32();
@@ -341,19 +374,29 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
     kn::rope_forward(q, q, pos, N, H_, D_, theta);
     kn::rope_forward(k, k, pos, N, Hkv_, D_, theta);
   }
-  attention::flash_attention_forward(o, acts.attn_lse.f32() + l * N * H_, q, k, v,
-                                     attention_shape(acts), acts.mask);
+  float* lse = acts.attn_lse.f32() + l * N * H_;
+  if (acts.attention)
+    acts.attention->forward(o, lse, q, k, v);
+  else
+    attention::flash_attention_forward(o, lse, q, k, v, attention_shape(acts), acts.mask);
   kn::linear_forward(m, o, value(p.out_w), value(p.out_b), N, Q, C);
   add_into(m, x, N * C);
 
   norm_forward(ln2, at(acts.mlp_norm_mean, l * N), acts.mlp_norm_rstd.f32() + l * N, m,
                p.mlp_norm_w, p.mlp_norm_b, N);
-  kn::linear_forward(fc, ln2, value(p.fc_in_w), value(p.fc_in_b), N, C, Fi_);
-  if (config_.mlp == MlpType::gelu)
-    kn::gelu_forward(act, fc, N * F_);
-  else
-    kn::swiglu_forward(act, fc, N, F_);
-  kn::linear_forward(y, act, value(p.fc_out_w), value(p.fc_out_b), N, F_, C);
+  if (moe_mask_[size_t(l)]) {
+    const MoeParams& mp = moe_params_[size_t(l)];
+    moe_->forward(acts.moe[size_t(l)], y, ln2, N,
+                  moe_views<const float>(mp, [this](int i) { return value(i); }), value(mp.beta),
+                  *expert_comm_);
+  } else {
+    kn::linear_forward(fc, ln2, value(p.fc_in_w), value(p.fc_in_b), N, C, Fi_);
+    if (config_.mlp == MlpType::gelu)
+      kn::gelu_forward(act, fc, N * F_);
+    else
+      kn::swiglu_forward(act, fc, N, F_);
+    kn::linear_forward(y, act, value(p.fc_out_w), value(p.fc_out_b), N, F_, C);
+  }
   add_into(y, m, N * C);
 }
 
@@ -372,6 +415,7 @@ double Gpt::forward_head(Activations& acts) const {
 void Gpt::backward_head(Activations& acts, float loss_scale) {
   TESSEL_CHECK(acts.has_targets, "backward needs a forward with targets");
   const int64_t N = acts.B * acts.T, V = config_.vocab, L = config_.layers;
+  acts.loss_scale = loss_scale;
   acts.d_logits.fill_zero();
   kn::cross_entropy_backward(acts.d_logits.f32(), acts.logits.f32(), acts.lse.f32(),
                              acts.targets.i32(), acts.loss_weight.f32(), loss_scale, N, V);
@@ -406,18 +450,27 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
 
   // MLP branch; dx first carries the residual path, then becomes d m.
   std::copy(dy, dy + N * C, dx);
-  acts.d_act.fill_zero();
-  kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,
-                      acts.act.f32() + l * N * F_, value(p.fc_out_w), N, F_, C);
-  const float* fc = acts.fc.f32() + l * N * Fi_;
-  acts.d_fc.fill_zero();
-  if (config_.mlp == MlpType::gelu)
-    kn::gelu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N * F_);
-  else
-    kn::swiglu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N, F_);
-  acts.d_norm.fill_zero();
-  kn::linear_backward(d_norm, grad(p.fc_in_w), grad(p.fc_in_b), acts.d_fc.f32(),
-                      acts.mlp_norm.f32() + l * N * C, value(p.fc_in_w), N, C, Fi_);
+  if (moe_mask_[size_t(l)]) {
+    const MoeParams& mp = moe_params_[size_t(l)];
+    auto g = moe_views<float>(mp, [this](int i) { return grad(i); });
+    acts.d_norm.fill_zero();
+    moe_->backward(acts.moe[size_t(l)], d_norm, g, dy, acts.mlp_norm.f32() + l * N * C,
+                   moe_views<const float>(mp, [this](int i) { return value(i); }), acts.loss_scale,
+                   balance_[size_t(l)], *expert_comm_);
+  } else {
+    acts.d_act.fill_zero();
+    kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,
+                        acts.act.f32() + l * N * F_, value(p.fc_out_w), N, F_, C);
+    const float* fc = acts.fc.f32() + l * N * Fi_;
+    acts.d_fc.fill_zero();
+    if (config_.mlp == MlpType::gelu)
+      kn::gelu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N * F_);
+    else
+      kn::swiglu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N, F_);
+    acts.d_norm.fill_zero();
+    kn::linear_backward(d_norm, grad(p.fc_in_w), grad(p.fc_in_b), acts.d_fc.f32(),
+                        acts.mlp_norm.f32() + l * N * C, value(p.fc_in_w), N, C, Fi_);
+  }
   norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, l * N),
                 acts.mlp_norm_rstd.f32() + l * N, N);
 
@@ -429,9 +482,12 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* dq = acts.d_split.f32();
   float* dk = dq + N * Q;
   float* dv = dk + N * KV;
-  attention::flash_attention_backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o,
-                                      acts.attn_lse.f32() + l * N * H_, attention_shape(acts),
-                                      acts.mask);
+  const float* lse = acts.attn_lse.f32() + l * N * H_;
+  if (acts.attention)
+    acts.attention->backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o, lse);
+  else
+    attention::flash_attention_backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o, lse,
+                                        attention_shape(acts), acts.mask);
   if (config_.positions == PositionType::rotary) {
     const int32_t* pos = acts.positions.i32();
     const float theta = float(config_.rope_theta);
@@ -450,6 +506,29 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
                       value(p.qkv_w), N, C, QKV_);
   norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, l * N),
                 acts.attn_norm_rstd.f32() + l * N, N);
+}
+
+template <class P, class Get>
+moe::LayerWeightsT<P> Gpt::moe_views(const MoeParams& m, Get get) const {
+  auto mlp = [&](const MlpParams& p) {
+    return moe::MlpWeightsT<P>{get(p.fc_in_w), get(p.fc_in_b), get(p.fc_out_w), get(p.fc_out_b)};
+  };
+  moe::LayerWeightsT<P> w;
+  w.router = get(m.router);
+  for (const MlpParams& e : m.experts) w.experts.push_back(mlp(e));
+  if (m.shared.fc_in_w >= 0) w.shared = mlp(m.shared);
+  return w;
+}
+
+void Gpt::set_expert_comm(moe::ExpertComm* comm) {
+  expert_comm_ = comm ? comm : local_comm_.get();
+}
+
+void Gpt::update_balance() {
+  for (size_t l = 0; l < moe_mask_.size(); ++l)
+    if (moe_mask_[l])
+      moe_->update(balance_[l], parameters_[size_t(moe_params_[l].beta)].value.f32(),
+                   *expert_comm_);
 }
 
 void Gpt::backward_embedding(Activations& acts) {

@@ -13,13 +13,17 @@
 // residual-stream gradients in Activations.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "tessel/attention/attention_hook.hpp"
 #include "tessel/attention/flash_attention.hpp"
 #include "tessel/core/parameter.hpp"
 #include "tessel/core/tensor.hpp"
 #include "tessel/model/gpt_config.hpp"
+#include "tessel/moe/expert_comm.hpp"
+#include "tessel/moe/layer.hpp"
 
 namespace tessel::model {
 
@@ -33,6 +37,9 @@ struct ModelInputs {
   const float* loss_weight = nullptr;  // per-token loss weight; null = 1 for every token
   // Attention mask [B, Hm, T, T] (Hm = 1, heads or kv_heads); null = causal.
   const attention::ColumnMask* mask = nullptr;
+  // Replaces every layer's attention kernel (then `mask` is not used by attention); must live
+  // through the micro-batch's backward. null = the FlashMask kernel.
+  attention::AttentionHook* attention = nullptr;
 };
 
 // Everything one micro-batch's forward keeps for its backward, plus backward
@@ -49,6 +56,7 @@ struct Activations {
   Tensor targets;             // i32 [N]
   Tensor loss_weight;         // f32 [N]
   attention::TiledMask mask;  // the attention mask with its tile summaries, shared by all layers
+  attention::AttentionHook* attention = nullptr;  // ModelInputs::attention
 
   // Forward cache. Per-layer buffers stack the layers along dimension 0. The
   // norm means exist only for layernorm.
@@ -85,6 +93,12 @@ struct Activations {
   Tensor d_norm;   // [N, C] gradient of a norm output
   Tensor d_act;    // [N, F]
   Tensor d_fc;     // [N, Fi]
+
+  // MoE blocks: each one's routing, dispatch and expert caches (moe/layer.hpp); [L], empty
+  // for dense blocks. backward_head stores its loss_scale here for the balancing
+  // gradients (a pipeline stage without the head sets it itself).
+  std::vector<moe::LayerCache> moe;
+  float loss_scale = 1.0f;
 
   // Residual stream x_i at block boundary i in [0, L] and its gradient, [B, T, C]
   // views: boundary 0 is the embedding output, boundary L the last block's output.
@@ -138,6 +152,17 @@ class Gpt {
   void backward_blocks(Activations& acts, int64_t first, int64_t last);
   void backward_embedding(Activations& acts);  // residual_grad(0) -> embedding grads
 
+  // Mixture of experts (docs/model.md). The token exchange and the balancing sums go
+  // through `comm` (null: every expert local, one process); the caller owns it and keeps
+  // it alive while set. Replicas hold every expert's weights, so any process can run the
+  // model alone with the local one (generation, validation).
+  void set_expert_comm(moe::ExpertComm* comm);
+  // After each optimizer step: the balancing methods' beta update of every MoE block from
+  // the micro-batches backward saw since the last call (collective over the comm's
+  // balancing group).
+  void update_balance();
+  const std::vector<bool>& moe_blocks() const { return moe_mask_; }
+
  private:
   // Indices into parameters_; -1 where the config has no such parameter.
   struct BlockParams {
@@ -155,6 +180,17 @@ class Gpt {
   }
   void block_forward(Activations& acts, int64_t layer) const;
   void block_backward(Activations& acts, int64_t layer);
+  // An MoE block's parameter indices and their views.
+  struct MlpParams {
+    int fc_in_w = -1, fc_in_b = -1, fc_out_w = -1, fc_out_b = -1;
+  };
+  struct MoeParams {
+    int router = -1, beta = -1;
+    std::vector<MlpParams> experts;
+    MlpParams shared;
+  };
+  template <class P, class Get>
+  moe::LayerWeightsT<P> moe_views(const MoeParams& m, Get get) const;
 
   GptConfig config_;
   int64_t C_, H_, Hkv_, D_, F_, Fi_, QKV_;
@@ -162,6 +198,12 @@ class Gpt {
   ParameterList parameters_;
   int embed_ = -1, pos_embed_ = -1, final_norm_w_ = -1, final_norm_b_ = -1, head_ = -1;
   std::vector<BlockParams> blocks_;
+  std::vector<bool> moe_mask_;              // [L]
+  std::vector<MoeParams> moe_params_;       // [L], used where moe_mask_
+  std::optional<moe::MoeLayer> moe_;        // the MoE blocks' layer (one config for all)
+  std::vector<moe::BalanceState> balance_;  // [L]
+  std::unique_ptr<moe::LocalExpertComm> local_comm_ = std::make_unique<moe::LocalExpertComm>();
+  moe::ExpertComm* expert_comm_ = local_comm_.get();
 };
 
 }  // namespace tessel::model

@@ -1,5 +1,7 @@
 #include "tessel/model/gpt_config.hpp"
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 
@@ -15,6 +17,31 @@ int64_t default_mlp_hidden(MlpType mlp, int64_t width) {
 
 int64_t GptConfig::mlp_hidden_size() const {
   return mlp_hidden == 0 ? default_mlp_hidden(mlp, width) : mlp_hidden;
+}
+
+int64_t GptConfig::moe_hidden_size() const {
+  return moe.hidden == 0 ? mlp_hidden_size() : moe.hidden;
+}
+
+std::vector<bool> GptConfig::moe_mask() const {
+  std::vector<bool> mask(size_t(std::max<int64_t>(layers, 0)), moe_layers == "all");
+  if (moe_layers.empty() || moe_layers == "all") return mask;
+  size_t begin = 0;
+  while (begin <= moe_layers.size()) {
+    size_t end = moe_layers.find(',', begin);
+    if (end == std::string::npos) end = moe_layers.size();
+    const std::string item = moe_layers.substr(begin, end - begin);
+    int64_t i = -1;
+    auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), i);
+    if (ec != std::errc() || ptr != item.data() + item.size() || i < 0 || i >= layers)
+      input_error(
+          "model.moe_layers = \"", moe_layers,
+          "\" must be \"\", \"all\" or comma-separated block indices in [0, model.layers = ",
+          layers, ")");
+    mask[size_t(i)] = true;
+    begin = end + 1;
+  }
+  return mask;
 }
 
 namespace {
@@ -52,6 +79,8 @@ void validate(const GptConfig& c) {
   }
   require_positive("max_seq", c.max_seq);
   require_positive("init_std", c.init_std);
+  const std::vector<bool> mask = c.moe_mask();
+  if (std::find(mask.begin(), mask.end(), true) != mask.end()) moe::validate(c.moe);
 }
 
 const char* to_string(MlpType mlp) {

@@ -3,6 +3,9 @@
 // docs/model.md describes every field, the parameter names and the init rule.
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "tessel/moe/config.hpp"
 
 namespace tessel::model {
 
@@ -26,10 +29,17 @@ struct GptConfig {
   bool bias = true;       // biases in the linear layers of the blocks (never in the head)
   int64_t max_seq = 1024;
   double init_std = 0.02;
+  // Mixture of experts: the blocks whose MLP is an MoE layer ("" = none, "all", or layer
+  // indices "0,2"), with the layer's shape and balancing (experts use the `mlp` type).
+  std::string moe_layers;
+  moe::MoeConfig moe;
 
   int64_t head_dim() const { return width / heads; }
   int64_t num_kv_heads() const { return kv_heads == 0 ? heads : kv_heads; }
   int64_t mlp_hidden_size() const;  // mlp_hidden, or the default when it is 0
+  int64_t moe_hidden_size() const;  // moe.hidden, or mlp_hidden_size() when it is 0
+  // Whether each block's MLP is an MoE layer (InputError on a bad moe_layers).
+  std::vector<bool> moe_mask() const;
 };
 
 // The MLP hidden width used when mlp_hidden = 0: 4 * width for gelu; for swiglu

@@ -9,6 +9,7 @@
 #include "tessel/attention/mask.hpp"
 #include "tessel/data/loader.hpp"
 #include "tessel/model/gpt.hpp"
+#include "tessel/parallel/context_parallel.hpp"
 #include "tessel/train/config.hpp"
 
 namespace tessel::train {
@@ -25,6 +26,28 @@ class BatchInputs {
  private:
   std::optional<attention::ColumnMask> mask_;
   std::vector<int32_t> positions_;
+  model::ModelInputs inputs_;
+};
+
+// This cp rank's part of a micro-batch under context parallelism (parallel.cp > 1): the rows of
+// its zigzag chunks (attention::zigzag_layout over T, the same on every cp rank) of every
+// sequence, with their global positions, targets and loss weights, and the context-parallel
+// attention over the cp group that every layer of the model runs for this micro-batch.
+class CpBatchInputs {
+ public:
+  // `full` is the whole micro-batch (every cp rank loads the same one).
+  CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_group,
+                const model::GptConfig& model);
+  CpBatchInputs(const CpBatchInputs&) = delete;
+  CpBatchInputs& operator=(const CpBatchInputs&) = delete;
+
+  const model::ModelInputs& inputs() const { return inputs_; }
+  double loss_weight_sum() const;  // over this rank's tokens
+
+ private:
+  std::vector<int32_t> tokens_, positions_, targets_;
+  std::vector<float> loss_weight_;
+  std::optional<parallel::ContextParallelAttention> attention_;
   model::ModelInputs inputs_;
 };
 

@@ -2,6 +2,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
@@ -118,6 +119,10 @@ std::vector<ConfigKey> build_schema() {
   using model::MlpType;
   using model::NormType;
   using model::PositionType;
+  using moe::Balance;
+  using moe::DropPolicy;
+  using moe::LeiKernel;
+  using moe::ScoreFn;
   return {
       string_key("run.dir", "run directory (config, metrics, checkpoints)", FIELD(run.dir)),
       int_key("run.seed", "seed of initialization and data order", FIELD(run.seed)),
@@ -154,6 +159,55 @@ std::vector<ConfigKey> build_schema() {
       bool_key("model.bias", "biases in linear layers", FIELD(model.bias)),
       int_key("model.max_seq", "longest sequence the model accepts", FIELD(model.max_seq)),
       float_key("model.init_std", "standard deviation of initial weights", FIELD(model.init_std)),
+      string_key("model.moe_layers",
+                 "blocks whose MLP is a mixture of experts: \"\" = none, \"all\", or indices "
+                 "\"0,2\"",
+                 FIELD(model.moe_layers)),
+      int_key("model.moe_experts", "experts per MoE block", FIELD(model.moe.experts)),
+      int_key("model.moe_top_k", "experts each token is routed to", FIELD(model.moe.top_k)),
+      int_key("model.moe_hidden", "expert hidden width; 0 = the dense MLP's",
+              FIELD(model.moe.hidden)),
+      int_key("model.moe_shared", "hidden width of the shared expert; 0 = none",
+              FIELD(model.moe.shared)),
+      choice_key<ScoreFn>("model.moe_score", "router probabilities from the logits",
+                          {{"softmax", ScoreFn::softmax}, {"sigmoid", ScoreFn::sigmoid}},
+                          FIELD(model.moe.score)),
+      bool_key("model.moe_normalize_gates", "a token's k gates are divided by their sum",
+               FIELD(model.moe.normalize_gates)),
+      float_key("model.moe_capacity", "capacity factor per expert and rank; 0 = dropless",
+                FIELD(model.moe.capacity)),
+      choice_key<DropPolicy>(
+          "model.moe_drop", "over capacity, drop the lowest gates or the latest tokens",
+          {{"probability", DropPolicy::probability}, {"position", DropPolicy::position}},
+          FIELD(model.moe.drop)),
+      choice_key<Balance>("model.moe_balance",
+                          "load balancing: Switch aux loss per micro-batch or with global-batch "
+                          "counts, sign bias update, averaged per-micro-batch quantile, exact "
+                          "global quantile (EQB), load-error injection (LEI), EQB + LEI",
+                          {{"none", Balance::none},
+                           {"aux", Balance::aux},
+                           {"aux_global", Balance::aux_global},
+                           {"bias", Balance::bias},
+                           {"qb_avg", Balance::qb_avg},
+                           {"eqb", Balance::eqb},
+                           {"lei", Balance::lei},
+                           {"eqb_lei", Balance::eqb_lei}},
+                          FIELD(model.moe.balance)),
+      float_key("model.moe_aux_coeff", "aux loss coefficient alpha (aux, aux_global)",
+                FIELD(model.moe.aux_coeff)),
+      float_key("model.moe_z_coeff", "router z-loss coefficient; 0 = off (any balance)",
+                FIELD(model.moe.z_coeff)),
+      float_key("model.moe_bias_rate", "bias update step gamma (bias)", FIELD(model.moe.bias_rate)),
+      float_key("model.moe_lei_coeff", "LEI loss coefficient (lei, eqb_lei)",
+                FIELD(model.moe.lei_coeff)),
+      choice_key<LeiKernel>("model.moe_lei_kernel", "LEI surrogate kernel phi'",
+                            {{"rectangle", LeiKernel::rectangle},
+                             {"triangle", LeiKernel::triangle},
+                             {"tanh", LeiKernel::tanh},
+                             {"identity", LeiKernel::identity}},
+                            FIELD(model.moe.lei_kernel)),
+      float_key("model.moe_lei_width", "LEI kernel width w (tanh: 1 / slope)",
+                FIELD(model.moe.lei_width)),
       int_key("train.steps", "optimizer steps", FIELD(train.steps)),
       int_key("train.seq_len", "tokens per sequence", FIELD(train.seq_len)),
       int_key("train.micro_batch", "sequences per micro-batch per rank", FIELD(train.micro_batch)),
@@ -226,7 +280,10 @@ std::vector<ConfigKey> build_schema() {
                  FIELD(optim.qkv_split)),
       int_key("parallel.dp", "data-parallel degree; 0 = world / (pp * cp)", FIELD(parallel.dp)),
       int_key("parallel.pp", "pipeline stages", FIELD(parallel.pp)),
-      int_key("parallel.cp", "context-parallel degree", FIELD(parallel.cp)),
+      int_key("parallel.cp",
+              "context-parallel degree: each sequence split over cp ranks in 2 * cp zigzag "
+              "chunks (train.seq_len divisible by 2 * cp)",
+              FIELD(parallel.cp)),
       int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
@@ -378,10 +435,21 @@ void validate(const Config& c) {
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
-  if (c.parallel.pp > 1 || c.parallel.cp > 1 || c.parallel.ep > 1)
-    input_error(
-        "config keys 'parallel.pp', 'parallel.cp', 'parallel.ep' must be 1: pipeline, "
-        "context and expert parallelism are not available yet");
+  if (c.parallel.pp > 1)
+    input_error("config key 'parallel.pp' must be 1: pipeline parallelism is not available yet");
+  if (c.parallel.cp > 1 && c.train.seq_len % (2 * c.parallel.cp) != 0)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " needs train.seq_len divisible by 2 * cp (zigzag chunks), got seq_len = ",
+                c.train.seq_len);
+  const std::vector<bool> moe_blocks = c.model.moe_mask();
+  const bool moe = std::find(moe_blocks.begin(), moe_blocks.end(), true) != moe_blocks.end();
+  // The MoE balancing sums run over dp only; cp ranks would update their copies differently.
+  if (moe && c.parallel.cp > 1)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " is not available with MoE blocks yet (model.moe_*); use cp = 1");
+  if (moe && c.model.moe.experts % c.parallel.ep != 0)
+    input_error("config key 'parallel.ep' = ", c.parallel.ep,
+                " must divide model.moe_experts = ", c.model.moe.experts);
   if (c.parallel.bucket_mb <= 0)
     input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
   non_negative("run.threads", double(c.run.threads));

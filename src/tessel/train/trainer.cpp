@@ -29,9 +29,11 @@
 #include "tessel/optim/grad_clip.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/parallel/data_parallel.hpp"
+#include "tessel/parallel/expert_parallel.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/metrics.hpp"
+#include "tessel/train/moe_metrics.hpp"
 
 namespace fs = std::filesystem;
 
@@ -84,14 +86,20 @@ struct Trainer::State {
   comm::Communicator& world;
   comm::Mesh mesh;
   comm::Communicator& dp;
+  // With context parallelism the cp ranks of a dp rank split each sequence: the loss and the
+  // gradients sum over dp x cp (the ranks with this pipeline stage).
+  std::unique_ptr<comm::Communicator> dp_cp;
+  comm::Communicator& grad_group;
   bool is_root;
   model::Gpt model;
+  parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
+  MoeMetrics moe_step, moe_val;
   std::unique_ptr<optim::Optimizer> optimizer;
   optim::LrSchedule schedule;
   parallel::GradientReducer reducer;
   data::DataLoader loader;
   std::vector<data::Batch> val_batches;
-  std::map<int64_t, std::unique_ptr<model::Activations>> acts;  // by micro-batch rows
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
   CheckpointStore store;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
@@ -117,12 +125,17 @@ struct Trainer::State {
         world(w),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
+        dp_cp(shape.cp > 1 ? w.split(mesh.coordinate(comm::Axis::pp), w.rank()) : nullptr),
+        grad_group(dp_cp ? *dp_cp : dp),
         is_root(w.rank() == 0),
         model(config.model, uint64_t(config.run.seed)),
+        experts(mesh.group(comm::Axis::ep), dp),
+        moe_step(model),
+        moe_val(model),
         optimizer(optim::make_optimizer(config.optim, model.parameters(), &dp, qkv_blocks())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
-        reducer(dp, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
+        reducer(grad_group, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         loader(
             config.data.path + "/train.tok",
             data::LoaderOptions{config.train.seq_len, config.train.micro_batch, config.train.accum,
@@ -133,6 +146,7 @@ struct Trainer::State {
                                              mesh.coordinate(comm::Axis::dp),
                                              mesh.size(comm::Axis::dp))),
         store(config.run.dir + "/checkpoints", config.train.keep_checkpoints) {
+    model.set_expert_comm(&experts);
     int64_t data_vocab = loader.shard().vocab_size();
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
@@ -151,9 +165,9 @@ struct Trainer::State {
     return out;
   }
 
-  model::Activations& activations(int64_t rows) {
-    auto& a = acts[rows];
-    if (!a) a = model.make_activations(rows, config.train.seq_len);
+  model::Activations& activations(int64_t rows, int64_t T) {
+    auto& a = acts[{rows, T}];
+    if (!a) a = model.make_activations(rows, T);
     return *a;
   }
 
@@ -242,12 +256,17 @@ struct Trainer::State {
 
   double validate_loss() {
     double stats[2] = {0, 0};
+    model.set_expert_comm(nullptr);  // every rank holds every expert: validation runs alone
+    moe_val.clear();
     for (const auto& b : val_batches) {
       stats[0] +=
-          model.forward(activations(b.B), BatchInputs(b, config.data.attention_mask).inputs());
+          model.forward(activations(b.B, b.T), BatchInputs(b, config.data.attention_mask).inputs());
       stats[1] += mask_sum(b);
+      moe_val.add(activations(b.B, b.T));
     }
+    model.set_expert_comm(&experts);
     dp.all_reduce(std::span<double>(stats, 2));
+    if (!moe_val.empty()) dp.all_reduce(moe_val.values());
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
@@ -255,9 +274,11 @@ struct Trainer::State {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
+    model.set_expert_comm(nullptr);  // rank 0 alone
     auto ids =
         model::generate(model, tok.encode(config.train.sample_prompt), config.train.sample_tokens,
                         float(config.train.sample_temperature), config.train.sample_top_k, rng);
+    model.set_expert_comm(&experts);
     return tok.decode(ids);
   }
 };
@@ -340,14 +361,26 @@ TrainResult Trainer::run() {
     Timer step_timer;
     s.model.zero_grads();
     double stats[2] = {0, 0};  // loss sum, loss tokens
+    s.moe_step.clear();
+    const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
     for (int64_t m = 0; m < c.train.accum; ++m) {
       data::Batch batch = s.loader.next();
-      model::Activations& acts = s.activations(batch.B);
-      stats[0] += s.model.forward(acts, BatchInputs(batch, c.data.attention_mask).inputs());
-      stats[1] += mask_sum(batch);
+      const BatchInputs full(batch, c.data.attention_mask);
+      std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
+      if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.model);
+      const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+      model::Activations& acts = s.activations(in.B, in.T);
+      stats[0] += s.model.forward(acts, in);
+      stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
       s.model.backward(acts, 1.0f);
+      if (!s.moe_step.empty()) s.moe_step.add(acts);
     }
-    s.dp.all_reduce(std::span<double>(stats, 2));
+    s.grad_group.all_reduce(std::span<double>(stats, 2));
+    if (!s.moe_step.empty()) {
+      s.moe_step.add_all_to_all_bytes(
+          double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
+      s.dp.all_reduce(s.moe_step.values());
+    }
     TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
     s.reducer.reduce(float(1.0 / stats[1]));
     double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
@@ -358,6 +391,7 @@ TrainResult Trainer::run() {
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
     double lr = s.schedule.lr(step + 1);
     s.optimizer->step(s.schedule.scale(step + 1));
+    s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
     double dt = step_timer.seconds();
     train_seconds += dt;
 
@@ -369,13 +403,18 @@ TrainResult Trainer::run() {
     rec.tokens_per_s = double(global_tokens) / dt;
     rec.mfu = rec.tokens_per_s / s.world.size() * flops_tok / (peak * 1e9);
     result.steps.push_back(rec);
-    write_metrics({{"step", rec.step},
-                   {"loss", rec.loss},
-                   {"lr", rec.lr},
-                   {"grad_norm", rec.grad_norm},
-                   {"tokens_per_s", rec.tokens_per_s},
-                   {"mfu", rec.mfu},
-                   {"step_seconds", dt}});
+    nlohmann::json record = {{"step", rec.step},
+                             {"loss", rec.loss},
+                             {"lr", rec.lr},
+                             {"grad_norm", rec.grad_norm},
+                             {"tokens_per_s", rec.tokens_per_s},
+                             {"mfu", rec.mfu},
+                             {"step_seconds", dt}};
+    if (!s.moe_step.empty()) {
+      record["moe"] = s.moe_step.step_json();
+      record["all_to_all_bytes"] = s.moe_step.all_to_all_bytes();
+    }
+    write_metrics(record);
     bool last = rec.step == c.train.steps;
     if (rec.step % c.train.log_every == 0 || last || rec.step == s.start_step + 1) {
       double per_step = train_seconds / double(rec.step - s.start_step);
@@ -391,7 +430,9 @@ TrainResult Trainer::run() {
     if ((c.train.eval_every > 0 && rec.step % c.train.eval_every == 0) || last) {
       double val = s.validate_loss();
       result.validation.emplace_back(rec.step, val);
-      write_metrics({{"step", rec.step}, {"val_loss", val}});
+      nlohmann::json val_record = {{"step", rec.step}, {"val_loss", val}};
+      if (!s.moe_val.empty()) val_record["moe"] = s.moe_val.validation_json();
+      write_metrics(val_record);
       char line[128];
       std::snprintf(line, sizeof line, "step %5lld | validation loss %.4f nats/token (%.3f bits)",
                     static_cast<long long>(rec.step), val, val / std::log(2.0));

@@ -2,6 +2,7 @@
 // The eleven standard masks of specs/flashmask.md §3 for the attention tests, each with an
 // independent visibility predicate written from the mask's definition (not from its interval
 // encoding), random documents, and random valid 4-vector masks.
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
@@ -13,6 +14,21 @@
 namespace tessel::attention::test {
 
 using kernels::test::uniform_int;
+
+// Relative error of lse with -inf rows: the infinities must coincide (else inf), the finite
+// entries compare as max |got - want| / max |want|.
+inline double lse_error(const kernels::test::VecF& got, const kernels::test::VecD& want) {
+  double err = 0, scale = 1e-30;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isinf(want[i]) || std::isinf(got[i])) {
+      if (!(double(got[i]) == want[i])) return INFINITY;
+      continue;
+    }
+    err = std::max(err, std::abs(double(got[i]) - want[i]));
+    scale = std::max(scale, std::abs(want[i]));
+  }
+  return err / scale;
+}
 
 struct MaskCase {
   std::string name;

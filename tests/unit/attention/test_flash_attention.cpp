@@ -18,23 +18,10 @@ using kernels::test::rel_error;
 using kernels::test::to_f64;
 using kernels::test::VecD;
 using kernels::test::VecF;
+using test::lse_error;
 
 // Spec tolerance: max error <= 1e-5 * max |reference| in f32.
 constexpr double kTol = 1e-5;
-
-// lse with -inf rows: the infinities must coincide, the finite entries match within kTol.
-double lse_error(const VecF& got, const VecD& want) {
-  double err = 0, scale = 1e-30;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (std::isinf(want[i]) || std::isinf(got[i])) {
-      if (!(double(got[i]) == want[i])) return INFINITY;
-      continue;
-    }
-    err = std::max(err, std::abs(double(got[i]) - want[i]));
-    scale = std::max(scale, std::abs(want[i]));
-  }
-  return err / scale;
-}
 
 struct Problem {
   AttentionShape s;

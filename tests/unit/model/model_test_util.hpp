@@ -44,6 +44,23 @@ inline GptConfig swiglu_config() {
   return c;
 }
 
+// `base` with MoE blocks `layers` (3 experts, top-2, so each expert sees many tokens, a shared
+// expert; swiglu configs also sigmoid scores and capacity factor 1). Balancing by EQB, which adds
+// no loss term, so the gradient is that of the returned loss.
+inline GptConfig moe_config(GptConfig base, const char* layers) {
+  base.moe_layers = layers;
+  base.moe.experts = 3;
+  base.moe.top_k = 2;
+  base.moe.hidden = 12;
+  base.moe.shared = 8;
+  base.moe.balance = moe::Balance::eqb;
+  if (base.mlp == MlpType::swiglu) {
+    base.moe.score = moe::ScoreFn::sigmoid;
+    base.moe.capacity = 1.0;
+  }
+  return base;
+}
+
 // Token data of one micro-batch [B, T], owned.
 struct Batch {
   int64_t B, T;

@@ -44,6 +44,7 @@ void check_gradients(const GptConfig& config, bool packed_positions) {
   constexpr double kRel = 0.05, kFloor = 0.05;
   Rng pick(5);
   for (const Parameter& p : gpt.parameters()) {
+    if (p.tag == ParamTag::balance_bias) continue;  // set by the balancing update, no gradient
     Tensor w = p.value;
     const float* g = p.grad.f32();
     const int64_t n = w.numel();
@@ -118,6 +119,12 @@ TEST(GptGradients, SwigluRmsNormRotaryTiedGqa) {
 TEST(GptGradients, DirectionalDerivativeOverAllParameters) {
   check_directional_derivative(gelu_config(), false);
   check_directional_derivative(swiglu_config(), true);
+}
+
+TEST(GptGradients, MoeBlocks) {
+  check_gradients(moe_config(gelu_config(), "1"), false);
+  check_gradients(moe_config(swiglu_config(), "all"), true);
+  check_directional_derivative(moe_config(gelu_config(), "all"), false);
 }
 
 TEST(GptParameters, RegistryNamesShapesTagsInOrder) {

@@ -72,6 +72,21 @@ TEST(Config, SequenceLongerThanTheModelAllows) {
       {"train.seq_len", "model.max_seq"});
 }
 
+// Context parallelism cuts each sequence into 2 * cp zigzag chunks.
+TEST(Config, ContextParallelNeedsEvenChunks) {
+  expect_input_error(
+      [&] {
+        train::load_config("", {"parallel.cp=3", "train.seq_len=64"});
+      },
+      {"parallel.cp", "train.seq_len"});
+  EXPECT_EQ(train::load_config("", {"parallel.cp=4", "train.seq_len=64"}).parallel.cp, 4);
+  expect_input_error(
+      [&] {
+        train::load_config("", {"parallel.cp=2", "train.seq_len=64", "model.moe_layers=all"});
+      },
+      {"parallel.cp", "MoE"});
+}
+
 TEST(Config, MissingAndMalformedFiles) {
   expect_input_error([&] { train::load_config("/nonexistent/x.toml", {}); },
                      {"/nonexistent/x.toml", "not found"});

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# MoE load balancing A/B (docs/benchmarks.md, "MoE balancing"): configs/moe.toml trained
+# once per balancing method at equal tokens, on 2 ranks x 1 thread, then one table of
+# MaxVio global (validation set), MaxVio micro (per micro-batch and ep group), the fraction
+# capacity factor 1.0 would drop, and the final validation loss; then tokens/s with
+# parallel.ep = 2 against ep = 1 (eqb_lei).
+#   bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
+# Defaults: 300 steps, 60 throughput steps, methods aux bias eqb_lei. Needs `tessel prepare`
+# and jq. Metrics of the last 50 steps are averaged.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+steps=${1:-300}
+tsteps=${2:-60}
+shift $(($# > 2 ? 2 : $#))
+methods=("$@")
+((${#methods[@]})) || methods=(aux bias eqb_lei)
+runs=$(mktemp -d /tmp/tessel-moe-bench-XXXXXX)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+train() {  # run.dir, then --set overrides
+  local dir=$1
+  shift
+  scripts/launch.sh 2 train --config configs/moe.toml --set run.dir="$dir" --set run.quiet=true \
+    --set run.threads=1 --set mfu.peak_gflops=1 "$@" >/dev/null
+}
+# Mean over the MoE blocks of a per-block field, averaged over the last 50 step records.
+summary() {
+  jq -s -r --argjson last 50 '
+    def blockmean(f): (map(f) | add / length);
+    (map(select(.moe and .tokens_per_s)) | .[-$last:]) as $s
+    | (map(select(.val_loss)) | last) as $v
+    | [($v.moe | blockmean(.maxvio_global)),
+       ($s | map(.moe | blockmean(.maxvio_micro)) | add / length),
+       ($s | map(.moe | blockmean(.maxvio_batch)) | add / length),
+       ($s | map(.moe | blockmean(.dropped_cf1)) | add / length),
+       $v.val_loss]
+    | map(. * 10000 | round / 10000) | @tsv' "$1/metrics.jsonl"
+}
+printf "method\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tval_loss\n"
+for m in "${methods[@]}"; do
+  train "$runs/$m" --set model.moe_balance="$m" --set train.steps="$steps"
+  printf "%s\t%s\n" "$m" "$(summary "$runs/$m")"
+done
+# Throughput: median tokens/s over steps 6 onwards, no validation or checkpoint in between.
+for ep in 1 2; do
+  train "$runs/ep$ep" --set parallel.ep="$ep" --set train.steps="$tsteps" \
+    --set train.eval_every=0 --set train.save_final=false --set optim.warmup_steps=5
+  jq -s -r --arg ep "$ep" '
+    map(select(.tokens_per_s and .step > 5)) | (map(.tokens_per_s) | sort | .[length / 2 | floor])
+      as $t | (map(.all_to_all_bytes) | add / length) as $b
+    | "ep=\($ep)\tmedian tokens/s \($t | round)\tall-to-all bytes/step \($b | round)"' \
+    "$runs/ep$ep/metrics.jsonl"
+done
+rm -rf "$runs"

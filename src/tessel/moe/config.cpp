@@ -1,0 +1,64 @@
+#include "tessel/moe/config.hpp"
+
+#include <cmath>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::moe {
+
+void validate(const MoeConfig& c) {
+  if (c.experts < 1) input_error("model.moe_experts = ", c.experts, " must be positive");
+  if (c.top_k < 1 || c.top_k > c.experts)
+    input_error("model.moe_top_k = ", c.top_k, " must lie in [1, model.moe_experts = ", c.experts,
+                "]");
+  if (c.hidden < 0)
+    input_error("model.moe_hidden = ", c.hidden, " must be positive (or 0 = model.mlp_hidden)");
+  if (c.shared < 0)
+    input_error("model.moe_shared = ", c.shared, " must be positive (or 0 = no shared expert)");
+  auto non_negative = [](const char* field, double v) {
+    if (!(v >= 0) || !std::isfinite(v))
+      input_error("model.moe_", field, " = ", v, " must be a finite number >= 0");
+  };
+  non_negative("capacity", c.capacity);
+  non_negative("aux_coeff", c.aux_coeff);
+  non_negative("z_coeff", c.z_coeff);
+  non_negative("bias_rate", c.bias_rate);
+  non_negative("lei_coeff", c.lei_coeff);
+  if (!(c.lei_width > 0) || !std::isfinite(c.lei_width))
+    input_error("model.moe_lei_width = ", c.lei_width, " must be positive");
+  if (c.capacity > 0 && c.capacity * double(c.top_k) < 1e-9)
+    input_error("model.moe_capacity = ", c.capacity, " is too small");
+  if (uses_eqb(c.balance) && c.top_k == c.experts)
+    input_error("model.moe_balance = \"", to_string(c.balance),
+                "\" needs model.moe_top_k < model.moe_experts (every token takes every expert)");
+}
+
+bool uses_eqb(Balance b) {
+  return b == Balance::eqb || b == Balance::eqb_lei;
+}
+bool uses_lei(Balance b) {
+  return b == Balance::lei || b == Balance::eqb_lei;
+}
+
+const char* to_string(Balance v) {
+  switch (v) {
+    case Balance::none:
+      return "none";
+    case Balance::aux:
+      return "aux";
+    case Balance::aux_global:
+      return "aux_global";
+    case Balance::bias:
+      return "bias";
+    case Balance::qb_avg:
+      return "qb_avg";
+    case Balance::eqb:
+      return "eqb";
+    case Balance::lei:
+      return "lei";
+    case Balance::eqb_lei:
+      return "eqb_lei";
+  }
+  return "?";
+}
+}  // namespace tessel::moe

@@ -1,0 +1,44 @@
+#pragma once
+// The shape and the balancing method of one mixture-of-experts layer, as data. Field
+// names match the config keys `model.moe_<field>`; docs/model.md describes them.
+#include <cstdint>
+#include <string>
+
+namespace tessel::moe {
+
+enum class ExpertMlp { gelu, swiglu };            // the expert MLPs (= model.mlp)
+enum class ScoreFn { softmax, sigmoid };          // router probabilities from the logits
+enum class DropPolicy { probability, position };  // which assignments over capacity go
+// How the layer keeps the experts' loads even (docs/model.md, "Balancing").
+enum class Balance { none, aux, aux_global, bias, qb_avg, eqb, lei, eqb_lei };
+enum class LeiKernel { rectangle, triangle, tanh, identity };
+
+struct MoeConfig {
+  int64_t experts = 8;  // E
+  int64_t top_k = 2;    // k
+  int64_t hidden = 0;   // expert hidden width F; 0 = the dense MLP's
+  int64_t shared = 0;   // hidden width of the shared expert; 0 = none
+  ScoreFn score = ScoreFn::softmax;
+  bool normalize_gates = true;  // gates of a token's k experts sum to 1
+  double capacity = 0.0;        // capacity factor cf; 0 = dropless
+  DropPolicy drop = DropPolicy::probability;
+  Balance balance = Balance::none;
+  double aux_coeff = 1e-2;  // Switch aux loss alpha (aux, aux_global)
+  double z_coeff = 0.0;     // router z-loss coefficient (any balance)
+  double bias_rate = 1e-3;  // gamma of the sign bias update (bias)
+  double lei_coeff = 1e-2;  // LEI centered_fsq coefficient (lei, eqb_lei)
+  LeiKernel lei_kernel = LeiKernel::rectangle;
+  double lei_width = 1.0;  // kernel width w (tanh: 1 / slope)
+};
+
+// Throws tessel::InputError naming the first bad model.moe_<field>.
+void validate(const MoeConfig& config);
+
+bool uses_eqb(Balance b);  // eqb, eqb_lei
+bool uses_lei(Balance b);  // lei, eqb_lei
+
+// The name config files use: "none", "aux", "aux_global", "bias", "qb_avg", "eqb", "lei",
+// "eqb_lei".
+const char* to_string(Balance v);
+
+}  // namespace tessel::moe

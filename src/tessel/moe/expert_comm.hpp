@@ -1,0 +1,45 @@
+#pragma once
+// What an MoE layer needs from the processes around it, and nothing more: the token
+// exchange over the expert-parallel (ep) group and the sums over the balancing group
+// (every rank that trains the layer on its own data: the dp group, which contains the ep
+// group). The model stays free of parallelism: the trainer hands it an implementation.
+//   - LocalExpertComm (here): one process, every expert local; exchanges are copies and
+//     sums are the identity.
+//   - parallel::ExpertParallelComm (parallel/expert_parallel.hpp): backed by the
+//     comm::Communicator of the mesh's ep and dp groups.
+// Every call is collective over its group: all ranks make the same calls in the same order.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace tessel::moe {
+
+class ExpertComm {
+ public:
+  virtual ~ExpertComm() = default;
+  virtual int ep_size() const = 0;
+  virtual int ep_rank() const = 0;
+  // Over the ep group: send[ep_size() * n] -> recv[ep_size() * n]; block d of send goes to
+  // ep rank d, block s of recv comes from ep rank s.
+  virtual void exchange_counts(const int64_t* send, int64_t* recv, size_t n) = 0;
+  // Over the ep group: send_counts[d] floats (packed back to back in `send`) go to ep rank
+  // d; recv_counts[s] floats from ep rank s land packed in `recv`.
+  virtual void exchange_rows(const float* send, std::span<const size_t> send_counts, float* recv,
+                             std::span<const size_t> recv_counts) = 0;
+  // In place, element-wise sums over the balancing group.
+  virtual void sum_counters(int32_t* data, size_t n) = 0;
+  virtual void sum_values(double* data, size_t n) = 0;
+};
+
+class LocalExpertComm final : public ExpertComm {
+ public:
+  int ep_size() const override { return 1; }
+  int ep_rank() const override { return 0; }
+  void exchange_counts(const int64_t* send, int64_t* recv, size_t n) override;
+  void exchange_rows(const float* send, std::span<const size_t> send_counts, float* recv,
+                     std::span<const size_t> recv_counts) override;
+  void sum_counters(int32_t*, size_t) override {}
+  void sum_values(double*, size_t) override {}
+};
+
+}  // namespace tessel::moe

@@ -1,0 +1,517 @@
+#include "tessel/moe/layer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "tessel/core/error.hpp"
+#include "tessel/kernels/cpu/activations.hpp"
+#include "tessel/kernels/cpu/gemm.hpp"
+#include "tessel/kernels/cpu/softmax.hpp"
+#include "tessel/moe/quantile.hpp"
+
+namespace tessel::moe {
+
+namespace kn = tessel::kernels;
+
+void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1) {
+  uint64_t taken[4] = {0, 0, 0, 0};  // E <= 256
+  auto is_taken = [&](int64_t e) { return (taken[e >> 6] >> (e & 63)) & 1; };
+  for (int64_t j = 0; j <= k && j < E; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (!is_taken(e) && (best < 0 || sel[e] > sel[best])) best = e;
+    if (j == k) {
+      *kplus1 = sel[best];
+      return;
+    }
+    taken[best >> 6] |= uint64_t(1) << (best & 63);
+    out[j] = int32_t(best);
+    *kth = sel[best];
+  }
+  *kplus1 = -std::numeric_limits<float>::infinity();
+}
+
+int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
+                       double capacity, DropPolicy drop, uint8_t* kept) {
+  const int64_t cap = int64_t(std::ceil(double(k) * double(N) * capacity / double(E)));
+  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E));
+  for (int64_t s = 0; s < N * k; ++s) slots[size_t(choice[s])].push_back(s);
+  int64_t dropped = 0;
+  for (auto& list : slots) {
+    if (int64_t(list.size()) <= cap) continue;
+    if (drop == DropPolicy::probability)
+      std::stable_sort(list.begin(), list.end(),
+                       [&](int64_t a, int64_t b) { return gate[a] > gate[b]; });
+    for (size_t i = size_t(cap); i < list.size(); ++i) kept[list[i]] = 0;
+    dropped += int64_t(list.size()) - cap;
+  }
+  return dropped;
+}
+
+double lei_kernel_grad(LeiKernel kernel, double m, double w) {
+  switch (kernel) {
+    case LeiKernel::rectangle:
+      return std::abs(m) <= 0.5 * w ? 1.0 / w : 0.0;
+    case LeiKernel::triangle:
+      return std::max(0.0, 1.0 - std::abs(m) / w) / w;
+    case LeiKernel::tanh: {
+      const double t = std::tanh(m / w);
+      return 0.5 * (1.0 - t * t) / w;
+    }
+    case LeiKernel::identity:
+      break;
+  }
+  TESSEL_CHECK(false, "the identity kernel acts on the probabilities, not on a margin");
+}
+
+namespace {
+
+// Blocks (s, l) of counts[s * El + l] rows of width C: source-major (s outer) <-> expert-major
+// (l outer).
+void reorder_blocks(float* dst, const float* src, const std::vector<int64_t>& counts, int64_t ep,
+                    int64_t El, int64_t C, bool to_expert_major) {
+  std::vector<int64_t> src_major(size_t(ep * El)), exp_major(size_t(ep * El));
+  int64_t off = 0;
+  for (int64_t s = 0; s < ep; ++s)
+    for (int64_t l = 0; l < El; ++l)
+      src_major[size_t(s * El + l)] = off, off += counts[size_t(s * El + l)];
+  off = 0;
+  for (int64_t l = 0; l < El; ++l)
+    for (int64_t s = 0; s < ep; ++s)
+      exp_major[size_t(s * El + l)] = off, off += counts[size_t(s * El + l)];
+  for (int64_t b = 0; b < ep * El; ++b) {
+    const int64_t from = to_expert_major ? src_major[size_t(b)] : exp_major[size_t(b)];
+    const int64_t to = to_expert_major ? exp_major[size_t(b)] : src_major[size_t(b)];
+    std::copy(src + from * C, src + (from + counts[size_t(b)]) * C, dst + to * C);
+  }
+}
+
+// Floats per ep rank: to each destination (my kept rows of its experts) and from each source.
+struct Sizes {
+  std::vector<size_t> send, recv;
+  int64_t rows_in = 0;  // R
+};
+Sizes exchange_sizes(const LayerCache& c, int64_t ep, int64_t El, int64_t C) {
+  Sizes z{std::vector<size_t>(size_t(ep), 0), std::vector<size_t>(size_t(ep), 0), 0};
+  for (int64_t d = 0; d < ep; ++d)
+    for (int64_t l = 0; l < El; ++l) {
+      z.send[size_t(d)] += size_t(c.counts[size_t(d * El + l)] * C);
+      z.recv[size_t(d)] += size_t(c.recv_counts[size_t(d * El + l)] * C);
+      z.rows_in += c.recv_counts[size_t(d * El + l)];
+    }
+  return z;
+}
+
+// Rows of each local expert in the expert-major layout: offsets [El + 1].
+std::vector<int64_t> expert_offsets(const LayerCache& c, int64_t ep, int64_t El) {
+  std::vector<int64_t> off(size_t(El + 1), 0);
+  for (int64_t l = 0; l < El; ++l) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < ep; ++s) n += c.recv_counts[size_t(s * El + l)];
+    off[size_t(l + 1)] = off[size_t(l)] + n;
+  }
+  return off;
+}
+
+void act_forward(ExpertMlp mlp, float* act, const float* fc, int64_t rows, int64_t F) {
+  if (rows == 0) return;
+  if (mlp == ExpertMlp::gelu)
+    kn::gelu_forward(act, fc, rows * F);
+  else
+    kn::swiglu_forward(act, fc, rows, F);
+}
+void act_backward(ExpertMlp mlp, float* d_fc, const float* d_act, const float* fc, int64_t rows,
+                  int64_t F) {
+  if (rows == 0) return;
+  if (mlp == ExpertMlp::gelu)
+    kn::gelu_backward(d_fc, d_act, fc, rows * F);
+  else
+    kn::swiglu_backward(d_fc, d_act, fc, rows, F);
+}
+
+// f(n, j, row) for every kept slot (token n, its j-th expert, its row in the permuted
+// order); tokens in parallel, each token's slots in order.
+template <class Fn>
+void for_each_kept(const LayerCache& c, int64_t k, Fn f) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < c.N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t pos = c.position[size_t(n * k + j)];
+      if (pos >= 0) f(n, j, int64_t(pos));
+    }
+}
+
+// f(e, o, n) for each local expert with rows: global expert e = first + l, its n > 0 rows
+// starting at row o of the expert-major layout (off from expert_offsets).
+template <class Fn>
+void for_each_local_expert(const std::vector<int64_t>& off, int64_t first, Fn f) {
+  for (size_t l = 0; l + 1 < off.size(); ++l)
+    if (off[l + 1] > off[l]) f(size_t(first) + l, off[l], off[l + 1] - off[l]);
+}
+
+float sigmoid(float v) {
+  return 1.0f / (1.0f + std::exp(-v));
+}
+
+double row_lse(const float* row, int64_t E) {
+  double m = row[0];
+  for (int64_t e = 1; e < E; ++e) m = std::max(m, double(row[e]));
+  double s = 0;
+  for (int64_t e = 0; e < E; ++e) s += std::exp(double(row[e]) - m);
+  return m + std::log(s);
+}
+
+}  // namespace
+
+MoeLayer::MoeLayer(const MoeConfig& config, const LayerShape& shape)
+    : config_(config), shape_(shape) {
+  validate(config_);
+  TESSEL_CHECK(config_.experts <= 256, "at most 256 experts");
+}
+
+void MoeLayer::run_experts(LayerCache& c, float* out, const LayerWeights& w,
+                           const std::vector<int64_t>& off, int64_t first) const {
+  const int64_t C = shape_.C, F = shape_.F, Fi = shape_.fc_in_rows(F);
+  const int64_t R = off.back();
+  c.expert_fc.resize(size_t(R * Fi));
+  c.expert_act.resize(size_t(R * F));
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_forward(c.expert_fc.data() + o * Fi, c.expert_in.data() + o * C,
+                       w.experts[e].fc_in_w, w.experts[e].fc_in_b, n, C, Fi);
+  });
+  act_forward(shape_.mlp, c.expert_act.data(), c.expert_fc.data(), R, F);
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_forward(out + o * C, c.expert_act.data() + o * F, w.experts[e].fc_out_w,
+                       w.experts[e].fc_out_b, n, F, C);
+  });
+}
+
+void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const LayerWeights& w,
+                       const float* beta, ExpertComm& comm) const {
+  const int64_t E = config_.experts, k = config_.top_k, C = shape_.C;
+  const int64_t ep = comm.ep_size();
+  TESSEL_CHECK(E % ep == 0, "model.moe_experts = ", E, " must be divisible by parallel.ep = ", ep);
+  const int64_t El = E / ep;
+  c.N = N;
+  c.logits.resize(size_t(N * E));
+  c.probs.resize(size_t(N * E));
+  c.choice.resize(size_t(N * k));
+  c.gate.resize(size_t(N * k));
+  kn::linear_forward(c.logits.data(), x, w.router, nullptr, N, C, E);
+  if (config_.score == ScoreFn::softmax)
+    kn::softmax_forward(c.probs.data(), c.logits.data(), N, E);
+  else
+    for (int64_t i = 0; i < N * E; ++i) c.probs[size_t(i)] = sigmoid(c.logits[size_t(i)]);
+
+  const bool lei = uses_lei(config_.balance);
+  const bool qb = config_.balance == Balance::qb_avg || uses_eqb(config_.balance);
+  c.lei_margin.resize(lei ? size_t(N * E) : 0);
+  c.qb_margin.resize(qb ? size_t(N * E) : 0);
+  std::vector<float> sel(size_t(N * E));
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* lg = c.logits.data() + n * E;
+    float* s = sel.data() + n * E;
+    for (int64_t e = 0; e < E; ++e) s[e] = lg[e] - beta[e];
+    float kth = 0, kplus1 = 0;
+    int32_t* ch = c.choice.data() + n * k;
+    select_top_k(s, E, k, ch, &kth, &kplus1);
+    const float* p = c.probs.data() + n * E;
+    float sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += p[ch[j]];
+    for (int64_t j = 0; j < k; ++j)
+      c.gate[size_t(n * k + j)] = config_.normalize_gates ? p[ch[j]] / sum : p[ch[j]];
+    if (lei) {
+      // Tokens with k = E have no boundary: a margin far outside every kernel.
+      const float boundary = k < E ? 0.5f * (kth + kplus1) : -1e30f;
+      for (int64_t e = 0; e < E; ++e) c.lei_margin[size_t(n * E + e)] = s[e] - boundary;
+    }
+    if (qb)
+      for (int64_t e = 0; e < E; ++e) c.qb_margin[size_t(n * E + e)] = lg[e] - kplus1;
+  }
+
+  c.loads.assign(size_t(E), 0);
+  for (int32_t e : c.choice) ++c.loads[size_t(e)];
+  std::vector<uint8_t> kept(size_t(N * k), 1);
+  c.dropped = config_.capacity > 0 ? apply_capacity(c.choice.data(), c.gate.data(), N, k, E,
+                                                    config_.capacity, config_.drop, kept.data())
+                                   : 0;
+  // Permute: kept slots by expert, then by token (a counting sort).
+  c.counts.assign(size_t(E), 0);
+  for (int64_t s = 0; s < N * k; ++s)
+    if (kept[size_t(s)]) ++c.counts[size_t(c.choice[size_t(s)])];
+  std::vector<int64_t> next(size_t(E), 0);
+  for (int64_t e = 1; e < E; ++e) next[size_t(e)] = next[size_t(e - 1)] + c.counts[size_t(e - 1)];
+  const int64_t A = std::accumulate(c.counts.begin(), c.counts.end(), int64_t(0));
+  c.order.resize(static_cast<size_t>(A));
+  c.position.assign(size_t(N * k), -1);
+  for (int64_t s = 0; s < N * k; ++s) {
+    if (!kept[size_t(s)]) continue;
+    const int64_t pos = next[size_t(c.choice[size_t(s)])]++;
+    c.order[size_t(pos)] = int32_t(s);
+    c.position[size_t(s)] = int32_t(pos);
+  }
+
+  // Counts: to each ep rank its experts' row counts and this rank's loads (for the metrics).
+  std::vector<int64_t> send_c(size_t(ep * (El + E))), recv_c(size_t(ep * (El + E)));
+  for (int64_t d = 0; d < ep; ++d) {
+    std::copy(c.counts.begin() + d * El, c.counts.begin() + (d + 1) * El,
+              send_c.begin() + d * (El + E));
+    std::copy(c.loads.begin(), c.loads.end(), send_c.begin() + d * (El + E) + El);
+  }
+  comm.exchange_counts(send_c.data(), recv_c.data(), size_t(El + E));
+  c.recv_counts.resize(size_t(ep * El));
+  c.group_loads.assign(size_t(E), 0);
+  for (int64_t s = 0; s < ep; ++s) {
+    for (int64_t l = 0; l < El; ++l)
+      c.recv_counts[size_t(s * El + l)] = recv_c[size_t(s * (El + E) + l)];
+    for (int64_t e = 0; e < E; ++e)
+      c.group_loads[size_t(e)] += recv_c[size_t(s * (El + E) + El + e)];
+  }
+
+  // Rows out, experts, rows back.
+  const Sizes z = exchange_sizes(c, ep, El, C);
+  std::vector<float> send(size_t(A * C)), recv(size_t(z.rows_in * C));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < A; ++i) {
+    const float* row = x + int64_t(c.order[size_t(i)]) / k * C;
+    std::copy(row, row + C, send.data() + i * C);
+  }
+  comm.exchange_rows(send.data(), z.send, recv.data(), z.recv);
+  c.expert_in.resize(recv.size());
+  reorder_blocks(c.expert_in.data(), recv.data(), c.recv_counts, ep, El, C, true);
+  std::vector<float> out(recv.size());
+  run_experts(c, out.data(), w, expert_offsets(c, ep, El), comm.ep_rank() * El);
+  reorder_blocks(recv.data(), out.data(), c.recv_counts, ep, El, C, false);
+  c.combined.resize(size_t(A * C));
+  comm.exchange_rows(recv.data(), z.recv, c.combined.data(), z.send);
+
+  // Shared expert, then unpermute with the gates.
+  if (shape_.Fs > 0) {
+    const int64_t Fs = shape_.Fs, Fsi = shape_.fc_in_rows(Fs);
+    c.shared_fc.resize(size_t(N * Fsi));
+    c.shared_act.resize(size_t(N * Fs));
+    kn::linear_forward(c.shared_fc.data(), x, w.shared.fc_in_w, w.shared.fc_in_b, N, C, Fsi);
+    act_forward(shape_.mlp, c.shared_act.data(), c.shared_fc.data(), N, Fs);
+    kn::linear_forward(y, c.shared_act.data(), w.shared.fc_out_w, w.shared.fc_out_b, N, Fs, C);
+  } else {
+    std::fill(y, y + N * C, 0.0f);
+  }
+  for_each_kept(c, k, [&](int64_t n, int64_t j, int64_t pos) {
+    const float g = c.gate[size_t(n * k + j)];
+    const float* row = c.combined.data() + pos * C;
+#pragma omp simd
+    for (int64_t i = 0; i < C; ++i) y[n * C + i] += g * row[i];
+  });
+
+  // The balancing losses' values (per-token means), for the metrics.
+  double loss = 0;
+  const double Tk = double(N * k);
+  if (config_.balance == Balance::aux || config_.balance == Balance::aux_global) {
+    for (int64_t e = 0; e < E; ++e) {
+      double P = 0;
+      for (int64_t n = 0; n < N; ++n) P += c.probs[size_t(n * E + e)];
+      loss += config_.aux_coeff * double(E) * (double(c.loads[size_t(e)]) / Tk) * (P / double(N));
+    }
+  }
+  if (config_.z_coeff > 0) {
+    double z = 0;
+    for (int64_t n = 0; n < N; ++n) z += std::pow(row_lse(c.logits.data() + n * E, E), 2);
+    loss += config_.z_coeff * z / double(N);
+  }
+  if (lei) {
+    double sq = 0;
+    for (int64_t e = 0; e < E; ++e) sq += std::pow(double(c.loads[size_t(e)]) / Tk - 1.0 / E, 2);
+    loss += config_.lei_coeff * (1.0 + double(E) * sq);
+  }
+  c.balance_loss = loss;
+}
+
+void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy, const float* x,
+                        const LayerWeights& w, float loss_scale, BalanceState& state,
+                        ExpertComm& comm) const {
+  const int64_t N = c.N, E = config_.experts, k = config_.top_k, C = shape_.C;
+  const int64_t F = shape_.F, Fi = shape_.fc_in_rows(F);
+  const int64_t ep = comm.ep_size(), El = E / ep, A = int64_t(c.order.size());
+  const Sizes z = exchange_sizes(c, ep, El, C);
+
+  // Through the unpermute: row gradients and gate gradients.
+  std::vector<float> d_rows(size_t(A * C)), d_gate(size_t(N * k), 0.0f);
+  for_each_kept(c, k, [&](int64_t n, int64_t j, int64_t pos) {
+    const float gj = c.gate[size_t(n * k + j)];
+    const float* row = c.combined.data() + pos * C;
+    float* d = d_rows.data() + pos * C;
+    float dot = 0;
+    for (int64_t i = 0; i < C; ++i) {
+      d[i] = gj * dy[n * C + i];
+      dot += dy[n * C + i] * row[i];
+    }
+    d_gate[size_t(n * k + j)] = dot;
+  });
+
+  // The experts' backward on the rows they saw, by the same exchanges as forward.
+  std::vector<float> recv(size_t(z.rows_in * C)), d_out(recv.size()), d_in(recv.size(), 0.0f);
+  comm.exchange_rows(d_rows.data(), z.send, recv.data(), z.recv);
+  reorder_blocks(d_out.data(), recv.data(), c.recv_counts, ep, El, C, true);
+  const std::vector<int64_t> off = expert_offsets(c, ep, El);
+  const int64_t R = off.back();
+  std::vector<float> d_act(size_t(R * F), 0.0f), d_fc(size_t(R * Fi), 0.0f);
+  const int64_t first = comm.ep_rank() * El;
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_backward(d_act.data() + o * F, g.experts[e].fc_out_w, g.experts[e].fc_out_b,
+                        d_out.data() + o * C, c.expert_act.data() + o * F, w.experts[e].fc_out_w, n,
+                        F, C);
+  });
+  act_backward(shape_.mlp, d_fc.data(), d_act.data(), c.expert_fc.data(), R, F);
+  for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
+    kn::linear_backward(d_in.data() + o * C, g.experts[e].fc_in_w, g.experts[e].fc_in_b,
+                        d_fc.data() + o * Fi, c.expert_in.data() + o * C, w.experts[e].fc_in_w, n,
+                        C, Fi);
+  });
+  reorder_blocks(recv.data(), d_in.data(), c.recv_counts, ep, El, C, false);
+  comm.exchange_rows(recv.data(), z.recv, d_rows.data(), z.send);
+  for_each_kept(c, k, [&](int64_t n, int64_t, int64_t pos) {
+    const float* d = d_rows.data() + pos * C;
+#pragma omp simd
+    for (int64_t i = 0; i < C; ++i) dx[n * C + i] += d[i];
+  });
+
+  if (shape_.Fs > 0) {
+    const int64_t Fs = shape_.Fs, Fsi = shape_.fc_in_rows(Fs);
+    std::vector<float> ds_act(size_t(N * Fs), 0.0f), ds_fc(size_t(N * Fsi), 0.0f);
+    kn::linear_backward(ds_act.data(), g.shared.fc_out_w, g.shared.fc_out_b, dy,
+                        c.shared_act.data(), w.shared.fc_out_w, N, Fs, C);
+    act_backward(shape_.mlp, ds_fc.data(), ds_act.data(), c.shared_fc.data(), N, Fs);
+    kn::linear_backward(dx, g.shared.fc_in_w, g.shared.fc_in_b, ds_fc.data(), x, w.shared.fc_in_w,
+                        N, C, Fsi);
+  }
+
+  // Router: gates -> probabilities, plus the balancing gradients.
+  std::vector<float> dp(size_t(N * E), 0.0f), dl(size_t(N * E), 0.0f);
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t* ch = c.choice.data() + n * k;
+    const float* dg = d_gate.data() + n * k;
+    float* d = dp.data() + n * E;
+    if (!config_.normalize_gates) {
+      for (int64_t j = 0; j < k; ++j) d[ch[j]] += dg[j];
+      continue;
+    }
+    float sum = 0, dot = 0;
+    for (int64_t j = 0; j < k; ++j) sum += c.probs[size_t(n * E + ch[j])];
+    for (int64_t j = 0; j < k; ++j) dot += dg[j] * c.gate[size_t(n * k + j)];
+    for (int64_t j = 0; j < k; ++j) d[ch[j]] += (dg[j] - dot) / sum;
+  }
+  const double Tk = double(N * k), s = loss_scale;
+  if (config_.balance == Balance::aux || config_.balance == Balance::aux_global) {
+    // L = alpha E sum_i f_i P_i: dL/dp[n, i] = alpha E f_i / N; times N (a per-token mean).
+    std::vector<double> f(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) f[size_t(e)] = double(c.loads[size_t(e)]) / Tk;
+    if (config_.balance == Balance::aux_global) {
+      // f over the whole balancing group and every micro-batch of the step so far.
+      std::vector<int32_t> counts(c.loads.begin(), c.loads.end());
+      comm.sum_counters(counts.data(), counts.size());
+      state.global_counts.resize(size_t(E), 0);
+      double total = 0;
+      for (int64_t e = 0; e < E; ++e) total += state.global_counts[size_t(e)] += counts[size_t(e)];
+      for (int64_t e = 0; e < E; ++e) f[size_t(e)] = double(state.global_counts[size_t(e)]) / total;
+    }
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e)
+        dp[size_t(n * E + e)] += float(s * config_.aux_coeff * double(E) * f[size_t(e)]);
+  }
+  if (uses_lei(config_.balance)) {
+    // L = coeff [1 + E sum_e (f_e - 1/E)^2] with f_e by straight-through:
+    // dL/ds[n, e] = coeff 2E/(N k) (f_e - 1/E) phi'(m[n, e]); times N.
+    for (int64_t e = 0; e < E; ++e) {
+      const double err = double(c.loads[size_t(e)]) / Tk - 1.0 / double(E);
+      const double a = s * config_.lei_coeff * 2.0 * double(E) / double(k) * err;
+      for (int64_t n = 0; n < N; ++n) {
+        if (config_.lei_kernel == LeiKernel::identity)
+          dp[size_t(n * E + e)] += float(a);
+        else
+          dl[size_t(n * E + e)] +=
+              float(a * lei_kernel_grad(config_.lei_kernel, c.lei_margin[size_t(n * E + e)],
+                                        config_.lei_width));
+      }
+    }
+  }
+  if (config_.score == ScoreFn::softmax) {
+    kn::softmax_backward(dl.data(), dp.data(), c.probs.data(), N, E);
+  } else {
+    for (int64_t i = 0; i < N * E; ++i) {
+      const float p = c.probs[size_t(i)];
+      dl[size_t(i)] += dp[size_t(i)] * p * (1.0f - p);
+    }
+  }
+  if (config_.z_coeff > 0) {
+    // L = z (1/N) sum_n lse_n^2: dL/dlogit[n, e] = z (2/N) lse_n softmax[n, e]; times N.
+    for (int64_t n = 0; n < N; ++n) {
+      const float* lg = c.logits.data() + n * E;
+      const double lse = row_lse(lg, E);
+      for (int64_t e = 0; e < E; ++e)
+        dl[size_t(n * E + e)] +=
+            float(s * config_.z_coeff * 2.0 * lse * std::exp(double(lg[e]) - lse));
+    }
+  }
+  kn::linear_backward(dx, g.router, nullptr, dl.data(), x, w.router, N, C, E);
+
+  // Record the micro-batch for the step-end update.
+  if (config_.balance == Balance::bias) {
+    state.loads.resize(size_t(E), 0.0);
+    for (int64_t e = 0; e < E; ++e) state.loads[size_t(e)] += double(c.loads[size_t(e)]);
+  }
+  if (config_.balance == Balance::qb_avg || uses_eqb(config_.balance)) {
+    std::vector<uint16_t> keys(size_t(N * E));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e)
+        keys[size_t(e * N + n)] = bf16_order_key(c.qb_margin[size_t(n * E + e)]);
+    if (config_.balance == Balance::qb_avg) {
+      // The biased baseline: this micro-batch's own quantile, averaged at the step's end.
+      LocalExpertComm local;
+      const auto q = global_kth_smallest(
+          keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); }, local);
+      state.beta_sum.resize(size_t(E), 0.0);
+      for (int64_t e = 0; e < E; ++e) state.beta_sum[size_t(e)] += value_of_order_key(q[size_t(e)]);
+      ++state.micro_batches;
+    } else {
+      state.keys.resize(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e)
+        state.keys[size_t(e)].insert(state.keys[size_t(e)].end(), keys.begin() + e * N,
+                                     keys.begin() + (e + 1) * N);
+    }
+  }
+}
+
+void MoeLayer::update(BalanceState& state, float* beta, ExpertComm& comm) const {
+  const int64_t E = config_.experts, k = config_.top_k;
+  if (config_.balance == Balance::bias) {
+    // beta_e += gamma sign(load_e - mean load): selection is by logits - beta.
+    std::vector<double> loads = state.loads;
+    loads.resize(size_t(E), 0.0);
+    comm.sum_values(loads.data(), loads.size());
+    const double mean = std::accumulate(loads.begin(), loads.end(), 0.0) / double(E);
+    for (int64_t e = 0; e < E; ++e) {
+      const double d = loads[size_t(e)] - mean;
+      beta[e] += float(config_.bias_rate * double((d > 0) - (d < 0)));
+    }
+  } else if (config_.balance == Balance::qb_avg) {
+    std::vector<double> sums = state.beta_sum;
+    sums.resize(size_t(E), 0.0);
+    sums.push_back(double(state.micro_batches));
+    comm.sum_values(sums.data(), sums.size());
+    if (sums[size_t(E)] > 0)
+      for (int64_t e = 0; e < E; ++e) beta[e] = float(sums[size_t(e)] / sums[size_t(E)]);
+  } else if (uses_eqb(config_.balance)) {
+    state.keys.resize(static_cast<size_t>(E));
+    std::vector<uint16_t> keys;
+    for (const auto& col : state.keys) keys.insert(keys.end(), col.begin(), col.end());
+    const auto q = global_kth_smallest(
+        keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); }, comm);
+    for (int64_t e = 0; e < E; ++e) beta[e] = value_of_order_key(q[size_t(e)]);
+  }
+  state = BalanceState{};
+}
+
+}  // namespace tessel::moe

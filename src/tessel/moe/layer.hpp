@@ -1,0 +1,142 @@
+#pragma once
+// A mixture-of-experts MLP with explicit forward/backward (spec moe_balancing.md; the
+// formulas are in docs/model.md, "Mixture of experts").
+//
+//   logits = x Wr^T [N, E];  p = softmax(logits) or sigmoid(logits)
+//   selection: the top-k experts of logits - beta per token (ties: lowest expert); beta
+//              never enters a gate
+//   gates g_j = p[e_j] (divided by sum_j p[e_j] when normalize_gates)
+//   capacity (cf > 0): each expert keeps ceil(k N cf / E) of this rank's assignments, by
+//              gate or by token position; the rest are dropped (gate 0, no renormalization)
+//   y[n] = sum over kept j of g_j * expert_{e_j}(x[n])  (+ shared(x[n]))
+//
+// Dispatch: kept assignments are permuted into expert order, counts then rows are exchanged
+// with the ep group through ExpertComm (expert e lives on ep rank e / (E / ep)), each local
+// expert runs as one GEMM call sequence over its rows, and the outputs return by the
+// reverse exchange and are unpermuted with the gates. Backward runs the same exchanges for
+// the row gradients. Expert MLPs are fc_out(act(fc_in(x))), act = gelu or swiglu as the
+// dense MLP. Backward ADDS into dx and every parameter gradient.
+//
+// Balancing gradients are added in backward, scaled by loss_scale * N (the layer's losses
+// are per-token means and the model's loss is a sum over tokens); see Balance.
+#include <cstdint>
+#include <vector>
+
+#include "tessel/moe/config.hpp"
+#include "tessel/moe/expert_comm.hpp"
+
+namespace tessel::moe {
+
+// Pointers into a model's parameter buffers; biases null when the model has none.
+template <class P>
+struct MlpWeightsT {
+  P* fc_in_w = nullptr;   // [Fi, C], Fi = F (gelu) or 2F (swiglu, rows [gate | up])
+  P* fc_in_b = nullptr;   // [Fi]
+  P* fc_out_w = nullptr;  // [C, F]
+  P* fc_out_b = nullptr;  // [C]
+};
+template <class P>
+struct LayerWeightsT {
+  P* router = nullptr;                  // [E, C]
+  std::vector<MlpWeightsT<P>> experts;  // [E]
+  MlpWeightsT<P> shared;                // fc_in_w null: no shared expert
+};
+using LayerWeights = LayerWeightsT<const float>;
+using LayerGrads = LayerWeightsT<float>;
+
+struct LayerShape {
+  int64_t C = 0;   // width
+  int64_t F = 0;   // expert hidden width
+  int64_t Fs = 0;  // shared expert hidden width (0 = none)
+  ExpertMlp mlp = ExpertMlp::gelu;
+  int64_t fc_in_rows(int64_t hidden) const {
+    return mlp == ExpertMlp::swiglu ? 2 * hidden : hidden;
+  }
+};
+
+// What one forward keeps for its backward, plus the statistics the metrics read.
+struct LayerCache {
+  int64_t N = 0;
+  std::vector<float> logits, probs;  // [N, E]
+  std::vector<int32_t> choice;       // [N, k] selected experts, best first
+  std::vector<float> gate;           // [N, k] gates before drops
+  std::vector<int32_t> position;     // [N, k] row of the slot in the permuted order; -1 dropped
+  std::vector<float> lei_margin;     // [N, E] (lei): selection score minus the token's boundary
+  std::vector<float> qb_margin;      // [N, E] (qb_avg, eqb): logits minus alpha_t (spec 2.2)
+  // Dispatch: this rank's kept assignments in expert order, then what the ep group sent.
+  std::vector<int32_t> order;                // [A] slot n*k+j of each permuted row
+  std::vector<int64_t> counts;               // [E] kept assignments per expert (this rank's tokens)
+  std::vector<int64_t> recv_counts;          // [ep, E/ep] rows from ep rank s for local expert l
+  std::vector<float> expert_in;              // [R, C] rows of the local experts, expert-major
+  std::vector<float> expert_fc;              // [R, Fi]
+  std::vector<float> expert_act;             // [R, F]
+  std::vector<float> combined;               // [A, C] expert outputs in the permuted order
+  std::vector<float> shared_fc, shared_act;  // [N, Fsi], [N, Fs]
+  // Statistics.
+  std::vector<int64_t> loads;        // [E] this rank's assignments before drops
+  std::vector<int64_t> group_loads;  // [E] the ep group's assignments before drops
+  int64_t dropped = 0;               // this rank's dropped assignments
+  double balance_loss = 0;           // value of the aux, z and LEI terms (per-token means)
+};
+
+// Per-step accumulators of the balancing methods that update beta once per optimizer step;
+// filled by backward (training micro-batches only), consumed by MoeLayer::update.
+struct BalanceState {
+  std::vector<double> loads;                // [E] bias: assignments this step (this rank)
+  std::vector<int32_t> global_counts;       // [E] aux_global: group-wide counts this step
+  std::vector<double> beta_sum;             // [E] qb_avg: sum of per-micro-batch quantiles
+  int64_t micro_batches = 0;                // qb_avg
+  std::vector<std::vector<uint16_t>> keys;  // [E][tokens] eqb: order keys of the margins
+};
+
+class MoeLayer {
+ public:
+  MoeLayer(const MoeConfig& config, const LayerShape& shape);
+  const MoeConfig& config() const { return config_; }
+  const LayerShape& shape() const { return shape_; }
+
+  // x [N, C] -> y [N, C] (overwritten). beta [E] is the selection bias.
+  void forward(LayerCache& cache, float* y, const float* x, int64_t N, const LayerWeights& w,
+               const float* beta, ExpertComm& comm) const;
+  // Adds d(loss)/d(x) into dx [N, C] and the parameter gradients into g; dy [N, C]. Records
+  // this micro-batch into `state`.
+  void backward(LayerCache& cache, float* dx, LayerGrads& g, const float* dy, const float* x,
+                const LayerWeights& w, float loss_scale, BalanceState& state,
+                ExpertComm& comm) const;
+  // End of an optimizer step: the beta update of the balancing method (bias, qb_avg, eqb,
+  // eqb_lei; a no-op otherwise), collective over the balancing group; resets `state`.
+  void update(BalanceState& state, float* beta, ExpertComm& comm) const;
+
+ private:
+  // Runs local expert l (global first + l) on rows [off[l], off[l+1]) of c.expert_in into out.
+  void run_experts(LayerCache& c, float* out, const LayerWeights& w,
+                   const std::vector<int64_t>& off, int64_t first) const;
+  MoeConfig config_;
+  LayerShape shape_;
+};
+
+// ---- pieces shared by the layer and its naive twin (the definitions, not the math) ----
+
+// The k largest of sel[E] (ties: lowest expert first), best first, into out[k]; returns
+// the (k+1)-th largest value (-inf when k = E) through kplus1 and the k-th through kth.
+void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1);
+// Marks the slots of `choice` [N, k] over capacity: kept[s] = 0 for the assignments each
+// expert drops (priority by gate, ties by slot, or by slot); returns the number dropped.
+int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
+                       double capacity, DropPolicy drop, uint8_t* kept);
+// phi'(m) of the LEI kernels (rectangle, triangle, tanh) of width w.
+double lei_kernel_grad(LeiKernel kernel, double m, double w);
+
+namespace naive {
+// Per-token loops in T, all experts local, no permutation: the twin of MoeLayer's forward
+// and of its backward (including the aux, z and LEI gradients; aux_global counts as aux).
+template <class T>
+void moe_forward(T* y, const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
+                 const MoeConfig& config, const LayerShape& shape);
+template <class T>
+void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N,
+                  const LayerWeightsT<const T>& w, const T* beta, T loss_scale,
+                  const MoeConfig& config, const LayerShape& shape);
+}  // namespace naive
+
+}  // namespace tessel::moe

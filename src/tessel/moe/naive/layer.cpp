@@ -1,0 +1,217 @@
+// The naive twin of MoeLayer: one token at a time, every selected expert evaluated on its
+// own row with the naive kernels, in T.
+#include "tessel/moe/layer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "tessel/kernels/cpu/activations.hpp"
+#include "tessel/kernels/cpu/gemm.hpp"
+
+namespace tessel::moe::naive {
+
+namespace knn = tessel::kernels::naive;
+
+namespace {
+
+template <class T>
+struct Routing {
+  std::vector<T> logits, probs;  // [N, E]
+  std::vector<int32_t> choice;   // [N, k]
+  std::vector<T> gate;           // [N, k]
+  std::vector<uint8_t> kept;     // [N, k]
+  std::vector<T> margin;         // [N, E] LEI margins
+  std::vector<int64_t> loads;    // [E]
+};
+
+template <class T>
+Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
+                 const MoeConfig& cfg, int64_t C) {
+  const int64_t E = cfg.experts, k = cfg.top_k;
+  Routing<T> r{std::vector<T>(size_t(N * E)),          std::vector<T>(size_t(N * E)),
+               std::vector<int32_t>(size_t(N * k)),    std::vector<T>(size_t(N * k)),
+               std::vector<uint8_t>(size_t(N * k), 1), std::vector<T>(size_t(N * E)),
+               std::vector<int64_t>(size_t(E), 0)};
+  for (int64_t n = 0; n < N; ++n) {
+    T* lg = r.logits.data() + n * E;
+    T* p = r.probs.data() + n * E;
+    for (int64_t e = 0; e < E; ++e) {
+      lg[e] = 0;
+      for (int64_t i = 0; i < C; ++i) lg[e] += x[n * C + i] * w.router[e * C + i];
+    }
+    if (cfg.score == ScoreFn::softmax) {
+      T m = *std::max_element(lg, lg + E), sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(lg[e] - m);
+      for (int64_t e = 0; e < E; ++e) p[e] = std::exp(lg[e] - m) / sum;
+    } else {
+      for (int64_t e = 0; e < E; ++e) p[e] = T(1) / (T(1) + std::exp(-lg[e]));
+    }
+    std::vector<float> sel(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) sel[size_t(e)] = float(lg[e] - beta[e]);
+    float kth_f = 0, kp1_f = 0;
+    int32_t* ch = r.choice.data() + n * k;
+    select_top_k(sel.data(), E, k, ch, &kth_f, &kp1_f);
+    T sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += p[ch[j]];
+    for (int64_t j = 0; j < k; ++j)
+      r.gate[size_t(n * k + j)] = cfg.normalize_gates ? p[ch[j]] / sum : p[ch[j]];
+    for (int64_t j = 0; j < k; ++j) ++r.loads[size_t(ch[j])];
+    // LEI boundary: midpoint of the k-th and (k+1)-th largest lg - beta.
+    T kth = lg[ch[k - 1]] - beta[ch[k - 1]];
+    T kp1 = -std::numeric_limits<T>::infinity();
+    for (int64_t e = 0; e < E; ++e)
+      if (std::find(ch, ch + k, int32_t(e)) == ch + k) kp1 = std::max(kp1, lg[e] - beta[e]);
+    const T boundary = k < E ? (kth + kp1) / 2 : T(-1e30);
+    for (int64_t e = 0; e < E; ++e) r.margin[size_t(n * E + e)] = lg[e] - beta[e] - boundary;
+  }
+  if (cfg.capacity > 0) {
+    std::vector<float> g(r.gate.begin(), r.gate.end());
+    apply_capacity(r.choice.data(), g.data(), N, k, E, cfg.capacity, cfg.drop, r.kept.data());
+  }
+  return r;
+}
+
+// One row through fc_out(act(fc_in(x))); fills fc [Fi], act [F], out [C].
+template <class T>
+void mlp_row(const MlpWeightsT<const T>& m, const T* x, int64_t C, int64_t F, ExpertMlp mlp,
+             std::vector<T>& fc, std::vector<T>& act, std::vector<T>& out) {
+  const int64_t Fi = mlp == ExpertMlp::swiglu ? 2 * F : F;
+  fc.assign(size_t(Fi), 0);
+  act.assign(size_t(F), 0);
+  out.assign(size_t(C), 0);
+  knn::linear_forward(fc.data(), x, m.fc_in_w, m.fc_in_b, 1, C, Fi);
+  if (mlp == ExpertMlp::gelu)
+    knn::gelu_forward(act.data(), fc.data(), F);
+  else
+    knn::swiglu_forward(act.data(), fc.data(), 1, F);
+  knn::linear_forward(out.data(), act.data(), m.fc_out_w, m.fc_out_b, 1, F, C);
+}
+
+// Adds the row's gradients for output gradient d_out [C].
+template <class T>
+void mlp_row_backward(T* dx, MlpWeightsT<T>& g, const MlpWeightsT<const T>& m, const T* x,
+                      const T* d_out, int64_t C, int64_t F, ExpertMlp mlp) {
+  const int64_t Fi = mlp == ExpertMlp::swiglu ? 2 * F : F;
+  std::vector<T> fc, act, out, d_act(size_t(F), 0), d_fc(size_t(Fi), 0);
+  mlp_row(m, x, C, F, mlp, fc, act, out);
+  knn::linear_backward(d_act.data(), g.fc_out_w, g.fc_out_b, d_out, act.data(), m.fc_out_w, 1, F,
+                       C);
+  if (mlp == ExpertMlp::gelu)
+    knn::gelu_backward(d_fc.data(), d_act.data(), fc.data(), F);
+  else
+    knn::swiglu_backward(d_fc.data(), d_act.data(), fc.data(), 1, F);
+  knn::linear_backward(dx, g.fc_in_w, g.fc_in_b, d_fc.data(), x, m.fc_in_w, 1, C, Fi);
+}
+
+}  // namespace
+
+template <class T>
+void moe_forward(T* y, const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
+                 const MoeConfig& cfg, const LayerShape& shape) {
+  const int64_t k = cfg.top_k, C = shape.C;
+  const Routing<T> r = route(x, N, w, beta, cfg, C);
+  std::vector<T> fc, act, out;
+  for (int64_t n = 0; n < N; ++n) {
+    T* yn = y + n * C;
+    std::fill(yn, yn + C, T(0));
+    if (shape.Fs > 0) {
+      mlp_row(w.shared, x + n * C, C, shape.Fs, shape.mlp, fc, act, out);
+      for (int64_t i = 0; i < C; ++i) yn[i] += out[size_t(i)];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      if (!r.kept[size_t(n * k + j)]) continue;
+      mlp_row(w.experts[size_t(r.choice[size_t(n * k + j)])], x + n * C, C, shape.F, shape.mlp, fc,
+              act, out);
+      for (int64_t i = 0; i < C; ++i) yn[i] += r.gate[size_t(n * k + j)] * out[size_t(i)];
+    }
+  }
+}
+
+template <class T>
+void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N,
+                  const LayerWeightsT<const T>& w, const T* beta, T loss_scale,
+                  const MoeConfig& cfg, const LayerShape& shape) {
+  const int64_t E = cfg.experts, k = cfg.top_k, C = shape.C;
+  const Routing<T> r = route(x, N, w, beta, cfg, C);
+  const T Tk = T(N * k);
+  std::vector<T> fc, act, out, d_out(static_cast<size_t>(C));
+  for (int64_t n = 0; n < N; ++n) {
+    const T* xn = x + n * C;
+    const T* dyn = dy + n * C;
+    if (shape.Fs > 0)
+      mlp_row_backward(dx + n * C, g.shared, w.shared, xn, dyn, C, shape.Fs, shape.mlp);
+    std::vector<T> d_gate(size_t(k), 0), dp(size_t(E), 0), dl(size_t(E), 0);
+    for (int64_t j = 0; j < k; ++j) {
+      if (!r.kept[size_t(n * k + j)]) continue;
+      const int32_t e = r.choice[size_t(n * k + j)];
+      mlp_row(w.experts[size_t(e)], xn, C, shape.F, shape.mlp, fc, act, out);
+      for (int64_t i = 0; i < C; ++i) {
+        d_gate[size_t(j)] += dyn[i] * out[size_t(i)];
+        d_out[size_t(i)] = r.gate[size_t(n * k + j)] * dyn[i];
+      }
+      mlp_row_backward(dx + n * C, g.experts[size_t(e)], w.experts[size_t(e)], xn, d_out.data(), C,
+                       shape.F, shape.mlp);
+    }
+    // gate_j = p[e_j] / S with S = sum_l p[e_l] (or p[e_j]).
+    const T* p = r.probs.data() + n * E;
+    const int32_t* ch = r.choice.data() + n * k;
+    T S = 0;
+    for (int64_t j = 0; j < k; ++j) S += p[ch[j]];
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t i = 0; i < k; ++i) {
+        // d gate_j / d p[e_i]
+        T dgdp = cfg.normalize_gates ? ((i == j ? T(1) / S : T(0)) - p[ch[j]] / (S * S))
+                                     : (i == j ? T(1) : T(0));
+        dp[size_t(ch[i])] += d_gate[size_t(j)] * dgdp;
+      }
+    for (int64_t e = 0; e < E; ++e) {
+      const T f = T(r.loads[size_t(e)]) / Tk;
+      if (cfg.balance == Balance::aux || cfg.balance == Balance::aux_global)
+        dp[size_t(e)] += loss_scale * T(cfg.aux_coeff) * T(E) * f;
+      if (uses_lei(cfg.balance)) {
+        const T a = loss_scale * T(cfg.lei_coeff) * T(2 * E) / T(k) * (f - T(1) / T(E));
+        if (cfg.lei_kernel == LeiKernel::identity)
+          dp[size_t(e)] += a;
+        else
+          dl[size_t(e)] +=
+              a * T(lei_kernel_grad(cfg.lei_kernel, double(r.margin[size_t(n * E + e)]),
+                                    cfg.lei_width));
+      }
+    }
+    // d logits from d p: softmax Jacobian p_e (delta - p_i), or sigmoid p (1 - p).
+    for (int64_t e = 0; e < E; ++e) {
+      if (cfg.score == ScoreFn::softmax) {
+        for (int64_t i = 0; i < E; ++i)
+          dl[size_t(e)] += dp[size_t(i)] * p[i] * ((i == e ? T(1) : T(0)) - p[e]);
+      } else {
+        dl[size_t(e)] += dp[size_t(e)] * p[e] * (T(1) - p[e]);
+      }
+    }
+    if (cfg.z_coeff > 0) {
+      const T* lg = r.logits.data() + n * E;
+      T m = *std::max_element(lg, lg + E), sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(lg[e] - m);
+      const T lse = m + std::log(sum);
+      for (int64_t e = 0; e < E; ++e)
+        dl[size_t(e)] += loss_scale * T(cfg.z_coeff) * T(2) * lse * std::exp(lg[e] - lse);
+    }
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < C; ++i) {
+        dx[n * C + i] += dl[size_t(e)] * w.router[e * C + i];
+        g.router[e * C + i] += dl[size_t(e)] * xn[i];
+      }
+  }
+}
+
+#define TESSEL_INSTANTIATE(T)                                                                  \
+  template void moe_forward<T>(T*, const T*, int64_t, const LayerWeightsT<const T>&, const T*, \
+                               const MoeConfig&, const LayerShape&);                           \
+  template void moe_backward<T>(T*, LayerWeightsT<T>&, const T*, const T*, int64_t,            \
+                                const LayerWeightsT<const T>&, const T*, T, const MoeConfig&,  \
+                                const LayerShape&);
+TESSEL_INSTANTIATE(float)
+TESSEL_INSTANTIATE(double)
+#undef TESSEL_INSTANTIATE
+
+}  // namespace tessel::moe::naive

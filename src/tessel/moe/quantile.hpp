@@ -1,0 +1,46 @@
+#pragma once
+// Exact quantiles for quantile balancing (spec moe_balancing.md, sections 2.4 and 2.5).
+//
+// The 16-bit order key of a float: round to bf16 (nearest even), read its bits u;
+//   key = u | 0x8000 for u < 0x8000 (sign bit clear), key = ~u & 0xFFFF otherwise.
+// Keys are strictly monotone in the real order of the bf16 values and exactly invertible;
+// -0 -> 0x7FFF and +0 -> 0x8000 (distinct, adjacent). NaN is out of the domain
+// (TESSEL_CHECK).
+//
+// The global k-th smallest per column by radix select: pass 1 histograms the high key byte
+// of every valid value, one all-reduce (sum) of [columns x 256] int32 counters over the
+// balancing group fixes the high byte b1 of the answer; pass 2 histograms the low byte of
+// the values whose high byte is b1, a second all-reduce fixes it. Integer sums do not
+// depend on how the values are spread over ranks or on reduction order, so the result is
+// the rank-r element of the pooled, sorted bf16 values, bitwise, for any sharding.
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "tessel/moe/expert_comm.hpp"
+
+namespace tessel::moe {
+
+uint16_t bf16_order_key(float x);
+uint16_t order_key_from_bits(uint16_t bf16_bits);  // the key of a bf16 bit pattern
+uint16_t bits_from_order_key(uint16_t key);        // the inverse
+float value_of_order_key(uint16_t key);            // the bf16 value of a key, as f32
+
+// The rank to take among n pooled values, 1-based (1 = smallest).
+using RankOf = std::function<int64_t(int64_t n)>;
+
+// keys: [columns][rows] (column-major: column c is keys[c * rows .. (c + 1) * rows)),
+// this rank's share; valid: [rows] or empty (all valid). For each column c, the
+// rank_of(n)-th smallest of the valid keys of all ranks together (n counted over all
+// ranks, after masking), as a key. Exactly two comm.sum_counters calls of columns * 256
+// int32 each. TESSEL_CHECK: every column has n >= 1 and 1 <= rank_of(n) <= n.
+std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_t columns,
+                                          std::span<const uint8_t> valid, const RankOf& rank_of,
+                                          ExpertComm& comm);
+
+// Quantile balancing's rank (spec 2.2): beta_e is the (C + 1)-th largest of n margins,
+// C = floor(n * k / E), i.e. the (n - C)-th smallest (at least 1).
+int64_t qb_rank(int64_t n, int64_t top_k, int64_t experts);
+
+}  // namespace tessel::moe

@@ -1,0 +1,201 @@
+#include "tessel/parallel/context_parallel.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "tessel/attention/mask_localization.hpp"
+#include "tessel/core/error.hpp"
+#include "tessel/core/timer.hpp"
+
+namespace tessel::parallel {
+
+namespace at = attention;
+
+namespace {
+
+// Rows [row0, row0 + n) of x [B, rows, width] <-> dst [B, n, width].
+void copy_rows(float* dst, const float* x, int64_t B, int64_t rows, int64_t row0, int64_t n,
+               int64_t width) {
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(dst + b * n * width, x + (b * rows + row0) * width,
+                size_t(n * width) * sizeof(float));
+}
+void add_rows(float* x, const float* src, int64_t B, int64_t rows, int64_t row0, int64_t n,
+              int64_t width) {
+  for (int64_t b = 0; b < B; ++b) {
+    float* dst = x + (b * rows + row0) * width;
+    const float* s = src + b * n * width;
+    for (int64_t i = 0; i < n * width; ++i) dst[i] += s[i];
+  }
+}
+
+// (o, lse) <- merge of (o, lse) and the partial (op, lp) over disjoint key sets.
+void merge_partial(float* o, float* lse, const float* op, const float* lp,
+                   const at::AttentionShape& s) {
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.Hq; ++h)
+      for (int64_t r = 0; r < s.Sq; ++r) {
+        const int64_t li = (b * s.Hq + h) * s.Sq + r;
+        const float la = lse[li], lb = lp[li], m = std::max(la, lb);
+        if (m == -INFINITY) continue;  // neither part sees a key: o stays 0
+        const float wa = std::exp(la - m), wb = std::exp(lb - m), sum = wa + wb;
+        lse[li] = m + std::log(sum);
+        const float ca = wa / sum, cb = wb / sum;
+        float* out = o + ((b * s.Sq + r) * s.Hq + h) * s.D;
+        const float* part = op + ((b * s.Sq + r) * s.Hq + h) * s.D;
+        for (int64_t d = 0; d < s.D; ++d) out[d] = ca * out[d] + cb * part[d];
+      }
+}
+
+int tag_of(int64_t chunk) {
+  TESSEL_CHECK(chunk < (1 << 14), "chunk index ", chunk, " beyond the MPI tag range");
+  return int(chunk);
+}
+
+}  // namespace
+
+ContextParallelAttention::ContextParallelAttention(comm::Communicator& group,
+                                                   const at::ColumnMask& mask, at::CpLayout layout,
+                                                   int64_t Hq, int64_t Hk, int64_t D, CpOptions opt)
+    : group_(group),
+      layout_(std::move(layout)),
+      B_(mask.batch()),
+      Hq_(Hq),
+      Hk_(Hk),
+      D_(D),
+      opt_(opt) {
+  layout_.check();
+  if (layout_.ranks() != group.size())
+    input_error("context parallelism: a layout for ", layout_.ranks(), " ranks on a cp group of ",
+                group.size());
+  if (mask.rows() != layout_.seq || mask.cols() != layout_.seq)
+    input_error("context parallelism: the mask is ", mask.rows(), " x ", mask.cols(),
+                ", expected self-attention over the layout's ", layout_.seq, " positions");
+  mask.check_heads(Hq, Hk);
+  const int me = group.rank();
+  owner_ = layout_.owners();
+  at::ColumnMask mine;
+  for (int r = 0; r < layout_.ranks(); ++r) {
+    at::ColumnMask local = at::localize_rows(mask, layout_, layout_.owned[size_t(r)]);
+    needs_.push_back(at::needed_chunks(local, layout_));
+    if (r == me) mine = std::move(local);
+  }
+  local_offset_.assign(size_t(layout_.num_chunks()), -1);
+  for (int64_t c : layout_.owned[size_t(me)]) {
+    local_offset_[size_t(c)] = rows_;
+    rows_ += layout_.chunk_rows(c);
+  }
+  groups_.push_back(
+      {-1, rows_,
+       at::TiledMask(at::select_columns(mine, layout_, layout_.owned[size_t(me)]), opt.tile_k)});
+  for (int64_t c = 0; c < layout_.num_chunks(); ++c)
+    if (owner_[size_t(c)] != me && needs_[size_t(me)][size_t(c)])
+      groups_.push_back({c, layout_.chunk_rows(c),
+                         at::TiledMask(at::select_columns(mine, layout_, {c}), opt.tile_k)});
+}
+
+at::AttentionShape ContextParallelAttention::shape(int64_t cols) const {
+  return {B_, rows_, cols, Hq_, Hk_, D_};
+}
+
+ContextParallelAttention::Exchange ContextParallelAttention::start_kv_exchange(const float* k,
+                                                                               const float* v) {
+  Exchange ex;
+  const int me = group_.rank();
+  for (size_t g = 1; g < groups_.size(); ++g) {
+    const int64_t c = groups_[g].chunk;
+    ex.recv.emplace_back(size_t(2 * chunk_elems(c)));
+    ex.recv_req.push_back(group_.irecv(ex.recv.back(), owner_[size_t(c)], tag_of(c)));
+  }
+  const int64_t width = Hk_ * D_;
+  for (int64_t c : layout_.owned[size_t(me)])
+    for (int t = 0; t < group_.size(); ++t) {
+      if (t == me || !needs_[size_t(t)][size_t(c)]) continue;
+      const int64_t n = chunk_elems(c), len = layout_.chunk_rows(c);
+      std::vector<float> buf(size_t(2 * n));
+      copy_rows(buf.data(), k, B_, rows_, local_offset_[size_t(c)], len, width);
+      copy_rows(buf.data() + n, v, B_, rows_, local_offset_[size_t(c)], len, width);
+      ex.send.push_back(std::move(buf));
+      ex.send_req.push_back(group_.isend(ex.send.back(), t, tag_of(c)));
+      ++stats_.kv_chunks_sent;
+      stats_.kv_bytes_sent += 2 * n * int64_t(sizeof(float));
+    }
+  if (!opt_.overlap)
+    for (comm::Request& r : ex.recv_req) wait_for(r);
+  return ex;
+}
+
+void ContextParallelAttention::wait_for(comm::Request& request) {
+  const Timer t;
+  request.wait();
+  stats_.wait_seconds += t.seconds();
+}
+
+void ContextParallelAttention::forward(float* o, float* lse, const float* q, const float* k,
+                                       const float* v) {
+  Exchange ex = start_kv_exchange(k, v);
+  at::flash_attention_forward(o, lse, q, k, v, shape(rows_), groups_[0].mask, opt_.flash);
+  std::vector<float> op, lp;
+  if (groups_.size() > 1) {
+    op.resize(size_t(B_ * rows_ * Hq_ * D_));
+    lp.resize(size_t(B_ * Hq_ * rows_));
+  }
+  for (size_t g = 1; g < groups_.size(); ++g) {
+    wait_for(ex.recv_req[g - 1]);
+    const float* kv = ex.recv[g - 1].data();
+    const at::AttentionShape s = shape(groups_[g].cols);
+    at::flash_attention_forward(op.data(), lp.data(), q, kv, kv + chunk_elems(groups_[g].chunk), s,
+                                groups_[g].mask, opt_.flash);
+    merge_partial(o, lse, op.data(), lp.data(), s);
+  }
+  comm::wait_all(ex.send_req);
+}
+
+void ContextParallelAttention::backward(float* dq, float* dk, float* dv, const float* dout,
+                                        const float* q, const float* k, const float* v,
+                                        const float* o, const float* lse) {
+  const int me = group_.rank();
+  Exchange ex = start_kv_exchange(k, v);
+  // Partial dK/dV of the owned chunks from every rank that needed them, in (chunk, rank) order.
+  struct Incoming {
+    int64_t chunk;
+    std::vector<float> buf;
+  };
+  std::vector<Incoming> incoming;
+  std::vector<comm::Request> incoming_req;
+  const int grad_tag = tag_of(layout_.num_chunks());
+  for (int64_t c : layout_.owned[size_t(me)])
+    for (int t = 0; t < group_.size(); ++t)
+      if (t != me && needs_[size_t(t)][size_t(c)]) {
+        incoming.push_back({c, std::vector<float>(size_t(2 * chunk_elems(c)))});
+        incoming_req.push_back(group_.irecv(incoming.back().buf, t, grad_tag + tag_of(c)));
+      }
+  at::flash_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, shape(rows_), groups_[0].mask,
+                               opt_.flash);
+  std::vector<std::vector<float>> outgoing;
+  std::vector<comm::Request> outgoing_req;
+  for (size_t g = 1; g < groups_.size(); ++g) {
+    wait_for(ex.recv_req[g - 1]);
+    const int64_t c = groups_[g].chunk, n = chunk_elems(c);
+    const float* kv = ex.recv[g - 1].data();
+    outgoing.emplace_back(size_t(2 * n), 0.0f);
+    float* grad = outgoing.back().data();
+    at::flash_attention_backward(dq, grad, grad + n, dout, q, kv, kv + n, o, lse,
+                                 shape(groups_[g].cols), groups_[g].mask, opt_.flash);
+    outgoing_req.push_back(group_.isend(outgoing.back(), owner_[size_t(c)], grad_tag + tag_of(c)));
+    ++stats_.grad_chunks_sent;
+    stats_.grad_bytes_sent += 2 * n * int64_t(sizeof(float));
+  }
+  const int64_t width = Hk_ * D_;
+  for (size_t i = 0; i < incoming.size(); ++i) {
+    wait_for(incoming_req[i]);
+    const int64_t c = incoming[i].chunk, n = chunk_elems(c), len = layout_.chunk_rows(c);
+    add_rows(dk, incoming[i].buf.data(), B_, rows_, local_offset_[size_t(c)], len, width);
+    add_rows(dv, incoming[i].buf.data() + n, B_, rows_, local_offset_[size_t(c)], len, width);
+  }
+  comm::wait_all(ex.send_req);
+  comm::wait_all(outgoing_req);
+}
+
+}  // namespace tessel::parallel

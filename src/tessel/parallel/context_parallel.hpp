@@ -1,0 +1,96 @@
+#pragma once
+// Context-parallel FlashMask attention (spec specs/flashmask.md §5) over the cp group.
+//
+// The sequence (self-attention, Sq = Sk = S) is cut into the chunks of an attention::CpLayout;
+// rank r holds q, k, v of its owned chunks, concatenated in ascending order ("local rows"):
+// q, o [B, L, Hq, D], k, v [B, L, Hk, D], lse [B, Hq, L] with L = layout.local_rows(r).
+//
+// Construction (no communication): every rank localizes the global mask for every rank's rows
+// (attention/mask_localization.hpp) and so knows, for each (chunk, rank), whether that rank
+// needs the chunk's keys and values - prunable iff fully masked for all its rows in every
+// column, batch row and mask head. Key groups of this rank: group 0 = its own chunks (one
+// attention call over all of them), then each needed remote chunk in ascending order, each
+// with the localized mask sliced to its columns.
+//
+// forward: non-blocking sends of each owned chunk's K and V to exactly the ranks that need it
+// and receives of the needed remote chunks are started first; group 0 is computed while they
+// travel, then each remote group once its chunk arrives. Every group gives an exact partial
+// (O_p, LSE_p) over its keys; partials are merged in the fixed group order,
+//   LSE = log(sum_p e^{LSE_p}),  O = sum_p e^{LSE_p - LSE} O_p,
+// so the result does not depend on arrival order and repeats bitwise.
+// backward (adds into dq, dk, dv; needs the final o and lse): the same pruned K/V exchange;
+// each group's flash backward with the final O and LSE gives exact partial dQ (added in group
+// order) and partial dK/dV of that group's keys; partials of remote chunks go back to their
+// owner (the same pruning: only ranks that needed a chunk send its gradient), which adds them
+// after its own in ascending rank order.
+#include <cstdint>
+#include <vector>
+
+#include "tessel/attention/attention_hook.hpp"
+#include "tessel/attention/cp_layout.hpp"
+#include "tessel/attention/flash_attention.hpp"
+#include "tessel/comm/communicator.hpp"
+
+namespace tessel::parallel {
+
+struct CpOptions {
+  attention::FlashOptions flash;
+  int64_t tile_k = attention::TiledMask::kDefaultTileK;
+  bool overlap = true;  // false: wait for every remote chunk before computing (benchmark baseline)
+};
+
+// This rank's counts since construction (or reset_stats): chunks and bytes it sent, and the
+// seconds it spent waiting for remote chunks (communication not hidden behind compute).
+struct CpStats {
+  int64_t kv_chunks_sent = 0, kv_bytes_sent = 0;
+  int64_t grad_chunks_sent = 0, grad_bytes_sent = 0;
+  double wait_seconds = 0;
+};
+
+class ContextParallelAttention final : public attention::AttentionHook {
+ public:
+  // `mask` is the global mask [B, Hm, S, S] (S = layout.seq); layout.ranks() == group.size().
+  ContextParallelAttention(comm::Communicator& group, const attention::ColumnMask& mask,
+                           attention::CpLayout layout, int64_t Hq, int64_t Hk, int64_t D,
+                           CpOptions opt = {});
+
+  const attention::CpLayout& layout() const { return layout_; }
+  int64_t local_rows() const { return rows_; }
+  // Whether rank r needs chunk c's keys and values (r's own chunks included).
+  bool needs(int r, int64_t c) const { return needs_[size_t(r)][size_t(c)] != 0; }
+
+  void forward(float* o, float* lse, const float* q, const float* k, const float* v) override;
+  void backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                const float* v, const float* o, const float* lse) override;
+
+  const CpStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+
+ private:
+  struct Group {
+    int64_t chunk;  // the remote chunk, or -1 for the own chunks
+    int64_t cols;
+    attention::TiledMask mask;
+  };
+  // Started transfers of one K/V exchange: receive buffers per remote group, send buffers.
+  struct Exchange {
+    std::vector<std::vector<float>> recv, send;
+    std::vector<comm::Request> recv_req, send_req;
+  };
+  Exchange start_kv_exchange(const float* k, const float* v);
+  void wait_for(comm::Request& request);
+  attention::AttentionShape shape(int64_t cols) const;
+  int64_t chunk_elems(int64_t c) const { return B_ * layout_.chunk_rows(c) * Hk_ * D_; }
+
+  comm::Communicator& group_;
+  attention::CpLayout layout_;
+  int64_t B_, Hq_, Hk_, D_, rows_ = 0;
+  CpOptions opt_;
+  std::vector<std::vector<uint8_t>> needs_;  // [rank][chunk]
+  std::vector<int64_t> local_offset_;        // [chunk] first local row of an owned chunk
+  std::vector<int> owner_;                   // [chunk]
+  std::vector<Group> groups_;
+  CpStats stats_;
+};
+
+}  // namespace tessel::parallel

@@ -1,0 +1,29 @@
+#pragma once
+// Expert parallelism: the MoE layer's ExpertComm backed by comm::Communicator. Tokens are
+// exchanged over the mesh's ep group (all_to_all of counts, then all_to_allv of rows);
+// balancing sums (EQB histograms, global loads) run over the dp group, which holds every
+// rank that trains the layer on its own data (the ep group is folded inside it).
+#include "tessel/comm/communicator.hpp"
+#include "tessel/moe/expert_comm.hpp"
+
+namespace tessel::parallel {
+
+class ExpertParallelComm final : public moe::ExpertComm {
+ public:
+  // Both communicators must outlive this object.
+  ExpertParallelComm(comm::Communicator& ep_group, comm::Communicator& balance_group)
+      : ep_(ep_group), balance_(balance_group) {}
+  int ep_size() const override { return ep_.size(); }
+  int ep_rank() const override { return ep_.rank(); }
+  void exchange_counts(const int64_t* send, int64_t* recv, size_t n) override;
+  void exchange_rows(const float* send, std::span<const size_t> send_counts, float* recv,
+                     std::span<const size_t> recv_counts) override;
+  void sum_counters(int32_t* data, size_t n) override;
+  void sum_values(double* data, size_t n) override;
+
+ private:
+  comm::Communicator& ep_;
+  comm::Communicator& balance_;
+};
+
+}  // namespace tessel::parallel

@@ -1,0 +1,41 @@
+#pragma once
+// The MoE blocks' balance statistics for metrics.jsonl, summed over forwards on this rank;
+// the trainer sums values() over the dp group (one all-reduce) before reading them.
+//   per MoE block: expert loads (assignments before drops), MaxVio of those loads, the mean
+//   MaxVio per (micro-batch, ep group) over the loads that group's experts receive, the
+//   dropped fraction, the fraction capacity factor 1.0 would drop, the balancing losses;
+//   and the all-to-all bytes this step sent.
+// MaxVio = (max_e load_e - mean load) / mean load (arXiv 2408.15664).
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <vector>
+
+#include "tessel/model/gpt.hpp"
+
+namespace tessel::train {
+
+double max_violation(std::span<const double> loads);
+
+class MoeMetrics {
+ public:
+  explicit MoeMetrics(const model::Gpt& model);
+  bool empty() const { return blocks_.empty(); }
+  void clear();
+  void add(const model::Activations& acts);  // after a forward of acts
+  void add_all_to_all_bytes(double bytes);
+  std::span<double> values() { return values_; }
+  // {"layer", "loads", "maxvio_batch", "maxvio_micro", "dropped", "dropped_cf1",
+  // "balance_loss"} per MoE block.
+  nlohmann::json step_json() const;
+  // {"layer", "loads", "maxvio_global"} per MoE block: the loads over every forward added.
+  nlohmann::json validation_json() const;
+  double all_to_all_bytes() const { return values_.back(); }
+
+ private:
+  std::vector<int64_t> blocks_;
+  int64_t E_ = 0, k_ = 0;
+  std::vector<double> values_;  // per block [E loads | 6 sums], then the all-to-all bytes
+};
+
+}  // namespace tessel::train

@@ -1,0 +1,171 @@
+// Expert parallelism over real MPI: the MoE layer with experts spread over the world (as
+// the ep group) against the same layer with every expert local, and EQB's exact global
+// k-th smallest on 1 .. world ranks against the sorted pool.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "tessel/comm/world.hpp"
+#include "tessel/core/rng.hpp"
+#include "tessel/moe/layer.hpp"
+#include "tessel/moe/quantile.hpp"
+#include "tessel/parallel/expert_parallel.hpp"
+#include "unit/kernels/kernel_test_util.hpp"
+#include "unit/moe/moe_test_util.hpp"
+
+using namespace tessel;
+using moe::testing::bind;
+using moe::testing::Layout;
+using VecF = std::vector<float>;
+
+namespace {
+
+Layout ep_layout(moe::ExpertMlp mlp, moe::ScoreFn score, int64_t Fs, double cf,
+                 moe::Balance balance) {
+  Layout l;
+  l.config.experts = 8;  // divisible by 2 and 4 ranks
+  l.config.top_k = 2;
+  l.config.score = score;
+  l.config.capacity = cf;
+  l.config.drop = moe::DropPolicy::position;
+  l.config.balance = balance;
+  l.config.z_coeff = 0.01;
+  l.shape = {12, 7, Fs, mlp};
+  return l;
+}
+
+struct Out {
+  VecF y, dx, grads;
+};
+
+Out run(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, moe::ExpertComm& c) {
+  const int64_t N = int64_t(x.size()) / l.shape.C;
+  moe::MoeLayer layer(l.config, l.shape);
+  Out o{VecF(x.size()), VecF(x.size(), 0.0f), VecF(params.size(), 0.0f)};
+  const VecF beta(static_cast<size_t>(l.config.experts), 0.1f);
+  auto w = bind<const float>(params.data(), l);
+  auto g = bind<float>(o.grads.data(), l);
+  moe::LayerCache cache;
+  moe::BalanceState state;
+  layer.forward(cache, o.y.data(), x.data(), N, w, beta.data(), c);
+  layer.backward(cache, o.dx.data(), g, dy.data(), x.data(), w, 0.5f, state, c);
+  return o;
+}
+
+TEST(ExpertParallel, ForwardBackwardEqualsAllExpertsLocal) {
+  comm::Communicator& world = comm::world();
+  using moe::Balance;
+  const Layout layouts[] = {
+      ep_layout(moe::ExpertMlp::swiglu, moe::ScoreFn::softmax, 5, 0, Balance::aux),
+      ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::sigmoid, 0, 1.0, Balance::lei),
+      ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::softmax, 0, 0, Balance::eqb),
+  };
+  for (const Layout& l : layouts) {
+    SCOPED_TRACE(moe::to_string(l.config.balance));
+    const VecF params = moe::testing::random_params(l, 77);  // the same on every rank
+    Rng rng(100 + uint64_t(world.rank()));
+    const int64_t N = 5 + 3 * world.rank();  // uneven token counts
+    const VecF x = kernels::test::randn(rng, size_t(N * l.shape.C));
+    const VecF dy = kernels::test::randn(rng, x.size());
+    parallel::ExpertParallelComm ep(world, world);
+    moe::LocalExpertComm local;
+    Out a = run(l, params, x, dy, ep), b = run(l, params, x, dy, local);
+    // Outputs and input gradients per rank; parameter gradients summed over ranks (each
+    // rank holds only its experts' share). 1e-6 relative: the same f32 arithmetic per row,
+    // up to GEMM blocking over different row counts.
+    EXPECT_LT(kernels::test::rel_error(a.y, kernels::test::to_f64(b.y)), 1e-6);
+    EXPECT_LT(kernels::test::rel_error(a.dx, kernels::test::to_f64(b.dx)), 1e-6);
+    world.all_reduce(a.grads);
+    world.all_reduce(b.grads);
+    EXPECT_LT(kernels::test::rel_error(a.grads, kernels::test::to_f64(b.grads)), 1e-6);
+  }
+}
+
+// The pool [rows, columns] every rank can build: spread, heavy ties, a constant column,
+// +-0, +-max; and a validity mask.
+struct Pool {
+  int64_t rows, columns = 6;
+  VecF values;
+  std::vector<uint8_t> valid;
+};
+
+Pool make_pool(int64_t rows) {
+  Rng rng(4242);
+  Pool p{rows, 6, VecF(static_cast<size_t>(rows * 6)),
+         std::vector<uint8_t>(static_cast<size_t>(rows))};
+  const float big = std::numeric_limits<float>::max();
+  for (int64_t t = 0; t < rows; ++t) {
+    float* v = p.values.data() + t * p.columns;
+    v[0] = rng.normal();
+    v[1] = float(int(rng.below(4)));
+    v[2] = -1.25f;
+    v[3] = rng.below(2) ? 0.0f : -0.0f;
+    v[4] = rng.below(2) ? big : -big;
+    v[5] = rng.normal() * 1e-3f + (rng.below(2) ? 0.0f : -0.0f);
+    p.valid[size_t(t)] = rng.below(5) != 0;
+  }
+  return p;
+}
+
+// Rows `ids` of the pool as this rank's shard: column-major keys and the mask.
+void shard_of(const Pool& p, const std::vector<int64_t>& ids, std::vector<uint16_t>& keys,
+              std::vector<uint8_t>& valid) {
+  const int64_t n = int64_t(ids.size());
+  keys.assign(size_t(n * p.columns), 0);
+  valid.assign(size_t(n), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < p.columns; ++c)
+      keys[size_t(c * n + i)] =
+          moe::bf16_order_key(p.values[size_t(ids[size_t(i)] * p.columns + c)]);
+    valid[size_t(i)] = p.valid[size_t(ids[size_t(i)])];
+  }
+}
+
+TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
+  comm::Communicator& world = comm::world();
+  const Pool pool = make_pool(611);
+  for (int g = 1; g <= world.size(); ++g) {
+    auto sub = world.split(world.rank() < g ? 0 : -1, world.rank());
+    if (!sub) continue;
+    SCOPED_TRACE("group of " + std::to_string(g));
+    parallel::ExpertParallelComm comm(*sub, *sub);
+    auto rank_of = [](int64_t n) { return moe::qb_rank(n, 2, 8); };
+    std::vector<std::vector<uint16_t>> results;
+    for (uint64_t sharding = 0; sharding < 3; ++sharding) {
+      // The same permutation and uneven cut points on every rank of the group.
+      Rng rng(sharding);
+      std::vector<int64_t> order(size_t(pool.rows));
+      std::iota(order.begin(), order.end(), 0);
+      if (sharding > 0)
+        for (int64_t i = pool.rows - 1; i > 0; --i)
+          std::swap(order[size_t(i)], order[size_t(rng.below(uint64_t(i + 1)))]);
+      std::vector<int64_t> cuts = {0, pool.rows};
+      for (int r = 1; r < g; ++r) cuts.push_back(int64_t(rng.below(uint64_t(pool.rows))));
+      std::sort(cuts.begin(), cuts.end());
+      std::vector<int64_t> ids(order.begin() + cuts[size_t(sub->rank())],
+                               order.begin() + cuts[size_t(sub->rank() + 1)]);
+      std::vector<uint16_t> keys;
+      std::vector<uint8_t> valid;
+      shard_of(pool, ids, keys, valid);
+      sub->reset_traffic();
+      results.push_back(moe::global_kth_smallest(keys, pool.columns, valid, rank_of, comm));
+      // Exactly two all-reduces of columns x 256 int32 counters.
+      EXPECT_EQ(sub->traffic().calls.all_reduce, 2u);
+      EXPECT_EQ(sub->traffic().bytes.all_reduce, uint64_t(2 * pool.columns * 256 * 4));
+      EXPECT_EQ(sub->traffic().calls.total(), 2u);
+    }
+    for (int64_t c = 0; c < pool.columns; ++c) {
+      std::vector<uint16_t> sorted;
+      for (int64_t t = 0; t < pool.rows; ++t)
+        if (pool.valid[size_t(t)])
+          sorted.push_back(moe::bf16_order_key(pool.values[size_t(t * pool.columns + c)]));
+      std::sort(sorted.begin(), sorted.end());
+      const uint16_t want = sorted[size_t(rank_of(int64_t(sorted.size())) - 1)];
+      for (const auto& r : results) EXPECT_EQ(r[size_t(c)], want) << "column " << c;
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,86 @@
+// The GPT with MoE blocks: the registry, the active-parameter count, the MoE block against
+// the moe layer on the same input, and the balancing update.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "support/expect_input_error.hpp"
+#include "tessel/model/gpt.hpp"
+#include "unit/model/model_test_util.hpp"
+
+using namespace tessel;
+using namespace tessel::model;
+using namespace tessel::model::testing;
+
+TEST(GptMoe, RegistryOfAnMoeBlock) {
+  const GptConfig c = moe_config(gelu_config(), "1");
+  Gpt gpt(c, 1);
+  const int64_t C = c.width, E = c.moe.experts, F = c.moe_hidden_size();
+  EXPECT_EQ(gpt.moe_blocks(), (std::vector<bool>{false, true}));
+  EXPECT_NO_THROW(gpt.parameter("blocks.0.mlp.fc_in.weight"));
+  EXPECT_THROW(gpt.parameter("blocks.1.mlp.fc_in.weight"), Error);
+  const Parameter& router = gpt.parameter("blocks.1.moe.router.weight");
+  EXPECT_EQ(router.value.shape(), (Shape{E, C}));
+  EXPECT_EQ(router.tag, ParamTag::router);
+  const Parameter& beta = gpt.parameter("blocks.1.moe.router.balance_bias");
+  EXPECT_EQ(beta.value.shape(), (Shape{E}));
+  EXPECT_EQ(beta.tag, ParamTag::balance_bias);
+  EXPECT_EQ(gpt.parameter("blocks.1.moe.experts.2.fc_in.weight").value.shape(), (Shape{F, C}));
+  EXPECT_EQ(gpt.parameter("blocks.1.moe.experts.2.fc_out.weight").value.shape(), (Shape{C, F}));
+  EXPECT_EQ(gpt.parameter("blocks.1.moe.shared.fc_out.weight").value.shape(),
+            (Shape{C, c.moe.shared}));
+  // Active matmul weights: the dense model's, with block 1's MLP replaced by the router,
+  // top_k experts and the shared expert.
+  GptConfig dense = gelu_config();
+  Gpt d(dense, 1);
+  const int64_t dense_mlp = 2 * C * dense.mlp_hidden_size();
+  EXPECT_EQ(gpt.matmul_parameters(), d.matmul_parameters() - dense_mlp + E * C +
+                                         c.moe.top_k * 2 * C * F + 2 * C * c.moe.shared);
+}
+
+TEST(GptMoe, BadMoeLayersAreInputErrors) {
+  for (const char* bad : {"2", "x", "0,", "-1"}) {
+    GptConfig c = moe_config(gelu_config(), bad);
+    fixture::expect_input_error([&] { validate(c); }, {"model.moe_layers", bad});
+  }
+  GptConfig c = moe_config(gelu_config(), "all");
+  c.moe.top_k = 5;
+  fixture::expect_input_error([&] { validate(c); }, {"model.moe_top_k = 5"});
+}
+
+TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
+  for (auto balance : {moe::Balance::none, moe::Balance::aux, moe::Balance::bias,
+                       moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei}) {
+    SCOPED_TRACE(moe::to_string(balance));
+    GptConfig c = moe_config(gelu_config(), "all");
+    c.moe.balance = balance;
+    Gpt gpt(c, 3);
+    randomize_parameters(gpt, 4, 0.4f);
+    Tensor beta = gpt.parameter("blocks.0.moe.router.balance_bias").value;
+    std::fill(beta.f32(), beta.f32() + beta.numel(), 0.0f);
+    const Batch batch = random_batch(c, 2, 8, 5, false);
+    auto acts = gpt.make_activations(batch.B, batch.T);
+    gpt.forward(*acts, batch.inputs());
+    gpt.backward(*acts, 1.0f);
+    gpt.update_balance();
+    bool moved = false;
+    for (int64_t e = 0; e < beta.numel(); ++e) moved |= beta.f32()[e] != 0.0f;
+    const bool expected = balance == moe::Balance::bias || balance == moe::Balance::qb_avg ||
+                          balance == moe::Balance::eqb || balance == moe::Balance::eqb_lei;
+    EXPECT_EQ(moved, expected);
+    // With one micro-batch on one process the averaged and the exact quantile coincide.
+    if (balance == moe::Balance::qb_avg || balance == moe::Balance::eqb) {
+      GptConfig other = c;
+      other.moe.balance = balance == moe::Balance::eqb ? moe::Balance::qb_avg : moe::Balance::eqb;
+      Gpt twin(other, 3);
+      std::memcpy(twin.flat_params().raw(), gpt.flat_params().raw(), gpt.flat_params().bytes());
+      Tensor tb = twin.parameter("blocks.0.moe.router.balance_bias").value;
+      std::fill(tb.f32(), tb.f32() + tb.numel(), 0.0f);
+      auto a2 = twin.make_activations(batch.B, batch.T);
+      twin.forward(*a2, batch.inputs());
+      twin.backward(*a2, 1.0f);
+      twin.update_balance();
+      EXPECT_EQ(std::memcmp(tb.raw(), beta.raw(), beta.bytes()), 0);
+    }
+  }
+}

@@ -1,0 +1,217 @@
+// MoeLayer against its naive twin (f32 fast vs f64 naive), the naive backward against
+// central finite differences, determinism and capacity drops.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "tessel/moe/layer.hpp"
+#include "unit/kernels/kernel_test_util.hpp"
+#include "unit/moe/moe_test_util.hpp"
+
+namespace tessel::moe {
+namespace {
+
+using kernels::test::added;
+using kernels::test::bitwise_equal;
+using kernels::test::kFastVsNaive;
+using kernels::test::kFiniteDiff;
+using kernels::test::numeric_grad;
+using kernels::test::rel_error;
+using kernels::test::to_f64;
+using kernels::test::VecD;
+using kernels::test::VecF;
+using testing::bind;
+using testing::Layout;
+
+struct Case {
+  const char* name;
+  Layout layout;
+  int64_t N;
+};
+
+Layout layout(ExpertMlp mlp, ScoreFn score, bool normalize, int64_t Fs, bool bias, double cf,
+              DropPolicy drop, Balance balance, double z = 0) {
+  Layout l;
+  l.config.experts = 6;
+  l.config.top_k = 2;
+  l.config.score = score;
+  l.config.normalize_gates = normalize;
+  l.config.capacity = cf;
+  l.config.drop = drop;
+  l.config.balance = balance;
+  l.config.z_coeff = z;
+  l.config.lei_coeff = 0.5;
+  l.config.lei_kernel = LeiKernel::tanh;
+  l.config.aux_coeff = 0.1;
+  l.shape = {8, 5, Fs, mlp};
+  l.bias = bias;
+  return l;
+}
+
+std::vector<Case> cases() {
+  using B = Balance;
+  using D = DropPolicy;
+  const auto gelu = ExpertMlp::gelu, swiglu = ExpertMlp::swiglu;
+  const auto sm = ScoreFn::softmax, sg = ScoreFn::sigmoid;
+  return {
+      {"gelu_softmax", layout(gelu, sm, true, 0, true, 0, D::probability, B::none), 7},
+      {"swiglu_sigmoid_shared", layout(swiglu, sg, false, 4, false, 0, D::probability, B::none), 9},
+      {"one_token", layout(swiglu, sm, true, 3, true, 0, D::probability, B::none), 1},
+      {"capacity_probability", layout(gelu, sm, true, 0, true, 1.0, D::probability, B::none), 12},
+      {"capacity_position", layout(swiglu, sg, true, 0, false, 0.5, D::position, B::none), 12},
+      {"aux_z", layout(gelu, sm, true, 0, true, 0, D::probability, B::aux, 0.01), 10},
+      {"lei_sigmoid", layout(gelu, sg, true, 0, true, 0, D::probability, B::lei), 10},
+      {"lei_identity",
+       [] {
+         Layout l = layout(swiglu, sm, false, 0, true, 0, D::probability, B::lei);
+         l.config.lei_kernel = LeiKernel::identity;
+         return l;
+       }(),
+       8},
+  };
+}
+
+struct LayerRun {
+  VecF y, dx, grads, beta;
+  LayerCache cache;
+};
+
+LayerRun run_fast(const Layout& l, const VecF& params, const VecF& x, const VecF& dy,
+                  const VecF& beta, const VecF& grad_base, float loss_scale) {
+  MoeLayer layer(l.config, l.shape);
+  LocalExpertComm comm;
+  const int64_t N = int64_t(x.size()) / l.shape.C;
+  LayerRun r;
+  r.y.resize(x.size());
+  r.dx.assign(x.size(), 0.5f);
+  r.grads = grad_base;
+  auto w = bind<const float>(params.data(), l);
+  auto g = bind<float>(r.grads.data(), l);
+  BalanceState state;
+  layer.forward(r.cache, r.y.data(), x.data(), N, w, beta.data(), comm);
+  layer.backward(r.cache, r.dx.data(), g, dy.data(), x.data(), w, loss_scale, state, comm);
+  return r;
+}
+
+TEST(MoeLayer, FastMatchesNaive) {
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const Layout& l = c.layout;
+    Rng rng(11);
+    const VecF params = testing::random_params(l, 5);
+    const VecF x = kernels::test::randn(rng, size_t(c.N * l.shape.C));
+    const VecF dy = kernels::test::randn(rng, x.size());
+    const VecF beta = kernels::test::randn(rng, size_t(l.config.experts), 0.3f);
+    const VecF base = kernels::test::randn(rng, params.size());
+    const float scale = 0.7f;
+    LayerRun fast = run_fast(l, params, x, dy, beta, base, scale);
+
+    const VecD pd = to_f64(params), xd = to_f64(x), dyd = to_f64(dy), bd = to_f64(beta);
+    VecD y(x.size()), dx(x.size(), 0.0), g(params.size(), 0.0);
+    auto w = bind<const double>(pd.data(), l);
+    auto gw = bind<double>(g.data(), l);
+    naive::moe_forward<double>(y.data(), xd.data(), c.N, w, bd.data(), l.config, l.shape);
+    naive::moe_backward<double>(dx.data(), gw, dyd.data(), xd.data(), c.N, w, bd.data(), scale,
+                                l.config, l.shape);
+    // kFastVsNaive: f32 GEMMs and activations against f64 loops, relative to max |ref|.
+    EXPECT_LT(rel_error(fast.y, y), kFastVsNaive);
+    EXPECT_LT(rel_error(added(fast.dx, VecF(x.size(), 0.5f)), dx), kFastVsNaive);
+    EXPECT_LT(rel_error(added(fast.grads, base), g), kFastVsNaive);
+  }
+}
+
+TEST(MoeLayer, CapacityDropsTheExcess) {
+  const Layout l = cases()[3].layout;  // cf = 1, by probability
+  Rng rng(3);
+  const int64_t N = 30;
+  const VecF params = testing::random_params(l, 8, 3.0f);
+  const VecF x = kernels::test::randn(rng, size_t(N * l.shape.C));
+  const VecF zero(size_t(l.config.experts), 0.0f);
+  LayerRun r = run_fast(l, params, x, VecF(x.size(), 0.0f), zero, VecF(params.size(), 0.0f), 1.0f);
+  const int64_t cap = int64_t(std::ceil(double(l.config.top_k * N) / double(l.config.experts)));
+  int64_t excess = 0, kept = 0;
+  for (int64_t e = 0; e < l.config.experts; ++e) {
+    excess += std::max<int64_t>(0, r.cache.loads[size_t(e)] - cap);
+    EXPECT_EQ(r.cache.counts[size_t(e)], std::min(cap, r.cache.loads[size_t(e)]));
+    kept += r.cache.counts[size_t(e)];
+  }
+  EXPECT_GT(excess, 0) << "the test needs an unbalanced router";
+  EXPECT_EQ(r.cache.dropped, excess);
+  EXPECT_EQ(int64_t(r.cache.order.size()), kept);
+}
+
+TEST(MoeLayer, BackwardIsDeterministic) {
+  const Layout l = cases()[1].layout;
+  Rng rng(4);
+  const VecF params = testing::random_params(l, 9);
+  const VecF x = kernels::test::randn(rng, size_t(20 * l.shape.C));
+  const VecF dy = kernels::test::randn(rng, x.size());
+  const VecF beta(size_t(l.config.experts), 0.0f), base(params.size(), 0.0f);
+  LayerRun a = run_fast(l, params, x, dy, beta, base, 1.0f);
+  LayerRun b = run_fast(l, params, x, dy, beta, base, 1.0f);
+  EXPECT_TRUE(bitwise_equal(a.y, b.y));
+  EXPECT_TRUE(bitwise_equal(a.dx, b.dx));
+  EXPECT_TRUE(bitwise_equal(a.grads, b.grads));
+}
+
+// J = <R, y> + loss_scale * N * (aux + z), the objective whose gradient the naive backward
+// adds (selection and hard loads are piecewise constant, so FD sees only the smooth part).
+double objective(const Layout& l, const VecD& params, const VecD& x, const VecD& R,
+                 const VecD& beta, double loss_scale) {
+  const int64_t N = int64_t(x.size()) / l.shape.C, E = l.config.experts, C = l.shape.C;
+  VecD y(x.size());
+  naive::moe_forward<double>(y.data(), x.data(), N, bind<const double>(params.data(), l),
+                             beta.data(), l.config, l.shape);
+  double j = kernels::test::dot(R, y);
+  std::vector<double> P(size_t(E), 0.0), logit(static_cast<size_t>(E));
+  std::vector<int64_t> loads(size_t(E), 0);
+  double z = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t e = 0; e < E; ++e) {
+      logit[size_t(e)] = 0;
+      for (int64_t i = 0; i < C; ++i)
+        logit[size_t(e)] += x[size_t(n * C + i)] * params[size_t(e * C + i)];
+    }
+    double m = *std::max_element(logit.begin(), logit.end()), s = 0;
+    for (double v : logit) s += std::exp(v - m);
+    const double lse = m + std::log(s);
+    z += lse * lse;
+    std::vector<float> sel(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) sel[size_t(e)] = float(logit[size_t(e)] - beta[size_t(e)]);
+    std::vector<int32_t> ch(size_t(l.config.top_k));
+    float kth, kp1;
+    select_top_k(sel.data(), E, l.config.top_k, ch.data(), &kth, &kp1);
+    for (int32_t e : ch) ++loads[size_t(e)];
+    for (int64_t e = 0; e < E; ++e) P[size_t(e)] += std::exp(logit[size_t(e)] - lse) / double(N);
+  }
+  double aux = 0;
+  for (int64_t e = 0; e < E && l.config.balance == Balance::aux; ++e)
+    aux += l.config.aux_coeff * double(E) * double(loads[size_t(e)]) / double(N * l.config.top_k) *
+           P[size_t(e)];
+  return j + loss_scale * double(N) * (aux + l.config.z_coeff * z / double(N));
+}
+
+TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
+  for (int i : {0, 1, 5}) {  // plain, shared + sigmoid, aux + z
+    const Case c = cases()[size_t(i)];
+    SCOPED_TRACE(c.name);
+    const Layout& l = c.layout;
+    Rng rng(21);
+    VecD params = to_f64(testing::random_params(l, 6));
+    VecD x = to_f64(kernels::test::randn(rng, size_t(c.N * l.shape.C)));
+    const VecD R = to_f64(kernels::test::randn(rng, x.size()));
+    const VecD beta = to_f64(kernels::test::randn(rng, size_t(l.config.experts), 0.3f));
+    const double scale = 0.5;
+    VecD dx(x.size(), 0.0), g(params.size(), 0.0);
+    auto gw = bind<double>(g.data(), l);
+    naive::moe_backward<double>(dx.data(), gw, R.data(), x.data(), c.N,
+                                bind<const double>(params.data(), l), beta.data(), scale, l.config,
+                                l.shape);
+    auto J = [&] { return objective(l, params, x, R, beta, scale); };
+    EXPECT_LT(rel_error(dx, numeric_grad(x, J)), kFiniteDiff);
+    EXPECT_LT(rel_error(g, numeric_grad(params, J)), kFiniteDiff);
+  }
+}
+
+}  // namespace
+}  // namespace tessel::moe

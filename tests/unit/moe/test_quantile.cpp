@@ -1,0 +1,154 @@
+// The bf16 order key (exhaustively), the radix-select k-th smallest on one rank against a
+// sorted pool, its two all-reduces of E x 256 counters, the QB load property, and the
+// partition dependence of the averaged-quantile baseline.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "tessel/core/bf16.hpp"
+#include "tessel/core/error.hpp"
+#include "tessel/core/rng.hpp"
+#include "tessel/moe/quantile.hpp"
+
+namespace tessel::moe {
+namespace {
+
+bool is_nan_bits(uint32_t u) {
+  return (u & 0x7F80) == 0x7F80 && (u & 0x007F) != 0;
+}
+
+TEST(OrderKey, MonotoneAndInvertibleOverEveryNonNanPattern) {
+  std::vector<uint16_t> patterns;
+  for (uint32_t u = 0; u < 0x10000; ++u) {
+    if (is_nan_bits(u)) continue;
+    const uint16_t key = order_key_from_bits(uint16_t(u));
+    ASSERT_EQ(bits_from_order_key(key), u) << "pattern " << u;
+    EXPECT_EQ(bf16_order_key(bf16_to_f32(uint16_t(u))), key) << "pattern " << u;
+    patterns.push_back(uint16_t(u));
+  }
+  EXPECT_EQ(patterns.size(), size_t(65536 - 2 * 127));  // 2 * (2^7 - 1) NaN patterns
+  // In key order the values rise strictly, except -0 directly before +0.
+  std::sort(patterns.begin(), patterns.end(),
+            [](uint16_t a, uint16_t b) { return order_key_from_bits(a) < order_key_from_bits(b); });
+  for (size_t i = 0; i + 1 < patterns.size(); ++i) {
+    const float a = bf16_to_f32(patterns[i]), b = bf16_to_f32(patterns[i + 1]);
+    EXPECT_LT(order_key_from_bits(patterns[i]), order_key_from_bits(patterns[i + 1]));
+    if (a == 0.0f && b == 0.0f)
+      EXPECT_TRUE(std::signbit(a) && !std::signbit(b));
+    else
+      EXPECT_LT(a, b) << "patterns " << patterns[i] << ", " << patterns[i + 1];
+  }
+  EXPECT_EQ(bf16_order_key(-0.0f), 0x7FFF);
+  EXPECT_EQ(bf16_order_key(0.0f), 0x8000);
+  EXPECT_EQ(bf16_order_key(-std::numeric_limits<float>::infinity()), 0x007F);
+  EXPECT_EQ(bf16_order_key(std::numeric_limits<float>::infinity()), 0xFF80);
+  EXPECT_THROW(bf16_order_key(std::nanf("")), Error);
+}
+
+// A one-rank ExpertComm that counts the balancing sums it is asked for.
+class CountingComm final : public ExpertComm {
+ public:
+  int ep_size() const override { return 1; }
+  int ep_rank() const override { return 0; }
+  void exchange_counts(const int64_t*, int64_t*, size_t) override { FAIL(); }
+  void exchange_rows(const float*, std::span<const size_t>, float*,
+                     std::span<const size_t>) override {
+    FAIL();
+  }
+  void sum_counters(int32_t*, size_t n) override { calls.push_back(n); }
+  void sum_values(double*, size_t) override { FAIL(); }
+  std::vector<size_t> calls;
+};
+
+// Column-major keys of values [rows, columns] (row-major input).
+std::vector<uint16_t> keys_of(const std::vector<float>& v, int64_t rows, int64_t columns) {
+  std::vector<uint16_t> k(v.size());
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = 0; c < columns; ++c)
+      k[size_t(c * rows + t)] = bf16_order_key(v[size_t(t * columns + c)]);
+  return k;
+}
+
+TEST(GlobalKthSmallest, OneRankEqualsTheSortedPoolWithTwoSumsOfE256Counters) {
+  Rng rng(5);
+  const int64_t rows = 301, columns = 5;
+  std::vector<float> v(size_t(rows * columns));
+  for (int64_t t = 0; t < rows; ++t) {
+    v[size_t(t * columns + 0)] = rng.normal();                     // spread
+    v[size_t(t * columns + 1)] = float(int(rng.below(3))) - 1.0f;  // heavy ties
+    v[size_t(t * columns + 2)] = 2.5f;                             // constant
+    v[size_t(t * columns + 3)] = rng.below(2) ? 0.0f : -0.0f;      // +-0
+    v[size_t(t * columns + 4)] =
+        rng.below(2) ? std::numeric_limits<float>::max() : -std::numeric_limits<float>::max();
+  }
+  std::vector<uint8_t> valid(static_cast<size_t>(rows));
+  for (auto& m : valid) m = rng.below(4) != 0;
+  for (bool masked : {false, true}) {
+    for (int64_t r : {int64_t(1), int64_t(17), int64_t(150)}) {
+      CountingComm comm;
+      const auto keys = keys_of(v, rows, columns);
+      const auto got = global_kth_smallest(
+          keys, columns, masked ? std::span<const uint8_t>(valid) : std::span<const uint8_t>(),
+          [&](int64_t) { return r; }, comm);
+      EXPECT_EQ(comm.calls, (std::vector<size_t>{size_t(columns * 256), size_t(columns * 256)}));
+      for (int64_t c = 0; c < columns; ++c) {
+        std::vector<uint16_t> pool;
+        for (int64_t t = 0; t < rows; ++t)
+          if (!masked || valid[size_t(t)]) pool.push_back(keys[size_t(c * rows + t)]);
+        std::sort(pool.begin(), pool.end());
+        EXPECT_EQ(got[size_t(c)], pool[size_t(r - 1)]) << "column " << c << " rank " << r;
+        // World 1: the bf16 rounding of the fp32 order statistic (rounding is monotone).
+        std::vector<float> f;
+        for (int64_t t = 0; t < rows; ++t)
+          if (!masked || valid[size_t(t)]) f.push_back(v[size_t(t * columns + c)]);
+        std::sort(f.begin(), f.end());
+        EXPECT_EQ(value_of_order_key(got[size_t(c)]), bf16_to_f32(f32_to_bf16(f[size_t(r - 1)])));
+      }
+    }
+  }
+}
+
+TEST(GlobalKthSmallest, QbUpdateGivesEachExpertItsShareWithinTies) {
+  // beta_e = (C + 1)-th largest margin: C margins lie above it, up to the threshold's ties.
+  Rng rng(9);
+  const int64_t n = 200, E = 8, k = 2, C = n * k / E;
+  std::vector<float> m(size_t(n * E));
+  for (auto& x : m) x = rng.normal() + (rng.below(5) == 0 ? 0.25f : 0.0f);
+  LocalExpertComm comm;
+  const auto keys = keys_of(m, n, E);
+  const auto beta = global_kth_smallest(
+      keys, E, {}, [&](int64_t rows) { return qb_rank(rows, k, E); }, comm);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t above = 0, at = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      above += keys[size_t(e * n + t)] > beta[size_t(e)];
+      at += keys[size_t(e * n + t)] == beta[size_t(e)];
+    }
+    EXPECT_LE(above, C);
+    EXPECT_GE(above + at, C + 1);
+  }
+}
+
+TEST(AveragedQuantile, DependsOnHowTokensAreSplit) {
+  // One column of 8 values split over two ranks in two ways; the pooled median is one
+  // value, the mean of the per-rank medians is not.
+  const std::vector<float> pool = {1, 2, 3, 4, 5, 6, 7, 8};
+  auto local_kth = [](std::vector<float> shard) {
+    LocalExpertComm comm;
+    const auto keys = keys_of(shard, int64_t(shard.size()), 1);
+    return value_of_order_key(global_kth_smallest(
+        keys, 1, {}, [](int64_t n) { return (n + 1) / 2; }, comm)[0]);
+  };
+  const float split_a = (local_kth({1, 2, 3, 4}) + local_kth({5, 6, 7, 8})) / 2;  // (2 + 6) / 2
+  const float split_b = (local_kth({1, 3, 5, 7}) + local_kth({2, 4, 6, 8})) / 2;  // (3 + 4) / 2
+  EXPECT_EQ(split_a, 4.0f);
+  EXPECT_EQ(split_b, 3.5f);
+  EXPECT_EQ(local_kth(pool), 4.0f);  // the exact pooled 4th smallest of 8
+}
+
+}  // namespace
+}  // namespace tessel::moe
