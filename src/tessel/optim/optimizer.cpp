@@ -1,10 +1,12 @@
 #include "tessel/optim/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
 #include "tessel/core/error.hpp"
 #include "tessel/optim/adamw.hpp"
+#include "tessel/optim/muon.hpp"
 
 namespace tessel::optim {
 
@@ -16,6 +18,39 @@ constexpr ParamTag kAllTags[] = {ParamTag::embedding, ParamTag::position_embeddi
 void check_range(bool ok, const char* field, double value, const char* expected) {
   if (!ok) input_error(field, " = ", value, " is out of range (expected ", expected, ")");
 }
+
+// The index of `value` in `choices`; InputError naming `field` otherwise.
+size_t check_choice(const std::string& value, const char* field,
+                    std::initializer_list<const char*> choices) {
+  std::string list;
+  size_t i = 0;
+  for (const char* c : choices) {
+    if (value == c) return i;
+    list += (i++ ? ", " : "") + std::string(c);
+  }
+  input_error(field, " = '", value, "' is not one of ", list);
+}
+
+std::vector<int> parse_restarts(const std::string& text) {
+  std::vector<int> out;
+  std::istringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.find_first_not_of(' ') == std::string::npos) continue;
+    size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || item.find_first_not_of(' ', used) != std::string::npos || v < 1)
+      input_error("optim.ns_restarts: '", item,
+                  "' is not a step number (expected comma-separated integers >= 1)");
+    out.push_back(v);
+  }
+  return out;
+}
 }  // namespace
 
 void validate(const OptimizerConfig& c) {
@@ -26,6 +61,25 @@ void validate(const OptimizerConfig& c) {
   check_range(std::isfinite(c.weight_decay) && c.weight_decay >= 0 && c.lr * c.weight_decay < 1,
               "optim.weight_decay", c.weight_decay, ">= 0 and lr * weight_decay < 1");
   parse_decay_tags(c.decay_tags);
+  check_choice(c.name, "optim.name", {"adamw", "muon", "dion2", "dion3"});
+  check_range(std::isfinite(c.muon_lr) && c.muon_lr > 0 && c.muon_lr * c.weight_decay < 1,
+              "optim.muon_lr", c.muon_lr, "> 0 and muon_lr * weight_decay < 1");
+  check_range(c.momentum >= 0 && c.momentum < 1, "optim.momentum", c.momentum, "0 <= momentum < 1");
+  check_choice(c.momentum_form, "optim.momentum_form", {"sum", "lerp"});
+  check_choice(c.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"});
+  check_choice(c.ns_coefficients, "optim.ns_coefficients", {"keller", "polar_express"});
+  check_range(c.ns_steps >= 1 && c.ns_steps <= 100, "optim.ns_steps", double(c.ns_steps),
+              "1 <= ns_steps <= 100");
+  parse_restarts(c.ns_restarts);
+  check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", double(c.ns_gram_min), ">= 1");
+  check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction, "0 < fraction <= 1");
+  check_range(c.ef_decay >= 0 && c.ef_decay <= 1, "optim.ef_decay", c.ef_decay,
+              "0 <= ef_decay <= 1");
+  check_choice(c.selection_scope, "optim.selection_scope", {"local", "global"});
+  check_range(c.normuon_beta2 >= 0 && c.normuon_beta2 < 1, "optim.normuon_beta2", c.normuon_beta2,
+              "0 <= normuon_beta2 < 1");
+  check_choice(c.muon_mode, "optim.muon_mode", {"sharded", "replicated", "allgather"});
+  check_choice(c.qkv_split, "optim.qkv_split", {"none", "blocks", "heads"});
 }
 
 std::vector<ParamTag> parse_decay_tags(const std::string& text) {
@@ -52,13 +106,42 @@ std::vector<ParamTag> parse_decay_tags(const std::string& text) {
   return tags;
 }
 
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config, ParameterList params) {
+std::vector<int64_t> qkv_row_blocks(const std::string& split, int64_t q_rows, int64_t kv_rows,
+                                    int64_t head_dim) {
+  if (split == "blocks") return {q_rows, kv_rows, kv_rows};
+  if (split == "heads")
+    return std::vector<int64_t>(size_t((q_rows + 2 * kv_rows) / head_dim), head_dim);
+  return {};
+}
+
+std::unique_ptr<Optimizer> make_optimizer(
+    const OptimizerConfig& config, ParameterList params, comm::Communicator* group,
+    const std::map<std::string, std::vector<int64_t>>& row_blocks) {
   validate(config);
-  if (config.name == "adamw") {
-    AdamWHyper base{config.lr, config.beta1, config.beta2, config.eps, config.weight_decay};
-    return std::make_unique<AdamW>(std::move(params), base, parse_decay_tags(config.decay_tags));
-  }
-  input_error("optim.name = '", config.name, "' is not a known optimizer (expected adamw)");
+  AdamWHyper base{config.lr, config.beta1, config.beta2, config.eps, config.weight_decay};
+  std::vector<ParamTag> decay = parse_decay_tags(config.decay_tags);
+  if (config.name == "adamw") return std::make_unique<AdamW>(std::move(params), base, decay);
+  MuonHyper h;
+  h.variant = MuonVariant(check_choice(config.name, "optim.name", {"muon", "dion2", "dion3"}));
+  h.lr = config.muon_lr;
+  h.momentum = config.momentum;
+  h.lerp = config.momentum_form == "lerp";
+  h.nesterov = config.nesterov;
+  const bool decays = std::find(decay.begin(), decay.end(), ParamTag::hidden_matrix) != decay.end();
+  h.weight_decay = decays ? config.weight_decay : 0.0;
+  h.lr_rule = LrRule(
+      check_choice(config.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"}));
+  h.ns.coefficients = ns_coefficients(config.ns_coefficients, int(config.ns_steps));
+  h.ns.gram = config.ns_gram;
+  h.ns.restarts = parse_restarts(config.ns_restarts);
+  h.ns.gram_min = config.ns_gram_min;
+  h.fraction = config.fraction;
+  h.ef_decay = config.ef_decay;
+  h.local_scope = config.selection_scope == "local";
+  h.normuon_beta2 = config.normuon_beta2;
+  h.mode = MuonMode(
+      check_choice(config.muon_mode, "optim.muon_mode", {"sharded", "replicated", "allgather"}));
+  return std::make_unique<Muon>(std::move(params), h, base, decay, group, row_blocks);
 }
 
 }  // namespace tessel::optim

@@ -8,10 +8,12 @@
 // groups (Muon for hidden matrices, AdamW for the rest: issue #4) keep state names
 // unique by prefixing them with their own name ("adamw.m/<param>").
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "tessel/comm/communicator.hpp"
 #include "tessel/core/parameter.hpp"
 #include "tessel/core/tensor.hpp"
 
@@ -32,7 +34,8 @@ class Optimizer {
   // optimizers with different base lrs share one schedule.
   virtual void step(double lr_scale) = 0;
   // All state in a fixed order: the step counter first, then per-parameter buffers in
-  // parameter order.
+  // parameter order. May be collective over the optimizer's group (sharded state is gathered:
+  // muon.hpp): call it on every rank.
   virtual std::vector<StateTensor> state() = 0;
   virtual std::string name() const = 0;
   // Updates taken so far (restored with the state).
@@ -41,7 +44,7 @@ class Optimizer {
 
 // The `optim` table of the run config. Field names match the config keys; errors name them.
 struct OptimizerConfig {
-  std::string name = "adamw";  // "adamw" (issue #4 adds "muon", "dion2", "dion3")
+  std::string name = "adamw";  // "adamw", "muon", "dion2", "dion3" (muon.hpp)
   double lr = 3e-3;            // peak learning rate (base lr of AdamW)
   double min_lr = 3e-4;        // learning rate after the cosine decay
   int64_t warmup_steps = 50;
@@ -51,6 +54,23 @@ struct OptimizerConfig {
   double weight_decay = 0.1;
   // Comma-separated parameter tags that get weight decay (core/parameter.hpp names).
   std::string decay_tags = "hidden_matrix,embedding,head";
+  // The Muon family (muon, dion2, dion3) for hidden matrices; the other tags use AdamW above.
+  double muon_lr = 0.02;              // base lr of the hidden matrices
+  double momentum = 0.95;             // muon momentum mu
+  std::string momentum_form = "sum";  // sum | lerp
+  bool nesterov = false;
+  std::string lr_rule = "spectral_norm";   // spectral_norm | rms_norm | keller
+  std::string ns_coefficients = "keller";  // keller | polar_express
+  int64_t ns_steps = 5;
+  bool ns_gram = true;            // Gram Newton-Schulz where it pays (newton_schulz.hpp)
+  std::string ns_restarts = "2";  // comma-separated 0-based steps before which Gram NS restarts
+  int64_t ns_gram_min = 64;       // smallest short side that uses Gram NS
+  double fraction = 0.25;         // dion2/dion3: fraction of rows orthogonalized per step
+  double ef_decay = 0.95;         // dion2/dion3: momentum decay of the selected rows
+  std::string selection_scope = "local";  // local | global
+  double normuon_beta2 = 0.95;            // dion3
+  std::string muon_mode = "sharded";      // sharded | replicated | allgather
+  std::string qkv_split = "none";         // none | blocks | heads (fused QKV row blocks)
 };
 
 // Checks every field's range; throws InputError naming the field (`optim.beta1`, ...).
@@ -60,8 +80,17 @@ void validate(const OptimizerConfig& config);
 // Parses `optim.decay_tags` ("a,b"; empty = no decay); throws InputError on an unknown tag.
 std::vector<ParamTag> parse_decay_tags(const std::string& text);
 
+// Row blocks of a fused QKV weight for `optim.qkv_split`: none -> {} (one matrix), blocks ->
+// {q_rows, kv_rows, kv_rows}, heads -> head_dim rows per head.
+std::vector<int64_t> qkv_row_blocks(const std::string& split, int64_t q_rows, int64_t kv_rows,
+                                    int64_t head_dim);
+
 // The optimizer named by `config.name` over `params` (validated first); throws InputError
-// naming `optim.name` for an unknown name.
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config, ParameterList params);
+// naming `optim.name` for an unknown name. `group`: the data-parallel group the Muon family
+// shards over (nullptr: one process); `row_blocks`: per parameter name, row blocks that the
+// Muon family orthogonalizes separately.
+std::unique_ptr<Optimizer> make_optimizer(
+    const OptimizerConfig& config, ParameterList params, comm::Communicator* group = nullptr,
+    const std::map<std::string, std::vector<int64_t>>& row_blocks = {});
 
 }  // namespace tessel::optim

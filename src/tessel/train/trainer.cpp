@@ -187,7 +187,7 @@ struct Trainer::State {
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
         moe_val(model),
-        optimizer(optim::make_optimizer(config.optim, model.parameters())),
+        optimizer(optim::make_optimizer(config.optim, model.parameters(), &dp, qkv_blocks())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
         reducer(grad_group, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
@@ -260,6 +260,18 @@ struct Trainer::State {
     ledger.enter(Phase::warmup);
     warmup.join();
     if (warmup_failure) std::rethrow_exception(warmup_failure);
+  }
+
+  // optim.qkv_split: the row blocks of every fused QKV weight.
+  std::map<std::string, std::vector<int64_t>> qkv_blocks() const {
+    const auto& m = config.model;
+    auto blocks = optim::qkv_row_blocks(config.optim.qkv_split, m.heads * m.head_dim(),
+                                        m.num_kv_heads() * m.head_dim(), m.head_dim());
+    std::map<std::string, std::vector<int64_t>> out;
+    if (!blocks.empty())
+      for (int64_t i = 0; i < m.layers; ++i)
+        out["blocks." + std::to_string(i) + ".attn.qkv.weight"] = blocks;
+    return out;
   }
 
   model::Activations& activations(int64_t rows, int64_t T) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "support/expect_input_error.hpp"
+#include "support/param_fixture.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/optim/adamw.hpp"
@@ -16,41 +17,16 @@ using namespace tessel::optim;
 
 namespace {
 
-// A model-like layout: one flat value buffer and one flat gradient buffer, parameters as
-// views in registry order, one of each tag.
-struct Model {
-  Tensor values, grads;
-  ParameterList params;
-
-  explicit Model(uint64_t seed) {
-    struct Spec {
-      const char* name;
-      ParamTag tag;
-      Shape shape;
-    };
-    const std::vector<Spec> specs = {{"wte", ParamTag::embedding, {11, 4}},
-                                     {"wpe", ParamTag::position_embedding, {5, 4}},
-                                     {"h0.attn.w", ParamTag::hidden_matrix, {4, 12}},
-                                     {"h0.attn.b", ParamTag::bias, {12}},
-                                     {"h0.ln.w", ParamTag::norm, {4}},
-                                     {"lm_head", ParamTag::head, {11, 4}}};
-    int64_t total = 0;
-    for (const Spec& s : specs) total += shape_numel(s.shape);
-    values = Tensor({total});
-    grads = Tensor({total});
-    Rng rng(seed);
-    rng.fill_normal(values.f32(), total, 0.0f, 1.0f);
-    int64_t offset = 0;
-    for (const Spec& s : specs) {
-      params.push_back({s.name, s.tag, values.view(offset, s.shape), grads.view(offset, s.shape)});
-      offset += shape_numel(s.shape);
-    }
-  }
-  void random_grads(uint64_t seed) {
-    Rng rng(seed);
-    rng.fill_normal(grads.f32(), grads.numel(), 0.0f, 0.1f);
-  }
-  std::vector<float> snapshot() const { return {values.f32(), values.f32() + values.numel()}; }
+// A model-like layout (tests/support/param_fixture.hpp), one parameter of each tag.
+struct Model : fixture::ParamSet {
+  explicit Model(uint64_t seed)
+      : ParamSet({{"wte", ParamTag::embedding, {11, 4}},
+                  {"wpe", ParamTag::position_embedding, {5, 4}},
+                  {"h0.attn.w", ParamTag::hidden_matrix, {4, 12}},
+                  {"h0.attn.b", ParamTag::bias, {12}},
+                  {"h0.ln.w", ParamTag::norm, {4}},
+                  {"lm_head", ParamTag::head, {11, 4}}},
+                 seed, 1.0f) {}
 };
 
 OptimizerConfig config() {

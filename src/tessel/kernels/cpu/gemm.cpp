@@ -17,6 +17,12 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
               int(ldb), beta, C, int(ldc));
 }
 
+void ssyrk_lower(int64_t N, int64_t K, float alpha, const float* A, int64_t lda, float beta,
+                 float* C, int64_t ldc) {
+  cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, int(N), int(K), alpha, A, int(lda), beta, C,
+              int(ldc));
+}
+
 }  // namespace detail
 
 // OpenBLAS is its OpenMP build (see CMakeLists.txt): called here, outside any parallel

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Training quality of optimizers on the README demo (configs/default.toml, 2 ranks x 1 thread):
+# the validation loss at equal steps for each setting given.
+#   bench/optim_quality.sh STEPS LABEL='--set k=v ...' [LABEL='...' ...]
+# e.g. bench/optim_quality.sh 150 adamw='--set optim.lr=3e-3' muon='--set optim.name=muon'
+# Needs `tessel prepare --corpus bible --out data/bible`. Prints one line per setting:
+# label, validation loss after STEPS (nats/byte), wall seconds. The schedule's total is STEPS.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"  # the config's data.path is relative to the repository root
+steps=$1
+shift
+for item in "$@"; do
+  label=${item%%=*}
+  sets=${item#*=}
+  run=$(mktemp -d /tmp/tessel-optim-quality-XXXXXX)
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # $sets is a list of --set arguments
+  OMP_NUM_THREADS=1 "$here/scripts/launch.sh" 2 train --config configs/default.toml \
+    --set run.dir="$run" --set run.quiet=true --set train.steps="$steps" \
+    --set train.eval_every=0 --set train.sample_tokens=0 --set train.save_final=false $sets
+  val=$(grep '"val_loss"' "$run/metrics.jsonl" | tail -1 | sed 's/.*"val_loss":\([0-9.e+-]*\).*/\1/')
+  echo "$label steps=$steps val_loss=$val wall_s=$(( $(date +%s) - start ))"
+  rm -rf "$run"
+done

@@ -1,0 +1,225 @@
+#include "tessel/optim/newton_schulz.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "tessel/core/error.hpp"
+#include "tessel/kernels/cpu/gemm.hpp"
+#include "tessel/kernels/cpu/symmetric.hpp"
+
+namespace tessel::optim {
+
+namespace {
+
+constexpr double kNormEps = 1e-7;
+
+bool restarts_before(std::span<const int> restarts, int64_t t) {
+  return t > 0 && std::find(restarts.begin(), restarts.end(), int(t)) != restarts.end();
+}
+
+// dst [m, n] = src [n, m] transposed.
+template <class T>
+void transpose(const T* src, int64_t n, int64_t m, T* dst) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < m; ++j) dst[j * n + i] = src[i * m + j];
+}
+
+// Steps 1-4 of orthogonalize around `core` (which runs on X [n, m], normalized, n <= m).
+template <class T, class Core>
+void orthogonalize_with(const T* U, int64_t rows, int64_t cols, T* out, Core core) {
+  TESSEL_CHECK(rows > 0 && cols > 0, "orthogonalize of a ", rows, "x", cols, " matrix");
+  const bool tall = rows > cols;
+  const int64_t n = tall ? cols : rows, m = tall ? rows : cols;
+  std::vector<T> X(size_t(n * m));
+  if (tall)
+    transpose(U, rows, cols, X.data());
+  else
+    std::copy(U, U + n * m, X.data());
+  double ss = 0;
+  for (T x : X) ss += double(x) * double(x);
+  const T inv = T(1.0 / (std::sqrt(ss) + kNormEps));
+  for (T& x : X) x *= inv;
+  core(X.data(), n, m);
+  if (tall)
+    transpose(X.data(), n, m, out);
+  else
+    std::copy(X.begin(), X.end(), out);
+}
+
+}  // namespace
+
+std::vector<NsTriple> ns_coefficients(const std::string& set, int steps) {
+  TESSEL_CHECK(steps >= 0, "ns steps ", steps);
+  if (set == "keller") return std::vector<NsTriple>(size_t(steps), {3.4445, -4.7750, 2.0315});
+  if (set == "polar_express") {
+    static const NsTriple table[] = {
+        {8.156554524902461, -22.48329292557795, 15.878769915207462},
+        {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+        {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+        {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+        {2.3465413258596377, -1.7097828382687081, 0.42323551169305323}};
+    std::vector<NsTriple> out;
+    for (int t = 0; t < steps; ++t)
+      out.push_back(t < 5 ? table[t] : NsTriple{15.0 / 8, -10.0 / 8, 3.0 / 8});
+    return out;
+  }
+  TESSEL_CHECK(false, "unknown Newton-Schulz coefficient set ", set);
+  return {};
+}
+
+bool uses_gram(const NsOptions& o, int64_t rows, int64_t cols) {
+  const int64_t n = std::min(rows, cols), m = std::max(rows, cols);
+  return o.gram && n >= o.gram_min && n < m;
+}
+
+void newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
+                   bool symmetric) {
+  using kernels::gemm;
+  std::vector<float> A(size_t(n * n)), B(size_t(n * n)), Y(size_t(n * m));
+  for (const NsTriple& k : coefficients) {
+    if (symmetric)
+      kernels::syrk(n, m, 1.0f, X, 0.0f, A.data());
+    else
+      gemm(false, true, n, n, m, 1.0f, X, m, X, m, 0.0f, A.data(), n);
+    B = A;  // B = b A + c A^2 (A^2 = A A^T)
+    if (symmetric)
+      kernels::syrk(n, n, float(k.c), A.data(), float(k.b), B.data());
+    else
+      gemm(false, false, n, n, n, float(k.c), A.data(), n, A.data(), n, float(k.b), B.data(), n);
+    std::copy(X, X + n * m, Y.data());  // X = a X + B X
+    gemm(false, false, n, m, n, 1.0f, B.data(), n, X, m, float(k.a), Y.data(), m);
+    std::copy(Y.begin(), Y.end(), X);
+  }
+}
+
+void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
+                        std::span<const int> restarts) {
+  using kernels::commuting_product;
+  using kernels::gemm;
+  using kernels::syrk;
+  const int64_t T = int64_t(coefficients.size());
+  if (T == 0) return;
+  const size_t nn = size_t(n * n);
+  std::vector<float> R(nn), Q(nn), Z(nn), RZ(nn), tmp(nn), Y(size_t(n * m));
+  auto apply_q = [&] {  // X = Q X
+    gemm(false, false, n, m, n, 1.0f, Q.data(), n, X, m, 0.0f, Y.data(), m);
+    std::copy(Y.begin(), Y.end(), X);
+  };
+  syrk(n, m, 1.0f, X, 0.0f, R.data());
+  bool fresh = true;
+  for (int64_t t = 0; t < T; ++t) {
+    const NsTriple& k = coefficients[size_t(t)];
+    if (restarts_before(restarts, t)) {
+      apply_q();
+      syrk(n, m, 1.0f, X, 0.0f, R.data());
+      fresh = true;
+    }
+    Z = R;  // Z = b R + c R^2
+    syrk(n, n, float(k.c), R.data(), float(k.b), Z.data());
+    if (fresh) {
+      Q = Z;
+      for (int64_t i = 0; i < n; ++i) Q[size_t(i * n + i)] += float(k.a);
+      fresh = false;
+    } else {
+      tmp = Q;  // Q = Q Z + a Q
+      commuting_product(n, 1.0f, Q.data(), Z.data(), float(k.a), tmp.data());
+      std::swap(Q, tmp);
+    }
+    if (t + 1 < T && !restarts_before(restarts, t + 1)) {
+      RZ = R;  // RZ = R Z + a R
+      commuting_product(n, 1.0f, R.data(), Z.data(), float(k.a), RZ.data());
+      R = RZ;  // R = Z RZ + a RZ
+      commuting_product(n, 1.0f, Z.data(), RZ.data(), float(k.a), R.data());
+    }
+  }
+  apply_q();
+}
+
+void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& o, float* out) {
+  const bool gram = uses_gram(o, rows, cols);
+  orthogonalize_with(U, rows, cols, out, [&](float* X, int64_t n, int64_t m) {
+    if (gram)
+      gram_newton_schulz(X, n, m, o.coefficients, o.restarts);
+    else
+      newton_schulz(X, n, m, o.coefficients, o.symmetric);
+  });
+}
+
+namespace naive {
+
+template <class T>
+void newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients) {
+  using kernels::naive::gemm;
+  std::vector<T> A(size_t(n * n)), B(size_t(n * n)), Y(size_t(n * m));
+  for (const NsTriple& k : coefficients) {
+    gemm<T>(false, true, n, n, m, T(1), X, m, X, m, T(0), A.data(), n);
+    gemm<T>(false, false, n, n, n, T(1), A.data(), n, A.data(), n, T(0), B.data(), n);
+    for (size_t i = 0; i < B.size(); ++i) B[i] = T(k.b) * A[i] + T(k.c) * B[i];
+    gemm<T>(false, false, n, m, n, T(1), B.data(), n, X, m, T(0), Y.data(), m);
+    for (int64_t i = 0; i < n * m; ++i) X[i] = T(k.a) * X[i] + Y[size_t(i)];
+  }
+}
+
+template <class T>
+void gram_newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
+                        std::span<const int> restarts) {
+  using kernels::naive::gemm;
+  const int64_t T_ = int64_t(coefficients.size());
+  if (T_ == 0) return;
+  const size_t nn = size_t(n * n);
+  std::vector<T> R(nn), Q(nn), Z(nn), RZ(nn), P(nn), Y(size_t(n * m));
+  auto mul = [&](const std::vector<T>& A, const std::vector<T>& B, std::vector<T>& C) {
+    gemm<T>(false, false, n, n, n, T(1), A.data(), n, B.data(), n, T(0), C.data(), n);
+  };
+  auto gram = [&] { gemm<T>(false, true, n, n, m, T(1), X, m, X, m, T(0), R.data(), n); };
+  auto apply_q = [&] {
+    gemm<T>(false, false, n, m, n, T(1), Q.data(), n, X, m, T(0), Y.data(), m);
+    std::copy(Y.begin(), Y.end(), X);
+  };
+  gram();
+  for (size_t i = 0; i < nn; ++i) Q[i] = i % size_t(n + 1) == 0 ? T(1) : T(0);
+  for (int64_t t = 0; t < T_; ++t) {
+    const NsTriple& k = coefficients[size_t(t)];
+    if (restarts_before(restarts, t)) {
+      apply_q();
+      gram();
+      for (size_t i = 0; i < nn; ++i) Q[i] = i % size_t(n + 1) == 0 ? T(1) : T(0);
+    }
+    mul(R, R, Z);
+    for (size_t i = 0; i < nn; ++i) Z[i] = T(k.b) * R[i] + T(k.c) * Z[i];
+    mul(Q, Z, P);
+    for (size_t i = 0; i < nn; ++i) Q[i] = P[i] + T(k.a) * Q[i];
+    if (t + 1 < T_ && !restarts_before(restarts, t + 1)) {
+      mul(R, Z, P);
+      for (size_t i = 0; i < nn; ++i) RZ[i] = P[i] + T(k.a) * R[i];
+      mul(Z, RZ, P);
+      for (size_t i = 0; i < nn; ++i) R[i] = P[i] + T(k.a) * RZ[i];
+    }
+  }
+  apply_q();
+}
+
+template <class T>
+void orthogonalize(const T* U, int64_t rows, int64_t cols, const NsOptions& o, T* out) {
+  const bool gram = uses_gram(o, rows, cols);
+  orthogonalize_with(U, rows, cols, out, [&](T* X, int64_t n, int64_t m) {
+    if (gram)
+      gram_newton_schulz<T>(X, n, m, o.coefficients, o.restarts);
+    else
+      newton_schulz<T>(X, n, m, o.coefficients);
+  });
+}
+
+#define TESSEL_INSTANTIATE(T)                                                          \
+  template void newton_schulz<T>(T*, int64_t, int64_t, std::span<const NsTriple>);     \
+  template void gram_newton_schulz<T>(T*, int64_t, int64_t, std::span<const NsTriple>, \
+                                      std::span<const int>);                           \
+  template void orthogonalize<T>(const T*, int64_t, int64_t, const NsOptions&, T*);
+TESSEL_INSTANTIATE(float)
+TESSEL_INSTANTIATE(double)
+#undef TESSEL_INSTANTIATE
+
+}  // namespace naive
+
+}  // namespace tessel::optim

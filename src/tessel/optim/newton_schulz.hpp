@@ -1,0 +1,75 @@
+#pragma once
+// Approximate polar factor O ~ U_s V_s^T of U = U_s S V_s^T by quintic Newton-Schulz (NS)
+// (spec muon_dion3.md, sections 2-3).
+//
+// orthogonalize(U [rows, cols]):
+//   1. X = U, transposed when rows > cols, so X is [n, m] with n <= m (short side first);
+//   2. X /= ||X||_F + 1e-7 (norm summed in double), so every singular value is <= 1;
+//   3. one NS core on X (below); 4. the transpose undone.
+// Transposing before normalizing makes orthogonalize(U^T) == orthogonalize(U)^T bitwise.
+//
+// Standard NS, per step t with triple (a, b, c):  A = X X^T;  B = b A + c A^2;  X = a X + B X.
+// Each step maps every singular value s to a s + b s^3 + c s^5.
+//
+// Gram NS does the same steps in the n x n space. R = X0 X0^T, Q = I; per step t:
+//   Z = b R + c R^2;  Q = Q Z + a Q (= Z + a I right after a (re)start);
+//   unless t is the last step or the step before a restart:
+//     RZ = R Z + a R;  R = Z RZ + a RZ.
+//   Before each restart step t: X = Q X; R = X X^T; Q = I.
+//   Output Q X.
+// R, Z, Q, RZ are polynomials in R0 (symmetric and commuting): X X^T and R^2 use SYRK, the
+// products of two of them the lower-tile kernel (kernels/cpu/symmetric.hpp). Restarts
+// re-derive R from X and stop the drift that finite precision causes (the Gram form squares
+// the condition number).
+//
+// orthogonalize uses Gram NS when `gram` is set and gram_min <= n < m; otherwise standard NS
+// (square matrices gain nothing from the Gram form: spec section 3.2).
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tessel::optim {
+
+struct NsTriple {
+  double a, b, c;
+};
+
+// "keller": KellerJordan's (3.4445, -4.7750, 2.0315) at every step (singular values end
+// roughly in [0.7, 1.2], by design). "polar_express": the published 5-step Polar Express
+// table (safety factor applied), then the limit (15/8, -10/8, 3/8) for further steps.
+std::vector<NsTriple> ns_coefficients(const std::string& set, int steps);
+
+struct NsOptions {
+  std::vector<NsTriple> coefficients = ns_coefficients("keller", 5);
+  bool gram = true;
+  std::vector<int> restarts = {2};  // 0-based steps before which Gram NS restarts
+  int64_t gram_min = 64;            // smallest short side that uses Gram NS (bench_optim)
+  bool symmetric = true;            // standard NS: SYRK for A and A^2 (false: GEMM only)
+};
+
+// Whether orthogonalize takes the Gram path for a [rows, cols] input.
+bool uses_gram(const NsOptions& options, int64_t rows, int64_t cols);
+
+// out [rows, cols] = polar approximation of U [rows, cols] (steps 1-4 above). out != U.
+void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& options,
+                   float* out);
+
+// The cores, in place on a normalized X [n, m], n <= m.
+void newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
+                   bool symmetric);
+void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
+                        std::span<const int> restarts);
+
+namespace naive {
+// The same recurrences with plain loops (naive::gemm) in T (float and double instantiated).
+template <class T>
+void newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients);
+template <class T>
+void gram_newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
+                        std::span<const int> restarts);
+template <class T>
+void orthogonalize(const T* U, int64_t rows, int64_t cols, const NsOptions& options, T* out);
+}  // namespace naive
+
+}  // namespace tessel::optim
