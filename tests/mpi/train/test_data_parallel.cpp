@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
@@ -41,6 +42,23 @@ std::string dataset(comm::Communicator& world) {
 train::TrainResult run_on(comm::Communicator& comm, train::Config c) {
   train::Trainer trainer(std::move(c), comm);
   return trainer.run();
+}
+
+// Runs `c` to its end, lets rank 0 `break_newest` (remove or damage the newest checkpoint),
+// then runs `c` again: the second run must resume from step `from` and repeat the first run's
+// losses from there bitwise. Returns the first run.
+train::TrainResult expect_resume_continues_bitwise(comm::Communicator& world,
+                                                   const train::Config& c, int64_t from,
+                                                   const std::function<void()>& break_newest) {
+  auto full = run_on(world, c);
+  if (world.rank() == 0) break_newest();
+  world.barrier();
+  auto resumed = run_on(world, c);
+  EXPECT_EQ(resumed.resumed_from, from);
+  EXPECT_EQ(int64_t(resumed.steps.size()), c.train.steps - from);
+  for (size_t i = 0; i < resumed.steps.size() && from + i < full.steps.size(); ++i)
+    EXPECT_EQ(resumed.steps[i].loss, full.steps[size_t(from) + i].loss) << "step " << from + 1 + i;
+  return full;
 }
 
 }  // namespace
@@ -117,34 +135,21 @@ TEST(DataParallel, ResumeContinuesBitwise) {
   std::string run = shared_temp_dir(world, "tessel-dp-resume");
   train::Config c = fixture::tiny_config(dataset(world), run);
   c.train.checkpoint_every = 25;
-  auto full = run_on(world, c);
-  if (world.rank() == 0) fs::remove_all(run + "/checkpoints/step-00000050");
-  world.barrier();
-  auto resumed = run_on(world, c);
-  EXPECT_EQ(resumed.resumed_from, 25);
-  ASSERT_EQ(resumed.steps.size(), 25u);
-  for (size_t i = 0; i < resumed.steps.size(); ++i)
-    EXPECT_EQ(resumed.steps[i].loss, full.steps[25 + i].loss) << "step " << 26 + i;
+  expect_resume_continues_bitwise(world, c, 25,
+                                  [&] { fs::remove_all(run + "/checkpoints/step-00000050"); });
 }
 
 TEST(DataParallel, ADamagedNewestCheckpointResumesAllRanksFromThePreviousOne) {
   comm::Communicator& world = comm::world();
   std::string run = shared_temp_dir(world, "tessel-dp-damaged");
   train::Config c = fixture::tiny_config(dataset(world), run);
-  c.train.checkpoint_every = 25;
-  auto full = run_on(world, c);  // checkpoints at 25 and 50
-  if (world.rank() == 0) {
+  c.train.checkpoint_every = 25;  // checkpoints at 25 and 50
+  expect_resume_continues_bitwise(world, c, 25, [&] {
     char shard[64];  // rank 0's share of the optimizer state
     std::snprintf(shard, sizeof shard, "optimizer-00000-of-%05d.safetensors", world.size());
     std::string damaged = run + "/checkpoints/step-00000050/" + shard;
     fs::resize_file(damaged, fs::file_size(damaged) - 1);
-  }
-  world.barrier();
-  auto resumed = run_on(world, c);
-  EXPECT_EQ(resumed.resumed_from, 25);
-  ASSERT_EQ(resumed.steps.size(), 25u);
-  for (size_t i = 0; i < resumed.steps.size(); ++i)
-    EXPECT_EQ(resumed.steps[i].loss, full.steps[25 + i].loss) << "step " << 26 + i;
+  });
 }
 
 // Dion3 (ZeRO-1 sharded state, per-head QKV blocks) through the trainer: the loss falls and a
@@ -158,15 +163,9 @@ TEST(DataParallel, Dion3ResumeContinuesBitwise) {
   c.optim.ns_gram_min = 8;
   c.train.steps = 20;
   c.train.checkpoint_every = 10;
-  auto full = run_on(world, c);
+  const auto full = expect_resume_continues_bitwise(
+      world, c, 10, [&] { fs::remove_all(run + "/checkpoints/step-00000020"); });
   EXPECT_LT(full.steps.back().loss, full.steps.front().loss - 0.5);
-  if (world.rank() == 0) fs::remove_all(run + "/checkpoints/step-00000020");
-  world.barrier();
-  auto resumed = run_on(world, c);
-  EXPECT_EQ(resumed.resumed_from, 10);
-  ASSERT_EQ(resumed.steps.size(), 10u);
-  for (size_t i = 0; i < resumed.steps.size(); ++i)
-    EXPECT_EQ(resumed.steps[i].loss, full.steps[10 + i].loss) << "step " << 11 + i;
 }
 
 // A GPT with MoE blocks: experts spread over every rank (parallel.ep = world) trains like
