@@ -4,9 +4,11 @@
 # MaxVio global (validation set), MaxVio micro (per micro-batch and ep group), the fraction
 # capacity factor 1.0 would drop, and the final validation loss; then tokens/s with
 # parallel.ep = 2 against ep = 1 (eqb_lei).
-#   bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
-# Defaults: 300 steps, 60 throughput steps, methods aux bias eqb_lei. Needs `tessel prepare`
-# and jq. Metrics of the last 50 steps are averaged.
+#   [SEEDS="1234 2 3"] bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
+# Defaults: 300 steps, 60 throughput steps, methods aux bias eqb_lei, seed 1234. A method
+# METHOD:RATE also sets model.moe_bias_rate (bias:1e-2). Every method runs once per seed in
+# SEEDS (run.seed: initialization and data order). Needs `tessel prepare` and jq. Metrics of
+# the last 50 steps are averaged.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -36,10 +38,18 @@ summary() {
        $v.val_loss]
     | map(. * 10000 | round / 10000) | @tsv' "$1/metrics.jsonl"
 }
-printf "method\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tval_loss\n"
+read -r -a seeds <<<"${SEEDS:-1234}"
+printf "method\tseed\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tval_loss\n"
 for m in "${methods[@]}"; do
-  train "$runs/$m" --set model.moe_balance="$m" --set train.steps="$steps"
-  printf "%s\t%s\n" "$m" "$(summary "$runs/$m")"
+  method=${m%%:*}
+  rate=()
+  [[ $m == *:* ]] && rate=(--set model.moe_bias_rate="${m#*:}")
+  for seed in "${seeds[@]}"; do
+    dir="$runs/${m//:/_}-$seed"
+    train "$dir" --set model.moe_balance="$method" "${rate[@]}" --set run.seed="$seed" \
+      --set train.steps="$steps"
+    printf "%s\t%s\t%s\n" "$m" "$seed" "$(summary "$dir")"
+  done
 done
 # Throughput: median tokens/s over steps 6 onwards, no validation or checkpoint in between.
 for ep in 1 2; do
