@@ -96,14 +96,20 @@ int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
   return 0;
 }
 
-int run_ett_report(const std::string& run_dir) {
-  train::EttReport r = train::write_ett_report(run_dir);
+// Exit status 3 when a failure's TTR exceeded `max_ttr` (the report is written anyway).
+int run_ett_report(const std::string& run_dir, double max_ttr) {
+  train::EttReport r = train::write_ett_report(run_dir, max_ttr);
   std::printf(
       "%s: W %.3f s over %zu attempt(s), ETT %.2f%%, TTS %.3f s, NoF %d, MFU %.2f%%, goodput "
       "%.2f%%\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
       run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof, 100 * r.mfu,
       100 * r.goodput, run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
-  return 0;
+  auto over = train::ttr_over_bound(r);
+  for (int i : over)
+    std::fprintf(stderr,
+                 "tessel: TTR of failure %d (attempt %d) was %.3f s, over --max-ttr %.3f s\n",
+                 i + 1, i, r.ttr[size_t(i)], max_ttr);
+  return over.empty() ? 0 : 3;
 }
 
 int run_export(const std::string& checkpoint, const std::string& out) {
@@ -197,12 +203,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   runc->add_option("--launcher", sup.launcher, "MPI launcher")->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train");
+  double max_ttr = 0;
+  const char* max_ttr_help =
+      "recovery-time objective in seconds: exit status 3 if a failure's TTR (wasted steps + "
+      "detection + the next attempt's start-up) exceeded it; 0 = none";
+  runc->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::NonNegativeNumber);
   runc->add_option("--set", sup_overrides, "override a config key, as for train")->take_all();
 
   std::string report_dir;
   auto* report = app.add_subcommand(
       "ett-report", "effective training time of a run: ett.json, ett.html, ett_trace.json");
   report->add_option("RUN_DIR", report_dir, "run directory")->required();
+  report->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::NonNegativeNumber);
 
   std::string export_from, export_to;
   auto* exportc = app.add_subcommand(
@@ -235,10 +247,9 @@ int main(int argc, char** argv) {
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
       int status = train::supervise(sup);
-      if (status == 0) run_ett_report(sup.run_dir);
-      return status;
+      return status == 0 ? run_ett_report(sup.run_dir, max_ttr) : status;
     }
-    if (*report) return world.rank() == 0 ? run_ett_report(report_dir) : 0;
+    if (*report) return world.rank() == 0 ? run_ett_report(report_dir, max_ttr) : 0;
     if (*exportc) return world.rank() == 0 ? run_export(export_from, export_to) : 0;
     if (*gen) return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);

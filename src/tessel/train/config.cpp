@@ -311,7 +311,7 @@ std::vector<ConfigKey> build_schema() {
                  FIELD(fault.kill_steps)),
       string_key("fault.kill_seconds",
                  "comma-separated seconds, the k-th for attempt k: SIGKILL that long after "
-                 "the attempt began",
+                 "the attempt's process started (armed once the trainer is built)",
                  FIELD(fault.kill_seconds)),
       choice_key<std::string>("fault.kill_in",
                               "where a kill_steps fault strikes: step (after the update) or "
@@ -321,6 +321,10 @@ std::vector<ConfigKey> build_schema() {
       int_key("fault.corrupt_step",
               "flip a byte of the committed checkpoint of this step (0 = none)",
               FIELD(fault.corrupt_step)),
+      float_key("fault.init_delay_seconds",
+                "synthetic slow start: every attempt sleeps this long while building the "
+                "model (tests the ETT ledger's restart cost)",
+                FIELD(fault.init_delay_seconds)),
   };
 }
 #undef FIELD

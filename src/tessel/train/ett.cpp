@@ -294,6 +294,10 @@ nlohmann::json ett_json(const EttReport& r) {
   j["nof"] = r.nof;
   j["nof_injected"] = r.injected;
   j["ttr_seconds"] = r.ttr;
+  if (r.ttr_bound > 0) {
+    j["ttr_bound_seconds"] = r.ttr_bound;
+    j["ttr_over_bound"] = ttr_over_bound(r);
+  }
   j["checkpoint_blocking_seconds"] = r.ckpt_block;
   j["mfu"] = r.mfu;
   j["goodput"] = r.goodput;
@@ -358,6 +362,9 @@ std::string ett_html(const EttReport& r, const std::string& title) {
   std::string ttr;
   for (double t : r.ttr) ttr += (ttr.empty() ? "" : ", ") + fmt("%.3f s", t);
   row("TTR per failure", ttr.empty() ? "-" : ttr);
+  if (r.ttr_bound > 0)
+    row("TTR bound", fmt("%.3f s", r.ttr_bound) + ", exceeded by " +
+                         std::to_string(ttr_over_bound(r).size()) + " failure(s)");
   row("mean MFU", fmt("%.2f %%", 100 * r.mfu));
   row("goodput = MFU x ETT%", fmt("%.2f %%", 100 * r.goodput));
   h << "</table>\n";
@@ -419,11 +426,21 @@ std::string ett_html(const EttReport& r, const std::string& title) {
   return h.str();
 }
 
-EttReport write_ett_report(const std::string& run_dir) {
+std::vector<int> ttr_over_bound(const EttReport& r) {
+  std::vector<int> over;
+  if (r.ttr_bound > 0)
+    for (size_t i = 0; i < r.ttr.size(); ++i)
+      if (r.ttr[i] > r.ttr_bound) over.push_back(int(i));
+  return over;
+}
+
+EttReport write_ett_report(const std::string& run_dir, double ttr_bound) {
   if (count_attempts(run_dir) == 0)
     input_error(run_dir, ": no ETT log (", ett_dir(run_dir),
                 "/attempt-0000.jsonl); run `tessel train` or `tessel run` first");
+  if (!(ttr_bound >= 0)) input_error("--max-ttr must be >= 0 seconds, got ", ttr_bound);
   EttReport r = analyze_ett(run_dir);
+  r.ttr_bound = ttr_bound;
   write_file_atomically(run_dir + "/ett.json", ett_json(r).dump(2) + "\n");
   write_file_atomically(run_dir + "/ett_trace.json", ett_chrome_trace(r).dump() + "\n");
   write_file_atomically(run_dir + "/ett.html", ett_html(r, run_dir));

@@ -119,6 +119,7 @@ struct EttReport {
   int nof = 0;                              // failed attempts
   int injected = 0;                         // of which injected
   std::vector<double> ttr;                  // per failure: wasted + detection + next start-up
+  double ttr_bound = 0;                     // seconds; 0 = no bound
   std::vector<double> ckpt_block;           // each checkpoint_blocking segment, seconds
   double mfu = 0;                           // mean step MFU of metrics.jsonl
   double goodput = 0;                       // mfu * ett
@@ -133,7 +134,10 @@ nlohmann::json ett_json(const EttReport& report);
 nlohmann::json ett_chrome_trace(const EttReport& report);
 // A self-contained HTML page: summary table, stacked bar of leaves per attempt, timeline.
 std::string ett_html(const EttReport& report, const std::string& title);
+// The failures (0-based) whose TTR exceeds report.ttr_bound (none when the bound is 0).
+std::vector<int> ttr_over_bound(const EttReport& report);
 // Writes ett.json, ett.html and ett_trace.json into `run_dir`; returns the report.
-EttReport write_ett_report(const std::string& run_dir);
+// `ttr_bound` (seconds, 0 = none) is the recovery-time objective each TTR is checked against.
+EttReport write_ett_report(const std::string& run_dir, double ttr_bound = 0);
 
 }  // namespace tessel::train

@@ -59,6 +59,9 @@ void validate(const FaultConfig& c) {
                 "'");
   if (c.corrupt_step < 0)
     input_error("config key 'fault.corrupt_step' must not be negative, got ", c.corrupt_step);
+  if (!(c.init_delay_seconds >= 0 && c.init_delay_seconds <= 3600))
+    input_error("config key 'fault.init_delay_seconds' must be in [0, 3600], got ",
+                c.init_delay_seconds);
 }
 
 FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::string ledger_path,

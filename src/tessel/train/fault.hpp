@@ -6,7 +6,12 @@
 //                 that step (kill_in = "step"), or inside the checkpoint writer of that
 //                 step after its files are durable and before the manifest
 //                 (kill_in = "checkpoint_write");
-//   kill_seconds  rank `kill_rank` kills itself that many seconds after the attempt began;
+//   kill_seconds  rank `kill_rank` kills itself that many seconds after the attempt began
+//                 (its process start, before MPI start-up). The timer is armed when the
+//                 trainer is built, so a deadline that passed during start-up fires then;
+//   init_delay_seconds  every rank of every attempt sleeps that long while building the
+//                 model: a synthetic slow cold start, which the ETT ledger charges to
+//                 model_build once per attempt (W grows by (1 + NoF) * delay);
 //   corrupt_step  after the checkpoint of that step is committed, one byte of rank 0's
 //                 model shard is flipped (storage corruption; found by the load's CRC).
 // Before dying, the rank appends a fault line to the attempt's ETT log, so the ledger
@@ -23,10 +28,11 @@ namespace tessel::train {
 
 struct FaultConfig {
   int64_t kill_rank = 0;
-  std::string kill_steps;        // comma-separated, one per attempt ("" = none; "0" = none)
-  std::string kill_seconds;      // comma-separated seconds, one per attempt
-  std::string kill_in = "step";  // "step" | "checkpoint_write"
-  int64_t corrupt_step = 0;      // 0 = none
+  std::string kill_steps;         // comma-separated, one per attempt ("" = none; "0" = none)
+  std::string kill_seconds;       // comma-separated seconds, one per attempt
+  std::string kill_in = "step";   // "step" | "checkpoint_write"
+  int64_t corrupt_step = 0;       // 0 = none
+  double init_delay_seconds = 0;  // synthetic cold-start delay per attempt
 };
 
 // Checks the lists and kill_in; InputError naming the `fault.*` key.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -225,7 +226,10 @@ struct Trainer::State {
   PhaseMark mark_start(const ProcessTimes& times) {
     if (times.started_ns >= 0) ledger.enter(Phase::comm_init, -1, times.started_ns);
     if (times.comm_ready_ns >= 0) ledger.enter(Phase::other, -1, times.comm_ready_ns);
-    return PhaseMark(ledger, Phase::model_build);
+    PhaseMark build(ledger, Phase::model_build);
+    if (config.fault.init_delay_seconds > 0)  // fault.init_delay_seconds: a slow cold start
+      std::this_thread::sleep_for(std::chrono::duration<double>(config.fault.init_delay_seconds));
+    return build;
   }
 
   // Fast start, beside the data warm-up of the main thread: allocates (and so first-touches)
@@ -285,14 +289,18 @@ struct Trainer::State {
   }
 
   // What must match between a checkpoint and the run that resumes it, by config key:
-  // the model, everything that decides the data order, and the optimizer.
+  // the model, everything that decides the data order, and the optimizer. The data order
+  // depends on the layout only through the global batch (data/loader.hpp), so dp, accum
+  // and micro_batch may change if their product does: the optimizer state is stored
+  // whole, in parameter layout, and the next step re-shards it over the new dp group.
   nlohmann::json compatibility() const {
-    static const std::set<std::string> order_keys = {
-        "run.seed",      "data.shuffle", "train.micro_batch", "train.accum",
-        "train.seq_len", "parallel.dp",  "optim.name"};
+    static const std::set<std::string> order_keys = {"run.seed", "data.shuffle", "train.seq_len",
+                                                     "optim.name"};
     nlohmann::json keys;
     for (const auto& k : config_schema())
       if (k.name.rfind("model.", 0) == 0 || order_keys.count(k.name)) keys[k.name] = k.get(config);
+    keys["global batch (sequences per step: dp * accum * micro_batch)"] =
+        loader.sequences_per_step();
     keys["data.path/train.tok tokens"] = loader.shard().num_tokens();
     keys["data.path/train.tok documents"] = loader.shard().num_documents();
     return keys;

@@ -100,10 +100,11 @@ struct SupervisorTest : ::testing::Test {
     Outcome o = run_tessel(run_args(reference));
     ASSERT_EQ(o.exit_code, 0) << o.err;
   }
-  // `extra`: more --set options (they come last: --set takes every argument after it).
+  // `extra`: more --set options (they come last: --set takes every argument after it);
+  // `options`: more options of `tessel run`.
   static std::string run_args(const std::string& run, const std::string& extra = "",
-                              int restarts = 3) {
-    return "run --np 2 --threads 1 --max-restarts " + std::to_string(restarts) +
+                              int restarts = 3, const std::string& options = "") {
+    return "run " + options + " --np 2 --threads 1 --max-restarts " + std::to_string(restarts) +
            " --set data.path=" + data + " --set run.dir=" + run +
            " --set run.quiet=true --set model.layers=1 --set model.width=32 --set model.heads=2"
            " --set model.max_seq=16 --set train.seq_len=16 --set train.micro_batch=2"
@@ -245,4 +246,54 @@ TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
   EXPECT_NE(slurp(run + "/ett/attempt-0000.jsonl").find("\"kind\":\"kill_after_seconds\""),
             std::string::npos);
   EXPECT_EQ(loss_curve(run), loss_curve(reference));
+}
+
+// Spec: "adding a synthetic δ to init grows W by (1 + NoF)·δ" — a restart repeats the cold
+// path. Two failures, so every second of start-up costs three; and each TTR is measured
+// (it contains the next attempt's start-up, so at least δ) and checked against a bound.
+TEST_F(SupervisorTest, AStartUpDelayGrowsWallTimeOncePerAttemptAndTtrIsBounded) {
+  const double delta = 1.5;
+  const std::string faults = " --set fault.kill_rank=1 --set fault.kill_steps=6,11";
+  std::string base = fixture::temp_dir("tessel-sup-base"),
+              slow = fixture::temp_dir("tessel-sup-slow");
+  Outcome o = run_tessel(run_args(base, faults));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  o = run_tessel(run_args(slow, faults + " --set fault.init_delay_seconds=" + std::to_string(delta),
+                          3, "--max-ttr 600"));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  auto a = nlohmann::json::parse(slurp(base + "/ett.json"));
+  auto b = nlohmann::json::parse(slurp(slow + "/ett.json"));
+  ASSERT_EQ(a["nof"], 2);
+  ASSERT_EQ(b["nof"], 2);
+  const double grow = (1 + 2) * delta;
+  auto leaf = [](const nlohmann::json& r, const char* k) { return r["leaves"][k].get<double>(); };
+  // The leaf that holds the delay grows by it once per attempt (±0.1 s of noise).
+  const double build = leaf(b, "model_build") - leaf(a, "model_build");
+  EXPECT_GE(build, grow - 0.1);
+  EXPECT_LE(build, grow + 0.3);
+  // W: the rest of the two jobs differs by machine noise, and by mpirun's teardown after a
+  // rank dies (charged to failure_detection), which takes 0 or about 1 s per failure on this
+  // machine. Without that leaf, ±0.5 s separates (1 + NoF)·δ = 4.5 s from NoF·δ or (2 + NoF)·δ.
+  const double wall = b["wall_seconds"].get<double>() - a["wall_seconds"].get<double>();
+  const double detection = leaf(b, "failure_detection") - leaf(a, "failure_detection");
+  std::printf(
+      "W grew by %.3f s (failure detection by %.3f s), model_build by %.3f s; "
+      "(1 + NoF)·δ = %.3f s\n",
+      wall, detection, build, grow);
+  EXPECT_NEAR(wall - detection, grow, 0.5);
+  EXPECT_NEAR(wall, grow, 0.5 + 1.1 * 2);
+  EXPECT_EQ(loss_curve(slow), loss_curve(reference));
+
+  // --max-ttr: within 600 s nothing is over; the bound is in ett.json.
+  ASSERT_EQ(b["ttr_seconds"].size(), 2u);
+  for (const auto& t : b["ttr_seconds"]) EXPECT_GE(t.get<double>(), delta);
+  EXPECT_EQ(b["ttr_bound_seconds"], 600.0);
+  EXPECT_TRUE(b["ttr_over_bound"].empty());
+  // A bound below δ is exceeded by both failures: exit status 3, each failure named.
+  o = run_tessel("ett-report --max-ttr " + std::to_string(delta / 2) + " " + slow);
+  EXPECT_EQ(o.exit_code, 3) << o.err;
+  EXPECT_NE(o.err.find("TTR of failure 1"), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("TTR of failure 2"), std::string::npos) << o.err;
+  b = nlohmann::json::parse(slurp(slow + "/ett.json"));
+  EXPECT_EQ(b["ttr_over_bound"], nlohmann::json::array({0, 1}));
 }

@@ -35,7 +35,8 @@ void commuting_pair(Rng& rng, int64_t n, VecF& A, VecF& B) {
 
 TEST(Symmetric, SyrkMatchesGemm) {
   Rng rng(1);
-  for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 1}, {7, 3}, {64, 200}, {300, 130}}) {
+  for (auto [n, k] :
+       {std::pair<int64_t, int64_t>{1, 1}, {7, 3}, {64, 200}, {300, 130}, {517, 40}}) {
     SCOPED_TRACE(testing::Message() << n << "x" << k);
     VecF A = randn(rng, size_t(n * k));
     VecF C = randn(rng, size_t(n * n));

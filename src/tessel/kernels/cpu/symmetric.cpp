@@ -8,19 +8,27 @@
 
 namespace tessel::kernels {
 
-// Blocked: 64 x 64 tiles of the lower triangle are copied transposed, so the strided writes
-// of the transpose stay in cache.
+// Blocked: each 64 x 64 tile below the diagonal is transposed through a small contiguous
+// buffer, so both the reads and the writes of C run along rows. A direct strided write
+// (C[j * n + i]) touches one cache line per row of the tile, and at power-of-two n those
+// lines map to the same L1 sets and evict each other; the buffer avoids that.
 void mirror_lower(int64_t n, float* C) {
   constexpr int64_t kB = 64;
   const int64_t tiles = (n + kB - 1) / kB;
-#pragma omp parallel for schedule(static) if (n >= 512)
+#pragma omp parallel for schedule(dynamic) if (n >= 512)
   for (int64_t bi = 0; bi < tiles; ++bi) {
-    const int64_t i0 = bi * kB, i1 = std::min(n, i0 + kB);
-    for (int64_t j0 = 0; j0 <= i0; j0 += kB) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t j1 = std::min(i, j0 + kB);
-        for (int64_t j = j0; j < j1; ++j) C[j * n + i] = C[i * n + j];
+    float buf[kB * kB];
+    const int64_t i0 = bi * kB, i1 = std::min(n, i0 + kB), h = i1 - i0;
+    for (int64_t j0 = 0; j0 < i0; j0 += kB) {
+      for (int64_t i = 0; i < h; ++i) {
+        const float* src = C + (i0 + i) * n + j0;
+        for (int64_t j = 0; j < kB; ++j) buf[j * kB + i] = src[j];
       }
+      for (int64_t j = 0; j < kB; ++j)
+        std::copy(buf + j * kB, buf + j * kB + h, C + (j0 + j) * n + i0);
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t j = i0; j < i; ++j) C[j * n + i] = C[i * n + j];
     }
   }
 }
