@@ -1,0 +1,135 @@
+#include "tessel/pipeline/simulator.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::pipeline {
+
+namespace {
+
+constexpr double kNotDone = -1;
+
+}  // namespace
+
+SimResult simulate(const SimOptions& o) {
+  const auto& sched = o.schedule;
+  validate(sched);
+  const int P = sched.stages;
+  if (o.costs.size() != 1 && o.costs.size() != size_t(P))
+    input_error("pipeline simulator: costs must list 1 or ", P, " stages, got ", o.costs.size());
+  auto cost = [&](int s) -> const StageCosts& {
+    return o.costs[o.costs.size() == 1 ? 0 : size_t(s)];
+  };
+  const bool flush = sched.kind != ScheduleKind::paci;
+  const int64_t micros = flush ? sched.micro_batches * sched.steps : sched.micro_batches;
+
+  std::vector<std::vector<Op>> ops(static_cast<size_t>(P));
+  for (int s = 0; s < P; ++s) ops[size_t(s)] = stage_ops(sched, s);
+  std::vector<std::vector<double>> f_end(size_t(P), std::vector<double>(size_t(micros), kNotDone));
+  auto b_end = f_end;
+  std::vector<std::vector<int64_t>> f_version(size_t(P), std::vector<int64_t>(size_t(micros), 0));
+  std::vector<size_t> next(size_t(P), 0);
+  std::vector<double> free_at(size_t(P), 0);
+  std::vector<int64_t> version(size_t(P), 0), live(size_t(P), 0), gapped(size_t(P), 0),
+      backwards(size_t(P), 0);
+
+  SimResult r;
+  r.busy.assign(size_t(P), 0);
+  r.peak_activations.assign(size_t(P), 0);
+  r.max_version_gap.assign(size_t(P), 0);
+  auto run = [&](int s, double ready, double duration) {
+    const double start = std::max(free_at[size_t(s)], ready);
+    free_at[size_t(s)] = start + duration;
+    r.busy[size_t(s)] += duration;
+    r.timeline.push_back({s, ops[size_t(s)][next[size_t(s)]], start, start + duration});
+    ++next[size_t(s)];
+    return start + duration;
+  };
+  auto at_step = [&](int s) {
+    return next[size_t(s)] < ops[size_t(s)].size() &&
+           ops[size_t(s)][next[size_t(s)]].kind == OpKind::step;
+  };
+
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < P; ++s) {
+      while (next[size_t(s)] < ops[size_t(s)].size()) {
+        const Op op = ops[size_t(s)][next[size_t(s)]];
+        const size_t m = size_t(op.micro);
+        if (op.kind == OpKind::forward) {
+          double dep = s == 0 ? 0 : f_end[size_t(s - 1)][m];
+          if (dep == kNotDone) break;
+          f_end[size_t(s)][m] = run(s, s == 0 ? 0 : dep + o.link_latency, cost(s).forward);
+          f_version[size_t(s)][m] = version[size_t(s)];
+          r.peak_activations[size_t(s)] =
+              std::max(r.peak_activations[size_t(s)], ++live[size_t(s)]);
+        } else if (op.kind == OpKind::backward) {
+          const bool last = s == P - 1;
+          double dep = last ? f_end[size_t(s)][m] : b_end[size_t(s + 1)][m];
+          if (dep == kNotDone || f_end[size_t(s)][m] == kNotDone) break;
+          b_end[size_t(s)][m] = run(s, last ? dep : dep + o.link_latency, cost(s).backward);
+          --live[size_t(s)];
+          ++backwards[size_t(s)];
+          const int64_t gap = version[size_t(s)] - f_version[size_t(s)][m];
+          r.max_version_gap[size_t(s)] = std::max(r.max_version_gap[size_t(s)], gap);
+          gapped[size_t(s)] += gap != 0;
+        } else if (!flush) {
+          run(s, 0, cost(s).step);
+          ++version[size_t(s)];
+        } else {
+          // A flush step: every stage steps together once all have reached it.
+          bool all = true;
+          for (int q = 0; q < P; ++q)
+            all = all && at_step(q) && version[size_t(q)] == version[size_t(s)];
+          if (!all) break;
+          const double barrier = *std::max_element(free_at.begin(), free_at.end());
+          for (int q = 0; q < P; ++q) {
+            run(q, barrier, cost(q).step);
+            ++version[size_t(q)];
+          }
+        }
+        progress = true;
+      }
+    }
+  }
+  for (int s = 0; s < P; ++s)
+    TESSEL_CHECK(next[size_t(s)] == ops[size_t(s)].size(), "pipeline simulator: stage ", s,
+                 " deadlocked at op ", next[size_t(s)]);
+  r.makespan = *std::max_element(free_at.begin(), free_at.end());
+  double busy = 0;
+  for (int s = 0; s < P; ++s) {
+    busy += r.busy[size_t(s)];
+    r.inconsistent_share.push_back(double(gapped[size_t(s)]) / double(backwards[size_t(s)]));
+  }
+  r.bubble = r.makespan > 0 ? 1 - busy / (P * r.makespan) : 0;
+  r.throughput = r.makespan > 0 ? double(micros) / r.makespan : 0;
+  return r;
+}
+
+nlohmann::json chrome_trace(const std::vector<OpTiming>& timeline, int stages,
+                            double microseconds_per_unit) {
+  nlohmann::json events = nlohmann::json::array();
+  for (int s = 0; s < stages; ++s)
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 0},
+                      {"tid", s},
+                      {"args", {{"name", "stage " + std::to_string(s)}}}});
+  for (const auto& t : timeline) {
+    std::string name = t.op.kind == OpKind::step
+                           ? std::string("STEP")
+                           : std::string(t.op.kind == OpKind::forward ? "F" : "B");
+    if (t.op.kind != OpKind::step) name += std::to_string(t.op.micro);
+    events.push_back({{"name", name},
+                      {"ph", "X"},
+                      {"pid", 0},
+                      {"tid", t.stage},
+                      {"ts", t.start * microseconds_per_unit},
+                      {"dur", (t.end - t.start) * microseconds_per_unit}});
+  }
+  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+}
+
+}  // namespace tessel::pipeline

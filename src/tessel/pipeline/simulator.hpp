@@ -1,0 +1,52 @@
+#pragma once
+// Event-driven pipeline simulator (spec pipeline.md §4.3) over the schedules' instruction
+// lists: each stage runs its list in order, one op at a time; F_s(m) waits for F_{s-1}(m)
+// plus the link latency, B_s(m) for B_{s+1}(m) plus the latency (the last stage: for its own
+// F(m)); a flush STEP is a barrier of all stages, a PACI STEP is local. Reports makespan,
+// bubble = 1 - sum(busy) / (P * makespan), throughput, peak live activations per stage and
+// the forward/backward weight-version gaps (versions = local steps taken).
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "tessel/pipeline/schedule.hpp"
+
+namespace tessel::pipeline {
+
+struct StageCosts {
+  double forward = 1;
+  double backward = 2;  // the whole backward (input and weight gradients)
+  double step = 0;      // optimizer step
+};
+
+struct SimOptions {
+  ScheduleOptions schedule;
+  std::vector<StageCosts> costs;  // one per stage, or one for all
+  double link_latency = 0;        // per activation / gradient transfer between stages
+};
+
+struct OpTiming {
+  int stage = 0;
+  Op op;
+  double start = 0, end = 0;
+};
+
+struct SimResult {
+  double makespan = 0;
+  double bubble = 0;
+  double throughput = 0;                   // micro-batches per time unit
+  std::vector<double> busy;                // per stage
+  std::vector<int64_t> peak_activations;   // per stage: most forwards awaiting their backward
+  std::vector<int64_t> max_version_gap;    // per stage: max over micro-batches of v_B - v_F
+  std::vector<double> inconsistent_share;  // per stage: share of backwards with v_B != v_F
+  std::vector<OpTiming> timeline;          // every op, in execution order per stage
+};
+
+SimResult simulate(const SimOptions& options);
+
+// Chrome trace (Perfetto, chrome://tracing): one track per stage, one slice per op;
+// `microseconds_per_unit` scales the op times.
+nlohmann::json chrome_trace(const std::vector<OpTiming>& timeline, int stages,
+                            double microseconds_per_unit);
+
+}  // namespace tessel::pipeline
