@@ -1,0 +1,91 @@
+#pragma once
+// The stage executor (spec pipeline.md §4.1): one per pipeline stage (one rank of the pp
+// group), it runs that stage's instruction list from schedule.hpp — the same lists the
+// simulator runs — on real processes. Activations travel forward and gradients backward by
+// non-blocking tagged point-to-point messages through the pp group's Communicator; what a
+// stage computes is the StageWork's business (the trainer's GPT slice, or a test's synthetic
+// stage), so the executor knows nothing of models.
+//
+// Versions: a stage's weight version is the number of STEPs it has run. Each forward records
+// the version it used; each backward measures the gap (version now - version at its forward).
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tessel/comm/communicator.hpp"
+#include "tessel/pipeline/schedule.hpp"
+#include "tessel/pipeline/simulator.hpp"
+
+namespace tessel::pipeline {
+
+// What one stage computes. Micro-batch numbers are global (schedule.hpp) and forwards on a
+// stage run in increasing micro-batch order, so a stage that reads data (the first for
+// tokens, the last for targets) can take the next batch of a deterministic loader.
+class StageWork {
+ public:
+  virtual ~StageWork() = default;
+  // f32 elements per micro-batch received from the previous stage (0 on the first stage)
+  // and sent to the next (0 on the last). Checked against the neighbours once at start.
+  virtual size_t input_elems() const = 0;
+  virtual size_t output_elems() const = 0;
+  // Forward of `micro`: reads `input` (empty on the first stage), writes `output` (empty on
+  // the last stage), keeps what its backward needs.
+  virtual void forward(int64_t micro, std::span<const float> input, std::span<float> output) = 0;
+  // Backward of `micro`: reads `output_grad` (empty on the last stage), writes `input_grad`
+  // (empty on the first stage), ADDS its weight gradients into the stage's accumulation
+  // buffer and releases what the forward kept.
+  virtual void backward(int64_t micro, std::span<const float> output_grad,
+                        std::span<float> input_grad) = 0;
+  // Optimizer step of this stage's parameters with the accumulated gradients, which it then
+  // zeroes. `version` is the number of steps this stage has taken before this one. Flush
+  // schedules reach STEP on every stage for the same micro-batches, so it may use
+  // collectives over all stages there; PACI's STEP is local and must not.
+  virtual void step(int64_t version) = 0;
+};
+
+struct ExecutorOptions {
+  // Test only: sleep a uniform random time in [0, max_random_delay_us] before every op
+  // (stream keyed by delay_seed and the stage), to shake out ordering deadlocks.
+  double max_random_delay_us = 0;
+  uint64_t delay_seed = 0;
+  bool record_timeline = false;  // fills StageStats::timeline
+};
+
+struct StageStats {
+  int64_t forwards = 0, backwards = 0, steps = 0;
+  int64_t peak_live_activations = 0;  // most forwards awaiting their backward at once
+  int64_t max_version_gap = 0;        // over this run's backwards
+  int64_t inconsistent_backwards = 0; // backwards whose gap is not 0
+  std::vector<int64_t> gap_histogram; // [gap] -> backwards
+  double forward_seconds = 0, backward_seconds = 0, step_seconds = 0;  // compute
+  double wait_seconds = 0;   // blocked on messages
+  double total_seconds = 0;  // wall time of run()
+  std::vector<OpTiming> timeline;  // this stage's ops, seconds since run() began
+  // Mean per-op costs, for feeding the simulator with a measured run's profile.
+  StageCosts profiled_costs() const;
+};
+
+class StageExecutor {
+ public:
+  // Collective over `pp_group` (stage = rank): agrees the message sizes with the neighbours
+  // (InputError naming both stages on a mismatch). `pp_group` and `work` must outlive it.
+  StageExecutor(comm::Communicator& pp_group, StageWork& work, ExecutorOptions options = {});
+  // Runs this stage's list for `schedule` (schedule.stages must equal the group size),
+  // numbering micro-batches from `first_micro`. Ends with every forward's backward done
+  // (flush schedules: after their last STEP; PACI: the drain at the horizon's end). The
+  // weight version carries over between calls.
+  StageStats run(const ScheduleOptions& schedule, int64_t first_micro = 0);
+  int64_t version() const { return version_; }
+
+ private:
+  comm::Communicator& group_;
+  StageWork& work_;
+  ExecutorOptions options_;
+  int64_t version_ = 0;
+};
+
+// Gathers every stage's timeline to stage 0 (collective over `pp_group`) and returns the
+// Chrome trace there (one track per stage; empty JSON elsewhere).
+nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats);
+
+}  // namespace tessel::pipeline
