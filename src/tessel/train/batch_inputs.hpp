@@ -29,25 +29,36 @@ class BatchInputs {
   model::ModelInputs inputs_;
 };
 
+// The chunk layout of one micro-batch over P cp ranks (parallel.cp_layout). Balanced counts each
+// chunk's attention work from the micro-batch's own mask; every cp rank holds that whole mask,
+// so all of them compute the same layout without communicating.
+attention::CpLayout micro_batch_layout(const model::ModelInputs& full, int P,
+                                       const ParallelConfig& parallel,
+                                       const model::GptConfig& model);
+
 // This cp rank's part of a micro-batch under context parallelism (parallel.cp > 1): the rows of
-// its zigzag chunks (attention::zigzag_layout over T, the same on every cp rank) of every
-// sequence, with their global positions, targets and loss weights, and the context-parallel
-// attention over the cp group that every layer of the model runs for this micro-batch.
+// its chunks (micro_batch_layout) of every sequence, with their global positions, targets and
+// loss weights, and the context-parallel attention over the cp group that every layer of the
+// model runs for this micro-batch. Each cp rank reads the same micro-batch from its own loader,
+// so placing tokens needs no exchange, and the loss of the owned rows sums over dp x cp.
 class CpBatchInputs {
  public:
   // `full` is the whole micro-batch (every cp rank loads the same one).
   CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_group,
-                const model::GptConfig& model);
+                const ParallelConfig& parallel, const model::GptConfig& model);
   CpBatchInputs(const CpBatchInputs&) = delete;
   CpBatchInputs& operator=(const CpBatchInputs&) = delete;
 
   const model::ModelInputs& inputs() const { return inputs_; }
   double loss_weight_sum() const;  // over this rank's tokens
+  // Max / mean attention work (non-skipped tiles) over the cp ranks; 1 = perfect balance.
+  double imbalance() const { return imbalance_; }
 
  private:
   std::vector<int32_t> tokens_, positions_, targets_;
   std::vector<float> loss_weight_;
   std::optional<parallel::ContextParallelAttention> attention_;
+  double imbalance_ = 1;
   model::ModelInputs inputs_;
 };
 

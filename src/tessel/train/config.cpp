@@ -296,9 +296,20 @@ std::vector<ConfigKey> build_schema() {
       int_key("parallel.dp", "data-parallel degree; 0 = world / (pp * cp)", FIELD(parallel.dp)),
       int_key("parallel.pp", "pipeline stages", FIELD(parallel.pp)),
       int_key("parallel.cp",
-              "context-parallel degree: each sequence split over cp ranks in 2 * cp zigzag "
-              "chunks (train.seq_len divisible by 2 * cp)",
+              "context-parallel degree: each sequence split over cp ranks (parallel.cp_layout)",
               FIELD(parallel.cp)),
+      choice_key<CpLayoutKind>(
+          "parallel.cp_layout",
+          "chunks of a sequence under cp > 1: zigzag = 2 * cp chunks, rank r holds r and "
+          "2 cp - 1 - r (seq_len divisible by 2 * cp); contiguous = cp_chunks consecutive chunks "
+          "per rank; balanced = cp_chunks chunks per rank placed by attention work under each "
+          "micro-batch's mask (both: seq_len divisible by cp_chunks * cp)",
+          {{"zigzag", CpLayoutKind::zigzag},
+           {"contiguous", CpLayoutKind::contiguous},
+           {"balanced", CpLayoutKind::balanced}},
+          FIELD(parallel.cp_layout)),
+      int_key("parallel.cp_chunks", "chunks per cp rank of the contiguous and balanced layouts",
+              FIELD(parallel.cp_chunks)),
       int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
@@ -473,10 +484,18 @@ void validate(const Config& c) {
   positive("parallel.ep", c.parallel.ep);
   if (c.parallel.pp > 1)
     input_error("config key 'parallel.pp' must be 1: pipeline parallelism is not available yet");
-  if (c.parallel.cp > 1 && c.train.seq_len % (2 * c.parallel.cp) != 0)
+  positive("parallel.cp_chunks", c.parallel.cp_chunks);
+  if (c.parallel.cp > 1 && c.parallel.cp_layout == CpLayoutKind::zigzag &&
+      c.train.seq_len % (2 * c.parallel.cp) != 0)
     input_error("config key 'parallel.cp' = ", c.parallel.cp,
                 " needs train.seq_len divisible by 2 * cp (zigzag chunks), got seq_len = ",
                 c.train.seq_len);
+  if (c.parallel.cp > 1 && c.parallel.cp_layout != CpLayoutKind::zigzag &&
+      c.train.seq_len % (c.parallel.cp_chunks * c.parallel.cp) != 0)
+    input_error(
+        "config key 'parallel.cp_chunks' = ", c.parallel.cp_chunks,
+        " with parallel.cp = ", c.parallel.cp,
+        " needs train.seq_len divisible by cp_chunks * cp, got seq_len = ", c.train.seq_len);
   const std::vector<bool> moe_blocks = c.model.moe_mask();
   const bool moe = std::find(moe_blocks.begin(), moe_blocks.end(), true) != moe_blocks.end();
   // The MoE balancing sums run over dp only; cp ranks would update their copies differently.

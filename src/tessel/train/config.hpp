@@ -55,10 +55,18 @@ struct TrainLoopConfig {
   int64_t sample_top_k = 40;
 };
 
+// How a sequence is cut into chunks over the cp ranks (attention/cp_layout.hpp): zigzag = 2 * cp
+// chunks, rank r holding r and 2 cp - 1 - r; contiguous = cp_chunks consecutive chunks per rank;
+// balanced = cp_chunks chunks per rank placed by their attention work under each micro-batch's
+// mask.
+enum class CpLayoutKind { zigzag, contiguous, balanced };
+
 struct ParallelConfig {
   int64_t dp = 0;  // 0 = world size / (pp * cp)
   int64_t pp = 1;
   int64_t cp = 1;
+  CpLayoutKind cp_layout = CpLayoutKind::zigzag;
+  int64_t cp_chunks = 4;  // chunks per cp rank (contiguous, balanced)
   int64_t ep = 1;
   double bucket_mb = 4.0;  // gradient all-reduce bucket size
 };

@@ -527,17 +527,19 @@ TrainResult Trainer::run() {
     Timer step_timer;
     s.model.zero_grads();
     double stats[2] = {0, 0};  // loss sum, loss tokens
+    double cp_imbalance = 0;   // mean over the micro-batches (cp > 1)
     s.moe_step.clear();
     const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
     for (int64_t m = 0; m < c.train.accum; ++m) {
       data::Batch batch = s.loader.next();
       const BatchInputs full(batch, c.data.attention_mask);
       std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
-      if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.model);
+      if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.parallel, c.model);
       const model::ModelInputs& in = part ? part->inputs() : full.inputs();
       model::Activations& acts = s.activations(in.B, in.T);
       stats[0] += s.model.forward(acts, in);
       stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
+      if (part) cp_imbalance += part->imbalance() / double(c.train.accum);
       s.model.backward(acts, 1.0f);
       if (!s.moe_step.empty()) s.moe_step.add(acts);
     }
@@ -583,6 +585,7 @@ TrainResult Trainer::run() {
                              {"tokens_per_s", rec.tokens_per_s},
                              {"mfu", rec.mfu},
                              {"step_seconds", dt}};
+    if (c.parallel.cp > 1) record["cp_imbalance"] = cp_imbalance;
     if (!s.moe_step.empty()) {
       record["moe"] = s.moe_step.step_json();
       record["all_to_all_bytes"] = s.moe_step.all_to_all_bytes();

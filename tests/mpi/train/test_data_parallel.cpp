@@ -96,38 +96,41 @@ TEST(DataParallel, FollowsSingleRankAccumulationAndRepeatsBitwise) {
 }
 
 // Context parallelism: cp = 2 (with dp = P / 2) follows the single process that accumulates
-// the same global batch, for causal and causal-document masks, and repeats bitwise.
+// the same global batch, for causal and causal-document masks and every chunk layout, and
+// repeats bitwise.
 TEST(ContextParallel, TrainingFollowsSingleRankLoss) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   const std::string data = dataset(world);
   for (const char* mask : {"causal", "causal_document"}) {
     SCOPED_TRACE(mask);
-    train::Config dist = fixture::tiny_config(data, shared_temp_dir(world, "tessel-cp-run"));
-    dist.train.steps = 20;
-    dist.train.accum = 1;
-    dist.parallel.cp = 2;
-    dist.data.attention_mask = std::string(mask) == "causal"
-                                   ? train::AttentionMaskKind::causal
-                                   : train::AttentionMaskKind::causal_document;
-    auto a = run_on(world, dist);
-    dist.run.dir = shared_temp_dir(world, "tessel-cp-run");
-    auto b = run_on(world, dist);
-
-    train::Config single = dist;
-    single.parallel.cp = 1;
+    train::Config single = fixture::tiny_config(data, fixture::temp_dir("tessel-cp-ref"));
+    single.train.steps = 20;
     single.train.accum = P / 2;
-    single.run.dir = fixture::temp_dir("tessel-cp-ref");
+    single.data.attention_mask = std::string(mask) == "causal"
+                                     ? train::AttentionMaskKind::causal
+                                     : train::AttentionMaskKind::causal_document;
     comm::SingleCommunicator self;
-    auto ref = run_on(self, single);
-
-    ASSERT_EQ(a.steps.size(), 20u);
+    const auto ref = run_on(self, single);
     ASSERT_EQ(ref.steps.size(), 20u);
-    for (size_t i = 0; i < a.steps.size(); ++i) {
-      EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1 << " not repeatable";
-      EXPECT_NEAR(a.steps[i].loss, ref.steps[i].loss, 1e-4) << "step " << i + 1;
+    for (train::CpLayoutKind layout : {train::CpLayoutKind::zigzag, train::CpLayoutKind::contiguous,
+                                       train::CpLayoutKind::balanced}) {
+      SCOPED_TRACE(int(layout));
+      train::Config dist = single;
+      dist.train.accum = 1;
+      dist.parallel.cp = 2;
+      dist.parallel.cp_layout = layout;
+      dist.run.dir = shared_temp_dir(world, "tessel-cp-run");
+      const auto a = run_on(world, dist);
+      dist.run.dir = shared_temp_dir(world, "tessel-cp-run");
+      const auto b = run_on(world, dist);
+      ASSERT_EQ(a.steps.size(), 20u);
+      for (size_t i = 0; i < a.steps.size(); ++i) {
+        EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1 << " not repeatable";
+        EXPECT_NEAR(a.steps[i].loss, ref.steps[i].loss, 1e-4) << "step " << i + 1;
+      }
+      EXPECT_LT(a.steps.back().loss, a.steps.front().loss - 0.5);
     }
-    EXPECT_LT(a.steps.back().loss, a.steps.front().loss - 0.5);
   }
 }
 

@@ -80,6 +80,21 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
       },
       {"parallel.cp", "train.seq_len"});
   EXPECT_EQ(train::load_config("", {"parallel.cp=4", "train.seq_len=64"}).parallel.cp, 4);
+  // contiguous and balanced: cp_chunks chunks per rank.
+  expect_input_error(
+      [&] {
+        train::load_config("", {"parallel.cp=2", "parallel.cp_layout=balanced",
+                                "parallel.cp_chunks=3", "train.seq_len=64"});
+      },
+      {"parallel.cp_chunks", "train.seq_len"});
+  EXPECT_EQ(train::load_config("", {"parallel.cp=2", "parallel.cp_layout=balanced",
+                                    "parallel.cp_chunks=3", "train.seq_len=48"})
+                .parallel.cp_layout,
+            train::CpLayoutKind::balanced);
+  expect_input_error([&] { train::load_config("", {"parallel.cp_chunks=0"}); },
+                     {"parallel.cp_chunks"});
+  expect_input_error([&] { train::load_config("", {"parallel.cp_layout=spiral"}); },
+                     {"parallel.cp_layout", "spiral"});
   expect_input_error(
       [&] {
         train::load_config("", {"parallel.cp=2", "train.seq_len=64", "model.moe_layers=all"});
