@@ -53,13 +53,13 @@ struct ExecutorOptions {
 
 struct StageStats {
   int64_t forwards = 0, backwards = 0, steps = 0;
-  int64_t peak_live_activations = 0;  // most forwards awaiting their backward at once
-  int64_t max_version_gap = 0;        // over this run's backwards
-  int64_t inconsistent_backwards = 0; // backwards whose gap is not 0
-  std::vector<int64_t> gap_histogram; // [gap] -> backwards
+  int64_t peak_live_activations = 0;   // most forwards awaiting their backward at once
+  int64_t max_version_gap = 0;         // over this run's backwards
+  int64_t inconsistent_backwards = 0;  // backwards whose gap is not 0
+  std::vector<int64_t> gap_histogram;  // [gap] -> backwards
   double forward_seconds = 0, backward_seconds = 0, step_seconds = 0;  // compute
-  double wait_seconds = 0;   // blocked on messages
-  double total_seconds = 0;  // wall time of run()
+  double wait_seconds = 0;                                             // blocked on messages
+  double total_seconds = 0;                                            // wall time of run()
   std::vector<OpTiming> timeline;  // this stage's ops, seconds since run() began
   // Mean per-op costs, for feeding the simulator with a measured run's profile.
   StageCosts profiled_costs() const;
