@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <deque>
 #include <numeric>
-#include <thread>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/timer.hpp"
@@ -139,10 +137,14 @@ class StageRun {
     });
   }
 
+  // Spins: a sleep lasts at least the kernel's timer slack (~50 us) and a yield may hand the
+  // core away for a whole time slice on a loaded machine, far beyond a few microseconds.
   void delay() {
     if (options_.max_random_delay_us <= 0) return;
-    std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(
-        double(delays_.uniform()) * options_.max_random_delay_us));
+    const double until =
+        now_seconds() + 1e-6 * double(delays_.uniform()) * options_.max_random_delay_us;
+    while (now_seconds() < until) {
+    }
   }
 
   // Times `compute` into `seconds` and the timeline.

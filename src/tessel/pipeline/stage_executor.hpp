@@ -45,7 +45,7 @@ class StageWork {
 };
 
 struct ExecutorOptions {
-  // Test only: sleep a uniform random time in [0, max_random_delay_us] before every op
+  // Test only: wait a uniform random time in [0, max_random_delay_us] before every op
   // (stream keyed by delay_seed and the stage), to shake out ordering deadlocks.
   double max_random_delay_us = 0;
   uint64_t delay_seed = 0;
