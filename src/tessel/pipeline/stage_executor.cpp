@@ -252,7 +252,7 @@ StageStats StageExecutor::run(const ScheduleOptions& schedule, int64_t first_mic
   return StageRun(group_, work_, options_, delays_, version_, schedule, first_micro).run();
 }
 
-nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats) {
+std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats) {
   // Each op as four doubles (kind, micro, start, end); micro-batch numbers stay exact.
   constexpr size_t kFields = 4;
   std::vector<double> mine;
@@ -264,13 +264,19 @@ nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStat
   const std::vector<size_t> sizes(counts.begin(), counts.end());
   std::vector<double> all(std::accumulate(sizes.begin(), sizes.end(), size_t(0)));
   pp_group.all_gatherv(mine, all, sizes);
-  if (pp_group.rank() != 0) return nlohmann::json::object();
   std::vector<OpTiming> timeline;
+  if (pp_group.rank() != 0) return timeline;
   size_t at = 0;
   for (int s = 0; s < pp_group.size(); ++s)
     for (size_t i = 0; i < sizes[size_t(s)]; i += kFields, at += kFields)
       timeline.push_back(
           {s, {OpKind(int(all[at])), int64_t(all[at + 1])}, all[at + 2], all[at + 3]});
+  return timeline;
+}
+
+nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats) {
+  const std::vector<OpTiming> timeline = gather_timeline(pp_group, stats);
+  if (pp_group.rank() != 0) return nlohmann::json::object();
   return chrome_trace(timeline, pp_group.size(), 1e6);
 }
 

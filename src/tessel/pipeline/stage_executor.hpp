@@ -89,8 +89,11 @@ class StageExecutor {
   Rng delays_;  // the random-delay stream, continued across runs
 };
 
-// Gathers every stage's timeline to stage 0 (collective over `pp_group`) and returns the
-// Chrome trace there (one track per stage; empty JSON elsewhere).
+// Gathers every stage's timeline to stage 0 (collective over `pp_group`): stage by stage,
+// each in its execution order (empty on the other stages).
+std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats);
+// The gathered timelines as a Chrome trace on stage 0 (one track per stage; empty JSON
+// elsewhere).
 nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats);
 
 }  // namespace tessel::pipeline
