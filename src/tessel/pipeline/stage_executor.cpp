@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <deque>
 #include <numeric>
 
@@ -68,8 +69,9 @@ class StageRun {
         downstream_(work.output_elems()) {}
 
   StageStats run() {
-    group_.barrier();  // a common time origin for the stages' timelines
-    origin_ = now_seconds();
+    group_.barrier();
+    const double start = now_seconds();
+    set_timeline_origin(start);
     post_ahead(activations_);
     post_ahead(gradients_);
     for (const Op& op : ops_) {
@@ -86,7 +88,7 @@ class StageRun {
     stats_.wait_seconds += now_seconds() - wait_start;
     TESSEL_CHECK(saved_versions_.empty(), "pipeline stage ", stage_, ": ", saved_versions_.size(),
                  " forwards without their backward");
-    stats_.total_seconds = now_seconds() - origin_;
+    stats_.total_seconds = now_seconds() - start;
     return std::move(stats_);
   }
 
@@ -99,6 +101,18 @@ class StageRun {
     size_t scan = 0;  // next op of the list to look at for a receive to post
     std::deque<Transfer> posted;
   };
+
+  // The timeline origin is stage 0's leaving the barrier, read on the system clock: ranks
+  // leave a barrier milliseconds apart on a loaded machine, while one machine's system clock
+  // is the same in every process (and NTP keeps machines close). Durations stay on the
+  // monotonic clock.
+  void set_timeline_origin(double steady_now) {
+    const double wall_now =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    double stage0_wall = wall_now;
+    group_.broadcast(std::span(&stage0_wall, 1), 0);
+    origin_ = steady_now - (wall_now - stage0_wall);
+  }
 
   void post_ahead(Inbox& in) {
     if (in.source < 0) return;
@@ -209,7 +223,7 @@ class StageRun {
   Inbox gradients_{Msg::gradient, OpKind::backward, last_ ? -1 : stage_ + 1, 0, {}};
   std::vector<Transfer> sends_;
   std::deque<int64_t> saved_versions_;  // version of each forward awaiting its backward
-  double origin_ = 0;
+  double origin_ = 0;                   // the monotonic-clock time that the timeline counts from
   StageStats stats_;
 };
 

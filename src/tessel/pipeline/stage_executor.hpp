@@ -62,7 +62,9 @@ struct StageStats {
   double forward_seconds = 0, backward_seconds = 0, step_seconds = 0;  // compute
   double wait_seconds = 0;                                             // blocked on messages
   double total_seconds = 0;                                            // wall time of run()
-  std::vector<OpTiming> timeline;  // this stage's ops, seconds since run() began
+  // This stage's ops, in seconds since stage 0 left run()'s opening barrier (aligned across
+  // stages through the system clock).
+  std::vector<OpTiming> timeline;
   // Mean per-op costs, for feeding the simulator with a measured run's profile.
   StageCosts profiled_costs() const;
 };
@@ -74,7 +76,7 @@ class StageExecutor {
   StageExecutor(comm::Communicator& pp_group, StageWork& work, ExecutorOptions options = {});
   // Runs this stage's list for `schedule` (schedule.stages must equal the group size),
   // numbering micro-batches from `first_micro`. Collective over `pp_group`: it begins with a
-  // barrier (the stages' timelines share that origin) and ends with every forward's backward
+  // barrier (and a broadcast of the timeline origin) and ends with every forward's backward
   // done and every message delivered (flush schedules: after their last STEP; PACI: the
   // drain at the horizon's end). The weight version carries over between calls; PACI's
   // count of backwards towards the next STEP does not, so give it horizons divisible by K.
