@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <deque>
+#include <iterator>
 #include <numeric>
 
 #include "tessel/core/error.hpp"
@@ -69,6 +70,16 @@ class StageRun {
         downstream_(work.output_elems()) {}
 
   StageStats run() {
+    try {
+      return run_list();
+    } catch (...) {
+      abandon_messages();
+      throw;
+    }
+  }
+
+ private:
+  StageStats run_list() {
     group_.barrier();
     const double start = now_seconds();
     set_timeline_origin(start);
@@ -92,7 +103,16 @@ class StageRun {
     return std::move(stats_);
   }
 
- private:
+  // After an error the messages in flight are not awaited: a peer may never send or receive
+  // them, and waiting would keep the error from its caller, who has to end the job. They are
+  // leaked, buffers included, since MPI may still write into a posted receive.
+  void abandon_messages() {
+    auto* abandoned = new std::vector<Transfer>;
+    for (std::deque<Transfer>* in : {&activations_.posted, &gradients_.posted})
+      std::move(in->begin(), in->end(), std::back_inserter(*abandoned));
+    std::move(sends_.begin(), sends_.end(), std::back_inserter(*abandoned));
+  }
+
   // The receives of one direction, posted in list order ahead of their consumers.
   struct Inbox {
     Msg kind;

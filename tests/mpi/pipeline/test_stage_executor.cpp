@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <stdexcept>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -112,6 +113,13 @@ class MisSizedStage : public ToyStage {
  public:
   using ToyStage::ToyStage;
   size_t input_elems() const override { return ToyStage::input_elems() + 1; }
+};
+
+// A stage whose optimizer step fails.
+class FailingStepStage : public ToyStage {
+ public:
+  using ToyStage::ToyStage;
+  void step(int64_t) override { throw std::runtime_error("step failed"); }
 };
 
 std::vector<ToyStage> make_chain(int stages) {
@@ -404,6 +412,15 @@ TEST(StageExecutor, MeasuredTimelinesOfAllStagesShareOneClock) {
       EXPECT_GE(t.start, ends.at({t.stage + 1, OpKind::backward, t.op.micro}) - kSlack);
     }
   }
+}
+
+TEST(StageExecutor, AStageWorkErrorReachesTheCallerWithMessagesInFlight) {
+  // Every stage reaches its first PACI step, and fails there with receives posted for
+  // activations that will never come; its own communicator keeps those away from later tests.
+  auto pp = comm::world().split(0, comm::world().rank());
+  FailingStepStage stage(pp->rank(), pp->size());
+  StageExecutor executor(*pp, stage);
+  EXPECT_THROW(executor.run(paci(pp->size(), 8 * pp->size(), 2)), std::runtime_error);
 }
 
 TEST(StageExecutor, MismatchedBoundarySizesAreAnInputErrorNamingBothStages) {
