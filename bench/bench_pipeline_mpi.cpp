@@ -4,7 +4,7 @@
 // 1F1B (M = K micro-batches per step) and PACI(K) over the same number of micro-batches;
 // measured makespan (slowest stage's run()), throughput ratio PACI / 1F1B, measured bubble,
 // and the simulator's makespan fed that run's profiled per-stage costs, alone and with the
-// run's profiled link latency (see link_latency). The last repeat's Chrome traces, measured
+// run's profiled link latency (profiled_link_latency). The last repeat's Chrome traces, measured
 // and simulated (costs and latency), go to --trace-dir.
 //
 //   mpirun --oversubscribe --bind-to none -np 2 -x OMP_NUM_THREADS=1
@@ -17,7 +17,6 @@
 #include <fstream>
 #include <map>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "tessel/comm/world.hpp"
@@ -91,28 +90,6 @@ std::string load_average() {
   return one + " " + five + " " + fifteen;
 }
 
-// Mean time from the end of the op that produced a message to the start of the op that
-// consumed it, over the consumers that sat idle until then: the link latency (transfer and
-// wake-up) the simulator needs besides the op costs.
-double link_latency(const std::vector<OpTiming>& timeline, int P) {
-  std::map<std::tuple<int, OpKind, int64_t>, double> ends;
-  for (const OpTiming& t : timeline) ends[{t.stage, t.op.kind, t.op.micro}] = t.end;
-  double sum = 0;
-  int64_t n = 0, stage = -1;
-  double previous_end = 0;
-  for (const OpTiming& t : timeline) {
-    if (t.stage != stage) previous_end = 0, stage = t.stage;
-    const bool forward = t.op.kind == OpKind::forward;
-    const int from = forward ? t.stage - 1 : t.stage + 1;
-    if (t.op.kind != OpKind::step && from >= 0 && from < P) {
-      const double sent = ends.at({from, t.op.kind, t.op.micro});
-      if (sent > previous_end) sum += t.start - sent, ++n;
-    }
-    previous_end = t.end;
-  }
-  return n > 0 ? sum / double(n) : 0;
-}
-
 struct Measured {
   double makespan = 0, bubble = 0;
   double latency = 0;                  // link_latency()
@@ -147,7 +124,7 @@ Measured measure(comm::Communicator& pp, const ScheduleOptions& schedule, int64_
   }
   m.bubble = 1 - busy / (pp.size() * m.makespan);
   m.costs_only = simulate(sim);
-  m.latency = sim.link_latency = link_latency(timeline, pp.size());
+  m.latency = sim.link_latency = profiled_link_latency(timeline, pp.size());
   m.with_latency = simulate(sim);
   if (!trace_prefix.empty()) {
     write_file_atomically(trace_prefix + "_measured.json",

@@ -5,7 +5,9 @@
 #include <chrono>
 #include <deque>
 #include <iterator>
+#include <map>
 #include <numeric>
+#include <tuple>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/timer.hpp"
@@ -306,6 +308,26 @@ std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageS
       timeline.push_back(
           {s, {OpKind(int(all[at])), int64_t(all[at + 1])}, all[at + 2], all[at + 3]});
   return timeline;
+}
+
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages) {
+  std::map<std::tuple<int, OpKind, int64_t>, double> ends;
+  for (const OpTiming& t : timeline) ends[{t.stage, t.op.kind, t.op.micro}] = t.end;
+  std::vector<double> free_at(size_t(stages), 0);  // end of each stage's previous op
+  double sum = 0;
+  int64_t waited = 0;
+  for (const OpTiming& t : timeline) {
+    const int from = t.op.kind == OpKind::forward ? t.stage - 1 : t.stage + 1;
+    if (t.op.kind != OpKind::step && from >= 0 && from < stages) {
+      const double sent = ends.at({from, t.op.kind, t.op.micro});
+      if (sent > free_at[size_t(t.stage)]) {
+        sum += t.start - sent;
+        ++waited;
+      }
+    }
+    free_at[size_t(t.stage)] = t.end;
+  }
+  return waited > 0 ? sum / double(waited) : 0;
 }
 
 nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats) {

@@ -94,6 +94,13 @@ class StageExecutor {
 // Gathers every stage's timeline to stage 0 (collective over `pp_group`): stage by stage,
 // each in its execution order (empty on the other stages).
 std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats);
+// Mean time from the end of the op that produced a message to the start of the op that
+// consumed it, over the consumers that were idle when it was produced (they waited for it):
+// the link latency, transfer and wake-up, to feed SimOptions::link_latency beside the
+// stages' profiled_costs(). `timeline` holds every stage's ops, each stage's in execution
+// order (gather_timeline's, or a SimResult's, whose link latency it returns); 0 when no
+// consumer waited.
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages);
 // The gathered timelines as a Chrome trace on stage 0 (one track per stage; empty JSON
 // elsewhere).
 nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats);
