@@ -25,8 +25,8 @@ int tag(Msg kind, int64_t micro) {
   return int(2 * (micro % kTagMicros) + int(kind));
 }
 
-// Receives posted per direction ahead of the op that consumes them ("double-buffered"), so a
-// message never waits for its receiver to reach the op.
+// Receives posted per direction ahead of the op that consumes them ("double-buffered"): a
+// message mostly finds its receive posted while the receiver still computes earlier ops.
 constexpr size_t kReceivesAhead = 2;
 
 // Buffers of one message size, recycled once their transfer has completed.
@@ -240,7 +240,9 @@ class StageRun {
   const bool last_;
   const std::vector<Op> ops_;
   const int64_t first_micro_;
-  BufferPool upstream_, downstream_;  // messages to / from the previous and the next stage
+  // Buffers of the messages exchanged with the previous stage (activations in, gradients
+  // out) and with the next (activations out, gradients in).
+  BufferPool upstream_, downstream_;
   Inbox activations_{Msg::activation, OpKind::forward, stage_ > 0 ? stage_ - 1 : -1, 0, {}};
   Inbox gradients_{Msg::gradient, OpKind::backward, last_ ? -1 : stage_ + 1, 0, {}};
   std::vector<Transfer> sends_;
