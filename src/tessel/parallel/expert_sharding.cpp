@@ -69,7 +69,8 @@ ExpertShardedOptimizer::SplitState ExpertShardedOptimizer::split_state() {
   if (!experts_) return out;
   for (auto& st : experts_->state()) {
     const size_t slash = st.name.rfind('/');
-    const bool per_expert = slash != std::string::npos && expert_names_.count(st.name.substr(slash + 1));
+    const bool per_expert =
+        slash != std::string::npos && expert_names_.count(st.name.substr(slash + 1));
     (per_expert ? out.experts : out.replicated).push_back({"experts/" + st.name, st.tensor});
   }
   return out;

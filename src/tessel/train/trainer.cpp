@@ -330,7 +330,8 @@ struct Trainer::State {
     auto state = optimizer->split_state();  // collective: every rank
     for (auto& st : state.replicated) content.optimizer.push_back({st.name, st.tensor});
     if (writes_experts) {
-      for (const auto& p : model.expert_parameters()) content.own_model.push_back({p.name, p.value});
+      for (const auto& p : model.expert_parameters())
+        content.own_model.push_back({p.name, p.value});
       for (auto& st : state.experts) content.own_optimizer.push_back({st.name, st.tensor});
     }
     auto ls = loader.state();
