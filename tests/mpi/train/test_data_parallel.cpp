@@ -48,6 +48,14 @@ train::TrainResult run_on(comm::Communicator& comm, train::Config c) {
   return trainer.run();
 }
 
+// `c`'s global batch of P ranks on one process: P times the micro-batches accumulated.
+train::TrainResult run_on_one_process(train::Config c, int P) {
+  c.train.accum *= P;
+  c.run.dir = fixture::temp_dir("tessel-dp-ref");
+  comm::SingleCommunicator self;
+  return run_on(self, c);
+}
+
 // Runs `c` to its end, lets rank 0 `break_newest` (remove or damage the newest checkpoint),
 // then runs `c` again: the second run must resume from step `from` and repeat the first run's
 // losses from there bitwise. Returns the first run.
@@ -77,12 +85,7 @@ TEST(DataParallel, FollowsSingleRankAccumulationAndRepeatsBitwise) {
   dist.run.dir = shared_temp_dir(world, "tessel-dp-run");
   auto b = run_on(world, dist);
 
-  // The same global batch on one process: P micro-batches accumulated.
-  train::Config single = dist;
-  single.train.accum = P;
-  single.run.dir = fixture::temp_dir("tessel-dp-ref");
-  comm::SingleCommunicator self;
-  auto ref = run_on(self, single);
+  auto ref = run_on_one_process(dist, P);
 
   ASSERT_EQ(a.steps.size(), 50u);
   ASSERT_EQ(ref.steps.size(), 50u);
@@ -196,12 +199,10 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
     train::Config c = moe_config(world, "tessel-ep-run");
     c.optim.name = optimizer;
     c.train.eval_every = 6;
+    // Uneven: rank 0 holds one validation batch more; its ep peers run one without loss tokens.
+    c.train.eval_sequences = 2 * P + 1;
     auto ep1 = run_on(world, c);
-    train::Config single = c;
-    single.train.accum = P;
-    single.run.dir = fixture::temp_dir("tessel-ep-ref");
-    comm::SingleCommunicator self;
-    auto ref = run_on(self, single);
+    auto ref = run_on_one_process(c, P);
     ASSERT_EQ(ref.steps.size(), 12u);
     // ep = P (edp of 1), and with 4 ranks ep = 2 (edp of 2: expert gradients are reduced).
     for (int ep_size : {P, 2}) {
