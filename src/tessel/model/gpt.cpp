@@ -83,10 +83,6 @@ Tensor Activations::residual_grad(int64_t boundary) const {
 Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
     : config_(config), shard_(shard) {
   validate(config_);
-  TESSEL_CHECK(shard_.count >= 1 && shard_.index >= 0 && shard_.index < shard_.count &&
-                   config_.moe.experts % shard_.count == 0,
-               "expert shard ", shard_.index, " of ", shard_.count, " for ", config_.moe.experts,
-               " experts");
   C_ = config_.width;
   H_ = config_.heads;
   Hkv_ = config_.num_kv_heads();
@@ -131,6 +127,12 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
     add_linear(prefix + ".fc_out", C_, hidden, Init::scaled_normal, m.fc_out_w, m.fc_out_b);
   };
   moe_mask_ = config_.moe_mask();
+  // A model without MoE blocks holds everything whatever the shard (dense runs with ep > 1).
+  const bool has_moe = std::find(moe_mask_.begin(), moe_mask_.end(), true) != moe_mask_.end();
+  TESSEL_CHECK(shard_.count >= 1 && shard_.index >= 0 && shard_.index < shard_.count &&
+                   (!has_moe || config_.moe.experts % shard_.count == 0),
+               "expert shard ", shard_.index, " of ", shard_.count, " for ", config_.moe.experts,
+               " experts");
   moe_params_.resize(size_t(L));
   balance_.resize(size_t(L));
   blocks_.resize(size_t(L));

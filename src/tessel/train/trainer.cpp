@@ -434,7 +434,9 @@ struct Trainer::State {
     return tok.decode(ids);
   }
 
-  bool sharded_experts() const { return mesh.size(comm::Axis::ep) > 1; }
+  bool sharded_experts() const {
+    return mesh.size(comm::Axis::ep) > 1 && !model.expert_parameters().empty();
+  }
 };
 
 Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
