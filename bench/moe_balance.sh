@@ -3,7 +3,7 @@
 # once per balancing method at equal tokens, on 2 ranks x 1 thread, then one table of
 # MaxVio global (validation set), MaxVio micro (per micro-batch and ep group), the fraction
 # capacity factor 1.0 would drop, and the final validation loss; then tokens/s with
-# parallel.ep = 2 against ep = 1 (eqb_lei).
+# parallel.ep = 2 against ep = 1 (eqb_lei), with the parameters rank 0 holds (experts sharded).
 #   [SEEDS="1234 2 3"] bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
 # Defaults: 300 steps, 60 throughput steps, methods aux bias eqb_lei, seed 1234. A method
 # METHOD:RATE also sets model.moe_bias_rate (bias:1e-2). Every method runs once per seed in
@@ -56,9 +56,10 @@ for ep in 1 2; do
   train "$runs/ep$ep" --set parallel.ep="$ep" --set train.steps="$tsteps" \
     --set train.eval_every=0 --set train.save_final=false --set optim.warmup_steps=5
   jq -s -r --arg ep "$ep" '
-    map(select(.tokens_per_s and .step > 5)) | (map(.tokens_per_s) | sort | .[length / 2 | floor])
+    (map(select(.event == "start")) | first | .rank_parameters) as $p
+    | map(select(.tokens_per_s and .step > 5)) | (map(.tokens_per_s) | sort | .[length / 2 | floor])
       as $t | (map(.all_to_all_bytes) | add / length) as $b
-    | "ep=\($ep)\tmedian tokens/s \($t | round)\tall-to-all bytes/step \($b | round)"' \
+    | "ep=\($ep)\tmedian tokens/s \($t | round)\tall-to-all bytes/step \($b | round)\tparameters on rank 0 \($p)"' \
     "$runs/ep$ep/metrics.jsonl"
 done
 rm -rf "$runs"

@@ -25,6 +25,8 @@ struct Spec {
   ParamTag tag;
   Shape shape;
   Init init;
+  bool expert;        // an MoE expert's (in the experts' range of the flat buffers)
+  uint64_t position;  // in the whole model's registry: keys the init stream
 };
 
 // Normal draws come in chunks, each from its own stream keyed by (parameter,
@@ -78,7 +80,8 @@ Tensor Activations::residual_grad(int64_t boundary) const {
   return d_stream.view(boundary * B * T * C, {B, T, C});
 }
 
-Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
+Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
+    : config_(config), shard_(shard) {
   validate(config_);
   C_ = config_.width;
   H_ = config_.heads;
@@ -90,10 +93,15 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
   const int64_t V = config_.vocab, L = config_.layers;
   const bool layernorm = config_.norm == NormType::layernorm;
 
-  // The registry, in order (docs/model.md).
+  // The registry, in order (docs/model.md), less the experts outside the shard (whose
+  // indices stay -1); every parameter keeps its whole-model position for its init stream.
   std::vector<Spec> specs;
+  uint64_t position = 0;
+  bool expert = false, held = true;  // adding an expert's parameters; one of the shard's
   auto add = [&](std::string name, ParamTag tag, Shape shape, Init init) {
-    specs.push_back({std::move(name), tag, std::move(shape), init});
+    const uint64_t at = position++;
+    if (!held) return -1;
+    specs.push_back({std::move(name), tag, std::move(shape), init, expert, at});
     return int(specs.size() - 1);
   };
   auto add_norm = [&](const std::string& prefix, int& w, int& b) {
@@ -119,6 +127,12 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
     add_linear(prefix + ".fc_out", C_, hidden, Init::scaled_normal, m.fc_out_w, m.fc_out_b);
   };
   moe_mask_ = config_.moe_mask();
+  // A model without MoE blocks holds everything whatever the shard (dense runs with ep > 1).
+  const bool has_moe = std::find(moe_mask_.begin(), moe_mask_.end(), true) != moe_mask_.end();
+  TESSEL_CHECK(shard_.count >= 1 && shard_.index >= 0 && shard_.index < shard_.count &&
+                   (!has_moe || config_.moe.experts % shard_.count == 0),
+               "expert shard ", shard_.index, " of ", shard_.count, " for ", config_.moe.experts,
+               " experts");
   moe_params_.resize(size_t(L));
   balance_.resize(size_t(L));
   blocks_.resize(size_t(L));
@@ -135,8 +149,14 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
       m.router = add(p + "moe.router.weight", ParamTag::router, {E, C_}, Init::normal);
       m.beta = add(p + "moe.router.balance_bias", ParamTag::balance_bias, {E}, Init::zeros);
       m.experts.resize(size_t(E));
-      for (int64_t e = 0; e < E; ++e)
+      const int64_t per_shard = E / shard_.count;
+      expert = true;
+      for (int64_t e = 0; e < E; ++e) {
+        held = e / per_shard == shard_.index;
         add_mlp(p + "moe.experts." + std::to_string(e), moe_shape.F, m.experts[size_t(e)]);
+      }
+      expert = false;
+      held = true;
       if (moe_shape.Fs > 0) add_mlp(p + "moe.shared", moe_shape.Fs, m.shared);
       if (!moe_) moe_.emplace(config_.moe, moe_shape);
       continue;
@@ -147,15 +167,21 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
   add_norm("final_norm", final_norm_w_, final_norm_b_);
   head_ = config_.tied_head ? embed_ : add("head.weight", ParamTag::head, {V, C_}, Init::normal);
 
+  // Flat layout: the dense parameters, then the experts (registry order within each).
+  std::vector<int64_t> offset(specs.size());
   int64_t total = 0;
-  for (const Spec& s : specs) total += shape_numel(s.shape);
+  for (bool experts : {false, true}) {
+    if (experts) dense_numel_ = total;
+    for (size_t i = 0; i < specs.size(); ++i)
+      if (specs[i].expert == experts) offset[i] = total, total += shape_numel(specs[i].shape);
+  }
   flat_params_ = Tensor({total});
   flat_grads_ = Tensor({total});
-  int64_t offset = 0;
-  for (const Spec& s : specs) {
-    parameters_.push_back(
-        {s.name, s.tag, flat_params_.view(offset, s.shape), flat_grads_.view(offset, s.shape)});
-    offset += shape_numel(s.shape);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Spec& s = specs[i];
+    parameters_.push_back({s.name, s.tag, flat_params_.view(offset[i], s.shape),
+                           flat_grads_.view(offset[i], s.shape)});
+    (s.expert ? expert_params_ : dense_params_).push_back(parameters_.back());
   }
 
   // normal(0, init_std); output projections scaled by 1/sqrt(2 L) (GPT-2); norm gains 1;
@@ -171,7 +197,7 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed) : config_(config) {
     const int64_t chunks = (n + kInitChunk - 1) / kInitChunk;
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
-      Rng rng(key + (uint64_t(i) << 32) + uint64_t(c));
+      Rng rng(key + (specs[i].position << 32) + uint64_t(c));
       const int64_t begin = c * kInitChunk;
       rng.fill_normal(w + begin, std::min(kInitChunk, n - begin), 0.0f, stddev);
     }
@@ -188,6 +214,18 @@ void Gpt::zero_grads() {
   flat_grads_.fill_zero();
 }
 
+Tensor Gpt::dense_grads() const {
+  return flat_grads_.view(0, {dense_numel_});
+}
+
+Tensor Gpt::expert_grads() const {
+  return flat_grads_.view(dense_numel_, {num_parameters() - dense_numel_});
+}
+
+int64_t Gpt::total_parameters() const {
+  return dense_numel_ + (num_parameters() - dense_numel_) * shard_.count;
+}
+
 int64_t Gpt::matmul_parameters() const {
   int64_t n = config_.vocab * C_;  // the head, tied or not
   auto numel = [&](int i) { return i < 0 ? 0 : parameters_[size_t(i)].value.numel(); };
@@ -197,8 +235,9 @@ int64_t Gpt::matmul_parameters() const {
     if (!moe_mask_[l]) continue;
     // An MoE block: the router, top_k experts and the shared expert act on each token.
     const MoeParams& m = moe_params_[l];
+    const int64_t F = config_.moe_hidden_size(), Fi = config_.mlp == MlpType::swiglu ? 2 * F : F;
     n += numel(m.router) + numel(m.shared.fc_in_w) + numel(m.shared.fc_out_w) +
-         config_.moe.top_k * (numel(m.experts[0].fc_in_w) + numel(m.experts[0].fc_out_w));
+         config_.moe.top_k * (Fi * C_ + C_ * F);
   }
   return n;
 }
@@ -385,6 +424,10 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
   norm_forward(ln2, at(acts.mlp_norm_mean, l * N), acts.mlp_norm_rstd.f32() + l * N, m,
                p.mlp_norm_w, p.mlp_norm_b, N);
   if (moe_mask_[size_t(l)]) {
+    TESSEL_CHECK(expert_comm_->ep_size() == shard_.count && expert_comm_->ep_rank() == shard_.index,
+                 "this model holds expert shard ", shard_.index, " of ", shard_.count,
+                 " but runs with ep rank ", expert_comm_->ep_rank(), " of ",
+                 expert_comm_->ep_size(), ": set the expert comm of its ep group");
     const MoeParams& mp = moe_params_[size_t(l)];
     moe_->forward(acts.moe[size_t(l)], y, ln2, N,
                   moe_views<const float>(mp, [this](int i) { return value(i); }), value(mp.beta),

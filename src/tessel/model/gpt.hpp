@@ -106,25 +106,44 @@ struct Activations {
   Tensor residual_grad(int64_t boundary) const;
 };
 
+// Which experts of every MoE block a model holds: shard `index` of `count` equal shards
+// (expert e is in shard e / (E / count)), as an expert-parallel group of `count` ranks
+// places them. Placement is data: the model never sees the group itself.
+struct ExpertShard {
+  int64_t index = 0, count = 1;
+};
+
 class Gpt {
  public:
-  // Validates the config (InputError) and initializes the parameters from `seed`.
-  Gpt(const GptConfig& config, uint64_t seed);
+  // Validates the config (InputError) and initializes the parameters from `seed`. Only the
+  // experts of `shard` are allocated; each parameter's values do not depend on the shard.
+  Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard = {});
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
   Gpt(Gpt&&) = default;
   Gpt& operator=(Gpt&&) = default;
 
   const GptConfig& config() const { return config_; }
-  // Registry order, names, shapes and tags: docs/model.md.
+  const ExpertShard& expert_shard() const { return shard_; }
+  // Registry order, names, shapes and tags: docs/model.md. Experts outside the shard are
+  // left out; the others keep their global names (blocks.{i}.moe.experts.{e}.*).
   const ParameterList& parameters() const { return parameters_; }
+  // The same split in two, each in registry order: the parameters every shard holds
+  // (replicated over an ep group) and this shard's experts.
+  const ParameterList& dense_parameters() const { return dense_params_; }
+  const ParameterList& expert_parameters() const { return expert_params_; }
   // The parameter called `name`; throws tessel::Error when there is none.
   const Parameter& parameter(const std::string& name) const;
-  // All values / gradients, flat [num_parameters()] in registry order, no padding.
+  // All values / gradients, flat [num_parameters()], no padding: the dense parameters in
+  // registry order, then the experts' in registry order (each group one range, reduced
+  // over its own process group).
   Tensor flat_params() const { return flat_params_; }
   Tensor flat_grads() const { return flat_grads_; }
+  Tensor dense_grads() const;   // the dense range of flat_grads()
+  Tensor expert_grads() const;  // the experts' range of flat_grads() (may be empty)
   void zero_grads();
-  int64_t num_parameters() const { return flat_params_.numel(); }
+  int64_t num_parameters() const { return flat_params_.numel(); }  // held by this model
+  int64_t total_parameters() const;  // of the whole model, every expert counted once
   // Weights that multiply each token's activations: every block matrix plus the
   // head matrix (counted also when tied); no biases, norms or embedding lookups.
   // MFU counts 6 * matmul_parameters() + 12 * L * H * D * T flops per token.
@@ -154,8 +173,8 @@ class Gpt {
 
   // Mixture of experts (docs/model.md). The token exchange and the balancing sums go
   // through `comm` (null: every expert local, one process); the caller owns it and keeps
-  // it alive while set. Replicas hold every expert's weights, so any process can run the
-  // model alone with the local one (generation, validation).
+  // it alive while set. Its ep group must match the shard (size count, rank index): a
+  // model holding a shard of the experts runs only through its ep group.
   void set_expert_comm(moe::ExpertComm* comm);
   // After each optimizer step: the balancing methods' beta update of every MoE block from
   // the micro-batches backward saw since the last call (collective over the comm's
@@ -193,9 +212,11 @@ class Gpt {
   moe::LayerWeightsT<P> moe_views(const MoeParams& m, Get get) const;
 
   GptConfig config_;
+  ExpertShard shard_;
   int64_t C_, H_, Hkv_, D_, F_, Fi_, QKV_;
   Tensor flat_params_, flat_grads_;
-  ParameterList parameters_;
+  int64_t dense_numel_ = 0;  // the dense range of the flat buffers: [0, dense_numel_)
+  ParameterList parameters_, dense_params_, expert_params_;
   int embed_ = -1, pos_embed_ = -1, final_norm_w_ = -1, final_norm_b_ = -1, head_ = -1;
   std::vector<BlockParams> blocks_;
   std::vector<bool> moe_mask_;              // [L]

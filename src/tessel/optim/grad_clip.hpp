@@ -26,6 +26,10 @@ double global_grad_norm(const ParameterList& params, comm::Communicator* shard_g
 double clip_grad_norm(ParameterList& params, double max_norm,
                       comm::Communicator* shard_group = nullptr);
 
+// The scaling of clip_grad_norm for a `norm` computed elsewhere (expert-sharded gradients:
+// parallel/expert_sharding.hpp).
+void scale_to_max_norm(ParameterList& params, double norm, double max_norm);
+
 namespace naive {
 // sqrt of the sequential double sum over every gradient element, in list order (one process).
 double global_grad_norm(const ParameterList& params);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
@@ -67,22 +68,48 @@ std::vector<std::string> names_of(const std::vector<NamedTensor>& tensors) {
   return names;
 }
 
-// Copies the tensors of `from` owned by `rank` into `into`, reusing its buffers when the
-// shapes are those of the previous save.
-void stage_share(const std::vector<NamedTensor>& from, const std::vector<int>& owner, int rank,
-                 std::vector<NamedTensor>& into) {
+// Copies this rank's share of `replicated` (owner[i] == rank) and all of `own` into `into`,
+// reusing its buffers when the shapes are those of the previous save.
+void stage_share(const std::vector<NamedTensor>& replicated, const std::vector<int>& owner,
+                 int rank, const std::vector<NamedTensor>& own, std::vector<NamedTensor>& into) {
   size_t j = 0;
-  for (size_t i = 0; i < from.size(); ++i) {
-    if (owner[i] != rank) continue;
-    const Tensor& src = from[i].tensor;
-    if (j == into.size()) into.push_back({from[i].name, Tensor(src.shape(), src.dtype())});
+  auto stage = [&](const NamedTensor& from) {
+    const Tensor& src = from.tensor;
+    if (j == into.size()) into.push_back({from.name, Tensor(src.shape(), src.dtype())});
     NamedTensor& dst = into[j++];
     if (dst.tensor.shape() != src.shape() || dst.tensor.dtype() != src.dtype())
       dst.tensor = Tensor(src.shape(), src.dtype());
-    dst.name = from[i].name;
+    dst.name = from.name;
     std::memcpy(dst.tensor.raw(), src.raw(), src.bytes());
-  }
+  };
+  for (size_t i = 0; i < replicated.size(); ++i)
+    if (owner[i] == rank) stage(replicated[i]);
+  for (const NamedTensor& t : own) stage(t);
   into.resize(j);
+}
+
+// The names of `replicated`, then every rank's `own` in rank order (collective over
+// `group`); a name listed twice is an error.
+std::vector<std::string> gather_names(comm::Communicator& group,
+                                      const std::vector<NamedTensor>& replicated,
+                                      const std::vector<NamedTensor>& own) {
+  std::string mine;
+  for (const auto& t : own) mine += t.name + '\n';
+  const int64_t n = int64_t(mine.size());
+  std::vector<int64_t> sizes(size_t(group.size()));
+  group.all_gather(&n, sizes.data(), 1, comm::ElemType::i64);
+  const std::vector<size_t> counts(sizes.begin(), sizes.end());
+  std::string all(std::accumulate(counts.begin(), counts.end(), size_t(0)), '\0');
+  group.all_gatherv(mine.data(), all.data(), counts, comm::ElemType::u8);
+  std::vector<std::string> names = names_of(replicated);
+  for (size_t at = 0, end; (end = all.find('\n', at)) != std::string::npos; at = end + 1)
+    names.push_back(all.substr(at, end - at));
+  std::vector<std::string> sorted = names;
+  std::sort(sorted.begin(), sorted.end());
+  auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+  TESSEL_CHECK(twice == sorted.end(), "checkpoint tensor '", *twice,
+               "' is listed by two ranks (or also as replicated)");
+  return names;
 }
 
 }  // namespace
@@ -196,8 +223,9 @@ void AsyncCheckpointer::write_files() {
   const CheckpointContent& c = content_;
   const std::vector<NamedTensor>* kinds[2] = {&c.model, &c.optimizer};
   std::vector<NamedTensor>* staged[2] = {&staged_model_, &staged_optimizer_};
+  const std::vector<NamedTensor>* own[2] = {&c.own_model, &c.own_optimizer};
   for (int k = 0; k < 2; ++k)
-    stage_share(*kinds[k], assign_writers(*kinds[k], ranks_), rank_, *staged[k]);
+    stage_share(*kinds[k], assign_writers(*kinds[k], ranks_), rank_, *own[k], *staged[k]);
   {
     std::lock_guard lock(mu_);
     staged_ = true;
@@ -230,7 +258,7 @@ void AsyncCheckpointer::commit() {
   manifest["version"] = kFormatVersion;
   manifest["step"] = c.step;
   manifest["ranks"] = ranks_;
-  manifest["tensors"] = {{"model", names_of(c.model)}, {"optimizer", names_of(c.optimizer)}};
+  manifest["tensors"] = {{"model", names_[0]}, {"optimizer", names_[1]}};
   manifest["state"] = c.state;
   manifest["files"] = nlohmann::json::array();
   for (int r = 0; r < ranks_; ++r)
@@ -250,6 +278,8 @@ void AsyncCheckpointer::commit() {
 
 void AsyncCheckpointer::save(const CheckpointContent& content) {
   wait();  // at most one save in flight
+  names_[0] = gather_names(group_, content.model, content.own_model);
+  names_[1] = gather_names(group_, content.optimizer, content.own_optimizer);
   {
     std::lock_guard lock(mu_);
     content_ = content;

@@ -6,8 +6,9 @@
 //                                         the model config, every file with its size and
 //                                         CRC-32, the tensor order — written LAST.
 // The P ranks of the saving job split the (replicated) tensors between them, balanced by
-// bytes, so each writes 1/P of the state; a load merges the shares by tensor name, so a
-// checkpoint of P ranks loads into any number of ranks.
+// bytes, so each writes 1/P of the state; tensors only some ranks hold (sharded experts)
+// are written by the one rank that lists them as its own. A load merges the shares by
+// tensor name, so a checkpoint of P ranks loads into any number of ranks.
 //
 // Asynchronous two-phase commit (spec section 4.2): save() hands the tensors to a
 // background writer, which copies this rank's share into reusable host staging buffers,
@@ -35,8 +36,11 @@ namespace tessel::train {
 
 struct CheckpointContent {
   int64_t step = 0;
-  std::vector<NamedTensor> model;
-  std::vector<NamedTensor> optimizer;
+  std::vector<NamedTensor> model;      // the same list on every rank (split between them)
+  std::vector<NamedTensor> optimizer;  // likewise
+  // This rank's own tensors (written by it alone, listed after the replicated ones, in rank
+  // order); no name may be listed by two ranks or be also replicated. Empty when loaded.
+  std::vector<NamedTensor> own_model, own_optimizer;
   nlohmann::json state;  // trainer state: loader position, config, ...
 };
 
@@ -101,8 +105,9 @@ class AsyncCheckpointer {
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
 
   // Starts saving `content`, whose tensors view live state. Waits for the previous save
-  // to be committed first (at most one in flight). The tensors must not change until
-  // wait_staged() returns.
+  // to be committed first (at most one in flight), then gathers the names of every rank's
+  // own tensors (a blocking collective). The tensors must not change until wait_staged()
+  // returns.
   void save(const CheckpointContent& content);
   // Blocks until the writer has copied this rank's share into the staging buffers.
   void wait_staged();
@@ -142,6 +147,7 @@ class AsyncCheckpointer {
   bool staged_ = true, done_ = true;
   std::string failure_;                                       // writer failure of the current job
   CheckpointContent content_;                                 // views; this rank copies its share
+  std::vector<std::string> names_[2];                         // model, optimizer: the manifest's
   std::vector<NamedTensor> staged_model_, staged_optimizer_;  // reusable staging buffers
   std::vector<int64_t> record_, gathered_;  // [ok, bytes, crc] per file, every rank's
   std::unique_ptr<comm::Request> request_;  // the agreement in progress

@@ -28,10 +28,9 @@
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/model/gpt.hpp"
-#include "tessel/optim/grad_clip.hpp"
 #include "tessel/optim/lr_schedule.hpp"
-#include "tessel/parallel/data_parallel.hpp"
 #include "tessel/parallel/expert_parallel.hpp"
+#include "tessel/parallel/expert_sharding.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/checkpoint_interval.hpp"
@@ -125,6 +124,20 @@ double mask_sum(const data::Batch& b) {
   return n;
 }
 
+// One sequence of T tokens without loss tokens: a forward that only keeps an ep group's
+// token exchanges in step.
+data::Batch idle_batch(int64_t T) {
+  data::Batch b;
+  b.B = 1;
+  b.T = T;
+  b.tokens.assign(size_t(T), 0);
+  b.targets.assign(size_t(T), 0);
+  b.loss_mask.assign(size_t(T), 0.0f);
+  for (int64_t t = 0; t < T; ++t) b.positions.push_back(int32_t(t));
+  b.doc_starts = {{0}};
+  return b;
+}
+
 }  // namespace
 
 struct Trainer::State {
@@ -146,9 +159,9 @@ struct Trainer::State {
   model::Gpt model;
   parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
   MoeMetrics moe_step, moe_val;
-  std::unique_ptr<optim::Optimizer> optimizer;
+  std::unique_ptr<parallel::ExpertShardedOptimizer> optimizer;  // dense over dp, experts edp
   optim::LrSchedule schedule;
-  parallel::GradientReducer reducer;
+  parallel::ExpertShardedGradients grads;  // all-reduces and clipping
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
   std::jthread warmup;  // fast start: the synthetic step, beside the data warm-up below
   std::exception_ptr warmup_failure;
@@ -184,14 +197,16 @@ struct Trainer::State {
         dp(mesh.group(comm::Axis::dp)),
         dp_cp(shape.cp > 1 ? w.split(mesh.coordinate(comm::Axis::pp), w.rank()) : nullptr),
         grad_group(dp_cp ? *dp_cp : dp),
-        model(config.model, uint64_t(config.run.seed)),
+        model(config.model, uint64_t(config.run.seed), parallel::expert_shard(mesh)),
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
         moe_val(model),
-        optimizer(optim::make_optimizer(config.optim, model.parameters(), &dp, qkv_blocks())),
+        optimizer(std::make_unique<parallel::ExpertShardedOptimizer>(
+            config.optim, model, dp, mesh.group(comm::Axis::edp), qkv_blocks())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
-        reducer(grad_group, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
+        grads(model, grad_group, mesh.group(comm::Axis::edp), mesh.group(comm::Axis::ep),
+              int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
                                        : std::jthread()),
         data_mark(ledger, Phase::data_warmup),
@@ -309,8 +324,16 @@ struct Trainer::State {
   void save(int64_t step) {
     CheckpointContent content;
     content.step = step;
-    for (const auto& p : model.parameters()) content.model.push_back({p.name, p.value});
-    for (auto& st : optimizer->state()) content.optimizer.push_back({st.name, st.tensor});
+    // Each expert once: the first edp rank of each ep index writes the ep rank's experts.
+    const bool writes_experts = mesh.coordinate(comm::Axis::edp) == 0;
+    for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
+    auto state = optimizer->split_state();  // collective: every rank
+    for (auto& st : state.replicated) content.optimizer.push_back({st.name, st.tensor});
+    if (writes_experts) {
+      for (const auto& p : model.expert_parameters())
+        content.own_model.push_back({p.name, p.value});
+      for (auto& st : state.experts) content.own_optimizer.push_back({st.name, st.tensor});
+    }
     auto ls = loader.state();
     content.state = {{"compatibility", compatibility()},
                      {"loader", {{"step", ls.step}, {"micro", ls.micro}}},
@@ -377,30 +400,42 @@ struct Trainer::State {
 
   double validate_loss() {
     double stats[2] = {0, 0};
-    model.set_expert_comm(nullptr);  // every rank holds every expert: validation runs alone
     moe_val.clear();
-    for (const auto& b : val_batches) {
+    // Every forward exchanges tokens over the ep group: its ranks run as many as the one with
+    // the most validation batches, the others on batches without loss tokens.
+    int64_t rounds = int64_t(val_batches.size());
+    mesh.group(comm::Axis::ep).all_reduce(std::span<int64_t>(&rounds, 1), comm::ReduceOp::max);
+    const data::Batch idle = idle_batch(config.train.seq_len);
+    for (int64_t i = 0; i < rounds; ++i) {
+      const bool real = i < int64_t(val_batches.size());
+      const data::Batch& b = real ? val_batches[size_t(i)] : idle;
       stats[0] +=
           model.forward(activations(b.B, b.T), BatchInputs(b, config.data.attention_mask).inputs());
+      if (!real) continue;
       stats[1] += mask_sum(b);
       moe_val.add(activations(b.B, b.T));
     }
-    model.set_expert_comm(&experts);
     dp.all_reduce(std::span<double>(stats, 2));
     if (!moe_val.empty()) dp.all_reduce(moe_val.values());
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
+  // Rank 0's text sample. With ep = 1 rank 0 runs alone; with sharded experts every rank
+  // calls this and each ep group generates together (same prompt, seed and length).
   std::string sample() {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
-    model.set_expert_comm(nullptr);  // rank 0 alone
+    if (!sharded_experts()) model.set_expert_comm(nullptr);
     auto ids =
         model::generate(model, tok.encode(config.train.sample_prompt), config.train.sample_tokens,
                         float(config.train.sample_temperature), config.train.sample_top_k, rng);
     model.set_expert_comm(&experts);
     return tok.decode(ids);
+  }
+
+  bool sharded_experts() const {
+    return mesh.size(comm::Axis::ep) > 1 && !model.expert_parameters().empty();
   }
 };
 
@@ -480,7 +515,8 @@ TrainResult Trainer::run() {
                                            mc.head_dim(), c.train.seq_len);
   const int64_t global_tokens =
       s.loader.sequences_per_step() * c.train.seq_len;  // input positions per step
-  s.log("tessel: " + std::to_string(s.model.num_parameters()) + " parameters, " +
+  s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +
+        std::to_string(s.model.num_parameters()) + " on rank 0), " +
         std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
         " thread(s), dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) + ", " +
         std::to_string(global_tokens) + " tokens/step, GEMM peak " + std::to_string(int(peak)) +
@@ -494,7 +530,8 @@ TrainResult Trainer::run() {
   };
 
   write_metrics({{"event", "start"},
-                 {"parameters", s.model.num_parameters()},
+                 {"parameters", s.model.total_parameters()},
+                 {"rank_parameters", s.model.num_parameters()},
                  {"matmul_parameters", s.model.matmul_parameters()},
                  {"flops_per_token", flops_tok},
                  {"peak_gflops", peak},
@@ -520,7 +557,6 @@ TrainResult Trainer::run() {
 
   Timer run_timer;
   double train_seconds = 0;
-  ParameterList params = s.model.parameters();
   for (int64_t step = s.start_step; step < c.train.steps; ++step) {
     s.ledger.enter(Phase::productive, step + 1);
     s.checkpointer.poll();  // twice per step: a commit needs a few rounds
@@ -550,8 +586,8 @@ TrainResult Trainer::run() {
       s.dp.all_reduce(s.moe_step.values());
     }
     TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
-    s.reducer.reduce(float(1.0 / stats[1]));
-    double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
+    s.grads.reduce(float(1.0 / stats[1]));
+    double grad_norm = s.grads.clip(c.train.grad_clip);
     if (!std::isfinite(grad_norm))
       throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
                   std::to_string(grad_norm) + "; stopping before the update (" +
@@ -648,7 +684,7 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  if (c.train.sample_tokens > 0 && s.is_root) {
+  if (c.train.sample_tokens > 0 && (s.is_root || s.sharded_experts())) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }

@@ -110,3 +110,47 @@ TEST(CheckpointShards, AFailureOnOneRankStopsEveryRankAndKeepsThePreviousCheckpo
   EXPECT_FALSE(fs::exists(root + "/step-00000002"));
   world.barrier();
 }
+
+// Sharded state (experts): each rank lists its own tensors besides the replicated ones; each is
+// written once, by its rank, and the load holds replicated then own tensors in rank order,
+// bitwise. A name listed by two ranks is refused before anything is written.
+TEST(CheckpointShards, OwnTensorsAreWrittenOnceByTheirRank) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size(), r = world.rank();
+  std::string root = shared_dir(world) + "/checkpoints";
+  CheckpointStore store(root, 2);
+  auto own = [](int rank) {  // rank r owns r + 1 tensors
+    std::vector<NamedTensor> out;
+    for (int i = 0; i <= rank; ++i) {
+      Tensor t({int64_t(2 + i)});
+      for (int64_t j = 0; j < t.numel(); ++j) t.f32()[j] = float(1000 * rank + 10 * i + j);
+      out.push_back({"experts." + std::to_string(rank) + "." + std::to_string(i), t});
+    }
+    return out;
+  };
+  CheckpointContent mine = replicated_state(3);
+  mine.own_model = own(r);
+  mine.own_optimizer = {{"m/experts." + std::to_string(r), own(r)[0].tensor}};
+  store.save(world, mine);
+  CheckpointContent back = CheckpointStore::load(root + "/step-00000003");
+  CheckpointContent want = replicated_state(3);
+  for (int q = 0; q < P; ++q)
+    for (auto& t : own(q)) want.model.push_back(t);
+  ASSERT_EQ(back.model.size(), want.model.size());
+  for (size_t i = 0; i < want.model.size(); ++i) {
+    EXPECT_EQ(back.model[i].name, want.model[i].name);
+    ASSERT_EQ(back.model[i].tensor.bytes(), want.model[i].tensor.bytes());
+    EXPECT_EQ(std::memcmp(back.model[i].tensor.raw(), want.model[i].tensor.raw(),
+                          want.model[i].tensor.bytes()),
+              0)
+        << want.model[i].name;
+  }
+  ASSERT_EQ(back.optimizer.size(), size_t(1 + P));
+  for (int q = 0; q < P; ++q)
+    EXPECT_EQ(back.optimizer[size_t(1 + q)].name, "m/experts." + std::to_string(q));
+
+  CheckpointContent twice = replicated_state(4);
+  twice.own_model = own(0);  // every rank claims rank 0's tensors
+  if (P > 1) EXPECT_THROW(store.save(world, twice), Error);
+  world.barrier();
+}

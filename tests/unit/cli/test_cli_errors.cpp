@@ -73,6 +73,26 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
   EXPECT_EQ(o.out.size(), 2u + 5u + 1u) << o.out;  // prompt, 5 new bytes, newline
 }
 
+// Experts sharded over 2 ranks (ep = 2): the end-of-run sample runs through the ep exchange,
+// and `generate` on one process loads the checkpoint (each expert saved once) and, greedy,
+// produces the same text as the sample.
+TEST_F(CliTest, ExpertShardedRunSamplesAndGeneratesTheSameOnOneProcess) {
+  std::string run = temp_dir("tessel-cli-ep");
+  Outcome o = run_tessel(train_args(run) +
+                             " --set run.quiet=false --set model.moe_layers=all"
+                             " --set model.moe_experts=4 --set parallel.ep=2"
+                             " --set train.sample_tokens=6 --set train.sample_prompt=ab"
+                             " --set train.sample_temperature=0",
+                         2);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const size_t at = o.out.find("sample:\n");
+  ASSERT_NE(at, std::string::npos) << o.out;
+  const std::string sample = o.out.substr(at + 8, 2 + 6);
+  o = run_tessel("generate --run " + run + " --prompt ab --tokens 6 --temperature 0");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(o.out, sample + "\n");
+}
+
 TEST_F(CliTest, UnknownConfigKey) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set model.widht=3"),
                         {"model.widht"});

@@ -1,6 +1,7 @@
 #pragma once
 // Tiny models and micro-batches shared by the model tests.
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "tessel/core/rng.hpp"
@@ -104,6 +105,10 @@ inline Batch random_batch(const GptConfig& c, int64_t B, int64_t T, uint64_t see
 
 // Moves every parameter off its structured init (norm gains 1, biases 0) to a
 // generic point with weights of size `stddev`, so every path carries gradient.
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.numel() == b.numel() && std::memcmp(a.raw(), b.raw(), a.bytes()) == 0;
+}
+
 inline void randomize_parameters(Gpt& gpt, uint64_t seed, float stddev) {
   Rng rng(seed);
   for (const Parameter& p : gpt.parameters()) {

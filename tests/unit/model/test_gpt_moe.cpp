@@ -84,3 +84,48 @@ TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
     }
   }
 }
+
+// Expert sharding: shard r of n allocates exactly the experts r*E/n .. (r+1)*E/n - 1 of every
+// MoE block under their global names, with the values of the unsharded model (init streams
+// keyed by the whole-model registry), the same dense parameters, and 1/n of the expert bytes.
+TEST(GptMoe, ExpertShardHoldsOnlyItsExpertsWithTheWholeModelsValues) {
+  GptConfig c = moe_config(gelu_config(), "all");
+  c.moe.experts = 4;
+  const Gpt full(c, 7);
+  const int64_t E = c.moe.experts;
+  ASSERT_EQ(full.total_parameters(), full.num_parameters());
+  for (int64_t count : {1, 2, 4}) {
+    int64_t expert_numel = 0;
+    for (int64_t index = 0; index < count; ++index) {
+      SCOPED_TRACE("shard " + std::to_string(index) + " of " + std::to_string(count));
+      const Gpt shard(c, 7, {index, count});
+      EXPECT_EQ(shard.total_parameters(), full.num_parameters());
+      EXPECT_EQ(shard.dense_grads().numel(), full.dense_grads().numel());
+      EXPECT_EQ(shard.expert_grads().numel() * count, full.expert_grads().numel());
+      expert_numel += shard.expert_grads().numel();
+      ASSERT_EQ(shard.dense_parameters().size(), full.dense_parameters().size());
+      for (const Parameter& p : shard.dense_parameters())
+        EXPECT_TRUE(bitwise_equal(p.value, full.parameter(p.name).value)) << p.name;
+      int64_t held = 0;
+      for (const Parameter& p : shard.expert_parameters()) {
+        const size_t at = p.name.find("moe.experts.") + 12;
+        const int64_t e = std::stoll(p.name.substr(at));
+        EXPECT_EQ(e / (E / count), index) << p.name;
+        EXPECT_TRUE(bitwise_equal(p.value, full.parameter(p.name).value)) << p.name;
+        held += p.value.numel();
+      }
+      EXPECT_EQ(held, shard.expert_grads().numel());
+      for (int64_t e = 0; e < E; ++e) {
+        if (e / (E / count) == index) continue;
+        EXPECT_THROW(shard.parameter("blocks.0.moe.experts." + std::to_string(e) + ".fc_in.weight"),
+                     Error);
+      }
+    }
+    EXPECT_EQ(expert_numel, full.expert_grads().numel());
+  }
+  // A shard runs only through an ep group of its size: not alone.
+  Gpt half(c, 7, {1, 2});
+  const Batch batch = random_batch(c, 1, 4, 2, false);
+  auto acts = half.make_activations(batch.B, batch.T);
+  EXPECT_THROW(half.forward(*acts, batch.inputs()), Error);
+}

@@ -1,0 +1,85 @@
+#include "tessel/parallel/expert_sharding.hpp"
+
+#include <cmath>
+
+#include "tessel/optim/grad_clip.hpp"
+
+namespace tessel::parallel {
+
+namespace {
+double sum_squares(const ParameterList& params) {
+  double s = 0;
+  for (const Parameter& p : params) s += optim::sum_squares(p.grad.f32(), p.grad.numel());
+  return s;
+}
+}  // namespace
+
+model::ExpertShard expert_shard(const comm::Mesh& mesh) {
+  return {mesh.coordinate(comm::Axis::ep), mesh.size(comm::Axis::ep)};
+}
+
+double expert_sharded_grad_norm(const ParameterList& dense, const ParameterList& experts,
+                                comm::Communicator& ep_group) {
+  const double mine = sum_squares(experts);
+  std::vector<double> each(size_t(ep_group.size()));
+  ep_group.all_gather(&mine, each.data(), 1, comm::ElemType::f64);
+  double total = sum_squares(dense);
+  for (double s : each) total += s;
+  return std::sqrt(total);
+}
+
+ExpertShardedGradients::ExpertShardedGradients(const model::Gpt& model,
+                                               comm::Communicator& dense_group,
+                                               comm::Communicator& expert_group,
+                                               comm::Communicator& ep_group, int64_t bucket_bytes)
+    : all_(model.parameters()),
+      dense_(model.dense_parameters()),
+      experts_(model.expert_parameters()),
+      ep_(ep_group),
+      dense_reducer_(dense_group, model.dense_grads(), bucket_bytes),
+      expert_reducer_(expert_group, model.expert_grads(), bucket_bytes) {}
+
+void ExpertShardedGradients::reduce(float scale) {
+  dense_reducer_.reduce(scale);
+  expert_reducer_.reduce(scale);
+}
+
+double ExpertShardedGradients::clip(double max_norm) {
+  const double norm = expert_sharded_grad_norm(dense_, experts_, ep_);
+  optim::scale_to_max_norm(all_, norm, max_norm);
+  return norm;
+}
+
+ExpertShardedOptimizer::ExpertShardedOptimizer(
+    const optim::OptimizerConfig& config, const model::Gpt& model, comm::Communicator& dense_group,
+    comm::Communicator& expert_group, const std::map<std::string, std::vector<int64_t>>& row_blocks)
+    : dense_(optim::make_optimizer(config, model.dense_parameters(), &dense_group, row_blocks)) {
+  if (!model.expert_parameters().empty())
+    experts_ = optim::make_optimizer(config, model.expert_parameters(), &expert_group);
+  for (const Parameter& p : model.expert_parameters()) expert_names_.insert(p.name);
+}
+
+void ExpertShardedOptimizer::step(double lr_scale) {
+  dense_->step(lr_scale);
+  if (experts_) experts_->step(lr_scale);
+}
+
+ExpertShardedOptimizer::SplitState ExpertShardedOptimizer::split_state() {
+  SplitState out{dense_->state(), {}};
+  if (!experts_) return out;
+  for (auto& st : experts_->state()) {
+    const size_t slash = st.name.rfind('/');
+    const bool per_expert =
+        slash != std::string::npos && expert_names_.count(st.name.substr(slash + 1));
+    (per_expert ? out.experts : out.replicated).push_back({"experts/" + st.name, st.tensor});
+  }
+  return out;
+}
+
+std::vector<optim::StateTensor> ExpertShardedOptimizer::state() {
+  SplitState split = split_state();
+  for (auto& st : split.experts) split.replicated.push_back(std::move(st));
+  return split.replicated;
+}
+
+}  // namespace tessel::parallel

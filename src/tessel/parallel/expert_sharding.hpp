@@ -1,0 +1,77 @@
+#pragma once
+// Expert-sharded training: the placement of a Gpt's experts on the mesh and the update that
+// goes with it. Each rank of an ep group holds E / ep experts of every MoE block (the model
+// allocates only those: model::ExpertShard); the dense parameters are replicated over dp.
+//   - gradients: the dense range of the flat buffer is summed over the dp group, the
+//     experts' range over the edp group (the ranks holding the same experts);
+//   - clipping: global norm^2 = dense norm^2 (the same on every rank) + the expert norm^2 of
+//     each ep rank, added in ep-rank order, so every rank scales by the same bits;
+//   - optimizer: the configured optimizer over the dense parameters and dp, and a second one
+//     over the experts and edp (ZeRO-1 sharding of the Muon family over edp); the expert
+//     one's state names carry the prefix "experts/", so they do not depend on ep.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tessel/comm/mesh.hpp"
+#include "tessel/model/gpt.hpp"
+#include "tessel/optim/optimizer.hpp"
+#include "tessel/parallel/data_parallel.hpp"
+
+namespace tessel::parallel {
+
+// This rank's experts: shard (ep coordinate) of the ep degree.
+model::ExpertShard expert_shard(const comm::Mesh& mesh);
+
+// sqrt(sum of the dense gradients^2 + the sum over the ep group of each rank's expert
+// gradients^2); the expert sums are gathered and added in ep-rank order.
+double expert_sharded_grad_norm(const ParameterList& dense, const ParameterList& experts,
+                                comm::Communicator& ep_group);
+
+// The gradient all-reduces and the clipping of a model placed by expert_shard. The groups
+// must outlive it; dense_group is dp (or dp x cp), expert_group edp.
+class ExpertShardedGradients {
+ public:
+  ExpertShardedGradients(const model::Gpt& model, comm::Communicator& dense_group,
+                         comm::Communicator& expert_group, comm::Communicator& ep_group,
+                         int64_t bucket_bytes);
+  // Sums every gradient over its group, then multiplies by `scale` (GradientReducer).
+  void reduce(float scale);
+  // Scales every gradient by min(1, max_norm / (norm + 1e-6)) (optim::clip_grad_norm) with
+  // the expert-sharded global norm; returns the norm.
+  double clip(double max_norm);
+
+ private:
+  ParameterList all_, dense_, experts_;
+  comm::Communicator& ep_;
+  GradientReducer dense_reducer_, expert_reducer_;
+};
+
+// The optimizer of a model placed by expert_shard (see the top of this file). step() and
+// state() are collective over both groups.
+class ExpertShardedOptimizer final : public optim::Optimizer {
+ public:
+  ExpertShardedOptimizer(const optim::OptimizerConfig& config, const model::Gpt& model,
+                         comm::Communicator& dense_group, comm::Communicator& expert_group,
+                         const std::map<std::string, std::vector<int64_t>>& row_blocks);
+  void step(double lr_scale) override;
+  // The state in two: what every rank holds alike (the dense optimizer's state and the
+  // expert optimizer's step counters), and the tensors of this rank's experts (those
+  // whose name ends in "/<expert parameter name>").
+  struct SplitState {
+    std::vector<optim::StateTensor> replicated, experts;
+  };
+  SplitState split_state();
+  std::vector<optim::StateTensor> state() override;  // replicated, then experts
+  std::string name() const override { return dense_->name(); }
+  int64_t step_count() const override { return dense_->step_count(); }
+
+ private:
+  std::unique_ptr<optim::Optimizer> dense_, experts_;  // experts_ null without experts
+  std::set<std::string> expert_names_;                 // the expert parameters'
+};
+
+}  // namespace tessel::parallel
