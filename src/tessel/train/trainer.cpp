@@ -409,13 +409,17 @@ struct Trainer::State {
     for (int64_t i = 0; i < rounds; ++i) {
       const bool real = i < int64_t(val_batches.size());
       const data::Batch& b = real ? val_batches[size_t(i)] : idle;
-      stats[0] +=
-          model.forward(activations(b.B, b.T), BatchInputs(b, config.data.attention_mask).inputs());
+      const BatchInputs full(b, config.data.attention_mask);
+      std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks, as in training
+      if (config.parallel.cp > 1)
+        part.emplace(full, mesh.group(comm::Axis::cp), config.parallel, config.model);
+      const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+      stats[0] += model.forward(activations(in.B, in.T), in);
       if (!real) continue;
-      stats[1] += mask_sum(b);
-      moe_val.add(activations(b.B, b.T));
+      stats[1] += part ? part->loss_weight_sum() : mask_sum(b);
+      moe_val.add(activations(in.B, in.T));
     }
-    dp.all_reduce(std::span<double>(stats, 2));
+    grad_group.all_reduce(std::span<double>(stats, 2));
     if (!moe_val.empty()) dp.all_reduce(moe_val.values());
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }

@@ -136,6 +136,9 @@ TEST(ContextParallel, TrainingFollowsSingleRankLoss) {
         EXPECT_NEAR(a.steps[i].loss, ref.steps[i].loss, 1e-4) << "step " << i + 1;
       }
       EXPECT_LT(a.steps.back().loss, a.steps.front().loss - 0.5);
+      // Validation splits each sequence over the cp ranks too.
+      ASSERT_EQ(a.validation.size(), ref.validation.size());
+      EXPECT_NEAR(a.validation.back().second, ref.validation.back().second, 1e-4);
     }
   }
 }
