@@ -8,17 +8,22 @@
 namespace tessel::train {
 namespace {
 
-data::Batch two_rows() {
+// B rows of T tokens; row r's documents start at doc_starts[r].
+data::Batch batch(int64_t T, std::vector<std::vector<int32_t>> doc_starts) {
   data::Batch b;
-  b.B = 2;
-  b.T = 6;
-  b.tokens.assign(12, 1);
-  b.targets.assign(12, 2);
-  b.loss_mask.assign(12, 1.0f);
-  for (int r = 0; r < 2; ++r)
-    for (int t = 0; t < 6; ++t) b.positions.push_back(t);
-  b.doc_starts = {{0, 2, 5}, {0}};
+  b.B = int64_t(doc_starts.size());
+  b.T = T;
+  b.tokens.assign(size_t(b.B * T), 1);
+  b.targets.assign(size_t(b.B * T), 2);
+  b.loss_mask.assign(size_t(b.B * T), 1.0f);
+  for (int64_t r = 0; r < b.B; ++r)
+    for (int32_t t = 0; t < T; ++t) b.positions.push_back(t);
+  b.doc_starts = std::move(doc_starts);
   return b;
+}
+
+data::Batch two_rows() {
+  return batch(6, {{0, 2, 5}, {0}});
 }
 
 TEST(BatchInputs, CausalDocumentRestartsPositionsAndMasksAcrossDocuments) {
@@ -46,19 +51,6 @@ TEST(BatchInputs, CausalKeepsRowPositionsAndNoMask) {
   EXPECT_EQ(in.inputs().positions, b.positions.data());
 }
 
-// One row of 64 tokens; documents start at `starts`.
-data::Batch one_row(std::vector<int32_t> starts) {
-  data::Batch b;
-  b.B = 1;
-  b.T = 64;
-  b.tokens.assign(64, 1);
-  b.targets.assign(64, 2);
-  b.loss_mask.assign(64, 1.0f);
-  for (int t = 0; t < 64; ++t) b.positions.push_back(t);
-  b.doc_starts = {std::move(starts)};
-  return b;
-}
-
 // Every rank owns `per_rank` chunks and every chunk has exactly one owner.
 void expect_partition(const attention::CpLayout& l, int P, int64_t per_rank) {
   ASSERT_EQ(l.ranks(), P);
@@ -79,7 +71,7 @@ TEST(MicroBatchLayout, EachKindPartitionsAndBalancedEvensTheWork) {
   model.heads = 2;
   ParallelConfig p;
   p.cp_chunks = 4;
-  const data::Batch causal = one_row({0});
+  const data::Batch causal = batch(64, {{0}});
   const BatchInputs in(causal, AttentionMaskKind::causal);
   double imbalance[3];
   int i = 0;
@@ -98,7 +90,7 @@ TEST(MicroBatchLayout, EachKindPartitionsAndBalancedEvensTheWork) {
   EXPECT_DOUBLE_EQ(imbalance[2], 1.0);
 
   // Documents: balanced never does worse than contiguous on the micro-batch's own mask.
-  const data::Batch docs = one_row({0, 5, 30, 33, 60});
+  const data::Batch docs = batch(64, {{0, 5, 30, 33, 60}});
   const BatchInputs doc_in(docs, AttentionMaskKind::causal_document);
   p.cp_layout = CpLayoutKind::contiguous;
   const attention::CpLayout contiguous = micro_batch_layout(doc_in.inputs(), 2, p, model);
