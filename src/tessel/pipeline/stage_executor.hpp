@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tessel/comm/communicator.hpp"
+#include "tessel/core/rng.hpp"
 #include "tessel/pipeline/schedule.hpp"
 #include "tessel/pipeline/simulator.hpp"
 
@@ -53,13 +54,14 @@ struct ExecutorOptions {
 
 struct StageStats {
   int64_t forwards = 0, backwards = 0, steps = 0;
-  int64_t peak_live_activations = 0;  // most forwards awaiting their backward at once
-  int64_t max_version_gap = 0;        // over this run's backwards
-  int64_t inconsistent_backwards = 0; // backwards whose gap is not 0
-  std::vector<int64_t> gap_histogram; // [gap] -> backwards
+  int64_t peak_live_activations = 0;       // most forwards awaiting their backward at once
+  int64_t max_version_gap = 0;             // over this run's backwards
+  int64_t inconsistent_backwards = 0;      // backwards whose gap is not 0
+  std::vector<int64_t> gap_histogram;      // [gap] -> backwards
+  std::vector<int64_t> backward_versions;  // the weight version each backward ran under
   double forward_seconds = 0, backward_seconds = 0, step_seconds = 0;  // compute
-  double wait_seconds = 0;   // blocked on messages
-  double total_seconds = 0;  // wall time of run()
+  double wait_seconds = 0;                                             // blocked on messages
+  double total_seconds = 0;                                            // wall time of run()
   std::vector<OpTiming> timeline;  // this stage's ops, seconds since run() began
   // Mean per-op costs, for feeding the simulator with a measured run's profile.
   StageCosts profiled_costs() const;
@@ -71,9 +73,11 @@ class StageExecutor {
   // (InputError naming both stages on a mismatch). `pp_group` and `work` must outlive it.
   StageExecutor(comm::Communicator& pp_group, StageWork& work, ExecutorOptions options = {});
   // Runs this stage's list for `schedule` (schedule.stages must equal the group size),
-  // numbering micro-batches from `first_micro`. Ends with every forward's backward done
-  // (flush schedules: after their last STEP; PACI: the drain at the horizon's end). The
-  // weight version carries over between calls.
+  // numbering micro-batches from `first_micro`. Collective over `pp_group`: it begins with a
+  // barrier (the stages' timelines share that origin) and ends with every forward's backward
+  // done and every message delivered (flush schedules: after their last STEP; PACI: the
+  // drain at the horizon's end). The weight version carries over between calls; PACI's
+  // count of backwards towards the next STEP does not, so give it horizons divisible by K.
   StageStats run(const ScheduleOptions& schedule, int64_t first_micro = 0);
   int64_t version() const { return version_; }
 
@@ -82,6 +86,7 @@ class StageExecutor {
   StageWork& work_;
   ExecutorOptions options_;
   int64_t version_ = 0;
+  Rng delays_;  // the random-delay stream, continued across runs
 };
 
 // Gathers every stage's timeline to stage 0 (collective over `pp_group`) and returns the
