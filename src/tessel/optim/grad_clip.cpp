@@ -38,11 +38,10 @@ double global_grad_norm(const ParameterList& params, comm::Communicator* shard_g
   return std::sqrt(total);
 }
 
-double clip_grad_norm(ParameterList& params, double max_norm, comm::Communicator* shard_group) {
-  const double norm = global_grad_norm(params, shard_group);
-  if (max_norm <= 0 || !std::isfinite(norm)) return norm;
+void scale_to_max_norm(ParameterList& params, double norm, double max_norm) {
+  if (max_norm <= 0 || !std::isfinite(norm)) return;
   const double scale = max_norm / (norm + 1e-6);
-  if (scale >= 1.0) return norm;  // within bounds: leave the gradients bitwise untouched
+  if (scale >= 1.0) return;  // within bounds: leave the gradients bitwise untouched
   const float s = float(scale);
   for (Parameter& p : params) {
     float* g = p.grad.f32();
@@ -50,6 +49,11 @@ double clip_grad_norm(ParameterList& params, double max_norm, comm::Communicator
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
     for (int64_t i = 0; i < n; ++i) g[i] *= s;
   }
+}
+
+double clip_grad_norm(ParameterList& params, double max_norm, comm::Communicator* shard_group) {
+  const double norm = global_grad_norm(params, shard_group);
+  scale_to_max_norm(params, norm, max_norm);
   return norm;
 }
 

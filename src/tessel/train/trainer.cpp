@@ -39,6 +39,7 @@
 #include "tessel/train/fault.hpp"
 #include "tessel/train/metrics.hpp"
 #include "tessel/train/moe_metrics.hpp"
+#include "tessel/train/pipeline_trainer.hpp"
 
 namespace fs = std::filesystem;
 
@@ -154,6 +155,7 @@ struct Trainer::State {
   std::exception_ptr warmup_failure;
   PhaseMark data_mark;
   data::DataLoader loader;
+  std::unique_ptr<PipelineTrainer> pipeline;  // parallel.pp > 1 or pipeline.schedule set
   std::vector<data::Batch> val_batches;
   CheckpointStore store;
   std::unique_ptr<comm::Communicator> ckpt_comm;  // the checkpointer's own collectives
@@ -188,18 +190,24 @@ struct Trainer::State {
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
         moe_val(model),
-        optimizer(optim::make_optimizer(config.optim, model.parameters(), &dp, qkv_blocks())),
+        optimizer(pipeline_enabled(config)
+                      ? make_stage_optimizer(config, model, mesh, &dp, qkv_blocks())
+                      : optim::make_optimizer(config.optim, model.parameters(), &dp, qkv_blocks())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
         reducer(grad_group, model.flat_grads(), int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
                                        : std::jthread()),
         data_mark(ledger, Phase::data_warmup),
-        loader(
-            config.data.path + "/train.tok",
-            data::LoaderOptions{config.train.seq_len, config.train.micro_batch, config.train.accum,
-                                mesh.coordinate(comm::Axis::dp), mesh.size(comm::Axis::dp),
-                                uint64_t(config.run.seed), config.data.shuffle}),
+        loader(config.data.path + "/train.tok",
+               data::LoaderOptions{config.train.seq_len, config.train.micro_batch,
+                                   micro_batches_per_step(config), mesh.coordinate(comm::Axis::dp),
+                                   mesh.size(comm::Axis::dp), uint64_t(config.run.seed),
+                                   config.data.shuffle}),
+        pipeline(pipeline_enabled(config)
+                     ? std::make_unique<PipelineTrainer>(config, mesh, model, loader, *optimizer,
+                                                         schedule, grad_group)
+                     : nullptr),
         val_batches(data::validation_batches(config.data.path + "/val.tok", config.train.seq_len,
                                              config.train.micro_batch, config.train.eval_sequences,
                                              mesh.coordinate(comm::Axis::dp),
@@ -307,6 +315,7 @@ struct Trainer::State {
   }
 
   void save(int64_t step) {
+    if (pipeline) pipeline->sync_weights();
     CheckpointContent content;
     content.step = step;
     for (const auto& p : model.parameters()) content.model.push_back({p.name, p.value});
@@ -376,6 +385,7 @@ struct Trainer::State {
   }
 
   double validate_loss() {
+    if (pipeline) pipeline->sync_weights();
     double stats[2] = {0, 0};
     model.set_expert_comm(nullptr);  // every rank holds every expert: validation runs alone
     moe_val.clear();
@@ -525,47 +535,56 @@ TrainResult Trainer::run() {
     s.ledger.enter(Phase::productive, step + 1);
     s.checkpointer.poll();  // twice per step: a commit needs a few rounds
     Timer step_timer;
-    s.model.zero_grads();
     double stats[2] = {0, 0};  // loss sum, loss tokens
-    s.moe_step.clear();
-    const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
-    for (int64_t m = 0; m < c.train.accum; ++m) {
-      data::Batch batch = s.loader.next();
-      const BatchInputs full(batch, c.data.attention_mask);
-      std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
-      if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.model);
-      const model::ModelInputs& in = part ? part->inputs() : full.inputs();
-      model::Activations& acts = s.activations(in.B, in.T);
-      stats[0] += s.model.forward(acts, in);
-      stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
-      s.model.backward(acts, 1.0f);
-      if (!s.moe_step.empty()) s.moe_step.add(acts);
-    }
-    s.grad_group.all_reduce(std::span<double>(stats, 2));
-    if (!s.moe_step.empty()) {
-      s.moe_step.add_all_to_all_bytes(
-          double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
-      s.dp.all_reduce(s.moe_step.values());
-    }
-    TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
-    s.reducer.reduce(float(1.0 / stats[1]));
-    double grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
-    if (!std::isfinite(grad_norm))
-      throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
-                  std::to_string(grad_norm) + "; stopping before the update (" +
-                  s.store.latest().value_or("no checkpoint yet") + ")");
+    double grad_norm = 0;
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
-    double lr = s.schedule.lr(step + 1);
-    if (s.checkpointer.staging()) {  // the snapshot must not see this update
+    const double lr = s.schedule.lr(step + 1);
+    auto wait_staged = [&] {
+      if (!s.checkpointer.staging()) return;  // the snapshot must not see this update
       s.ledger.enter(Phase::checkpoint_blocking);
       block_on([&] { s.checkpointer.wait_staged(); });
       s.ledger.enter(Phase::productive, step + 1);
+    };
+    std::optional<PipelineStep> piped;
+    if (s.pipeline) {
+      piped = s.pipeline->step(step, wait_staged);
+      stats[0] = piped->loss_sum, stats[1] = piped->loss_tokens, grad_norm = piped->grad_norm;
+    } else {
+      s.model.zero_grads();
+      s.moe_step.clear();
+      const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
+      for (int64_t m = 0; m < c.train.accum; ++m) {
+        data::Batch batch = s.loader.next();
+        const BatchInputs full(batch, c.data.attention_mask);
+        std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
+        if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.model);
+        const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+        model::Activations& acts = s.activations(in.B, in.T);
+        stats[0] += s.model.forward(acts, in);
+        stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
+        s.model.backward(acts, 1.0f);
+        if (!s.moe_step.empty()) s.moe_step.add(acts);
+      }
+      s.grad_group.all_reduce(std::span<double>(stats, 2));
+      if (!s.moe_step.empty()) {
+        s.moe_step.add_all_to_all_bytes(
+            double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
+        s.dp.all_reduce(s.moe_step.values());
+      }
+      TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
+      s.reducer.reduce(float(1.0 / stats[1]));
+      grad_norm = optim::clip_grad_norm(params, c.train.grad_clip);
+      if (!std::isfinite(grad_norm))
+        throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
+                    std::to_string(grad_norm) + "; stopping before the update (" +
+                    s.store.latest().value_or("no checkpoint yet") + ")");
+      wait_staged();
+      s.optimizer->step(s.schedule.scale(step + 1));
+      s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
     }
-    s.optimizer->step(s.schedule.scale(step + 1));
-    s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
     s.faults.after_step(step + 1);
     s.checkpointer.poll();
-    double dt = step_timer.seconds();
+    double dt = piped ? piped->seconds : step_timer.seconds();
     train_seconds += dt;
 
     StepRecord rec;
@@ -583,6 +602,7 @@ TrainResult Trainer::run() {
                              {"tokens_per_s", rec.tokens_per_s},
                              {"mfu", rec.mfu},
                              {"step_seconds", dt}};
+    if (piped) record["pipeline"] = piped->metrics;
     if (!s.moe_step.empty()) {
       record["moe"] = s.moe_step.step_json();
       record["all_to_all_bytes"] = s.moe_step.all_to_all_bytes();
