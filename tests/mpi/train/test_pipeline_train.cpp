@@ -116,21 +116,25 @@ TEST(PipelineTrain, TiedHeadOverStagesFollowsTheSingleProcessRun) {
 TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
   comm::Communicator& world = comm::world();
   if (world.size() != 4) GTEST_SKIP() << "pp = 2 x dp = 2 needs 4 ranks";
-  train::Config c = pipeline_config(world, "tessel-ppdp-run");
-  // The plain dp = 2 run on each half of the world.
   auto half = world.split(world.rank() / 2, world.rank());
-  train::Config plain = c;
-  plain.run.dir = shared_temp_dir(*half, "tessel-ppdp-ref");
-  const auto ref = run_on(*half, plain);
-  const auto ref_weights = fixture::final_weights(plain.run.dir);
-  for (const char* schedule : {"gpipe", "1f1b"}) {
-    SCOPED_TRACE(schedule);
-    c.parallel.pp = 2;
-    c.pipeline.schedule = schedule;
-    c.run.dir = shared_temp_dir(world, "tessel-ppdp-run");
-    const auto piped = run_on(world, c);
-    fixture::expect_same_steps(piped, ref);
-    fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref_weights);
+  // AdamW, and Muon whose sharded update is collective over each stage's dp group.
+  for (const char* optimizer : {"adamw", "muon"}) {
+    train::Config c = pipeline_config(world, "tessel-ppdp-run");
+    c.optim.name = optimizer;
+    // The plain dp = 2 run on each half of the world.
+    train::Config plain = c;
+    plain.run.dir = shared_temp_dir(*half, "tessel-ppdp-ref");
+    const auto ref = run_on(*half, plain);
+    const auto ref_weights = fixture::final_weights(plain.run.dir);
+    for (const char* schedule : {"gpipe", "1f1b"}) {
+      SCOPED_TRACE(std::string(optimizer) + ", " + schedule);
+      c.parallel.pp = 2;
+      c.pipeline.schedule = schedule;
+      c.run.dir = shared_temp_dir(world, "tessel-ppdp-run");
+      const auto piped = run_on(world, c);
+      fixture::expect_same_steps(piped, ref);
+      fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref_weights);
+    }
   }
 }
 
