@@ -75,11 +75,10 @@ std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int
     int stage = last;  // final norm, head
     if (p.name.rfind("blocks.", 0) == 0) {
       const int64_t block = std::stoll(p.name.substr(7));
+      // The last stage starting at or before the block (stages without blocks come earlier).
       stage =
           int(std::upper_bound(boundaries.begin(), boundaries.end(), block) - boundaries.begin()) -
           1;
-      // Stages without blocks share a boundary: the block belongs to the last of them.
-      while (stage < last && boundaries[size_t(stage) + 1] == block) ++stage;
     } else if (p.tag == ParamTag::embedding || p.tag == ParamTag::position_embedding) {
       stage = 0;
     }

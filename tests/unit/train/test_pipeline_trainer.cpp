@@ -9,6 +9,7 @@
 #include "support/pipeline_fixture.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
+#include "tessel/train/pipeline_trainer.hpp"
 #include "tessel/train/trainer.hpp"
 
 using namespace tessel;
@@ -90,4 +91,22 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
   fixture::expect_input_error(with({"parallel.pp=2", "model.moe_layers=all"}),
                               {"model.moe_layers", "pipeline"});
   fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_k=-1"}), {"pipeline.paci_k"});
+}
+
+TEST_F(PipelineTrainerTest, ParametersBelongToTheStageOfTheirPiece) {
+  config.model.layers = 4;
+  for (bool tied : {false, true}) {
+    config.model.tied_head = tied;
+    model::Gpt model(config.model, 1);
+    // Layout 0,3,1: the first stage holds only the embedding.
+    const auto stages = train::parameter_stages(model, {0, 0, 3, 4});
+    ASSERT_EQ(stages.size(), model.parameters().size());
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const std::string& name = model.parameters()[i].name;
+      int want = 2;  // final norm, head
+      if (name == "embed.weight") want = 0;
+      if (name.rfind("blocks.", 0) == 0) want = name[7] == '3' ? 2 : 1;
+      EXPECT_EQ(stages[i], want) << name;
+    }
+  }
 }
