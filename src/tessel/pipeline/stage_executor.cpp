@@ -4,8 +4,10 @@
 #include <array>
 #include <chrono>
 #include <deque>
+#include <iterator>
+#include <map>
 #include <numeric>
-#include <thread>
+#include <tuple>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/timer.hpp"
@@ -23,8 +25,8 @@ int tag(Msg kind, int64_t micro) {
   return int(2 * (micro % kTagMicros) + int(kind));
 }
 
-// Receives posted per direction ahead of the op that consumes them ("double-buffered"), so a
-// message never waits for its receiver to reach the op.
+// Receives posted per direction ahead of the op that consumes them ("double-buffered"): a
+// message mostly finds its receive posted while the receiver still computes earlier ops.
 constexpr size_t kReceivesAhead = 2;
 
 // Buffers of one message size, recycled once their transfer has completed.
@@ -70,8 +72,19 @@ class StageRun {
         downstream_(work.output_elems()) {}
 
   StageStats run() {
-    group_.barrier();  // a common time origin for the stages' timelines
-    origin_ = now_seconds();
+    try {
+      return run_list();
+    } catch (...) {
+      abandon_messages();
+      throw;
+    }
+  }
+
+ private:
+  StageStats run_list() {
+    group_.barrier();
+    const double start = now_seconds();
+    set_timeline_origin(start);
     post_ahead(activations_);
     post_ahead(gradients_);
     for (const Op& op : ops_) {
@@ -88,11 +101,20 @@ class StageRun {
     stats_.wait_seconds += now_seconds() - wait_start;
     TESSEL_CHECK(saved_versions_.empty(), "pipeline stage ", stage_, ": ", saved_versions_.size(),
                  " forwards without their backward");
-    stats_.total_seconds = now_seconds() - origin_;
+    stats_.total_seconds = now_seconds() - start;
     return std::move(stats_);
   }
 
- private:
+  // After an error the messages in flight are not awaited: a peer may never send or receive
+  // them, and waiting would keep the error from its caller, who has to end the job. They are
+  // leaked, buffers included, since MPI may still write into a posted receive.
+  void abandon_messages() {
+    auto* abandoned = new std::vector<Transfer>;
+    for (std::deque<Transfer>* in : {&activations_.posted, &gradients_.posted})
+      std::move(in->begin(), in->end(), std::back_inserter(*abandoned));
+    std::move(sends_.begin(), sends_.end(), std::back_inserter(*abandoned));
+  }
+
   // The receives of one direction, posted in list order ahead of their consumers.
   struct Inbox {
     Msg kind;
@@ -101,6 +123,18 @@ class StageRun {
     size_t scan = 0;  // next op of the list to look at for a receive to post
     std::deque<Transfer> posted;
   };
+
+  // The timeline origin is stage 0's leaving the barrier, read on the system clock: ranks
+  // leave a barrier milliseconds apart on a loaded machine, while one machine's system clock
+  // is the same in every process (and NTP keeps machines close). Durations stay on the
+  // monotonic clock.
+  void set_timeline_origin(double steady_now) {
+    const double wall_now =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    double stage0_wall = wall_now;
+    group_.broadcast(std::span(&stage0_wall, 1), 0);
+    origin_ = steady_now - (wall_now - stage0_wall);
+  }
 
   void post_ahead(Inbox& in) {
     if (in.source < 0) return;
@@ -139,10 +173,14 @@ class StageRun {
     });
   }
 
+  // Spins: a sleep lasts at least the kernel's timer slack (~50 us) and a yield may hand the
+  // core away for a whole time slice on a loaded machine, far beyond a few microseconds.
   void delay() {
     if (options_.max_random_delay_us <= 0) return;
-    std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(
-        double(delays_.uniform()) * options_.max_random_delay_us));
+    const double until =
+        now_seconds() + 1e-6 * double(delays_.uniform()) * options_.max_random_delay_us;
+    while (now_seconds() < until) {
+    }
   }
 
   // Times `compute` into `seconds` and the timeline.
@@ -202,12 +240,14 @@ class StageRun {
   const bool last_;
   const std::vector<Op> ops_;
   const int64_t first_micro_;
-  BufferPool upstream_, downstream_;  // messages to / from the previous and the next stage
+  // Buffers of the messages exchanged with the previous stage (activations in, gradients
+  // out) and with the next (activations out, gradients in).
+  BufferPool upstream_, downstream_;
   Inbox activations_{Msg::activation, OpKind::forward, stage_ > 0 ? stage_ - 1 : -1, 0, {}};
   Inbox gradients_{Msg::gradient, OpKind::backward, last_ ? -1 : stage_ + 1, 0, {}};
   std::vector<Transfer> sends_;
   std::deque<int64_t> saved_versions_;  // version of each forward awaiting its backward
-  double origin_ = 0;
+  double origin_ = 0;                   // the monotonic-clock time that the timeline counts from
   StageStats stats_;
 };
 
@@ -250,7 +290,7 @@ StageStats StageExecutor::run(const ScheduleOptions& schedule, int64_t first_mic
   return StageRun(group_, work_, options_, delays_, version_, schedule, first_micro).run();
 }
 
-nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats) {
+std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats) {
   // Each op as four doubles (kind, micro, start, end); micro-batch numbers stay exact.
   constexpr size_t kFields = 4;
   std::vector<double> mine;
@@ -262,13 +302,39 @@ nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStat
   const std::vector<size_t> sizes(counts.begin(), counts.end());
   std::vector<double> all(std::accumulate(sizes.begin(), sizes.end(), size_t(0)));
   pp_group.all_gatherv(mine, all, sizes);
-  if (pp_group.rank() != 0) return nlohmann::json::object();
   std::vector<OpTiming> timeline;
+  if (pp_group.rank() != 0) return timeline;
   size_t at = 0;
   for (int s = 0; s < pp_group.size(); ++s)
     for (size_t i = 0; i < sizes[size_t(s)]; i += kFields, at += kFields)
       timeline.push_back(
           {s, {OpKind(int(all[at])), int64_t(all[at + 1])}, all[at + 2], all[at + 3]});
+  return timeline;
+}
+
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages) {
+  std::map<std::tuple<int, OpKind, int64_t>, double> ends;
+  for (const OpTiming& t : timeline) ends[{t.stage, t.op.kind, t.op.micro}] = t.end;
+  std::vector<double> free_at(size_t(stages), 0);  // end of each stage's previous op
+  double sum = 0;
+  int64_t waited = 0;
+  for (const OpTiming& t : timeline) {
+    const int from = t.op.kind == OpKind::forward ? t.stage - 1 : t.stage + 1;
+    if (t.op.kind != OpKind::step && from >= 0 && from < stages) {
+      const double sent = ends.at({from, t.op.kind, t.op.micro});
+      if (sent > free_at[size_t(t.stage)]) {
+        sum += t.start - sent;
+        ++waited;
+      }
+    }
+    free_at[size_t(t.stage)] = t.end;
+  }
+  return waited > 0 ? sum / double(waited) : 0;
+}
+
+nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats) {
+  const std::vector<OpTiming> timeline = gather_timeline(pp_group, stats);
+  if (pp_group.rank() != 0) return nlohmann::json::object();
   return chrome_trace(timeline, pp_group.size(), 1e6);
 }
 

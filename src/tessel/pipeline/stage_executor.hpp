@@ -45,7 +45,7 @@ class StageWork {
 };
 
 struct ExecutorOptions {
-  // Test only: sleep a uniform random time in [0, max_random_delay_us] before every op
+  // Test only: wait a uniform random time in [0, max_random_delay_us] before every op
   // (stream keyed by delay_seed and the stage), to shake out ordering deadlocks.
   double max_random_delay_us = 0;
   uint64_t delay_seed = 0;
@@ -62,7 +62,9 @@ struct StageStats {
   double forward_seconds = 0, backward_seconds = 0, step_seconds = 0;  // compute
   double wait_seconds = 0;                                             // blocked on messages
   double total_seconds = 0;                                            // wall time of run()
-  std::vector<OpTiming> timeline;  // this stage's ops, seconds since run() began
+  // This stage's ops, in seconds since stage 0 left run()'s opening barrier (aligned across
+  // stages through the system clock).
+  std::vector<OpTiming> timeline;
   // Mean per-op costs, for feeding the simulator with a measured run's profile.
   StageCosts profiled_costs() const;
 };
@@ -74,7 +76,7 @@ class StageExecutor {
   StageExecutor(comm::Communicator& pp_group, StageWork& work, ExecutorOptions options = {});
   // Runs this stage's list for `schedule` (schedule.stages must equal the group size),
   // numbering micro-batches from `first_micro`. Collective over `pp_group`: it begins with a
-  // barrier (the stages' timelines share that origin) and ends with every forward's backward
+  // barrier (and a broadcast of the timeline origin) and ends with every forward's backward
   // done and every message delivered (flush schedules: after their last STEP; PACI: the
   // drain at the horizon's end). The weight version carries over between calls; PACI's
   // count of backwards towards the next STEP does not, so give it horizons divisible by K.
@@ -89,8 +91,18 @@ class StageExecutor {
   Rng delays_;  // the random-delay stream, continued across runs
 };
 
-// Gathers every stage's timeline to stage 0 (collective over `pp_group`) and returns the
-// Chrome trace there (one track per stage; empty JSON elsewhere).
+// Gathers every stage's timeline to stage 0 (collective over `pp_group`): stage by stage,
+// each in its execution order (empty on the other stages).
+std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats);
+// Mean time from the end of the op that produced a message to the start of the op that
+// consumed it, over the consumers that were idle when it was produced (they waited for it):
+// the link latency, transfer and wake-up, to feed SimOptions::link_latency beside the
+// stages' profiled_costs(). `timeline` holds every stage's ops, each stage's in execution
+// order (gather_timeline's, or a SimResult's, whose link latency it returns); 0 when no
+// consumer waited.
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages);
+// The gathered timelines as a Chrome trace on stage 0 (one track per stage; empty JSON
+// elsewhere).
 nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats);
 
 }  // namespace tessel::pipeline

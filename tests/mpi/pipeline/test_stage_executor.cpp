@@ -10,6 +10,8 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <stdexcept>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -111,6 +113,13 @@ class MisSizedStage : public ToyStage {
  public:
   using ToyStage::ToyStage;
   size_t input_elems() const override { return ToyStage::input_elems() + 1; }
+};
+
+// A stage whose optimizer step fails.
+class FailingStepStage : public ToyStage {
+ public:
+  using ToyStage::ToyStage;
+  void step(int64_t) override { throw std::runtime_error("step failed"); }
 };
 
 std::vector<ToyStage> make_chain(int stages) {
@@ -282,8 +291,9 @@ TEST(StageExecutor, PaciVersionGapsAndActivationsMatchTheBounds) {
       EXPECT_NEAR(share, double(d) / double(K), 1.0 / double(K)) << "K " << K;
     }
     // Backward m runs under version floor(m / K) on every stage.
-    ASSERT_EQ(stats.backward_versions.size(), size_t(n));
-    for (int64_t m = 0; m < n; ++m) EXPECT_EQ(stats.backward_versions[size_t(m)], m / K) << m;
+    std::vector<int64_t> versions;
+    for (int64_t m = 0; m < n; ++m) versions.push_back(m / K);
+    EXPECT_EQ(stats.backward_versions, versions) << "K " << K;
     int64_t histogram_total = 0, gapped = 0;
     for (size_t g = 0; g < stats.gap_histogram.size(); ++g) {
       histogram_total += stats.gap_histogram[g];
@@ -347,7 +357,7 @@ TEST(StageExecutor, MeasuredChromeTraceHasOneSlicePerOpOnEachStageTrack) {
   options.record_timeline = true;
   StageExecutor executor(pp, stage, options);
   const StageStats stats = executor.run(schedule);
-  ASSERT_EQ(stats.timeline.size(), stage_ops(schedule, s).size());
+  EXPECT_EQ(stats.timeline.size(), stage_ops(schedule, s).size());
   double forward = 0;
   for (const OpTiming& t : stats.timeline)
     forward += t.op.kind == OpKind::forward ? t.end - t.start : 0;
@@ -375,6 +385,43 @@ TEST(StageExecutor, MeasuredChromeTraceHasOneSlicePerOpOnEachStageTrack) {
     for (size_t i = 1; i < spans.size(); ++i)
       EXPECT_LE(spans[i - 1].second, spans[i].first) << "stage " << tid << " runs one op at a time";
   }
+}
+
+TEST(StageExecutor, MeasuredTimelinesOfAllStagesShareOneClock) {
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  ToyStage stage(s, P);
+  ExecutorOptions options;
+  options.record_timeline = true;
+  options.max_random_delay_us = 200;  // spreads the stages apart
+  StageExecutor executor(pp, stage, options);
+  const std::vector<OpTiming> timeline = gather_timeline(pp, executor.run(paci(P, 4 * P, P)));
+  if (s != 0) {
+    EXPECT_TRUE(timeline.empty());
+    return;
+  }
+  EXPECT_EQ(timeline.size(), size_t(P) * (2 * 4 * size_t(P) + 4));
+  std::map<std::tuple<int, OpKind, int64_t>, double> ends;
+  for (const OpTiming& t : timeline) ends[{t.stage, t.op.kind, t.op.micro}] = t.end;
+  // A message is consumed after it was produced. Slack: the two clock reads per stage.
+  constexpr double kSlack = 1e-4;
+  for (const OpTiming& t : timeline) {
+    if (t.op.kind == OpKind::forward && t.stage > 0) {
+      EXPECT_GE(t.start, ends.at({t.stage - 1, OpKind::forward, t.op.micro}) - kSlack);
+    }
+    if (t.op.kind == OpKind::backward && t.stage < P - 1) {
+      EXPECT_GE(t.start, ends.at({t.stage + 1, OpKind::backward, t.op.micro}) - kSlack);
+    }
+  }
+}
+
+TEST(StageExecutor, AStageWorkErrorReachesTheCallerWithMessagesInFlight) {
+  // Every stage reaches its first PACI step, and fails there with receives posted for
+  // activations that will never come; its own communicator keeps those away from later tests.
+  auto pp = comm::world().split(0, comm::world().rank());
+  FailingStepStage stage(pp->rank(), pp->size());
+  StageExecutor executor(*pp, stage);
+  EXPECT_THROW(executor.run(paci(pp->size(), 8 * pp->size(), 2)), std::runtime_error);
 }
 
 TEST(StageExecutor, MismatchedBoundarySizesAreAnInputErrorNamingBothStages) {
