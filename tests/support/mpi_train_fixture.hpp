@@ -1,6 +1,6 @@
 #pragma once
 // Helpers for multi-rank trainer tests: directories every rank knows, one shared dataset,
-// a run, and the resume check.
+// and the resume check.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -35,11 +35,6 @@ inline std::string shared_dataset(comm::Communicator& world) {
     world.barrier();
   }
   return dir;
-}
-
-inline train::TrainResult run_on(comm::Communicator& comm, train::Config c) {
-  train::Trainer trainer(std::move(c), comm);
-  return trainer.run();
 }
 
 // Runs `c` to its end, lets rank 0 `break_newest` (remove or damage the newest checkpoint),

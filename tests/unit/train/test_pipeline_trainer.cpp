@@ -18,8 +18,7 @@ namespace {
 
 train::TrainResult train_run(const train::Config& config) {
   comm::SingleCommunicator world;
-  train::Trainer trainer(config, world);
-  return trainer.run();
+  return fixture::run_on(world, config);
 }
 
 struct PipelineTrainerTest : ::testing::Test {
