@@ -5,9 +5,11 @@
 #include <string>
 #include <vector>
 
+#include "tessel/comm/communicator.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/train/config.hpp"
+#include "tessel/train/trainer.hpp"
 
 namespace tessel::fixture {
 
@@ -51,6 +53,12 @@ inline train::Config tiny_config(const std::string& data_dir, const std::string&
            "train.micro_batch=2",    "train.steps=50",         "train.eval_every=0",
            "train.eval_sequences=8", "train.sample_tokens=0",  "optim.lr=3e-3",
            "optim.min_lr=3e-4",      "optim.warmup_steps=5",   "mfu.peak_gflops=1"});
+}
+
+// Trains `c` to its end over `comm`.
+inline train::TrainResult run_on(comm::Communicator& comm, train::Config c) {
+  train::Trainer trainer(std::move(c), comm);
+  return trainer.run();
 }
 
 // A fresh directory under the system temp dir, removed when the test binary exits.

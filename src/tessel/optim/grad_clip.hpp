@@ -25,9 +25,8 @@ double global_grad_norm(const ParameterList& params, comm::Communicator* shard_g
 // the gradients unscaled; the caller decides whether to skip the step.
 double clip_grad_norm(ParameterList& params, double max_norm,
                       comm::Communicator* shard_group = nullptr);
-
-// The scaling of clip_grad_norm for a `norm` computed elsewhere (expert-sharded gradients:
-// parallel/expert_sharding.hpp).
+// The scaling half of clip_grad_norm, for a norm computed elsewhere (pipeline stages sum
+// theirs over the pp group; expert-sharded gradients, parallel/expert_sharding.hpp).
 void scale_to_max_norm(ParameterList& params, double norm, double max_norm);
 
 namespace naive {

@@ -12,6 +12,7 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/optim/lr_schedule.hpp"
+#include "tessel/train/pipeline_trainer.hpp"
 
 namespace tessel::train {
 
@@ -313,6 +314,16 @@ std::vector<ConfigKey> build_schema() {
       int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
+      string_key("pipeline.schedule",
+                 "pipeline schedule: gpipe, 1f1b or paci (no flush: a local step every "
+                 "paci_k backwards); \"\" = 1f1b when parallel.pp > 1, the plain loop at pp = 1",
+                 FIELD(pipeline.schedule)),
+      int_key("pipeline.paci_k",
+              "paci: micro-batches per local step (and per logged step); 0 = train.accum",
+              FIELD(pipeline.paci_k)),
+      string_key("pipeline.layout",
+                 "blocks per stage, comma-separated (\"3,2\"); \"\" = balanced by compute",
+                 FIELD(pipeline.layout)),
       float_key("mfu.peak_gflops", "per-rank peak GFLOP/s; 0 = measure GEMM peak at start",
                 FIELD(mfu.peak_gflops)),
       int_key("fault.kill_rank", "rank that the fault injector kills", FIELD(fault.kill_rank)),
@@ -482,8 +493,7 @@ void validate(const Config& c) {
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
-  if (c.parallel.pp > 1)
-    input_error("config key 'parallel.pp' must be 1: pipeline parallelism is not available yet");
+  validate_pipeline(c);
   positive("parallel.cp_chunks", c.parallel.cp_chunks);
   if (c.parallel.cp > 1 && c.parallel.cp_layout == CpLayoutKind::zigzag &&
       c.train.seq_len % (2 * c.parallel.cp) != 0)

@@ -71,6 +71,13 @@ struct ParallelConfig {
   double bucket_mb = 4.0;  // gradient all-reduce bucket size
 };
 
+// Pipeline parallelism over the pp axis (pipeline_trainer.hpp, docs/training.md).
+struct PipelineConfig {
+  std::string schedule;  // gpipe | 1f1b | paci; "" = 1f1b when parallel.pp > 1
+  int64_t paci_k = 0;    // PACI: local backwards per local step; 0 = train.accum
+  std::string layout;    // blocks per stage ("3,2"); "" = balanced by compute
+};
+
 struct MfuConfig {
   double peak_gflops = 0.0;  // per rank; 0 = measure with the GEMM benchmark at start
 };
@@ -85,6 +92,7 @@ struct Config {
   TrainLoopConfig train;
   optim::OptimizerConfig optim;
   ParallelConfig parallel;
+  PipelineConfig pipeline;
   MfuConfig mfu;
   FaultConfig fault;
 };

@@ -38,6 +38,7 @@
 #include "tessel/train/fault.hpp"
 #include "tessel/train/metrics.hpp"
 #include "tessel/train/moe_metrics.hpp"
+#include "tessel/train/pipeline_trainer.hpp"
 
 namespace fs = std::filesystem;
 
@@ -159,7 +160,8 @@ struct Trainer::State {
   model::Gpt model;
   parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
   MoeMetrics moe_step, moe_val;
-  std::unique_ptr<parallel::ExpertShardedOptimizer> optimizer;  // dense over dp, experts edp
+  // Per pipeline stage (pipeline_trainer.hpp), or dense over dp and experts over edp.
+  std::unique_ptr<optim::Optimizer> optimizer;
   optim::LrSchedule schedule;
   parallel::ExpertShardedGradients grads;  // all-reduces and clipping
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
@@ -167,6 +169,7 @@ struct Trainer::State {
   std::exception_ptr warmup_failure;
   PhaseMark data_mark;
   data::DataLoader loader;
+  std::unique_ptr<PipelineTrainer> pipeline;  // parallel.pp > 1 or pipeline.schedule set
   std::vector<data::Batch> val_batches;
   CheckpointStore store;
   std::unique_ptr<comm::Communicator> ckpt_comm;  // the checkpointer's own collectives
@@ -201,8 +204,12 @@ struct Trainer::State {
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
         moe_val(model),
-        optimizer(std::make_unique<parallel::ExpertShardedOptimizer>(
-            config.optim, model, dp, mesh.group(comm::Axis::edp), qkv_blocks())),
+        optimizer(
+            pipeline_enabled(config)
+                ? make_stage_optimizer(config, model, mesh, &dp, qkv_blocks())
+                : std::unique_ptr<optim::Optimizer>(
+                      std::make_unique<parallel::ExpertShardedOptimizer>(
+                          config.optim, model, dp, mesh.group(comm::Axis::edp), qkv_blocks()))),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
         grads(model, grad_group, mesh.group(comm::Axis::edp), mesh.group(comm::Axis::ep),
@@ -210,11 +217,15 @@ struct Trainer::State {
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
                                        : std::jthread()),
         data_mark(ledger, Phase::data_warmup),
-        loader(
-            config.data.path + "/train.tok",
-            data::LoaderOptions{config.train.seq_len, config.train.micro_batch, config.train.accum,
-                                mesh.coordinate(comm::Axis::dp), mesh.size(comm::Axis::dp),
-                                uint64_t(config.run.seed), config.data.shuffle}),
+        loader(config.data.path + "/train.tok",
+               data::LoaderOptions{config.train.seq_len, config.train.micro_batch,
+                                   micro_batches_per_step(config), mesh.coordinate(comm::Axis::dp),
+                                   mesh.size(comm::Axis::dp), uint64_t(config.run.seed),
+                                   config.data.shuffle}),
+        pipeline(pipeline_enabled(config)
+                     ? std::make_unique<PipelineTrainer>(config, mesh, model, loader, *optimizer,
+                                                         schedule, grad_group)
+                     : nullptr),
         val_batches(data::validation_batches(config.data.path + "/val.tok", config.train.seq_len,
                                              config.train.micro_batch, config.train.eval_sequences,
                                              mesh.coordinate(comm::Axis::dp),
@@ -322,12 +333,16 @@ struct Trainer::State {
   }
 
   void save(int64_t step) {
+    if (pipeline) pipeline->sync_weights();
     CheckpointContent content;
     content.step = step;
     // Each expert once: the first edp rank of each ep index writes the ep rank's experts.
     const bool writes_experts = mesh.coordinate(comm::Axis::edp) == 0;
     for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
-    auto state = optimizer->split_state();  // collective: every rank
+    // Collective on every rank. A pipeline's stage optimizers gather their state whole.
+    auto* sharded = dynamic_cast<parallel::ExpertShardedOptimizer*>(optimizer.get());
+    auto state = sharded ? sharded->split_state()
+                         : parallel::ExpertShardedOptimizer::SplitState{optimizer->state(), {}};
     for (auto& st : state.replicated) content.optimizer.push_back({st.name, st.tensor});
     if (writes_experts) {
       for (const auto& p : model.expert_parameters())
@@ -399,6 +414,7 @@ struct Trainer::State {
   }
 
   double validate_loss() {
+    if (pipeline) pipeline->sync_weights();
     double stats[2] = {0, 0};
     moe_val.clear();
     // Every forward exchanges tokens over the ep group: its ranks run as many as the one with
@@ -565,49 +581,59 @@ TrainResult Trainer::run() {
     s.ledger.enter(Phase::productive, step + 1);
     s.checkpointer.poll();  // twice per step: a commit needs a few rounds
     Timer step_timer;
-    s.model.zero_grads();
     double stats[2] = {0, 0};  // loss sum, loss tokens
-    double cp_imbalance = 0;   // mean over the micro-batches (cp > 1)
-    s.moe_step.clear();
-    const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
-    for (int64_t m = 0; m < c.train.accum; ++m) {
-      data::Batch batch = s.loader.next();
-      const BatchInputs full(batch, c.data.attention_mask);
-      std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
-      if (c.parallel.cp > 1) part.emplace(full, s.mesh.group(comm::Axis::cp), c.parallel, c.model);
-      const model::ModelInputs& in = part ? part->inputs() : full.inputs();
-      model::Activations& acts = s.activations(in.B, in.T);
-      stats[0] += s.model.forward(acts, in);
-      stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
-      if (part) cp_imbalance += part->imbalance() / double(c.train.accum);
-      s.model.backward(acts, 1.0f);
-      if (!s.moe_step.empty()) s.moe_step.add(acts);
-    }
-    s.grad_group.all_reduce(std::span<double>(stats, 2));
-    if (!s.moe_step.empty()) {
-      s.moe_step.add_all_to_all_bytes(
-          double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
-      s.dp.all_reduce(s.moe_step.values());
-    }
-    TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
-    s.grads.reduce(float(1.0 / stats[1]));
-    double grad_norm = s.grads.clip(c.train.grad_clip);
-    if (!std::isfinite(grad_norm))
-      throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
-                  std::to_string(grad_norm) + "; stopping before the update (" +
-                  s.store.latest().value_or("no checkpoint yet") + ")");
+    double grad_norm = 0;
+    double cp_imbalance = 0;  // mean over the micro-batches (cp > 1)
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
-    double lr = s.schedule.lr(step + 1);
-    if (s.checkpointer.staging()) {  // the snapshot must not see this update
+    const double lr = s.schedule.lr(step + 1);
+    auto wait_staged = [&] {
+      if (!s.checkpointer.staging()) return;  // the snapshot must not see this update
       s.ledger.enter(Phase::checkpoint_blocking);
       block_on([&] { s.checkpointer.wait_staged(); });
       s.ledger.enter(Phase::productive, step + 1);
+    };
+    std::optional<PipelineStep> piped;
+    if (s.pipeline) {
+      piped = s.pipeline->step(step, wait_staged);
+      stats[0] = piped->loss_sum, stats[1] = piped->loss_tokens, grad_norm = piped->grad_norm;
+    } else {
+      s.model.zero_grads();
+      s.moe_step.clear();
+      const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
+      for (int64_t m = 0; m < c.train.accum; ++m) {
+        data::Batch batch = s.loader.next();
+        const BatchInputs full(batch, c.data.attention_mask);
+        std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
+        if (c.parallel.cp > 1)
+          part.emplace(full, s.mesh.group(comm::Axis::cp), c.parallel, c.model);
+        const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+        model::Activations& acts = s.activations(in.B, in.T);
+        stats[0] += s.model.forward(acts, in);
+        stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
+        if (part) cp_imbalance += part->imbalance() / double(c.train.accum);
+        s.model.backward(acts, 1.0f);
+        if (!s.moe_step.empty()) s.moe_step.add(acts);
+      }
+      s.grad_group.all_reduce(std::span<double>(stats, 2));
+      if (!s.moe_step.empty()) {
+        s.moe_step.add_all_to_all_bytes(
+            double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
+        s.dp.all_reduce(s.moe_step.values());
+      }
+      TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
+      s.grads.reduce(float(1.0 / stats[1]));
+      grad_norm = s.grads.clip(c.train.grad_clip);
+      if (!std::isfinite(grad_norm))
+        throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
+                    std::to_string(grad_norm) + "; stopping before the update (" +
+                    s.store.latest().value_or("no checkpoint yet") + ")");
+      wait_staged();
+      s.optimizer->step(s.schedule.scale(step + 1));
+      s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
     }
-    s.optimizer->step(s.schedule.scale(step + 1));
-    s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
     s.faults.after_step(step + 1);
     s.checkpointer.poll();
-    double dt = step_timer.seconds();
+    double dt = piped ? piped->seconds : step_timer.seconds();
     train_seconds += dt;
 
     StepRecord rec;
@@ -626,6 +652,7 @@ TrainResult Trainer::run() {
                              {"mfu", rec.mfu},
                              {"step_seconds", dt}};
     if (c.parallel.cp > 1) record["cp_imbalance"] = cp_imbalance;
+    if (piped) record["pipeline"] = piped->metrics;
     if (!s.moe_step.empty()) {
       record["moe"] = s.moe_step.step_json();
       record["all_to_all_bytes"] = s.moe_step.all_to_all_bytes();

@@ -10,6 +10,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "support/mpi_train_fixture.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/comm/world.hpp"
@@ -18,35 +19,12 @@
 #include "tessel/train/trainer.hpp"
 
 using namespace tessel;
+using fixture::expect_resume_continues_bitwise;
+using fixture::run_on;
+using fixture::shared_temp_dir;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A directory made by rank 0 and known to all ranks.
-std::string shared_temp_dir(comm::Communicator& world, const std::string& stem) {
-  std::vector<uint8_t> buf(256, 0);
-  if (world.rank() == 0) {
-    std::string d = fixture::temp_dir(stem);
-    std::copy(d.begin(), d.end(), buf.begin());
-  }
-  world.broadcast(buf, 0);
-  return std::string(reinterpret_cast<const char*>(buf.data()));
-}
-
-std::string dataset(comm::Communicator& world) {
-  static std::string dir;
-  if (dir.empty()) {
-    dir = shared_temp_dir(world, "tessel-dp-data");
-    if (world.rank() == 0) fixture::make_dataset(dir);
-    world.barrier();
-  }
-  return dir;
-}
-
-train::TrainResult run_on(comm::Communicator& comm, train::Config c) {
-  train::Trainer trainer(std::move(c), comm);
-  return trainer.run();
-}
 
 // `c`'s global batch of P ranks on one process: P times the micro-batches accumulated.
 train::TrainResult run_on_one_process(train::Config c, int P) {
@@ -56,29 +34,12 @@ train::TrainResult run_on_one_process(train::Config c, int P) {
   return run_on(self, c);
 }
 
-// Runs `c` to its end, lets rank 0 `break_newest` (remove or damage the newest checkpoint),
-// then runs `c` again: the second run must resume from step `from` and repeat the first run's
-// losses from there bitwise. Returns the first run.
-train::TrainResult expect_resume_continues_bitwise(comm::Communicator& world,
-                                                   const train::Config& c, int64_t from,
-                                                   const std::function<void()>& break_newest) {
-  auto full = run_on(world, c);
-  if (world.rank() == 0) break_newest();
-  world.barrier();
-  auto resumed = run_on(world, c);
-  EXPECT_EQ(resumed.resumed_from, from);
-  EXPECT_EQ(int64_t(resumed.steps.size()), c.train.steps - from);
-  for (size_t i = 0; i < resumed.steps.size() && from + i < full.steps.size(); ++i)
-    EXPECT_EQ(resumed.steps[i].loss, full.steps[size_t(from) + i].loss) << "step " << from + 1 + i;
-  return full;
-}
-
 }  // namespace
 
 TEST(DataParallel, FollowsSingleRankAccumulationAndRepeatsBitwise) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
-  std::string data = dataset(world);
+  std::string data = fixture::shared_dataset(world);
   train::Config dist = fixture::tiny_config(data, shared_temp_dir(world, "tessel-dp-run"));
   dist.train.accum = 1;
   auto a = run_on(world, dist);
@@ -107,7 +68,7 @@ TEST(DataParallel, FollowsSingleRankAccumulationAndRepeatsBitwise) {
 TEST(ContextParallel, TrainingFollowsSingleRankLoss) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
-  const std::string data = dataset(world);
+  const std::string data = fixture::shared_dataset(world);
   for (const char* mask : {"causal", "causal_document"}) {
     SCOPED_TRACE(mask);
     train::Config single = fixture::tiny_config(data, fixture::temp_dir("tessel-cp-ref"));
@@ -146,7 +107,7 @@ TEST(ContextParallel, TrainingFollowsSingleRankLoss) {
 TEST(DataParallel, ResumeContinuesBitwise) {
   comm::Communicator& world = comm::world();
   std::string run = shared_temp_dir(world, "tessel-dp-resume");
-  train::Config c = fixture::tiny_config(dataset(world), run);
+  train::Config c = fixture::tiny_config(fixture::shared_dataset(world), run);
   c.train.checkpoint_every = 25;
   expect_resume_continues_bitwise(world, c, 25,
                                   [&] { fs::remove_all(run + "/checkpoints/step-00000050"); });
@@ -155,7 +116,7 @@ TEST(DataParallel, ResumeContinuesBitwise) {
 TEST(DataParallel, ADamagedNewestCheckpointResumesAllRanksFromThePreviousOne) {
   comm::Communicator& world = comm::world();
   std::string run = shared_temp_dir(world, "tessel-dp-damaged");
-  train::Config c = fixture::tiny_config(dataset(world), run);
+  train::Config c = fixture::tiny_config(fixture::shared_dataset(world), run);
   c.train.checkpoint_every = 25;  // checkpoints at 25 and 50
   expect_resume_continues_bitwise(world, c, 25, [&] {
     char shard[64];  // rank 0's share of the optimizer state
@@ -170,7 +131,7 @@ TEST(DataParallel, ADamagedNewestCheckpointResumesAllRanksFromThePreviousOne) {
 TEST(DataParallel, Dion3ResumeContinuesBitwise) {
   comm::Communicator& world = comm::world();
   std::string run = shared_temp_dir(world, "tessel-dp-dion3");
-  train::Config c = fixture::tiny_config(dataset(world), run);
+  train::Config c = fixture::tiny_config(fixture::shared_dataset(world), run);
   c.optim.name = "dion3";
   c.optim.qkv_split = "heads";
   c.optim.ns_gram_min = 8;
@@ -188,7 +149,8 @@ namespace {
 
 // The MoE config of the expert-parallel tests: 4 experts in every block, EQB + LEI.
 train::Config moe_config(comm::Communicator& world, const std::string& stem) {
-  train::Config c = fixture::tiny_config(dataset(world), shared_temp_dir(world, stem));
+  train::Config c =
+      fixture::tiny_config(fixture::shared_dataset(world), shared_temp_dir(world, stem));
   for (const char* s : {"model.moe_layers=all", "model.moe_experts=4", "model.moe_top_k=2",
                         "model.moe_shared=8", "model.moe_balance=eqb_lei", "train.steps=12"})
     train::apply_override(c, s);
@@ -322,7 +284,7 @@ TEST(DataParallel, ExpertShardedCheckpointHoldsEveryExpertOnceAndLoadsOnOneProce
 TEST(DataParallel, ResumesWithADifferentDataParallelSize) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
-  train::Config c = fixture::tiny_config(dataset(world), "");
+  train::Config c = fixture::tiny_config(fixture::shared_dataset(world), "");
   c.optim.name = "dion3";
   c.optim.selection_scope = "global";  // `local` selects per shard: it depends on dp by design
   c.optim.ns_gram_min = 8;

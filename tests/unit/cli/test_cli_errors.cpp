@@ -52,6 +52,8 @@ TEST_F(CliTest, HelpExplainsSubcommandsAndConfigKeys) {
   EXPECT_EQ(o.exit_code, 0);
   EXPECT_NE(o.out.find("model.width"), std::string::npos);
   EXPECT_NE(o.out.find("train.seq_len"), std::string::npos);
+  for (const char* key : {"pipeline.schedule", "pipeline.paci_k", "pipeline.layout"})
+    EXPECT_NE(o.out.find(key), std::string::npos) << key;
 }
 
 TEST_F(CliTest, TrainsResumesAndGenerates) {

@@ -1,0 +1,83 @@
+#include "tessel/train/pipeline_stage.hpp"
+
+#include <algorithm>
+#include <numeric>
+
+#include "tessel/core/error.hpp"
+#include "tessel/train/batch_inputs.hpp"
+
+namespace tessel::train {
+
+GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
+                   data::DataLoader& loader, AttentionMaskKind mask, int64_t max_live,
+                   std::function<void(int64_t version)> on_step)
+    : model_(model),
+      stage_(stage),
+      stages_(int(boundaries.size()) - 1),
+      first_(boundaries.at(size_t(stage))),
+      last_(boundaries.at(size_t(stage) + 1)),
+      loader_(loader),
+      mask_(mask),
+      boundary_elems_(
+          size_t(loader.options().micro_batch * loader.options().seq_len * model.config().width)),
+      on_step_(std::move(on_step)),
+      slots_(size_t(max_live)) {
+  TESSEL_CHECK(max_live >= 1 && boundaries.back() == model.config().layers, "stage ", stage);
+  for (size_t i = slots_.size(); i-- > 0;) free_.push_back(i);
+}
+
+void GptStage::forward(int64_t micro, std::span<const float> input, std::span<float> output) {
+  TESSEL_CHECK(!free_.empty(), "stage ", stage_, ": more than ", slots_.size(),
+               " micro-batches in flight");
+  const data::Batch batch = loader_.next();
+  const BatchInputs in(batch, mask_);
+  const size_t slot = free_.back();
+  free_.pop_back();
+  auto& acts = slots_[slot];
+  if (!acts) acts = model_.make_activations(batch.B, batch.T);
+  model_.load_inputs(*acts, in.inputs());
+  if (first_stage())
+    model_.forward_embedding(*acts);
+  else
+    std::copy(input.begin(), input.end(), acts->residual(first_).f32());
+  model_.forward_blocks(*acts, first_, last_);
+  double loss = 0;
+  if (last_stage()) {
+    loss = model_.forward_head(*acts);
+  } else {
+    const float* x = acts->residual(last_).f32();
+    std::copy(x, x + output.size(), output.begin());
+  }
+  const double tokens = std::accumulate(batch.loss_mask.begin(), batch.loss_mask.end(), 0.0);
+  live_.emplace(micro, Live{slot, loss, tokens});
+}
+
+void GptStage::backward(int64_t micro, std::span<const float> output_grad,
+                        std::span<float> input_grad) {
+  auto it = live_.find(micro);
+  TESSEL_CHECK(it != live_.end(), "stage ", stage_, ": backward of micro-batch ", micro,
+               " without its forward");
+  model::Activations& acts = *slots_[it->second.slot];
+  if (last_stage())
+    model_.backward_head(acts, 1.0f);
+  else
+    std::copy(output_grad.begin(), output_grad.end(), acts.residual_grad(last_).f32());
+  model_.backward_blocks(acts, first_, last_);
+  if (first_stage()) {
+    model_.backward_embedding(acts);
+  } else {
+    const float* dx = acts.residual_grad(first_).f32();
+    std::copy(dx, dx + input_grad.size(), input_grad.begin());
+  }
+  window_.loss_sum += it->second.loss_sum;
+  window_.loss_tokens += it->second.loss_tokens;
+  ++window_.micro_batches;
+  free_.push_back(it->second.slot);
+  live_.erase(it);
+}
+
+StageWindow GptStage::take_window() {
+  return std::exchange(window_, StageWindow{});
+}
+
+}  // namespace tessel::train

@@ -1,0 +1,73 @@
+#pragma once
+// One pipeline stage of the GPT as the stage executor sees it (pipeline/stage_executor.hpp):
+// the blocks [first, last) of a stage_partition.hpp split, plus the embedding on the first
+// stage and the head + loss on the last. The residual stream crosses the stage boundaries:
+// `output` is x_last, `input_grad` is d loss / d x_first.
+//
+// Every stage reads the same micro-batches from its own copy of the deterministic loader
+// (forwards run in micro-batch order), because every stage needs the attention mask and
+// positions, the first the tokens and the last the targets; every stage also counts the
+// loss tokens, so each can scale its gradients by 1 / (global loss tokens) at its STEP.
+// Backwards add the gradients of the loss SUM (loss_scale 1) into the model's gradients.
+//
+// Activations live in a pool, one set per micro-batch between its forward and its
+// backward, at most `max_live` at once (1F1B / PACI: P - s; GPipe: M).
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "tessel/data/loader.hpp"
+#include "tessel/model/gpt.hpp"
+#include "tessel/pipeline/stage_executor.hpp"
+#include "tessel/train/config.hpp"
+
+namespace tessel::train {
+
+// What the backwards since the last take_window() contributed.
+struct StageWindow {
+  double loss_sum = 0;     // last stage only (0 elsewhere)
+  double loss_tokens = 0;  // every stage
+  int64_t micro_batches = 0;
+};
+
+class GptStage final : public pipeline::StageWork {
+ public:
+  // `boundaries` is stage_boundaries() of the layout; `model` and `loader` must outlive
+  // the stage. `on_step(version)` runs at every STEP of the schedule.
+  GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
+           data::DataLoader& loader, AttentionMaskKind mask, int64_t max_live,
+           std::function<void(int64_t version)> on_step);
+
+  size_t input_elems() const override { return first_stage() ? 0 : boundary_elems_; }
+  size_t output_elems() const override { return last_stage() ? 0 : boundary_elems_; }
+  void forward(int64_t micro, std::span<const float> input, std::span<float> output) override;
+  void backward(int64_t micro, std::span<const float> output_grad,
+                std::span<float> input_grad) override;
+  void step(int64_t version) override { on_step_(version); }
+
+  StageWindow take_window();
+  int64_t live() const { return int64_t(live_.size()); }
+  bool first_stage() const { return stage_ == 0; }
+  bool last_stage() const { return stage_ == stages_ - 1; }
+
+ private:
+  struct Live {
+    size_t slot;
+    double loss_sum, loss_tokens;
+  };
+  model::Gpt& model_;
+  int stage_, stages_;
+  int64_t first_, last_;  // blocks [first_, last_)
+  data::DataLoader& loader_;
+  AttentionMaskKind mask_;
+  size_t boundary_elems_;  // micro_batch * seq_len * width
+  std::function<void(int64_t)> on_step_;
+  std::vector<std::unique_ptr<model::Activations>> slots_;  // [max_live], made on first use
+  std::vector<size_t> free_;
+  std::map<int64_t, Live> live_;  // by micro-batch
+  StageWindow window_;
+};
+
+}  // namespace tessel::train

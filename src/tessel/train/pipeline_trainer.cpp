@@ -1,0 +1,319 @@
+#include "tessel/train/pipeline_trainer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "tessel/core/error.hpp"
+#include "tessel/core/timer.hpp"
+#include "tessel/optim/grad_clip.hpp"
+#include "tessel/train/stage_partition.hpp"
+
+namespace tessel::train {
+
+bool pipeline_enabled(const Config& c) {
+  return c.parallel.pp > 1 || !c.pipeline.schedule.empty();
+}
+
+pipeline::ScheduleKind pipeline_schedule(const Config& c) {
+  return c.pipeline.schedule.empty() ? pipeline::ScheduleKind::one_f_one_b
+                                     : pipeline::parse_schedule(c.pipeline.schedule);
+}
+
+int64_t micro_batches_per_step(const Config& c) {
+  if (pipeline_enabled(c) && pipeline_schedule(c) == pipeline::ScheduleKind::paci &&
+      c.pipeline.paci_k > 0)
+    return c.pipeline.paci_k;
+  return c.train.accum;
+}
+
+namespace {
+std::vector<int64_t> boundaries_of(const Config& c) {
+  return stage_boundaries(
+      stage_layout(c.pipeline.layout, layer_costs(c.model, c.train.seq_len), c.parallel.pp));
+}
+}  // namespace
+
+void validate_pipeline(const Config& c) {
+  if (!pipeline_enabled(c)) return;
+  const std::string& name = c.pipeline.schedule;
+  if (!name.empty() && name != "gpipe" && name != "1f1b" && name != "paci")
+    input_error("config key 'pipeline.schedule' = \"", name,
+                "\": expected gpipe, 1f1b or paci (or \"\" for 1f1b)");
+  if (c.pipeline.paci_k < 0)
+    input_error("config key 'pipeline.paci_k' must be >= 0 (0 = train.accum), got ",
+                c.pipeline.paci_k);
+  if (c.parallel.cp > 1)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " is not available with pipeline parallelism (parallel.pp, pipeline.schedule) "
+                "yet; use cp = 1");
+  const auto moe = c.model.moe_mask();
+  if (std::find(moe.begin(), moe.end(), true) != moe.end())
+    input_error("config key 'model.moe_layers' = \"", c.model.moe_layers,
+                "\": MoE blocks are not available with pipeline parallelism (parallel.pp, "
+                "pipeline.schedule) yet");
+  if (pipeline_schedule(c) == pipeline::ScheduleKind::paci) {
+    // PACI steps each stage alone; a tied weight would need the first and last stage to
+    // agree on it at every local step, a cross-stage collective PACI is meant to avoid.
+    if (c.model.tied_head && c.parallel.pp > 1)
+      input_error(
+          "config key 'model.tied_head' = true is not available with pipeline.schedule = "
+          "paci and parallel.pp > 1 (the first and last stage would have to sync the tied "
+          "weight at every local step); set model.tied_head = false or use gpipe / 1f1b");
+    if (c.train.checkpoint_policy != "fixed")
+      input_error("config key 'train.checkpoint_policy' = ", c.train.checkpoint_policy,
+                  " is not available with pipeline.schedule = paci (its horizons end at "
+                  "checkpoints known in advance); use fixed");
+  }
+  boundaries_of(c);  // InputError for a bad layout, or too few blocks for the stages
+}
+
+std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries) {
+  const int last = int(boundaries.size()) - 2;
+  std::vector<int> out;
+  for (const Parameter& p : model.parameters()) {
+    int stage = last;  // final norm, head
+    if (p.name.rfind("blocks.", 0) == 0) {
+      const int64_t block = std::stoll(p.name.substr(7));
+      // The last stage starting at or before the block (stages without blocks come earlier).
+      stage =
+          int(std::upper_bound(boundaries.begin(), boundaries.end(), block) - boundaries.begin()) -
+          1;
+    } else if (p.tag == ParamTag::embedding || p.tag == ParamTag::position_embedding) {
+      stage = 0;
+    }
+    out.push_back(stage);
+  }
+  return out;
+}
+
+namespace {
+
+ParameterList stage_parameters(const model::Gpt& model, const std::vector<int>& stages, int s) {
+  ParameterList out;
+  for (size_t i = 0; i < stages.size(); ++i)
+    if (stages[i] == s) out.push_back(model.parameters()[i]);
+  return out;
+}
+
+class StageOptimizers final : public optim::Optimizer {
+ public:
+  StageOptimizers(const Config& c, const model::Gpt& model, comm::Communicator& pp,
+                  comm::Communicator* dp,
+                  const std::map<std::string, std::vector<int64_t>>& row_blocks)
+      : pp_(pp) {
+    const auto stages = parameter_stages(model, boundaries_of(c));
+    for (int s = 0; s < pp.size(); ++s) {
+      ParameterList params = stage_parameters(model, stages, s);
+      std::map<std::string, std::vector<int64_t>> blocks;
+      for (const Parameter& p : params)
+        if (auto it = row_blocks.find(p.name); it != row_blocks.end()) blocks.insert(*it);
+      stages_.push_back(optim::make_optimizer(c.optim, std::move(params), dp, blocks));
+    }
+  }
+  void step(double lr_scale) override { own().step(lr_scale); }
+  std::vector<optim::StateTensor> state() override {
+    std::vector<optim::StateTensor> out;
+    for (int s = 0; s < int(stages_.size()); ++s)
+      for (auto& st : stages_[size_t(s)]->state()) {
+        pp_.broadcast(st.tensor.raw(), size_t(st.tensor.numel()),
+                      comm::elem_type(st.tensor.dtype()), s);
+        out.push_back({"stage" + std::to_string(s) + "/" + st.name, st.tensor});
+      }
+    return out;
+  }
+  std::string name() const override { return own().name(); }
+  int64_t step_count() const override { return own().step_count(); }
+
+ private:
+  optim::Optimizer& own() const { return *stages_[size_t(pp_.rank())]; }
+  comm::Communicator& pp_;
+  std::vector<std::unique_ptr<optim::Optimizer>> stages_;
+};
+
+}  // namespace
+
+std::unique_ptr<optim::Optimizer> make_stage_optimizer(
+    const Config& config, const model::Gpt& model, const comm::Mesh& mesh, comm::Communicator* dp,
+    const std::map<std::string, std::vector<int64_t>>& row_blocks) {
+  return std::make_unique<StageOptimizers>(config, model, mesh.group(comm::Axis::pp), dp,
+                                           row_blocks);
+}
+
+PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, model::Gpt& model,
+                                 data::DataLoader& loader, optim::Optimizer& optimizer,
+                                 const optim::LrSchedule& schedule, comm::Communicator& grad_group)
+    : config_(config),
+      pp_(mesh.group(comm::Axis::pp)),
+      grad_group_(grad_group),
+      model_(model),
+      optimizer_(optimizer),
+      schedule_(schedule),
+      kind_(pipeline_schedule(config)),
+      stage_(pp_.rank()),
+      stages_(pp_.size()),
+      micro_per_step_(micro_batches_per_step(config)),
+      param_stage_(parameter_stages(model, boundaries_of(config))),
+      own_params_(stage_parameters(model, param_stage_, stage_)),
+      tied_(config.model.tied_head && stages_ > 1),
+      work_(model, boundaries_of(config), stage_, loader, config.data.attention_mask,
+            kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
+            [this](int64_t version) { on_step(version); }),
+      executor_(pp_, work_) {
+  // Each stage's parameters are contiguous in the flat buffers (registry order follows the
+  // stages); a tied head's weight is the first stage's.
+  const float* base = model.flat_params().f32();
+  for (int s = 0; s < stages_; ++s) {
+    int64_t begin = -1, end = -1, total = 0;
+    for (const Parameter& p : stage_parameters(model, param_stage_, s)) {
+      const int64_t at = p.value.f32() - base;
+      if (begin < 0) begin = at;
+      end = at + p.value.numel();
+      total += p.value.numel();
+    }
+    TESSEL_CHECK(begin >= 0 && total == end - begin, "stage ", s,
+                 "'s parameters are not contiguous");
+    stage_ranges_.emplace_back(begin, end);
+  }
+  const auto [begin, end] = stage_ranges_[size_t(stage_)];
+  reducer_.emplace(grad_group, model.flat_grads().view(begin, {end - begin}),
+                   int64_t(config.parallel.bucket_mb * 1024 * 1024));
+}
+
+void PipelineTrainer::on_step(int64_t version) {
+  const int64_t update = run_step_ + (version - run_version_) + 1;  // counted from 1
+  const StageWindow w = work_.take_window();
+  const bool flush = kind_ != pipeline::ScheduleKind::paci;
+  if (tied_) {  // lookups' part (first stage) + head's part (last stage); 0 elsewhere
+    Tensor g = model_.parameter("embed.weight").grad;
+    pp_.all_reduce(std::span<float>(g.f32(), size_t(g.numel())));
+  }
+  double stats[2] = {w.loss_sum, w.loss_tokens};
+  grad_group_.all_reduce(std::span<double>(stats, 2));
+  TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
+  reducer_->reduce(float(1.0 / stats[1]));
+  double norm = 0;
+  if (flush) {
+    // Per-parameter sums of squares, each from its stage, then the loss sum of the last
+    // stage: added in registry order as optim::global_grad_norm adds them.
+    const ParameterList& all = model_.parameters();
+    std::vector<double> sums(all.size() + 1, 0.0);
+    for (size_t i = 0; i < all.size(); ++i)
+      if (param_stage_[i] == stage_)
+        sums[i] = optim::sum_squares(all[i].grad.f32(), all[i].grad.numel());
+    if (work_.last_stage()) sums.back() = stats[0];
+    pp_.all_reduce(std::span<double>(sums));
+    double total = 0;
+    for (size_t i = 0; i < all.size(); ++i) total += sums[i];
+    norm = std::sqrt(total);
+    stats[0] = sums.back();
+  } else {
+    norm = optim::global_grad_norm(own_params_);
+  }
+  if (!std::isfinite(norm))
+    throw Error("step " + std::to_string(update) + ": stage " + std::to_string(stage_) +
+                "'s gradient norm is " + std::to_string(norm) + "; stopping before the update");
+  optim::scale_to_max_norm(own_params_, norm, config_.train.grad_clip);
+  before_update_();
+  optimizer_.step(schedule_.scale(update));
+  model_.zero_grads();
+  if (tied_) {
+    Tensor e = model_.parameter("embed.weight").value;
+    pp_.broadcast(std::span<float>(e.f32(), size_t(e.numel())), 0);
+  }
+  run_windows_.push_back({stats[0], stats[1], norm, 0, {}});
+}
+
+PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& before_update) {
+  if (!pending_.empty()) {
+    TESSEL_CHECK(step == next_step_, "pipeline step ", step, ", expected ", next_step_);
+    PipelineStep r = std::move(pending_.front());
+    pending_.pop_front();
+    ++next_step_;
+    return r;
+  }
+  const bool paci = kind_ == pipeline::ScheduleKind::paci;
+  int64_t end = step + 1;
+  if (paci) {  // drain only where the trainer validates or saves, or at the end
+    const auto& t = config_.train;
+    auto next_multiple = [&](int64_t every) {
+      return every > 0 ? (step / every + 1) * every : t.steps;
+    };
+    end = std::min({t.steps, next_multiple(t.eval_every),
+                    t.checkpoint_policy == "fixed" ? next_multiple(t.checkpoint_every) : t.steps});
+  }
+  const int64_t windows = end - step;
+  run_step_ = step;
+  run_version_ = executor_.version();
+  before_update_ = before_update;
+  run_windows_.clear();
+  model_.zero_grads();
+  Timer timer;
+  pipeline::ScheduleOptions options{kind_, stages_,
+                                    paci ? windows * micro_per_step_ : micro_per_step_, 1,
+                                    paci ? micro_per_step_ : 1};
+  const pipeline::StageStats stats = executor_.run(options, step * micro_per_step_);
+  TESSEL_CHECK(int64_t(run_windows_.size()) == windows, "stage ", stage_, " took ",
+               run_windows_.size(), " steps in a run of ", windows);
+
+  // Every stage's record: busy and waiting seconds, version gaps, live activations.
+  constexpr size_t kFields = 5;
+  std::vector<double> per_stage(kFields * size_t(stages_), 0.0);
+  double* mine = per_stage.data() + kFields * size_t(stage_);
+  mine[0] = stats.forward_seconds + stats.backward_seconds + stats.step_seconds;
+  mine[1] = stats.wait_seconds;
+  mine[2] = double(stats.max_version_gap);
+  mine[3] = double(stats.inconsistent_backwards);
+  mine[4] = double(stats.peak_live_activations);
+  // PACI: the last stage's loss sums, the first's token counts, each stage's norms.
+  const size_t fields = 2 + size_t(stages_);
+  std::vector<double> window_values(paci ? fields * size_t(windows) : 0, 0.0);
+  for (int64_t j = 0; paci && j < windows; ++j) {
+    double* v = window_values.data() + fields * size_t(j);
+    if (work_.last_stage()) v[0] = run_windows_[size_t(j)].loss_sum;
+    if (work_.first_stage()) v[1] = run_windows_[size_t(j)].loss_tokens;
+    v[2 + size_t(stage_)] = run_windows_[size_t(j)].grad_norm;
+  }
+  per_stage.insert(per_stage.end(), window_values.begin(), window_values.end());
+  pp_.all_reduce(std::span<double>(per_stage));
+  nlohmann::json metrics = {{"schedule", pipeline::schedule_name(kind_)}};
+  for (int s = 0; s < stages_; ++s) {
+    const double* r = per_stage.data() + kFields * size_t(s);
+    metrics["stages"].push_back({{"busy_seconds", r[0]},
+                                 {"wait_seconds", r[1]},
+                                 {"max_version_gap", int64_t(r[2])},
+                                 {"inconsistent_backwards", int64_t(r[3])},
+                                 {"peak_live_activations", int64_t(r[4])}});
+  }
+  const double seconds = timer.seconds();
+  if (!paci) {
+    PipelineStep r = run_windows_.front();
+    r.seconds = seconds;
+    r.metrics = std::move(metrics);
+    return r;
+  }
+  metrics["horizon"] = {step + 1, end};
+  const double* v = per_stage.data() + kFields * size_t(stages_);
+  for (int64_t j = 0; j < windows; ++j, v += fields) {
+    PipelineStep r{v[0], v[1], 0, seconds / double(windows), metrics};
+    double squares = 0;
+    for (int s = 0; s < stages_; ++s) {
+      squares += v[2 + s] * v[2 + s];
+      r.metrics["stages"][size_t(s)]["grad_norm"] = v[2 + s];
+    }
+    r.grad_norm = std::sqrt(squares);
+    pending_.push_back(std::move(r));
+  }
+  next_step_ = step;
+  return this->step(step, before_update);
+}
+
+void PipelineTrainer::sync_weights() {
+  float* values = model_.flat_params().f32();
+  for (int s = 0; s < stages_; ++s) {
+    const auto [begin, end] = stage_ranges_[size_t(s)];
+    pp_.broadcast(std::span<float>(values + begin, size_t(end - begin)), s);
+  }
+}
+
+}  // namespace tessel::train

@@ -1,0 +1,113 @@
+#pragma once
+// Pipeline parallelism in the trainer (issue #7, spec pipeline.md; docs/training.md): the
+// GPT split over the pp axis of the mesh (stage_partition.hpp), each rank one stage of its
+// dp replica, run by the stage executor with a GptStage (pipeline_stage.hpp).
+//
+// Flush schedules (gpipe, 1f1b): one trainer step is one executor run over train.accum
+// micro-batches, ending in a STEP on every stage: a tied embedding's two gradient parts
+// (lookups on the first stage, head on the last) summed over pp; [loss sum, loss tokens]
+// and this stage's gradients all-reduced over dp and scaled by 1 / global loss tokens; the
+// global gradient norm from per-parameter sums of squares summed over pp and added in
+// registry order (bitwise the single-process norm); clipping; the optimizer step of this
+// stage's parameters; a tied embedding broadcast from the first stage.
+// PACI: no flush. A trainer step is one window of K micro-batches. The executor runs over a
+// horizon that ends at the next validation, checkpoint or the run's end (the only drains);
+// inside it each stage steps alone after every K-th backward, clipping with its own
+// gradient norm (no cross-stage collective, spec section 5). The windows are logged once
+// the horizon is done.
+//
+// Every rank keeps the whole model and an optimizer for every stage's parameters but trains
+// only its stage's; sync_weights() and the optimizer's state() bring every rank up to date
+// (before validation and checkpoints), so those run unchanged.
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessel/comm/mesh.hpp"
+#include "tessel/data/loader.hpp"
+#include "tessel/model/gpt.hpp"
+#include "tessel/optim/lr_schedule.hpp"
+#include "tessel/optim/optimizer.hpp"
+#include "tessel/parallel/data_parallel.hpp"
+#include "tessel/pipeline/stage_executor.hpp"
+#include "tessel/train/config.hpp"
+#include "tessel/train/pipeline_stage.hpp"
+
+namespace tessel::train {
+
+// parallel.pp > 1, or a pipeline.schedule set (pp = 1 through the executor).
+bool pipeline_enabled(const Config& config);
+pipeline::ScheduleKind pipeline_schedule(const Config& config);
+// Micro-batches per trainer step (and per loader step): PACI's K, else train.accum.
+int64_t micro_batches_per_step(const Config& config);
+// InputError naming the keys for what the pipeline path does not support (cp, MoE, PACI
+// with a tied head or an adaptive checkpoint policy) and for a bad schedule or layout.
+void validate_pipeline(const Config& config);
+
+// The stage of every parameter of `model`, in registry order: the embeddings on the first
+// stage, each block's on the stage holding it (stage_boundaries), the final norm and the
+// head on the last; a tied head's weight is the embedding, trained on the first.
+std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries);
+
+// The optimizer of the pipeline path: one per stage over that stage's parameters (states
+// named "stage<s>/..."), of which this rank steps its own. state() first broadcasts every
+// stage's state from that stage over the pp group, so it is collective over pp.
+std::unique_ptr<optim::Optimizer> make_stage_optimizer(
+    const Config& config, const model::Gpt& model, const comm::Mesh& mesh, comm::Communicator* dp,
+    const std::map<std::string, std::vector<int64_t>>& row_blocks);
+
+struct PipelineStep {
+  double loss_sum = 0, loss_tokens = 0;  // over the global batch
+  double grad_norm = 0;    // pre-clip norm over all stages (PACI: of the stages' own norms)
+  double seconds = 0;      // wall time (PACI: the horizon's, shared by its windows)
+  nlohmann::json metrics;  // schedule, per-stage busy / wait time, version gaps, ...
+};
+
+class PipelineTrainer {
+ public:
+  // Collective over the pp group. Every reference must outlive this object; `optimizer`
+  // comes from make_stage_optimizer.
+  PipelineTrainer(const Config& config, const comm::Mesh& mesh, model::Gpt& model,
+                  data::DataLoader& loader, optim::Optimizer& optimizer,
+                  const optim::LrSchedule& schedule, comm::Communicator& grad_group);
+  // Trainer step `step` (0-based, consecutive): flush schedules run it; PACI returns its
+  // window, running the horizon that starts there first. `before_update` runs before every
+  // optimizer step (the trainer waits for a checkpoint's staging copy there).
+  PipelineStep step(int64_t step, const std::function<void()>& before_update);
+  // Every stage's parameters broadcast from that stage over pp.
+  void sync_weights();
+
+ private:
+  void on_step(int64_t version);
+
+  const Config& config_;
+  comm::Communicator& pp_;
+  comm::Communicator& grad_group_;
+  model::Gpt& model_;
+  optim::Optimizer& optimizer_;
+  const optim::LrSchedule& schedule_;
+  pipeline::ScheduleKind kind_;
+  int stage_, stages_;
+  int64_t micro_per_step_;
+  std::vector<int> param_stage_;
+  ParameterList own_params_;
+  std::vector<std::pair<int64_t, int64_t>> stage_ranges_;  // [stage] flat element range
+  bool tied_;  // the embedding lives on the first and the last stage
+  std::optional<parallel::GradientReducer> reducer_;  // this stage's gradient range
+  GptStage work_;
+  pipeline::StageExecutor executor_;
+  // The run in progress: its first trainer step, the executor version then, the hook.
+  int64_t run_step_ = 0, run_version_ = 0;
+  std::function<void()> before_update_;
+  std::vector<PipelineStep> run_windows_;  // this stage's view of each STEP of the run
+  std::deque<PipelineStep> pending_;       // PACI: windows done, not yet returned
+  int64_t next_step_ = -1;                 // the step pending_.front() belongs to
+};
+
+}  // namespace tessel::train

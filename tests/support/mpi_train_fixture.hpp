@@ -1,0 +1,57 @@
+#pragma once
+// Helpers for multi-rank trainer tests: directories every rank knows, one shared dataset,
+// and the resume check.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "support/train_fixture.hpp"
+#include "tessel/comm/communicator.hpp"
+#include "tessel/train/trainer.hpp"
+
+namespace tessel::fixture {
+
+// A directory made by rank 0 and known to all ranks.
+inline std::string shared_temp_dir(comm::Communicator& world, const std::string& stem) {
+  std::vector<uint8_t> buf(256, 0);
+  if (world.rank() == 0) {
+    std::string d = temp_dir(stem);
+    std::copy(d.begin(), d.end(), buf.begin());
+  }
+  world.broadcast(buf, 0);
+  return std::string(reinterpret_cast<const char*>(buf.data()));
+}
+
+// The synthetic dataset, made once per test binary by rank 0.
+inline std::string shared_dataset(comm::Communicator& world) {
+  static std::string dir;
+  if (dir.empty()) {
+    dir = shared_temp_dir(world, "tessel-dp-data");
+    if (world.rank() == 0) make_dataset(dir);
+    world.barrier();
+  }
+  return dir;
+}
+
+// Runs `c` to its end, lets rank 0 `break_newest` (remove or damage the newest checkpoint),
+// then runs `c` again: the second run must resume from step `from` and repeat the first run's
+// losses from there bitwise. Returns the first run.
+inline train::TrainResult expect_resume_continues_bitwise(
+    comm::Communicator& world, const train::Config& c, int64_t from,
+    const std::function<void()>& break_newest) {
+  auto full = run_on(world, c);
+  if (world.rank() == 0) break_newest();
+  world.barrier();
+  auto resumed = run_on(world, c);
+  EXPECT_EQ(resumed.resumed_from, from);
+  EXPECT_EQ(int64_t(resumed.steps.size()), c.train.steps - from);
+  for (size_t i = 0; i < resumed.steps.size() && from + i < full.steps.size(); ++i)
+    EXPECT_EQ(resumed.steps[i].loss, full.steps[size_t(from) + i].loss) << "step " << from + 1 + i;
+  return full;
+}
+
+}  // namespace tessel::fixture

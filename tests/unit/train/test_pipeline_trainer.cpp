@@ -1,0 +1,111 @@
+// The pipeline path of the trainer in one process (parallel.pp = 1, pipeline.schedule set):
+// every schedule through the stage executor equals the plain trainer bitwise (spec C1).
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "support/expect_input_error.hpp"
+#include "support/pipeline_fixture.hpp"
+#include "support/train_fixture.hpp"
+#include "tessel/comm/single_communicator.hpp"
+#include "tessel/train/pipeline_trainer.hpp"
+#include "tessel/train/trainer.hpp"
+
+using namespace tessel;
+
+namespace {
+
+train::TrainResult train_run(const train::Config& config) {
+  comm::SingleCommunicator world;
+  return fixture::run_on(world, config);
+}
+
+struct PipelineTrainerTest : ::testing::Test {
+  std::string data = fixture::make_dataset(fixture::temp_dir("tessel-ptrain") + "/data");
+  train::Config config = fixture::tiny_config(data, "");
+  void SetUp() override {
+    config.train.steps = 8;
+    config.train.accum = 3;
+    config.train.eval_every = 3;
+    config.train.grad_clip = 0.5;  // clipping fires in the early steps
+  }
+  std::string fresh_dir() { return fixture::temp_dir("tessel-ptrain-run"); }
+};
+
+}  // namespace
+
+TEST_F(PipelineTrainerTest, OneStageEqualsThePlainTrainerUnderEverySchedule) {
+  config.run.dir = fresh_dir();
+  const auto plain = train_run(config);
+  const auto plain_weights = fixture::final_weights(config.run.dir);
+  bool clipped = false;
+  for (const auto& s : plain.steps) clipped = clipped || s.grad_norm > config.train.grad_clip;
+  EXPECT_TRUE(clipped) << "the comparison should cover a clipped step";
+  for (const char* schedule : {"gpipe", "1f1b", "paci"}) {
+    SCOPED_TRACE(schedule);
+    train::Config c = config;
+    c.pipeline.schedule = schedule;
+    c.run.dir = fresh_dir();
+    const auto piped = train_run(c);
+    fixture::expect_same_steps(piped, plain);
+    fixture::expect_same_weights(fixture::final_weights(c.run.dir), plain_weights);
+    // metrics.jsonl names the schedule and the stage's record in every step.
+    std::ifstream in(c.run.dir + "/metrics.jsonl");
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ++steps;
+      EXPECT_EQ(j["pipeline"]["schedule"], schedule);
+      EXPECT_EQ(j["pipeline"]["stages"].size(), 1u);
+      EXPECT_EQ(j["pipeline"]["stages"][0]["max_version_gap"], 0);
+      EXPECT_EQ(j["pipeline"]["stages"][0]["peak_live_activations"],
+                std::string(schedule) == "gpipe" ? 3 : 1);
+    }
+    EXPECT_EQ(steps, 8);
+  }
+}
+
+TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
+  config.run.dir = fresh_dir();
+  auto with = [&](std::vector<std::string> overrides) {
+    overrides.push_back("data.path=" + data);
+    return [&, overrides] { train::load_config("", overrides); };
+  };
+  fixture::expect_input_error(with({"pipeline.schedule=zb"}), {"pipeline.schedule", "zb"});
+  fixture::expect_input_error(with({"pipeline.schedule=1f1b", "pipeline.layout=1,1"}),
+                              {"pipeline.layout", "parallel.pp = 1"});
+  fixture::expect_input_error(with({"parallel.pp=2", "model.layers=4", "pipeline.layout=1,2"}),
+                              {"pipeline.layout", "model.layers = 4"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=paci", "model.tied_head=true"}),
+      {"model.tied_head", "paci"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=paci", "model.tied_head=false",
+            "train.checkpoint_policy=young", "train.checkpoint_every=5"}),
+      {"train.checkpoint_policy", "paci"});
+  fixture::expect_input_error(with({"parallel.pp=2", "parallel.cp=2"}),
+                              {"parallel.cp", "pipeline"});
+  fixture::expect_input_error(with({"parallel.pp=2", "model.moe_layers=all"}),
+                              {"model.moe_layers", "pipeline"});
+  fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_k=-1"}), {"pipeline.paci_k"});
+}
+
+TEST_F(PipelineTrainerTest, ParametersBelongToTheStageOfTheirPiece) {
+  config.model.layers = 4;
+  for (bool tied : {false, true}) {
+    config.model.tied_head = tied;
+    model::Gpt model(config.model, 1);
+    // Layout 0,3,1: the first stage holds only the embedding.
+    const auto stages = train::parameter_stages(model, {0, 0, 3, 4});
+    ASSERT_EQ(stages.size(), model.parameters().size());
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const std::string& name = model.parameters()[i].name;
+      int want = 2;  // final norm, head
+      if (name == "embed.weight") want = 0;
+      if (name.rfind("blocks.", 0) == 0) want = name[7] == '3' ? 2 : 1;
+      EXPECT_EQ(stages[i], want) << name;
+    }
+  }
+}
