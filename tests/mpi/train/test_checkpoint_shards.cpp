@@ -151,6 +151,8 @@ TEST(CheckpointShards, OwnTensorsAreWrittenOnceByTheirRank) {
 
   CheckpointContent twice = replicated_state(4);
   twice.own_model = own(0);  // every rank claims rank 0's tensors
-  if (P > 1) EXPECT_THROW(store.save(world, twice), Error);
+  if (P > 1) {
+    EXPECT_THROW(store.save(world, twice), Error);
+  }
   world.barrier();
 }

@@ -216,7 +216,9 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
                     1e-5 * ref.validation[i].second);
       // The MoE metrics count the same routing: per-block expert loads of every step and of
       // the validation set (idle forwards not counted) equal ep = 1's exactly.
-      if (world.rank() == 0) EXPECT_EQ(moe_loads(ep.run.dir), moe_loads(c.run.dir));
+      if (world.rank() == 0) {
+        EXPECT_EQ(moe_loads(ep.run.dir), moe_loads(c.run.dir));
+      }
     }
   }
 }
