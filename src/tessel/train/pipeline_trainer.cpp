@@ -27,12 +27,12 @@ int64_t micro_batches_per_step(const Config& c) {
   return c.train.accum;
 }
 
-namespace {
-std::vector<int64_t> boundaries_of(const Config& c) {
+namespace {}  // namespace
+
+std::vector<int64_t> pipeline_boundaries(const Config& c) {
   return stage_boundaries(
       stage_layout(c.pipeline.layout, layer_costs(c.model, c.train.seq_len), c.parallel.pp));
 }
-}  // namespace
 
 void validate_pipeline(const Config& c) {
   if (!pipeline_enabled(c)) return;
@@ -65,7 +65,7 @@ void validate_pipeline(const Config& c) {
                   " is not available with pipeline.schedule = paci (its horizons end at "
                   "checkpoints known in advance); use fixed");
   }
-  boundaries_of(c);  // InputError for a bad layout, or too few blocks for the stages
+  pipeline_boundaries(c);  // InputError for a bad layout, or too few blocks for the stages
 }
 
 std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries) {
@@ -102,7 +102,7 @@ class StageOptimizers final : public optim::Optimizer {
                   comm::Communicator* dp,
                   const std::map<std::string, std::vector<int64_t>>& row_blocks)
       : pp_(pp) {
-    const auto stages = parameter_stages(model, boundaries_of(c));
+    const auto stages = parameter_stages(model, pipeline_boundaries(c));
     for (int s = 0; s < pp.size(); ++s) {
       ParameterList params = stage_parameters(model, stages, s);
       std::map<std::string, std::vector<int64_t>> blocks;
@@ -153,10 +153,10 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       stage_(pp_.rank()),
       stages_(pp_.size()),
       micro_per_step_(micro_batches_per_step(config)),
-      param_stage_(parameter_stages(model, boundaries_of(config))),
+      param_stage_(parameter_stages(model, pipeline_boundaries(config))),
       own_params_(stage_parameters(model, param_stage_, stage_)),
       tied_(config.model.tied_head && stages_ > 1),
-      work_(model, boundaries_of(config), stage_, loader, config.data.attention_mask,
+      work_(model, pipeline_boundaries(config), stage_, loader, config.data.attention_mask,
             kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
             [this](int64_t version) { on_step(version); }),
       executor_(pp_, work_) {

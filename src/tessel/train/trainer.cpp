@@ -329,6 +329,10 @@ struct Trainer::State {
         loader.sequences_per_step();
     keys["data.path/train.tok tokens"] = loader.shard().num_tokens();
     keys["data.path/train.tok documents"] = loader.shard().num_documents();
+    // The stage optimizers name their state per stage: only the same stages can resume it.
+    if (pipeline)
+      keys["pipeline stage boundaries (parallel.pp, pipeline.layout)"] =
+          pipeline_boundaries(config);
     return keys;
   }
 
@@ -402,6 +406,11 @@ struct Trainer::State {
       else if (have[key] != value)
         input_error(*latest, ": checkpoint has ", key, " = ", text(have[key]), " but this run has ",
                     text(value), "; resume with the checkpoint's setting or use a new run.dir");
+    for (const auto& [key, value] : have.items())
+      if (!want.contains(key))
+        input_error(*latest, ": checkpoint has ", key, " = ", text(value),
+                    " but this run has none; resume with the checkpoint's setting or use a new "
+                    "run.dir");
     finish_warmup();  // its forward reads the weights restored here
     ledger.enter(Phase::checkpoint_load);
     for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, *latest);

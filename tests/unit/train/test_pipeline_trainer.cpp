@@ -109,3 +109,21 @@ TEST_F(PipelineTrainerTest, ParametersBelongToTheStageOfTheirPiece) {
     }
   }
 }
+
+// A checkpoint names its pipeline stages: resuming it without them, or a plain checkpoint
+// with them, is refused with a message naming the stage boundaries.
+TEST_F(PipelineTrainerTest, ResumeNeedsTheCheckpointsPipelineStages) {
+  config.train.checkpoint_every = 4;
+  for (bool piped_first : {true, false}) {
+    SCOPED_TRACE(piped_first);
+    train::Config first = config;
+    first.run.dir = fresh_dir();
+    if (piped_first) first.pipeline.schedule = "1f1b";
+    train_run(first);
+    train::Config second = first;
+    second.train.steps = 12;
+    second.pipeline.schedule = piped_first ? "" : "1f1b";
+    fixture::expect_input_error([&] { train_run(second); },
+                                {"pipeline stage boundaries", "run.dir"});
+  }
+}
