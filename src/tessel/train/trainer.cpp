@@ -119,6 +119,9 @@ struct PhaseMark {
   PhaseMark(EttLedger& ledger, Phase phase) { ledger.enter(phase); }
 };
 
+// The compatibility record's entry of a pipeline run.
+constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pipeline.layout)";
+
 double mask_sum(const data::Batch& b) {
   double n = 0;
   for (float w : b.loss_mask) n += w;
@@ -330,9 +333,7 @@ struct Trainer::State {
     keys["data.path/train.tok tokens"] = loader.shard().num_tokens();
     keys["data.path/train.tok documents"] = loader.shard().num_documents();
     // The stage optimizers name their state per stage: only the same stages can resume it.
-    if (pipeline)
-      keys["pipeline stage boundaries (parallel.pp, pipeline.layout)"] =
-          pipeline_boundaries(config);
+    if (pipeline) keys[kPipelineKey] = pipeline_boundaries(config);
     return keys;
   }
 
@@ -406,11 +407,11 @@ struct Trainer::State {
       else if (have[key] != value)
         input_error(*latest, ": checkpoint has ", key, " = ", text(have[key]), " but this run has ",
                     text(value), "; resume with the checkpoint's setting or use a new run.dir");
-    for (const auto& [key, value] : have.items())
-      if (!want.contains(key))
-        input_error(*latest, ": checkpoint has ", key, " = ", text(value),
-                    " but this run has none; resume with the checkpoint's setting or use a new "
-                    "run.dir");
+    // A pipeline checkpoint's stage-named optimizer state cannot resume without the pipeline.
+    if (have.contains(kPipelineKey) && !want.contains(kPipelineKey))
+      input_error(*latest, ": checkpoint has ", kPipelineKey, " = ", text(have[kPipelineKey]),
+                  " but this run has no pipeline; resume with the checkpoint's setting or use a "
+                  "new run.dir");
     finish_warmup();  // its forward reads the weights restored here
     ledger.enter(Phase::checkpoint_load);
     for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, *latest);
