@@ -71,7 +71,7 @@ struct MuonHyper {
   LrRule lr_rule = LrRule::spectral_norm;
   NsOptions ns;
   double fraction = 0.25;  // dion2/3
-  double ef_decay = 0.95;
+  double ef_decay = 0.7;   // OptimizerConfig's default (optimizer.hpp says why)
   bool local_scope = true;
   double normuon_beta2 = 0.95;  // dion3
   double normuon_eps = 1e-8;
