@@ -252,7 +252,7 @@ TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
 // path. Two failures, so every second of start-up costs three; and each TTR is measured
 // (it contains the next attempt's start-up, so at least δ) and checked against a bound.
 TEST_F(SupervisorTest, AStartUpDelayGrowsWallTimeOncePerAttemptAndTtrIsBounded) {
-  const double delta = 1.5;
+  const double delta = 3.0;  // large against the machine's noise in a job's wall time
   const std::string faults = " --set fault.kill_rank=1 --set fault.kill_steps=6,11";
   std::string base = fixture::temp_dir("tessel-sup-base"),
               slow = fixture::temp_dir("tessel-sup-slow");
@@ -270,18 +270,19 @@ TEST_F(SupervisorTest, AStartUpDelayGrowsWallTimeOncePerAttemptAndTtrIsBounded) 
   // The leaf that holds the delay grows by it once per attempt (±0.1 s of noise).
   const double build = leaf(b, "model_build") - leaf(a, "model_build");
   EXPECT_GE(build, grow - 0.1);
-  EXPECT_LE(build, grow + 0.3);
+  EXPECT_LE(build, grow + 0.5);
   // W: the rest of the two jobs differs by machine noise, and by mpirun's teardown after a
   // rank dies (charged to failure_detection), which takes 0 or about 1 s per failure on this
-  // machine. Without that leaf, ±0.5 s separates (1 + NoF)·δ = 4.5 s from NoF·δ or (2 + NoF)·δ.
+  // machine. Without that leaf, ±(δ/2 − 0.1) separates (1 + NoF)·δ = 9 s from NoF·δ or
+  // (2 + NoF)·δ; a loaded machine moves a job's wall time by up to about 1 s.
   const double wall = b["wall_seconds"].get<double>() - a["wall_seconds"].get<double>();
   const double detection = leaf(b, "failure_detection") - leaf(a, "failure_detection");
   std::printf(
       "W grew by %.3f s (failure detection by %.3f s), model_build by %.3f s; "
       "(1 + NoF)·δ = %.3f s\n",
       wall, detection, build, grow);
-  EXPECT_NEAR(wall - detection, grow, 0.5);
-  EXPECT_NEAR(wall, grow, 0.5 + 1.1 * 2);
+  EXPECT_NEAR(wall - detection, grow, delta / 2 - 0.1);
+  EXPECT_NEAR(wall, grow, delta / 2 - 0.1 + 1.1 * 2);
   EXPECT_EQ(loss_curve(slow), loss_curve(reference));
 
   // --max-ttr: within 600 s nothing is over; the bound is in ett.json.
