@@ -267,10 +267,10 @@ TEST_F(SupervisorTest, AStartUpDelayGrowsWallTimeOncePerAttemptAndTtrIsBounded) 
   ASSERT_EQ(b["nof"], 2);
   const double grow = (1 + 2) * delta;
   auto leaf = [](const nlohmann::json& r, const char* k) { return r["leaves"][k].get<double>(); };
-  // The leaf that holds the delay grows by it once per attempt (±0.1 s of noise).
+  // The leaf that holds the delay grows by it once per attempt; the rest of that leaf (the
+  // real model build, three times per job) varies by a few tenths of a second under load.
   const double build = leaf(b, "model_build") - leaf(a, "model_build");
-  EXPECT_GE(build, grow - 0.1);
-  EXPECT_LE(build, grow + 0.5);
+  EXPECT_NEAR(build, grow, 0.5);
   // W: the rest of the two jobs differs by machine noise, and by mpirun's teardown after a
   // rank dies (charged to failure_detection), which takes 0 or about 1 s per failure on this
   // machine. Without that leaf, ±(δ/2 − 0.1) separates (1 + NoF)·δ = 9 s from NoF·δ or
