@@ -27,8 +27,6 @@ int64_t micro_batches_per_step(const Config& c) {
   return c.train.accum;
 }
 
-namespace {}  // namespace
-
 std::vector<int64_t> pipeline_boundaries(const Config& c) {
   return stage_boundaries(
       stage_layout(c.pipeline.layout, layer_costs(c.model, c.train.seq_len), c.parallel.pp));
