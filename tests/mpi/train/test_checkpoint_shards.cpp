@@ -58,8 +58,10 @@ TEST(CheckpointShards, EveryRankWritesItsShareAndAnyRankLoadsTheWhole) {
     writer.save(replicated_state(5));
     writer.wait_staged();
     // Training goes on (collectives on another communicator) while the commit progresses.
+    // Ranks see the commit finish at different polls, so they agree on when to stop: a
+    // rank-local loop condition left ranks in different numbers of all-reduces (a hang).
     double x = 1;
-    for (int i = 0; i < 200 && writer.in_flight(); ++i) {
+    for (int i = 0; i < 200 && !comm::all_agree(world, !writer.in_flight()); ++i) {
       world.all_reduce(std::span<double>(&x, 1));
       writer.poll();
     }
