@@ -30,9 +30,14 @@ double sum_squares(const float* x, int64_t n) {
   return total;
 }
 
-double global_grad_norm(const ParameterList& params, comm::Communicator* shard_group) {
+double grad_sum_squares(const ParameterList& params) {
   double total = 0.0;
   for (const Parameter& p : params) total += sum_squares(p.grad.f32(), p.grad.numel());
+  return total;
+}
+
+double global_grad_norm(const ParameterList& params, comm::Communicator* shard_group) {
+  double total = grad_sum_squares(params);
   if (shard_group != nullptr)
     shard_group->all_reduce(&total, 1, comm::ElemType::f64, comm::ReduceOp::sum);
   return std::sqrt(total);

@@ -17,7 +17,10 @@ namespace tessel::optim {
 // Sum of x[i]^2 over x [n], in double, in the fixed chunk order above.
 double sum_squares(const float* x, int64_t n);
 
-// sqrt(sum over params of sum_squares(grad)), summed over `shard_group` when given.
+// Sum over params, in list order, of sum_squares(grad).
+double grad_sum_squares(const ParameterList& params);
+
+// sqrt(grad_sum_squares(params)), the sum taken over `shard_group` when given.
 double global_grad_norm(const ParameterList& params, comm::Communicator* shard_group = nullptr);
 
 // Scales every gradient by min(1, max_norm / (norm + 1e-6)) and returns the pre-clip norm.

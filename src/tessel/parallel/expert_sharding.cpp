@@ -6,24 +6,16 @@
 
 namespace tessel::parallel {
 
-namespace {
-double sum_squares(const ParameterList& params) {
-  double s = 0;
-  for (const Parameter& p : params) s += optim::sum_squares(p.grad.f32(), p.grad.numel());
-  return s;
-}
-}  // namespace
-
 model::ExpertShard expert_shard(const comm::Mesh& mesh) {
   return {mesh.coordinate(comm::Axis::ep), mesh.size(comm::Axis::ep)};
 }
 
 double expert_sharded_grad_norm(const ParameterList& dense, const ParameterList& experts,
                                 comm::Communicator& ep_group) {
-  const double mine = sum_squares(experts);
+  const double mine = optim::grad_sum_squares(experts);
   std::vector<double> each(size_t(ep_group.size()));
   ep_group.all_gather(&mine, each.data(), 1, comm::ElemType::f64);
-  double total = sum_squares(dense);
+  double total = optim::grad_sum_squares(dense);
   for (double s : each) total += s;
   return std::sqrt(total);
 }

@@ -8,6 +8,7 @@ namespace tessel::train {
 
 BatchInputs::BatchInputs(const data::Batch& b, AttentionMaskKind kind)
     : inputs_{b.B, b.T, b.tokens.data(), b.positions.data(), b.targets.data(), b.loss_mask.data()} {
+  for (float w : b.loss_mask) loss_weight_sum_ += w;
   if (kind != AttentionMaskKind::causal_document) return;
   mask_ = attention::causal_document_batch_mask(b.doc_starts, b.T);
   positions_.resize(size_t(b.B * b.T));
@@ -38,22 +39,35 @@ std::vector<int64_t> work_per_chunk(const attention::ColumnMask& mask, int64_t c
                                model.num_kv_heads(), tile);
 }
 
+// Rows per chunk of the configured layout over T rows and P ranks.
+int64_t layout_chunk(int64_t T, int P, const ParallelConfig& parallel) {
+  return parallel.cp_layout == CpLayoutKind::zigzag ? attention::zigzag_layout(T, P).chunk
+                                                    : T / (parallel.cp_chunks * P);
+}
+
+// The configured layout, given the work of each of its chunks (used by balanced only).
+attention::CpLayout layout_from_work(int64_t T, int P, int64_t chunk,
+                                     const ParallelConfig& parallel,
+                                     const std::vector<int64_t>& work) {
+  switch (parallel.cp_layout) {
+    case CpLayoutKind::zigzag:
+      return attention::zigzag_layout(T, P);
+    case CpLayoutKind::contiguous:
+      return attention::contiguous_layout(T, chunk, P);
+    case CpLayoutKind::balanced:
+      return attention::balanced_layout(T, chunk, P, work);
+  }
+  throw Error("unknown cp layout");
+}
+
 }  // namespace
 
 attention::CpLayout micro_batch_layout(const model::ModelInputs& full, int P,
                                        const ParallelConfig& parallel,
                                        const model::GptConfig& model) {
-  const int64_t chunk = full.T / (parallel.cp_chunks * P);
-  switch (parallel.cp_layout) {
-    case CpLayoutKind::zigzag:
-      return attention::zigzag_layout(full.T, P);
-    case CpLayoutKind::contiguous:
-      return attention::contiguous_layout(full.T, chunk, P);
-    case CpLayoutKind::balanced:
-      return attention::balanced_layout(full.T, chunk, P,
-                                        work_per_chunk(mask_or_causal(full), chunk, model));
-  }
-  throw Error("unknown cp layout");
+  const int64_t chunk = layout_chunk(full.T, P, parallel);
+  return layout_from_work(full.T, P, chunk, parallel,
+                          work_per_chunk(mask_or_causal(full), chunk, model));
 }
 
 CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_group,
@@ -61,9 +75,12 @@ CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_gro
   const model::ModelInputs& in = full.inputs();
   const int64_t B = in.B;
   TESSEL_CHECK(in.positions && in.targets && in.loss_weight, "a training batch without targets");
+  const int P = cp_group.size();
   const attention::ColumnMask mask = mask_or_causal(in);
-  const attention::CpLayout layout = micro_batch_layout(in, cp_group.size(), parallel, model);
-  imbalance_ = attention::imbalance(layout, work_per_chunk(mask, layout.chunk, model));
+  const int64_t chunk = layout_chunk(in.T, P, parallel);
+  const std::vector<int64_t> work = work_per_chunk(mask, chunk, model);
+  const attention::CpLayout layout = layout_from_work(in.T, P, chunk, parallel, work);
+  imbalance_ = attention::imbalance(layout, work);
   const std::vector<int64_t>& mine = layout.owned[size_t(cp_group.rank())];
   tokens_ = attention::take_chunk_rows(in.tokens, B, 1, layout, mine);
   targets_ = attention::take_chunk_rows(in.targets, B, 1, layout, mine);
@@ -84,6 +101,12 @@ double CpBatchInputs::loss_weight_sum() const {
   double n = 0;
   for (float w : loss_weight_) n += w;
   return n;
+}
+
+RankBatchInputs::RankBatchInputs(const data::Batch& batch, const Config& config,
+                                 comm::Communicator& cp_group)
+    : full_(batch, config.data.attention_mask) {
+  if (config.parallel.cp > 1) part_.emplace(full_, cp_group, config.parallel, config.model);
 }
 
 }  // namespace tessel::train

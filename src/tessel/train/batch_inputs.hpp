@@ -22,8 +22,10 @@ class BatchInputs {
   BatchInputs& operator=(const BatchInputs&) = delete;
 
   const model::ModelInputs& inputs() const { return inputs_; }
+  double loss_weight_sum() const { return loss_weight_sum_; }  // the batch's loss tokens
 
  private:
+  double loss_weight_sum_ = 0;
   std::optional<attention::ColumnMask> mask_;
   std::vector<int32_t> positions_;
   model::ModelInputs inputs_;
@@ -60,6 +62,24 @@ class CpBatchInputs {
   std::optional<parallel::ContextParallelAttention> attention_;
   double imbalance_ = 1;
   model::ModelInputs inputs_;
+};
+
+// One loader batch as this rank's model inputs: the whole batch, or under context parallelism
+// (parallel.cp > 1) this rank's chunks of it. Training and validation both use it.
+class RankBatchInputs {
+ public:
+  // `batch` must outlive this object; `cp_group` is used only when parallel.cp > 1.
+  RankBatchInputs(const data::Batch& batch, const Config& config, comm::Communicator& cp_group);
+
+  const model::ModelInputs& inputs() const { return part_ ? part_->inputs() : full_.inputs(); }
+  double loss_weight_sum() const {  // over this rank's tokens
+    return part_ ? part_->loss_weight_sum() : full_.loss_weight_sum();
+  }
+  double cp_imbalance() const { return part_ ? part_->imbalance() : 1.0; }
+
+ private:
+  BatchInputs full_;
+  std::optional<CpBatchInputs> part_;
 };
 
 }  // namespace tessel::train

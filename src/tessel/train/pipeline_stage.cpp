@@ -1,7 +1,6 @@
 #include "tessel/train/pipeline_stage.hpp"
 
 #include <algorithm>
-#include <numeric>
 
 #include "tessel/core/error.hpp"
 #include "tessel/train/batch_inputs.hpp"
@@ -48,8 +47,7 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
     const float* x = acts->residual(last_).f32();
     std::copy(x, x + output.size(), output.begin());
   }
-  const double tokens = std::accumulate(batch.loss_mask.begin(), batch.loss_mask.end(), 0.0);
-  live_.emplace(micro, Live{slot, loss, tokens});
+  live_.emplace(micro, Live{slot, loss, in.loss_weight_sum()});
 }
 
 void GptStage::backward(int64_t micro, std::span<const float> output_grad,

@@ -122,12 +122,6 @@ struct PhaseMark {
 // The compatibility record's entry of a pipeline run.
 constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pipeline.layout)";
 
-double mask_sum(const data::Batch& b) {
-  double n = 0;
-  for (float w : b.loss_mask) n += w;
-  return n;
-}
-
 // One sequence of T tokens without loss tokens: a forward that only keeps an ep group's
 // token exchanges in step.
 data::Batch idle_batch(int64_t T) {
@@ -435,14 +429,11 @@ struct Trainer::State {
     for (int64_t i = 0; i < rounds; ++i) {
       const bool real = i < int64_t(val_batches.size());
       const data::Batch& b = real ? val_batches[size_t(i)] : idle;
-      const BatchInputs full(b, config.data.attention_mask);
-      std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks, as in training
-      if (config.parallel.cp > 1)
-        part.emplace(full, mesh.group(comm::Axis::cp), config.parallel, config.model);
-      const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+      const RankBatchInputs rank_in(b, config, mesh.group(comm::Axis::cp));  // as in training
+      const model::ModelInputs& in = rank_in.inputs();
       stats[0] += model.forward(activations(in.B, in.T), in);
       if (!real) continue;
-      stats[1] += part ? part->loss_weight_sum() : mask_sum(b);
+      stats[1] += rank_in.loss_weight_sum();
       moe_val.add(activations(in.B, in.T));
     }
     grad_group.all_reduce(std::span<double>(stats, 2));
@@ -612,15 +603,12 @@ TrainResult Trainer::run() {
       const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
       for (int64_t m = 0; m < c.train.accum; ++m) {
         data::Batch batch = s.loader.next();
-        const BatchInputs full(batch, c.data.attention_mask);
-        std::optional<CpBatchInputs> part;  // cp > 1: this rank's chunks of every sequence
-        if (c.parallel.cp > 1)
-          part.emplace(full, s.mesh.group(comm::Axis::cp), c.parallel, c.model);
-        const model::ModelInputs& in = part ? part->inputs() : full.inputs();
+        const RankBatchInputs rank_in(batch, c, s.mesh.group(comm::Axis::cp));
+        const model::ModelInputs& in = rank_in.inputs();
         model::Activations& acts = s.activations(in.B, in.T);
         stats[0] += s.model.forward(acts, in);
-        stats[1] += part ? part->loss_weight_sum() : mask_sum(batch);
-        if (part) cp_imbalance += part->imbalance() / double(c.train.accum);
+        stats[1] += rank_in.loss_weight_sum();
+        cp_imbalance += rank_in.cp_imbalance() / double(c.train.accum);
         s.model.backward(acts, 1.0f);
         if (!s.moe_step.empty()) s.moe_step.add(acts);
       }
