@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/number_list.hpp"
 #include "tessel/optim/adamw.hpp"
 #include "tessel/optim/muon.hpp"
 
@@ -31,26 +32,6 @@ size_t check_choice(const std::string& value, const char* field,
   input_error(field, " = '", value, "' is not one of ", list);
 }
 
-std::vector<int> parse_restarts(const std::string& text) {
-  std::vector<int> out;
-  std::istringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (item.find_first_not_of(' ') == std::string::npos) continue;
-    size_t used = 0;
-    int v = -1;
-    try {
-      v = std::stoi(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || item.find_first_not_of(' ', used) != std::string::npos || v < 1)
-      input_error("optim.ns_restarts: '", item,
-                  "' is not a step number (expected comma-separated integers >= 1)");
-    out.push_back(v);
-  }
-  return out;
-}
 }  // namespace
 
 void validate(const OptimizerConfig& c) {
@@ -70,7 +51,7 @@ void validate(const OptimizerConfig& c) {
   check_choice(c.ns_coefficients, "optim.ns_coefficients", {"keller", "polar_express"});
   check_range(c.ns_steps >= 1 && c.ns_steps <= 100, "optim.ns_steps", double(c.ns_steps),
               "1 <= ns_steps <= 100");
-  parse_restarts(c.ns_restarts);
+  parse_int_list("optim.ns_restarts", c.ns_restarts, 1);
   check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", double(c.ns_gram_min), ">= 1");
   check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction, "0 < fraction <= 1");
   check_range(c.ef_decay >= 0 && c.ef_decay <= 1, "optim.ef_decay", c.ef_decay,
@@ -133,7 +114,8 @@ std::unique_ptr<Optimizer> make_optimizer(
       check_choice(config.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"}));
   h.ns.coefficients = ns_coefficients(config.ns_coefficients, int(config.ns_steps));
   h.ns.gram = config.ns_gram;
-  h.ns.restarts = parse_restarts(config.ns_restarts);
+  const auto restarts = parse_int_list("optim.ns_restarts", config.ns_restarts, 1);
+  h.ns.restarts.assign(restarts.begin(), restarts.end());
   h.ns.gram_min = config.ns_gram_min;
   h.fraction = config.fraction;
   h.ef_decay = config.ef_decay;

@@ -4,56 +4,18 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/number_list.hpp"
 #include "tessel/train/ett.hpp"
 
 namespace tessel::train {
 
-namespace {
-
-// The comma-separated entries of `text` (empty entries are errors).
-std::vector<std::string> entries(const std::string& key, const std::string& text) {
-  std::vector<std::string> out;
-  if (text.empty()) return out;
-  std::stringstream ss(text);
-  for (std::string item; std::getline(ss, item, ',');) {
-    if (item.empty()) input_error("config key '", key, "': empty entry in '", text, "'");
-    out.push_back(item);
-  }
-  return out;
-}
-
-int64_t step_entry(const std::string& item) {
-  try {
-    size_t used = 0;
-    long long v = std::stoll(item, &used);
-    if (used == item.size() && v >= 0) return v;
-  } catch (const std::exception&) {
-  }
-  input_error("config key 'fault.kill_steps': expected comma-separated steps >= 0, got '", item,
-              "'");
-}
-
-double seconds_entry(const std::string& item) {
-  try {
-    size_t used = 0;
-    double v = std::stod(item, &used);
-    if (used == item.size() && v >= 0) return v;
-  } catch (const std::exception&) {
-  }
-  input_error("config key 'fault.kill_seconds': expected comma-separated seconds >= 0, got '", item,
-              "'");
-}
-
-}  // namespace
-
 void validate(const FaultConfig& c) {
   if (c.kill_rank < 0)
     input_error("config key 'fault.kill_rank' must not be negative, got ", c.kill_rank);
-  for (const auto& s : entries("fault.kill_steps", c.kill_steps)) step_entry(s);
-  for (const auto& s : entries("fault.kill_seconds", c.kill_seconds)) seconds_entry(s);
+  parse_int_list("fault.kill_steps", c.kill_steps, 0);
+  parse_real_list("fault.kill_seconds", c.kill_seconds, 0);
   if (c.kill_in != "step" && c.kill_in != "checkpoint_write")
     input_error("config key 'fault.kill_in': expected step or checkpoint_write, got '", c.kill_in,
                 "'");
@@ -67,11 +29,11 @@ void validate(const FaultConfig& c) {
 FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::string ledger_path,
                              int64_t t0_ns)
     : rank_(rank), corrupt_step_(c.corrupt_step), ledger_(std::move(ledger_path)) {
-  auto steps = entries("fault.kill_steps", c.kill_steps);
-  auto secs = entries("fault.kill_seconds", c.kill_seconds);
+  const auto steps = parse_int_list("fault.kill_steps", c.kill_steps, 0);
+  const auto secs = parse_real_list("fault.kill_seconds", c.kill_seconds, 0);
   if (rank != int(c.kill_rank)) return;
-  if (size_t(attempt) < steps.size()) kill_step_ = step_entry(steps[size_t(attempt)]);
-  if (size_t(attempt) < secs.size()) kill_seconds_ = seconds_entry(secs[size_t(attempt)]);
+  if (size_t(attempt) < steps.size()) kill_step_ = steps[size_t(attempt)];
+  if (size_t(attempt) < secs.size()) kill_seconds_ = secs[size_t(attempt)];
   in_write_ = c.kill_in == "checkpoint_write";
   if (kill_step_ == 0) kill_step_ = -1;
   armed_ = kill_step_ > 0 || kill_seconds_ >= 0;

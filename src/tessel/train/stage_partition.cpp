@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <limits>
-#include <sstream>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/number_list.hpp"
 
 namespace tessel::train {
 
@@ -91,21 +91,7 @@ std::vector<int64_t> stage_layout(const std::string& layout, const LayerCosts& c
                                   int64_t stages) {
   if (layout.empty()) return balanced_layout(costs, stages);
   const int64_t L = int64_t(costs.blocks.size());
-  std::vector<int64_t> counts;
-  std::stringstream in(layout);
-  for (std::string item; std::getline(in, item, ',');) {
-    size_t used = 0;
-    int64_t n = -1;
-    try {
-      n = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || n < 0)
-      input_error("config key 'pipeline.layout' = \"", layout, "\": '", item,
-                  "' is not a block count (comma-separated integers >= 0)");
-    counts.push_back(n);
-  }
+  const std::vector<int64_t> counts = parse_int_list("pipeline.layout", layout, 0);
   if (int64_t(counts.size()) != stages)
     input_error("config key 'pipeline.layout' = \"", layout, "\" has ", counts.size(),
                 " stage(s) but parallel.pp = ", stages);

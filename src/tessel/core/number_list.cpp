@@ -1,0 +1,57 @@
+#include "tessel/core/number_list.hpp"
+
+#include <cmath>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel {
+
+namespace {
+
+// Each trimmed item of `text` (a trailing comma leaves an empty one) through `parse(item, used)`,
+// which must consume all of it.
+template <class T, class Parse>
+std::vector<T> parse_list(const std::string& key, const std::string& text, T min, const char* what,
+                          Parse parse) {
+  std::vector<T> out;
+  if (text.find_first_not_of(' ') == std::string::npos) return out;
+  for (size_t start = 0; start <= text.size();) {
+    size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    std::string item = text.substr(start, end - start);
+    start = end + 1;
+    const size_t begin = item.find_first_not_of(' ');
+    item = begin == std::string::npos ? ""
+                                      : item.substr(begin, item.find_last_not_of(' ') + 1 - begin);
+    size_t used = 0;
+    T value{};
+    try {
+      value = parse(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || !(value >= min))
+      input_error("config key '", key, "' = \"", text, "\": '", item, "' is not ", what,
+                  " >= ", min, " (expected comma-separated values)");
+    out.push_back(value);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int64_t> parse_int_list(const std::string& key, const std::string& text, int64_t min) {
+  return parse_list<int64_t>(key, text, min, "an integer", [](const std::string& s, size_t* used) {
+    return std::stoll(s, used);
+  });
+}
+
+std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min) {
+  return parse_list<double>(key, text, min, "a number", [](const std::string& s, size_t* used) {
+    const double v = std::stod(s, used);
+    if (!std::isfinite(v)) *used = 0;
+    return v;
+  });
+}
+
+}  // namespace tessel

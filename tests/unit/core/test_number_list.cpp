@@ -1,0 +1,29 @@
+#include <gtest/gtest.h>
+
+#include "support/expect_input_error.hpp"
+#include "tessel/core/number_list.hpp"
+
+using namespace tessel;
+
+TEST(NumberList, ParsesTrimmedItemsAndAnEmptyValue) {
+  EXPECT_EQ(parse_int_list("k", "2, 3 ,0", 0), (std::vector<int64_t>{2, 3, 0}));
+  EXPECT_EQ(parse_int_list("k", "7", 1), (std::vector<int64_t>{7}));
+  EXPECT_TRUE(parse_int_list("k", "", 0).empty());
+  EXPECT_TRUE(parse_int_list("k", "  ", 0).empty());
+  EXPECT_EQ(parse_real_list("k", "0.5,2e-3, 4", 0), (std::vector<double>{0.5, 2e-3, 4}));
+}
+
+TEST(NumberList, RejectsEmptyItemsNonNumbersAndValuesBelowTheMinimum) {
+  using fixture::expect_input_error;
+  expect_input_error([] { parse_int_list("pipeline.layout", "2,x", 0); },
+                     {"'pipeline.layout'", "\"2,x\"", "'x'", "integer >= 0"});
+  expect_input_error([] { parse_int_list("k", "1,,2", 0); }, {"''"});
+  expect_input_error([] { parse_int_list("k", "1,", 0); }, {"''"});
+  expect_input_error([] { parse_int_list("k", "3x", 0); }, {"'3x'"});
+  expect_input_error([] { parse_int_list("k", "1.5", 0); }, {"'1.5'"});
+  expect_input_error([] { parse_int_list("optim.ns_restarts", "0", 1); }, {"'0'", ">= 1"});
+  expect_input_error([] { parse_int_list("k", "99999999999999999999", 0); }, {"'9999"});
+  expect_input_error([] { parse_real_list("k", "-0.5", 0); }, {"'-0.5'", "number >= 0"});
+  expect_input_error([] { parse_real_list("k", "nan", 0); }, {"'nan'"});
+  expect_input_error([] { parse_real_list("k", "inf", 0); }, {"'inf'"});
+}
