@@ -5,10 +5,11 @@
 # capacity factor 1.0 would drop, and the final validation loss; then tokens/s with
 # parallel.ep = 2 against ep = 1 (eqb_lei), with the parameters rank 0 holds (experts sharded).
 #   [SEEDS="1234 2 3"] bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
-# Defaults: 300 steps, 60 throughput steps, methods aux bias eqb_lei, seed 1234. A method
-# METHOD:RATE also sets model.moe_bias_rate (bias:1e-2). Every method runs once per seed in
-# SEEDS (run.seed: initialization and data order). Needs `tessel prepare` and jq. Metrics of
-# the last 50 steps are averaged.
+# Defaults: 300 steps, 60 throughput steps (0 = no throughput runs), methods aux bias
+# eqb_lei, seed 1234. A method METHOD:RATE also sets model.moe_bias_rate (bias:1e-2);
+# METHOD:KEY=VALUE[,KEY=VALUE...] sets model.moe_KEY (eqb_lei:eqb_step=0.2,lei_coeff=0.03).
+# Every method runs once per seed in SEEDS (run.seed: initialization and data order). Needs
+# `tessel prepare` and jq. Metrics of the last 50 steps are averaged.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -42,17 +43,22 @@ read -r -a seeds <<<"${SEEDS:-1234}"
 printf "method\tseed\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tval_loss\n"
 for m in "${methods[@]}"; do
   method=${m%%:*}
-  rate=()
-  [[ $m == *:* ]] && rate=(--set model.moe_bias_rate="${m#*:}")
+  sets=()
+  if [[ $m == *:*=* ]]; then
+    IFS=, read -r -a pairs <<<"${m#*:}"
+    for p in "${pairs[@]}"; do sets+=(--set "model.moe_$p"); done
+  elif [[ $m == *:* ]]; then
+    sets=(--set model.moe_bias_rate="${m#*:}")
+  fi
   for seed in "${seeds[@]}"; do
-    dir="$runs/${m//:/_}-$seed"
-    train "$dir" --set model.moe_balance="$method" "${rate[@]}" --set run.seed="$seed" \
+    dir="$runs/${m//[:=,]/_}-$seed"
+    train "$dir" --set model.moe_balance="$method" "${sets[@]}" --set run.seed="$seed" \
       --set train.steps="$steps"
     printf "%s\t%s\t%s\n" "$m" "$seed" "$(summary "$dir")"
   done
 done
 # Throughput: median tokens/s over steps 6 onwards, no validation or checkpoint in between.
-for ep in 1 2; do
+((tsteps > 0)) && for ep in 1 2; do
   train "$runs/ep$ep" --set parallel.ep="$ep" --set train.steps="$tsteps" \
     --set train.eval_every=0 --set train.save_final=false --set optim.warmup_steps=5
   jq -s -r --arg ep "$ep" '

@@ -24,6 +24,8 @@ void validate(const MoeConfig& c) {
   non_negative("z_coeff", c.z_coeff);
   non_negative("bias_rate", c.bias_rate);
   non_negative("lei_coeff", c.lei_coeff);
+  if (!(c.eqb_step > 0 && c.eqb_step <= 1))
+    input_error("model.moe_eqb_step = ", c.eqb_step, " must lie in (0, 1]");
   if (!(c.lei_width > 0) || !std::isfinite(c.lei_width))
     input_error("model.moe_lei_width = ", c.lei_width, " must be positive");
   if (c.capacity > 0 && c.capacity * double(c.top_k) < 1e-9)

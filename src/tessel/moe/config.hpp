@@ -26,6 +26,9 @@ struct MoeConfig {
   double aux_coeff = 1e-2;  // Switch aux loss alpha (aux, aux_global)
   double z_coeff = 0.0;     // router z-loss coefficient (any balance)
   double bias_rate = 1e-3;  // gamma of the sign bias update (bias)
+  // eta in (0, 1] of the EQB step beta += eta (quantile - beta) (eqb, eqb_lei); 1 = the
+  // spec's rule beta = quantile, < 1 averages the batches' sampling noise out of beta.
+  double eqb_step = 1.0;
   double lei_coeff = 1e-2;  // LEI centered_fsq coefficient (lei, eqb_lei)
   LeiKernel lei_kernel = LeiKernel::rectangle;
   double lei_width = 1.0;  // kernel width w (tanh: 1 / slope)

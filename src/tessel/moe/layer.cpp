@@ -509,7 +509,11 @@ void MoeLayer::update(BalanceState& state, float* beta, ExpertComm& comm) const 
     for (const auto& col : state.keys) keys.insert(keys.end(), col.begin(), col.end());
     const auto q = global_kth_smallest(
         keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); }, comm);
-    for (int64_t e = 0; e < E; ++e) beta[e] = value_of_order_key(q[size_t(e)]);
+    // A step of size eta toward the exact quantile, in double: lerp(b, q, 1) is q exactly,
+    // and beta stays f32 so steps far below the quantile's bf16 spacing still count.
+    for (int64_t e = 0; e < E; ++e)
+      beta[e] = float(
+          std::lerp(double(beta[e]), double(value_of_order_key(q[size_t(e)])), config_.eqb_step));
   }
   state = BalanceState{};
 }

@@ -199,6 +199,10 @@ std::vector<ConfigKey> build_schema() {
       float_key("model.moe_z_coeff", "router z-loss coefficient; 0 = off (any balance)",
                 FIELD(model.moe.z_coeff)),
       float_key("model.moe_bias_rate", "bias update step gamma (bias)", FIELD(model.moe.bias_rate)),
+      float_key("model.moe_eqb_step",
+                "EQB step eta in (0, 1]: beta += eta (quantile - beta); 1 = beta = quantile "
+                "(eqb, eqb_lei)",
+                FIELD(model.moe.eqb_step)),
       float_key("model.moe_lei_coeff", "LEI loss coefficient (lei, eqb_lei)",
                 FIELD(model.moe.lei_coeff)),
       choice_key<LeiKernel>("model.moe_lei_kernel", "LEI surrogate kernel phi'",

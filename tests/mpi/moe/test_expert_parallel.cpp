@@ -1,6 +1,7 @@
 // Expert parallelism over real MPI: the MoE layer with experts spread over the world (as
-// the ep group) against the same layer with every expert local, and EQB's exact global
-// k-th smallest on 1 .. world ranks against the sorted pool.
+// the ep group) against the same layer with every expert local, EQB's exact global k-th
+// smallest on 1 .. world ranks against the sorted pool, and the layer's (damped) EQB update
+// the same for every group size and sharding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -165,6 +166,86 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
       const uint16_t want = sorted[size_t(rank_of(int64_t(sorted.size())) - 1)];
       for (const auto& r : results) EXPECT_EQ(r[size_t(c)], want) << "column " << c;
     }
+  }
+}
+
+// Cuts [0, rows] into g uneven shards (rank r gets a share ~ r + 1) of a permutation of
+// the rows drawn from `seed` (0: identity); the same on every rank.
+std::vector<int64_t> shard_ids(int64_t rows, int g, int rank, uint64_t seed) {
+  std::vector<int64_t> order(static_cast<size_t>(rows));
+  std::iota(order.begin(), order.end(), 0);
+  Rng rng(seed);
+  if (seed > 0)
+    for (int64_t i = rows - 1; i > 0; --i)
+      std::swap(order[size_t(i)], order[size_t(rng.below(uint64_t(i + 1)))]);
+  const int64_t total = int64_t(g) * (g + 1) / 2;
+  const int64_t lo = rows * (int64_t(rank) * (rank + 1) / 2) / total;
+  const int64_t hi = rows * (int64_t(rank + 1) * (rank + 2) / 2) / total;
+  return {order.begin() + lo, order.begin() + hi};
+}
+
+TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
+  comm::Communicator& world = comm::world();
+  auto self = world.split(world.rank(), 0);
+  // Margins [rows, E] every rank can build: spread, heavy ties, small values, a constant.
+  const int64_t rows = 203, E = 4, k = 2;
+  VecF margins(static_cast<size_t>(rows * E));
+  Rng rng(808);
+  for (int64_t t = 0; t < rows; ++t) {
+    float* m = margins.data() + t * E;
+    m[0] = rng.normal();
+    m[1] = float(int(rng.below(4))) - 1.5f;
+    m[2] = rng.normal() * 1e-3f;
+    m[3] = -1.25f;
+  }
+  moe::MoeConfig config;
+  config.experts = E;
+  config.top_k = k;
+  config.balance = moe::Balance::eqb_lei;
+  const VecF beta0 = {0.5f, -0.25f, 1.0f, 0.125f};
+  // The exact quantile of every column of all ranks' margins, from the sorted keys.
+  VecF q(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<uint16_t> col;
+    for (int64_t t = 0; t < rows; ++t)
+      col.push_back(moe::bf16_order_key(margins[size_t(t * E + e)]));
+    std::sort(col.begin(), col.end());
+    q[size_t(e)] = moe::value_of_order_key(col[size_t(moe::qb_rank(rows, k, E) - 1)]);
+  }
+  for (double eta : {1.0, 0.25}) {
+    config.eqb_step = eta;
+    const moe::MoeLayer layer(config, {12, 7, 0, moe::ExpertMlp::gelu});
+    std::vector<VecF> results;
+    for (int g = 1; g <= world.size(); ++g) {
+      auto sub = world.split(world.rank() < g ? 0 : -1, world.rank());
+      if (!sub) continue;
+      for (uint64_t sharding = 0; sharding < 3; ++sharding) {
+        SCOPED_TRACE("eta " + std::to_string(eta) + ", group of " + std::to_string(g) +
+                     ", sharding " + std::to_string(sharding));
+        const auto ids = shard_ids(rows, g, sub->rank(), sharding);
+        // This rank's margins as backward records them: per expert, the keys of its tokens.
+        moe::BalanceState state;
+        state.keys.resize(size_t(E));
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t id : ids)
+            state.keys[size_t(e)].push_back(moe::bf16_order_key(margins[size_t(id * E + e)]));
+        parallel::ExpertParallelComm comm(*self, *sub);
+        VecF beta = beta0;
+        layer.update(state, beta.data(), comm);
+        results.push_back(beta);
+        for (int64_t e = 0; e < E; ++e) {
+          const double want = (1.0 - eta) * double(beta0[size_t(e)]) + eta * double(q[size_t(e)]);
+          if (eta == 1.0)
+            EXPECT_EQ(beta[size_t(e)], q[size_t(e)]) << "expert " << e;
+          else
+            EXPECT_LE(std::abs(double(beta[size_t(e)]) - want),
+                      std::abs(want) * std::numeric_limits<float>::epsilon())
+                << "expert " << e;
+        }
+      }
+    }
+    // Bitwise the same on every group size and sharding.
+    for (const VecF& r : results) EXPECT_TRUE(kernels::test::bitwise_equal(r, results.front()));
   }
 }
 

@@ -1,10 +1,17 @@
 // MoeLayer against its naive twin (f32 fast vs f64 naive), the naive backward against
-// central finite differences, determinism and capacity drops.
+// central finite differences, determinism, capacity drops, and the (damped) EQB update
+// against a sorted pool of the margins.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <limits>
 
+#include "support/expect_input_error.hpp"
+#include "tessel/core/bf16.hpp"
 #include "tessel/moe/layer.hpp"
+#include "tessel/moe/quantile.hpp"
 #include "unit/kernels/kernel_test_util.hpp"
 #include "unit/moe/moe_test_util.hpp"
 
@@ -210,6 +217,95 @@ TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
     auto J = [&] { return objective(l, params, x, R, beta, scale); };
     EXPECT_LT(rel_error(dx, numeric_grad(x, J)), kFiniteDiff);
     EXPECT_LT(rel_error(g, numeric_grad(params, J)), kFiniteDiff);
+  }
+}
+
+// EQB's beta from the step's margins, naively: per token alpha = the (k+1)-th largest of
+// logits - beta, margins logits - alpha rounded to bf16, per expert the qb_rank-th smallest
+// of the sorted column.
+VecD quantile_beta(const std::vector<VecF>& logits, const VecF& beta, int64_t E, int64_t k) {
+  std::vector<VecF> columns(static_cast<size_t>(E));
+  for (const VecF& lg : logits)
+    for (size_t n = 0; n < lg.size() / size_t(E); ++n) {
+      VecF s(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e)
+        s[size_t(e)] = lg[n * size_t(E) + size_t(e)] - beta[size_t(e)];
+      std::sort(s.begin(), s.end(), std::greater<>());
+      const float alpha = s[size_t(k)];
+      for (int64_t e = 0; e < E; ++e)
+        columns[size_t(e)].push_back(
+            bf16_to_f32(f32_to_bf16(lg[n * size_t(E) + size_t(e)] - alpha)));
+    }
+  VecD q;
+  for (VecF& c : columns) {
+    std::sort(c.begin(), c.end());
+    q.push_back(c[size_t(qb_rank(int64_t(c.size()), k, E) - 1)]);
+  }
+  return q;
+}
+
+TEST(MoeLayer, EqbStepMovesBetaTowardTheExactQuantile) {
+  Layout l = layout(ExpertMlp::gelu, ScoreFn::softmax, true, 0, true, 0, DropPolicy::probability,
+                    Balance::eqb);
+  const int64_t E = l.config.experts, k = l.config.top_k;
+  Rng rng(31);
+  const VecF params = testing::random_params(l, 12);
+  const VecF beta0 = kernels::test::randn(rng, size_t(E), 0.3f);
+  // Two micro-batches of one step.
+  const std::vector<VecF> xs = {kernels::test::randn(rng, size_t(7 * l.shape.C)),
+                                kernels::test::randn(rng, size_t(9 * l.shape.C))};
+  for (double eta : {1.0, 0.3, 0.01}) {
+    SCOPED_TRACE("eta " + std::to_string(eta));
+    l.config.eqb_step = eta;
+    MoeLayer layer(l.config, l.shape);
+    LocalExpertComm comm;
+    BalanceState state;
+    std::vector<VecF> logits;
+    VecF grads(params.size(), 0.0f);
+    auto w = bind<const float>(params.data(), l);
+    auto g = bind<float>(grads.data(), l);
+    for (const VecF& x : xs) {
+      const int64_t N = int64_t(x.size()) / l.shape.C;
+      VecF y(x.size()), dx(x.size(), 0.0f);
+      LayerCache cache;
+      layer.forward(cache, y.data(), x.data(), N, w, beta0.data(), comm);
+      layer.backward(cache, dx.data(), g, VecF(x.size(), 0.1f).data(), x.data(), w, 1.0f, state,
+                     comm);
+      logits.push_back(cache.logits);
+    }
+    VecF beta = beta0;
+    layer.update(state, beta.data(), comm);
+    const VecD q = quantile_beta(logits, beta0, E, k);
+    int64_t moved = 0;  // experts whose quantile is not already (the bf16 rounding of) beta0
+    for (int64_t e = 0; e < E; ++e) {
+      const size_t i = size_t(e);
+      moved += std::abs(q[i] - beta0[i]) > 1e-2;
+      if (eta == 1.0) {
+        // The spec's rule, bitwise: beta = the quantile.
+        EXPECT_EQ(std::bit_cast<uint32_t>(beta[i]), std::bit_cast<uint32_t>(float(q[i])))
+            << "expert " << e;
+      } else {
+        // The convex combination in closed form, within one f32 rounding.
+        const double want = (1.0 - eta) * double(beta0[i]) + eta * q[i];
+        EXPECT_LE(std::abs(double(beta[i]) - want),
+                  std::abs(want) * std::numeric_limits<float>::epsilon())
+            << "expert " << e;
+      }
+    }
+    EXPECT_GE(moved, E / 2) << "the test needs a beta0 away from the quantile";
+  }
+}
+
+TEST(MoeLayer, EqbStepOutsideZeroToOneIsAnInputError) {
+  MoeConfig c;
+  c.balance = Balance::eqb_lei;
+  for (double eta : {0.0, -0.5, 1.5, std::nan("")}) {
+    c.eqb_step = eta;
+    fixture::expect_input_error([&] { validate(c); }, {"model.moe_eqb_step", "(0, 1]"});
+  }
+  for (double eta : {1.0, 0.2, 1e-6}) {
+    c.eqb_step = eta;
+    EXPECT_NO_THROW(validate(c)) << eta;
   }
 }
 
