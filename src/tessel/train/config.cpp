@@ -325,6 +325,10 @@ std::vector<ConfigKey> build_schema() {
       int_key("pipeline.paci_k",
               "paci: micro-batches per local step (and per logged step); 0 = train.accum",
               FIELD(pipeline.paci_k)),
+      bool_key("pipeline.paci_stash",
+               "paci: keep each stage's previous weights (one extra copy) and run a backward "
+               "whose forward saw them against them, as PipeDream-2BW; needs paci_k >= pp - 1",
+               FIELD(pipeline.paci_stash)),
       string_key("pipeline.layout",
                  "blocks per stage, comma-separated (\"3,2\"); \"\" = balanced by compute",
                  FIELD(pipeline.layout)),

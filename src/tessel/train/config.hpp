@@ -73,9 +73,10 @@ struct ParallelConfig {
 
 // Pipeline parallelism over the pp axis (pipeline_trainer.hpp, docs/training.md).
 struct PipelineConfig {
-  std::string schedule;  // gpipe | 1f1b | paci; "" = 1f1b when parallel.pp > 1
-  int64_t paci_k = 0;    // PACI: local backwards per local step; 0 = train.accum
-  std::string layout;    // blocks per stage ("3,2"); "" = balanced by compute
+  std::string schedule;     // gpipe | 1f1b | paci; "" = 1f1b when parallel.pp > 1
+  int64_t paci_k = 0;       // PACI: local backwards per local step; 0 = train.accum
+  bool paci_stash = false;  // PACI: inconsistent backwards use their forward's weights
+  std::string layout;       // blocks per stage ("3,2"); "" = balanced by compute
 };
 
 struct MfuConfig {

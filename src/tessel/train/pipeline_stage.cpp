@@ -9,7 +9,7 @@ namespace tessel::train {
 
 GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
                    data::DataLoader& loader, AttentionMaskKind mask, int64_t max_live,
-                   std::function<void(int64_t version)> on_step)
+                   std::function<void(int64_t version)> on_step, Tensor stash)
     : model_(model),
       stage_(stage),
       stages_(int(boundaries.size()) - 1),
@@ -20,7 +20,9 @@ GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, in
       boundary_elems_(
           size_t(loader.options().micro_batch * loader.options().seq_len * model.config().width)),
       on_step_(std::move(on_step)),
-      slots_(size_t(max_live)) {
+      slots_(size_t(max_live)),
+      weights_(stash),
+      previous_(stash.defined() ? size_t(stash.numel()) : 0) {
   TESSEL_CHECK(max_live >= 1 && boundaries.back() == model.config().layers, "stage ", stage);
   for (size_t i = slots_.size(); i-- > 0;) free_.push_back(i);
 }
@@ -47,7 +49,7 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
     const float* x = acts->residual(last_).f32();
     std::copy(x, x + output.size(), output.begin());
   }
-  live_.emplace(micro, Live{slot, loss, in.loss_weight_sum()});
+  live_.emplace(micro, Live{slot, loss, in.loss_weight_sum(), steps_});
 }
 
 void GptStage::backward(int64_t micro, std::span<const float> output_grad,
@@ -56,6 +58,11 @@ void GptStage::backward(int64_t micro, std::span<const float> output_grad,
   TESSEL_CHECK(it != live_.end(), "stage ", stage_, ": backward of micro-batch ", micro,
                " without its forward");
   model::Activations& acts = *slots_[it->second.slot];
+  const int64_t gap = steps_ - it->second.steps;
+  const bool stashed = weights_.defined() && gap > 0;
+  TESSEL_CHECK(!stashed || gap == 1, "stage ", stage_, ": micro-batch ", micro, " is ", gap,
+               " steps old; the stash keeps one version");
+  if (stashed) swap_stashed();
   if (last_stage())
     model_.backward_head(acts, 1.0f);
   else
@@ -67,11 +74,22 @@ void GptStage::backward(int64_t micro, std::span<const float> output_grad,
     const float* dx = acts.residual_grad(first_).f32();
     std::copy(dx, dx + input_grad.size(), input_grad.begin());
   }
+  if (stashed) swap_stashed();
   window_.loss_sum += it->second.loss_sum;
   window_.loss_tokens += it->second.loss_tokens;
   ++window_.micro_batches;
   free_.push_back(it->second.slot);
   live_.erase(it);
+}
+
+void GptStage::step(int64_t version) {
+  if (weights_.defined()) std::copy_n(weights_.f32(), previous_.size(), previous_.data());
+  on_step_(version);
+  ++steps_;
+}
+
+void GptStage::swap_stashed() {
+  std::swap_ranges(previous_.begin(), previous_.end(), weights_.f32());
 }
 
 StageWindow GptStage::take_window() {

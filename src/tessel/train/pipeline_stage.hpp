@@ -12,6 +12,11 @@
 //
 // Activations live in a pool, one set per micro-batch between its forward and its
 // backward, at most `max_live` at once (1F1B / PACI: P - s; GPipe: M).
+//
+// Stash (pipeline.paci_stash, PipeDream-2BW's two versions): the stage keeps a copy of its
+// weights from before its last STEP, and a backward whose forward ran before that STEP swaps
+// it in, so its gradient is consistent with its activations (then applied to the newest
+// weights). One version back only: the schedule must keep every gap at most 1.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -36,16 +41,18 @@ class GptStage final : public pipeline::StageWork {
  public:
   // `boundaries` is stage_boundaries() of the layout; `model` and `loader` must outlive
   // the stage. `on_step(version)` runs at every STEP of the schedule.
+  // `stash`: this stage's parameters as one view of the model's flat values, to stash; an
+  // undefined tensor for none.
   GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
            data::DataLoader& loader, AttentionMaskKind mask, int64_t max_live,
-           std::function<void(int64_t version)> on_step);
+           std::function<void(int64_t version)> on_step, Tensor stash = {});
 
   size_t input_elems() const override { return first_stage() ? 0 : boundary_elems_; }
   size_t output_elems() const override { return last_stage() ? 0 : boundary_elems_; }
   void forward(int64_t micro, std::span<const float> input, std::span<float> output) override;
   void backward(int64_t micro, std::span<const float> output_grad,
                 std::span<float> input_grad) override;
-  void step(int64_t version) override { on_step_(version); }
+  void step(int64_t version) override;
 
   StageWindow take_window();
   int64_t live() const { return int64_t(live_.size()); }
@@ -56,7 +63,9 @@ class GptStage final : public pipeline::StageWork {
   struct Live {
     size_t slot;
     double loss_sum, loss_tokens;
+    int64_t steps;  // STEPs taken before the forward
   };
+  void swap_stashed();
   model::Gpt& model_;
   int stage_, stages_;
   int64_t first_, last_;  // blocks [first_, last_)
@@ -68,6 +77,9 @@ class GptStage final : public pipeline::StageWork {
   std::vector<size_t> free_;
   std::map<int64_t, Live> live_;  // by micro-batch
   StageWindow window_;
+  int64_t steps_ = 0;
+  Tensor weights_;               // stash: the stage's parameters
+  std::vector<float> previous_;  // stash: their values before the last STEP
 };
 
 }  // namespace tessel::train

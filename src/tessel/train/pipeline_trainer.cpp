@@ -50,6 +50,12 @@ void validate_pipeline(const Config& c) {
     input_error("config key 'model.moe_layers' = \"", c.model.moe_layers,
                 "\": MoE blocks are not available with pipeline parallelism (parallel.pp, "
                 "pipeline.schedule) yet");
+  if (c.pipeline.paci_stash && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
+    input_error("config key 'pipeline.paci_stash' = true needs pipeline.schedule = paci");
+  // The stash holds one version back: every gap, ceil((pp - 1) / K), must be at most 1.
+  if (c.pipeline.paci_stash && micro_batches_per_step(c) < c.parallel.pp - 1)
+    input_error("config key 'pipeline.paci_stash' = true needs pipeline.paci_k (or train.accum) ",
+                ">= parallel.pp - 1 = ", c.parallel.pp - 1, ", got ", micro_batches_per_step(c));
   if (pipeline_schedule(c) == pipeline::ScheduleKind::paci) {
     // PACI steps each stage alone; a tied weight would need the first and last stage to
     // agree on it at every local step, a cross-stage collective PACI is meant to avoid.
@@ -91,6 +97,27 @@ ParameterList stage_parameters(const model::Gpt& model, const std::vector<int>& 
   ParameterList out;
   for (size_t i = 0; i < stages.size(); ++i)
     if (stages[i] == s) out.push_back(model.parameters()[i]);
+  return out;
+}
+
+// Each stage's flat element range [begin, end): its parameters are contiguous in the flat
+// buffers (registry order follows the stages); a tied head's weight is the first stage's.
+std::vector<std::pair<int64_t, int64_t>> stage_ranges(const model::Gpt& model,
+                                                      const std::vector<int>& stages, int count) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const float* base = model.flat_params().f32();
+  for (int s = 0; s < count; ++s) {
+    int64_t begin = -1, end = -1, total = 0;
+    for (const Parameter& p : stage_parameters(model, stages, s)) {
+      const int64_t at = p.value.f32() - base;
+      if (begin < 0) begin = at;
+      end = at + p.value.numel();
+      total += p.value.numel();
+    }
+    TESSEL_CHECK(begin >= 0 && total == end - begin, "stage ", s,
+                 "'s parameters are not contiguous");
+    out.emplace_back(begin, end);
+  }
   return out;
 }
 
@@ -153,29 +180,23 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       micro_per_step_(micro_batches_per_step(config)),
       param_stage_(parameter_stages(model, pipeline_boundaries(config))),
       own_params_(stage_parameters(model, param_stage_, stage_)),
+      stage_ranges_(stage_ranges(model, param_stage_, stages_)),
       tied_(config.model.tied_head && stages_ > 1),
-      work_(model, pipeline_boundaries(config), stage_, loader, config.data.attention_mask,
-            kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
-            [this](int64_t version) { on_step(version); }),
+      work_(
+          model, pipeline_boundaries(config), stage_, loader, config.data.attention_mask,
+          kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
+          [this](int64_t version) { on_step(version); }, own_stash(config)),
       executor_(pp_, work_) {
-  // Each stage's parameters are contiguous in the flat buffers (registry order follows the
-  // stages); a tied head's weight is the first stage's.
-  const float* base = model.flat_params().f32();
-  for (int s = 0; s < stages_; ++s) {
-    int64_t begin = -1, end = -1, total = 0;
-    for (const Parameter& p : stage_parameters(model, param_stage_, s)) {
-      const int64_t at = p.value.f32() - base;
-      if (begin < 0) begin = at;
-      end = at + p.value.numel();
-      total += p.value.numel();
-    }
-    TESSEL_CHECK(begin >= 0 && total == end - begin, "stage ", s,
-                 "'s parameters are not contiguous");
-    stage_ranges_.emplace_back(begin, end);
-  }
   const auto [begin, end] = stage_ranges_[size_t(stage_)];
   reducer_.emplace(grad_group, model.flat_grads().view(begin, {end - begin}),
                    int64_t(config.parallel.bucket_mb * 1024 * 1024));
+}
+
+Tensor PipelineTrainer::own_stash(const Config& config) const {
+  // The last stage's backwards are never inconsistent.
+  if (!config.pipeline.paci_stash || stage_ == stages_ - 1) return {};
+  const auto [begin, end] = stage_ranges_[size_t(stage_)];
+  return model_.flat_params().view(begin, {end - begin});
 }
 
 void PipelineTrainer::on_step(int64_t version) {

@@ -88,6 +88,8 @@ class PipelineTrainer {
 
  private:
   void on_step(int64_t version);
+  // pipeline.paci_stash: this stage's parameters for GptStage to stash; else none.
+  Tensor own_stash(const Config& config) const;
 
   const Config& config_;
   comm::Communicator& pp_;
