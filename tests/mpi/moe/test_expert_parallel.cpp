@@ -110,6 +110,16 @@ Pool make_pool(int64_t rows) {
   return p;
 }
 
+// The rows 0 .. rows - 1 in order, or shuffled (Fisher-Yates) by draws from `rng`.
+std::vector<int64_t> row_order(int64_t rows, Rng& rng, bool shuffle) {
+  std::vector<int64_t> order(static_cast<size_t>(rows));
+  std::iota(order.begin(), order.end(), 0);
+  if (shuffle)
+    for (int64_t i = rows - 1; i > 0; --i)
+      std::swap(order[size_t(i)], order[size_t(rng.below(uint64_t(i + 1)))]);
+  return order;
+}
+
 // Rows `ids` of the pool as this rank's shard: column-major keys and the mask.
 void shard_of(const Pool& p, const std::vector<int64_t>& ids, std::vector<uint16_t>& keys,
               std::vector<uint8_t>& valid) {
@@ -137,11 +147,7 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
     for (uint64_t sharding = 0; sharding < 3; ++sharding) {
       // The same permutation and uneven cut points on every rank of the group.
       Rng rng(sharding);
-      std::vector<int64_t> order(size_t(pool.rows));
-      std::iota(order.begin(), order.end(), 0);
-      if (sharding > 0)
-        for (int64_t i = pool.rows - 1; i > 0; --i)
-          std::swap(order[size_t(i)], order[size_t(rng.below(uint64_t(i + 1)))]);
+      const std::vector<int64_t> order = row_order(pool.rows, rng, sharding > 0);
       std::vector<int64_t> cuts = {0, pool.rows};
       for (int r = 1; r < g; ++r) cuts.push_back(int64_t(rng.below(uint64_t(pool.rows))));
       std::sort(cuts.begin(), cuts.end());
@@ -172,12 +178,8 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
 // Cuts [0, rows] into g uneven shards (rank r gets a share ~ r + 1) of a permutation of
 // the rows drawn from `seed` (0: identity); the same on every rank.
 std::vector<int64_t> shard_ids(int64_t rows, int g, int rank, uint64_t seed) {
-  std::vector<int64_t> order(static_cast<size_t>(rows));
-  std::iota(order.begin(), order.end(), 0);
   Rng rng(seed);
-  if (seed > 0)
-    for (int64_t i = rows - 1; i > 0; --i)
-      std::swap(order[size_t(i)], order[size_t(rng.below(uint64_t(i + 1)))]);
+  const std::vector<int64_t> order = row_order(rows, rng, seed > 0);
   const int64_t total = int64_t(g) * (g + 1) / 2;
   const int64_t lo = rows * (int64_t(rank) * (rank + 1) / 2) / total;
   const int64_t hi = rows * (int64_t(rank + 1) * (rank + 2) / 2) / total;
