@@ -35,9 +35,13 @@ std::vector<int64_t> pipeline_boundaries(const Config& c) {
 void validate_pipeline(const Config& c) {
   if (!pipeline_enabled(c)) {
     // A pipeline key set without a pipeline would be silently ignored.
-    if (!c.pipeline.layout.empty() || c.pipeline.paci_k != 0 || c.pipeline.paci_stash)
-      input_error("config keys 'pipeline.layout', 'pipeline.paci_k' and 'pipeline.paci_stash' ",
-                  "need pipeline parallelism: set parallel.pp > 1 or pipeline.schedule");
+    const char* set = !c.pipeline.layout.empty() ? "pipeline.layout"
+                      : c.pipeline.paci_k != 0   ? "pipeline.paci_k"
+                      : c.pipeline.paci_stash    ? "pipeline.paci_stash"
+                                                 : nullptr;
+    if (set)
+      input_error("config key '", set, "' needs pipeline parallelism: set parallel.pp > 1 or ",
+                  "pipeline.schedule");
     return;
   }
   const std::string& name = c.pipeline.schedule;
