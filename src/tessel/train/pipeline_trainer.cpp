@@ -286,7 +286,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
                run_windows_.size(), " steps in a run of ", windows);
 
   // Every stage's record: busy and waiting seconds, version gaps, live activations.
-  constexpr size_t kFields = 5;
+  constexpr size_t kFields = 8;
   std::vector<double> per_stage(kFields * size_t(stages_), 0.0);
   double* mine = per_stage.data() + kFields * size_t(stage_);
   mine[0] = stats.forward_seconds + stats.backward_seconds + stats.step_seconds;
@@ -294,6 +294,9 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   mine[2] = double(stats.max_version_gap);
   mine[3] = double(stats.inconsistent_backwards);
   mine[4] = double(stats.peak_live_activations);
+  mine[5] = stats.forward_seconds;
+  mine[6] = stats.backward_seconds;
+  mine[7] = stats.step_seconds;
   // PACI: the last stage's loss sums, the first's token counts, each stage's norms.
   const size_t fields = 2 + size_t(stages_);
   std::vector<double> window_values(paci ? fields * size_t(windows) : 0, 0.0);
@@ -312,7 +315,10 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
                                  {"wait_seconds", r[1]},
                                  {"max_version_gap", int64_t(r[2])},
                                  {"inconsistent_backwards", int64_t(r[3])},
-                                 {"peak_live_activations", int64_t(r[4])}});
+                                 {"peak_live_activations", int64_t(r[4])},
+                                 {"forward_seconds", r[5]},
+                                 {"backward_seconds", r[6]},
+                                 {"optimizer_seconds", r[7]}});
   }
   const double seconds = timer.seconds();
   if (!paci) {

@@ -215,6 +215,14 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
           // 1F1B keeps P - s micro-batches in flight at most, GPipe all M = 4.
           EXPECT_EQ(r["stages"][s]["peak_live_activations"],
                     std::string(schedule) == "gpipe" ? 4 : std::min(4, P - s));
+          // The busy time is reported with its three parts; every stage does all three.
+          const auto& st = r["stages"][s];
+          const double parts = st["forward_seconds"].get<double>() +
+                               st["backward_seconds"].get<double>() +
+                               st["optimizer_seconds"].get<double>();
+          EXPECT_NEAR(st["busy_seconds"].get<double>(), parts, 1e-12 + 1e-12 * parts);
+          for (const char* part : {"forward_seconds", "backward_seconds", "optimizer_seconds"})
+            EXPECT_GT(st[part].get<double>(), 0.0) << part;
         }
       }
     }
