@@ -70,14 +70,26 @@ float* at(Tensor& t, int64_t offset) {
 
 }  // namespace
 
+int64_t Activations::slot(int64_t layer) const {
+  TESSEL_CHECK(first_layer <= layer && layer < last_layer, "block ", layer,
+               " is not held by activations of blocks [", first_layer, ", ", last_layer, ")");
+  return layer - first_layer;
+}
+
+// Boundary `boundary` of a [held layers + 1, N, C] stack, as a [B, T, C] view.
+Tensor Activations::boundary_view(const Tensor& stack, int64_t boundary) const {
+  TESSEL_CHECK(first_layer <= boundary && boundary <= last_layer, "boundary ", boundary,
+               " is not held by activations of blocks [", first_layer, ", ", last_layer, ")");
+  const int64_t C = stack.dim(-1);
+  return stack.view((boundary - first_layer) * B * T * C, {B, T, C});
+}
+
 Tensor Activations::residual(int64_t boundary) const {
-  const int64_t C = stream.dim(-1);
-  return stream.view(boundary * B * T * C, {B, T, C});
+  return boundary_view(stream, boundary);
 }
 
 Tensor Activations::residual_grad(int64_t boundary) const {
-  const int64_t C = d_stream.dim(-1);
-  return d_stream.view(boundary * B * T * C, {B, T, C});
+  return boundary_view(d_stream, boundary);
 }
 
 Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
@@ -250,16 +262,24 @@ float* Gpt::grad(int index) {
   return index < 0 ? nullptr : parameters_[size_t(index)].grad.f32();
 }
 
-std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T) const {
+std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, int64_t first,
+                                                   int64_t last) const {
   if (B <= 0 || T <= 0)
     input_error("micro-batch of ", B, " x ", T, " tokens: sizes must be positive");
   if (T > config_.max_seq)
     input_error("sequence length ", T, " exceeds model.max_seq = ", config_.max_seq);
-  const int64_t N = B * T, L = config_.layers, C = C_, V = config_.vocab;
+  if (last < 0) last = config_.layers;
+  TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers, "blocks [", first, ", ", last,
+               ") of ", config_.layers);
+  // L: the blocks held; the head's buffers only with the last block.
+  const int64_t N = B * T, L = last - first, C = C_;
+  const int64_t V = last == config_.layers ? config_.vocab : 0;
   const bool layernorm = config_.norm == NormType::layernorm;
   auto a = std::make_unique<Activations>();
   a->B = B;
   a->T = T;
+  a->first_layer = first;
+  a->last_layer = last;
   a->tokens = Tensor({N}, DType::i32);
   a->positions = Tensor({N}, DType::i32);
   a->targets = Tensor({N}, DType::i32);
@@ -280,13 +300,15 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T) const {
   a->mlp_norm_rstd = Tensor({L, N});
   a->fc = Tensor({L, N, Fi_});
   a->act = Tensor({L, N, F_});
-  a->final_norm = Tensor({N, C});
-  a->final_norm_mean = layernorm ? Tensor({N}) : Tensor();
-  a->final_norm_rstd = Tensor({N});
-  a->logits = Tensor({N, V});
-  a->lse = Tensor({N});
+  if (V > 0) {
+    a->final_norm = Tensor({N, C});
+    a->final_norm_mean = layernorm ? Tensor({N}) : Tensor();
+    a->final_norm_rstd = Tensor({N});
+    a->logits = Tensor({N, V});
+    a->lse = Tensor({N});
+    a->d_logits = Tensor({N, V});
+  }
   a->d_stream = Tensor({L + 1, N, C});
-  a->d_logits = Tensor({N, V});
   a->qkv = Tensor({N, QKV_});
   a->d_split = Tensor({N * QKV_});
   if (config_.positions == PositionType::rotary) a->d_unrot = Tensor({N * (H_ + Hkv_) * D_});
@@ -369,7 +391,7 @@ void Gpt::norm_backward(float* dx, int w, int b, const float* dy, const float* x
 void Gpt::forward_embedding(Activations& acts) const {
   TESSEL_CHECK(acts.has_tokens, "forward_embedding needs inputs.tokens");
   const int64_t N = acts.B * acts.T, C = C_;
-  float* x = acts.stream.f32();
+  float* x = acts.residual(0).f32();
   kn::embedding_forward(x, acts.tokens.i32(), value(embed_), N, config_.vocab, C);
   if (pos_embed_ < 0) return;
   const float* table = value(pos_embed_);
@@ -390,20 +412,20 @@ void Gpt::forward_blocks(Activations& acts, int64_t first, int64_t last) const {
 // x_l [N, C] -> x_{l+1} [N, C], caching what block_backward needs.
 void Gpt::block_forward(Activations& acts, int64_t l) const {
   const BlockParams& p = blocks_[size_t(l)];
-  const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_;
-  const float* x = acts.stream.f32() + l * N * C;
-  float* y = acts.stream.f32() + (l + 1) * N * C;
-  float* m = acts.mid.f32() + l * N * C;
-  float* ln1 = acts.attn_norm.f32() + l * N * C;
-  float* ln2 = acts.mlp_norm.f32() + l * N * C;
-  float* q = acts.q.f32() + l * N * Q;
-  float* k = acts.k.f32() + l * N * KV;
-  float* v = acts.v.f32() + l * N * KV;
-  float* o = acts.attn.f32() + l * N * Q;
-  float* fc = acts.fc.f32() + l * N * Fi_;
-  float* act = acts.act.f32() + l * N * F_;
+  const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_, s = acts.slot(l);
+  const float* x = acts.stream.f32() + s * N * C;
+  float* y = acts.stream.f32() + (s + 1) * N * C;
+  float* m = acts.mid.f32() + s * N * C;
+  float* ln1 = acts.attn_norm.f32() + s * N * C;
+  float* ln2 = acts.mlp_norm.f32() + s * N * C;
+  float* q = acts.q.f32() + s * N * Q;
+  float* k = acts.k.f32() + s * N * KV;
+  float* v = acts.v.f32() + s * N * KV;
+  float* o = acts.attn.f32() + s * N * Q;
+  float* fc = acts.fc.f32() + s * N * Fi_;
+  float* act = acts.act.f32() + s * N * F_;
 
-  norm_forward(ln1, at(acts.attn_norm_mean, l * N), acts.attn_norm_rstd.f32() + l * N, x,
+  norm_forward(ln1, at(acts.attn_norm_mean, s * N), acts.attn_norm_rstd.f32() + s * N, x,
                p.attn_norm_w, p.attn_norm_b, N);
   kn::linear_forward(acts.qkv.f32(), ln1, value(p.qkv_w), value(p.qkv_b), N, C, QKV_);
   split_qkv(q, k, v, acts.qkv.f32(), N, Q, KV);
@@ -413,7 +435,7 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
     kn::rope_forward(q, q, pos, N, H_, D_, theta);
     kn::rope_forward(k, k, pos, N, Hkv_, D_, theta);
   }
-  float* lse = acts.attn_lse.f32() + l * N * H_;
+  float* lse = acts.attn_lse.f32() + s * N * H_;
   if (acts.attention)
     acts.attention->forward(o, lse, q, k, v);
   else
@@ -421,7 +443,7 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
   kn::linear_forward(m, o, value(p.out_w), value(p.out_b), N, Q, C);
   add_into(m, x, N * C);
 
-  norm_forward(ln2, at(acts.mlp_norm_mean, l * N), acts.mlp_norm_rstd.f32() + l * N, m,
+  norm_forward(ln2, at(acts.mlp_norm_mean, s * N), acts.mlp_norm_rstd.f32() + s * N, m,
                p.mlp_norm_w, p.mlp_norm_b, N);
   if (moe_mask_[size_t(l)]) {
     TESSEL_CHECK(expert_comm_->ep_size() == shard_.count && expert_comm_->ep_rank() == shard_.index,
@@ -429,7 +451,7 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
                  " but runs with ep rank ", expert_comm_->ep_rank(), " of ",
                  expert_comm_->ep_size(), ": set the expert comm of its ep group");
     const MoeParams& mp = moe_params_[size_t(l)];
-    moe_->forward(acts.moe[size_t(l)], y, ln2, N,
+    moe_->forward(acts.moe[size_t(s)], y, ln2, N,
                   moe_views<const float>(mp, [this](int i) { return value(i); }), value(mp.beta),
                   *expert_comm_);
   } else {
@@ -446,7 +468,7 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
 // x_L [N, C] -> final_norm [N, C] -> logits [N, V] -> loss sum (0 without targets).
 double Gpt::forward_head(Activations& acts) const {
   const int64_t N = acts.B * acts.T, V = config_.vocab;
-  const float* x = acts.stream.f32() + config_.layers * N * C_;
+  const float* x = acts.residual(config_.layers).f32();
   norm_forward(acts.final_norm.f32(), at(acts.final_norm_mean, 0), acts.final_norm_rstd.f32(), x,
                final_norm_w_, final_norm_b_, N);
   kn::linear_forward(acts.logits.f32(), acts.final_norm.f32(), value(head_), nullptr, N, C_, V);
@@ -465,9 +487,9 @@ void Gpt::backward_head(Activations& acts, float loss_scale) {
   acts.d_norm.fill_zero();
   kn::linear_backward(acts.d_norm.f32(), grad(head_), nullptr, acts.d_logits.f32(),
                       acts.final_norm.f32(), value(head_), N, C_, V);
-  float* dx = acts.d_stream.f32() + L * N * C_;
+  float* dx = acts.residual_grad(L).f32();
   std::fill(dx, dx + N * C_, 0.0f);
-  norm_backward(dx, final_norm_w_, final_norm_b_, acts.d_norm.f32(), acts.stream.f32() + L * N * C_,
+  norm_backward(dx, final_norm_w_, final_norm_b_, acts.d_norm.f32(), acts.residual(L).f32(),
                 at(acts.final_norm_mean, 0), acts.final_norm_rstd.f32(), N);
 }
 
@@ -480,15 +502,15 @@ void Gpt::backward_blocks(Activations& acts, int64_t first, int64_t last) {
 // d x_{l+1} [N, C] -> d x_l [N, C], adding the block's parameter gradients.
 void Gpt::block_backward(Activations& acts, int64_t l) {
   const BlockParams& p = blocks_[size_t(l)];
-  const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_;
-  const float* dy = acts.d_stream.f32() + (l + 1) * N * C;
-  float* dx = acts.d_stream.f32() + l * N * C;
-  const float* x = acts.stream.f32() + l * N * C;
-  const float* m = acts.mid.f32() + l * N * C;
-  const float* q = acts.q.f32() + l * N * Q;
-  const float* k = acts.k.f32() + l * N * KV;
-  const float* v = acts.v.f32() + l * N * KV;
-  const float* o = acts.attn.f32() + l * N * Q;
+  const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_, s = acts.slot(l);
+  const float* dy = acts.d_stream.f32() + (s + 1) * N * C;
+  float* dx = acts.d_stream.f32() + s * N * C;
+  const float* x = acts.stream.f32() + s * N * C;
+  const float* m = acts.mid.f32() + s * N * C;
+  const float* q = acts.q.f32() + s * N * Q;
+  const float* k = acts.k.f32() + s * N * KV;
+  const float* v = acts.v.f32() + s * N * KV;
+  const float* o = acts.attn.f32() + s * N * Q;
   float* d_norm = acts.d_norm.f32();
 
   // MLP branch; dx first carries the residual path, then becomes d m.
@@ -497,14 +519,14 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
     const MoeParams& mp = moe_params_[size_t(l)];
     auto g = moe_views<float>(mp, [this](int i) { return grad(i); });
     acts.d_norm.fill_zero();
-    moe_->backward(acts.moe[size_t(l)], d_norm, g, dy, acts.mlp_norm.f32() + l * N * C,
+    moe_->backward(acts.moe[size_t(s)], d_norm, g, dy, acts.mlp_norm.f32() + s * N * C,
                    moe_views<const float>(mp, [this](int i) { return value(i); }), acts.loss_scale,
                    balance_[size_t(l)], *expert_comm_);
   } else {
     acts.d_act.fill_zero();
     kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,
-                        acts.act.f32() + l * N * F_, value(p.fc_out_w), N, F_, C);
-    const float* fc = acts.fc.f32() + l * N * Fi_;
+                        acts.act.f32() + s * N * F_, value(p.fc_out_w), N, F_, C);
+    const float* fc = acts.fc.f32() + s * N * Fi_;
     acts.d_fc.fill_zero();
     if (config_.mlp == MlpType::gelu)
       kn::gelu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N * F_);
@@ -512,10 +534,10 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
       kn::swiglu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N, F_);
     acts.d_norm.fill_zero();
     kn::linear_backward(d_norm, grad(p.fc_in_w), grad(p.fc_in_b), acts.d_fc.f32(),
-                        acts.mlp_norm.f32() + l * N * C, value(p.fc_in_w), N, C, Fi_);
+                        acts.mlp_norm.f32() + s * N * C, value(p.fc_in_w), N, C, Fi_);
   }
-  norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, l * N),
-                acts.mlp_norm_rstd.f32() + l * N, N);
+  norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, s * N),
+                acts.mlp_norm_rstd.f32() + s * N, N);
 
   // Attention branch; dx gains the path through attn_norm and becomes d x_l.
   acts.d_attn.fill_zero();
@@ -525,7 +547,7 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* dq = acts.d_split.f32();
   float* dk = dq + N * Q;
   float* dv = dk + N * KV;
-  const float* lse = acts.attn_lse.f32() + l * N * H_;
+  const float* lse = acts.attn_lse.f32() + s * N * H_;
   if (acts.attention)
     acts.attention->backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o, lse);
   else
@@ -545,10 +567,10 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* d_qkv = acts.qkv.f32();
   merge_qkv(d_qkv, dq, dk, dv, N, Q, KV);
   acts.d_norm.fill_zero();
-  kn::linear_backward(d_norm, grad(p.qkv_w), grad(p.qkv_b), d_qkv, acts.attn_norm.f32() + l * N * C,
+  kn::linear_backward(d_norm, grad(p.qkv_w), grad(p.qkv_b), d_qkv, acts.attn_norm.f32() + s * N * C,
                       value(p.qkv_w), N, C, QKV_);
-  norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, l * N),
-                acts.attn_norm_rstd.f32() + l * N, N);
+  norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, s * N),
+                acts.attn_norm_rstd.f32() + s * N, N);
 }
 
 template <class P, class Get>
@@ -577,7 +599,7 @@ void Gpt::update_balance() {
 void Gpt::backward_embedding(Activations& acts) {
   TESSEL_CHECK(acts.has_tokens, "backward_embedding needs inputs.tokens");
   const int64_t N = acts.B * acts.T;
-  const float* dx = acts.d_stream.f32();
+  const float* dx = acts.residual_grad(0).f32();
   kn::embedding_backward(grad(embed_), dx, acts.tokens.i32(), N, config_.vocab, C_);
   if (pos_embed_ >= 0)
     kn::embedding_backward(grad(pos_embed_), dx, acts.positions.i32(), N, config_.max_seq, C_);

@@ -44,8 +44,9 @@ struct ModelInputs {
 
 // Everything one micro-batch's forward keeps for its backward, plus backward
 // scratch, allocated once by Gpt::make_activations. Shapes, with N = B*T tokens,
-// L layers, C width, H query heads, Hkv key/value heads, D head dim, F MLP hidden
-// width, Fi = F (gelu) or 2F (swiglu), QKV = (H + 2 Hkv) D, V vocab:
+// L blocks held (last_layer - first_layer), C width, H query heads, Hkv key/value heads,
+// D head dim, F MLP hidden width, Fi = F (gelu) or 2F (swiglu), QKV = (H + 2 Hkv) D,
+// V vocab:
 struct Activations {
   int64_t B = 0, T = 0;
   bool has_tokens = false, has_targets = false;
@@ -100,10 +101,20 @@ struct Activations {
   std::vector<moe::LayerCache> moe;
   float loss_scale = 1.0f;
 
-  // Residual stream x_i at block boundary i in [0, L] and its gradient, [B, T, C]
-  // views: boundary 0 is the embedding output, boundary L the last block's output.
+  // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole
+  // model by default): per-layer buffers stack only those, and the head's (final norm,
+  // logits) exist only when last_layer is the model's last.
+  int64_t first_layer = 0, last_layer = 0;
+  // Index of block `layer` in the per-layer buffers (checked to be held).
+  int64_t slot(int64_t layer) const;
+
+  // Residual stream x_i at block boundary i in [first_layer, last_layer] and its gradient,
+  // [B, T, C] views: boundary 0 is the embedding output, boundary L the last block's output.
   Tensor residual(int64_t boundary) const;
   Tensor residual_grad(int64_t boundary) const;
+
+ private:
+  Tensor boundary_view(const Tensor& stack, int64_t boundary) const;
 };
 
 // Which experts of every MoE block a model holds: shard `index` of `count` equal shards
@@ -150,8 +161,9 @@ class Gpt {
   int64_t matmul_parameters() const;
 
   // Buffers for one micro-batch of B sequences of T tokens (InputError when
-  // T > max_seq).
-  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T) const;
+  // T > max_seq), for the blocks [first, last) (last < 0: through the last block).
+  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, int64_t first = 0,
+                                                int64_t last = -1) const;
 
   // Whole model: load_inputs, then every forward piece; returns the SUM of the
   // weighted token losses (0 without targets); the caller divides by its count.

@@ -63,14 +63,14 @@ ExpertShardedOptimizer::SplitState ExpertShardedOptimizer::split_state() {
     const size_t slash = st.name.rfind('/');
     const bool per_expert =
         slash != std::string::npos && expert_names_.count(st.name.substr(slash + 1));
-    (per_expert ? out.experts : out.replicated).push_back({"experts/" + st.name, st.tensor});
+    (per_expert ? out.own : out.replicated).push_back({"experts/" + st.name, st.tensor});
   }
   return out;
 }
 
 std::vector<optim::StateTensor> ExpertShardedOptimizer::state() {
   SplitState split = split_state();
-  for (auto& st : split.experts) split.replicated.push_back(std::move(st));
+  for (auto& st : split.own) split.replicated.push_back(std::move(st));
   return split.replicated;
 }
 

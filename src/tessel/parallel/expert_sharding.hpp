@@ -59,10 +59,10 @@ class ExpertShardedOptimizer final : public optim::Optimizer {
                          const std::map<std::string, std::vector<int64_t>>& row_blocks);
   void step(double lr_scale) override;
   // The state in two: what every rank holds alike (the dense optimizer's state and the
-  // expert optimizer's step counters), and the tensors of this rank's experts (those
+  // expert optimizer's step counters), and this rank's own: its experts' tensors (those
   // whose name ends in "/<expert parameter name>").
   struct SplitState {
-    std::vector<optim::StateTensor> replicated, experts;
+    std::vector<optim::StateTensor> replicated, own;
   };
   SplitState split_state();
   std::vector<optim::StateTensor> state() override;  // replicated, then experts

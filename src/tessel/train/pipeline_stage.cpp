@@ -35,7 +35,7 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   const size_t slot = free_.back();
   free_.pop_back();
   auto& acts = slots_[slot];
-  if (!acts) acts = model_.make_activations(batch.B, batch.T);
+  if (!acts) acts = model_.make_activations(batch.B, batch.T, first_, last_);
   model_.load_inputs(*acts, in.inputs());
   if (first_stage())
     model_.forward_embedding(*acts);

@@ -131,39 +131,32 @@ std::vector<std::pair<int64_t, int64_t>> stage_ranges(const model::Gpt& model,
   return out;
 }
 
-class StageOptimizers final : public optim::Optimizer {
+// Only this rank's stage: the other stages' optimizer state (momentum, Adam moments,
+// scratch) lives on their own ranks, so each rank holds 1/P of it.
+class StageOptimizer final : public optim::Optimizer {
  public:
-  StageOptimizers(const Config& c, const model::Gpt& model, comm::Communicator& pp,
-                  comm::Communicator* dp,
-                  const std::map<std::string, std::vector<int64_t>>& row_blocks)
-      : pp_(pp) {
-    const auto stages = parameter_stages(model, pipeline_boundaries(c));
-    for (int s = 0; s < pp.size(); ++s) {
-      ParameterList params = stage_parameters(model, stages, s);
-      std::map<std::string, std::vector<int64_t>> blocks;
-      for (const Parameter& p : params)
-        if (auto it = row_blocks.find(p.name); it != row_blocks.end()) blocks.insert(*it);
-      stages_.push_back(optim::make_optimizer(c.optim, std::move(params), dp, blocks));
-    }
+  StageOptimizer(const Config& c, const model::Gpt& model, int stage, comm::Communicator* dp,
+                 const std::map<std::string, std::vector<int64_t>>& row_blocks)
+      : prefix_("stage" + std::to_string(stage) + "/") {
+    ParameterList params =
+        stage_parameters(model, parameter_stages(model, pipeline_boundaries(c)), stage);
+    std::map<std::string, std::vector<int64_t>> blocks;
+    for (const Parameter& p : params)
+      if (auto it = row_blocks.find(p.name); it != row_blocks.end()) blocks.insert(*it);
+    own_ = optim::make_optimizer(c.optim, std::move(params), dp, blocks);
   }
-  void step(double lr_scale) override { own().step(lr_scale); }
+  void step(double lr_scale) override { own_->step(lr_scale); }
   std::vector<optim::StateTensor> state() override {
     std::vector<optim::StateTensor> out;
-    for (int s = 0; s < int(stages_.size()); ++s)
-      for (auto& st : stages_[size_t(s)]->state()) {
-        pp_.broadcast(st.tensor.raw(), size_t(st.tensor.numel()),
-                      comm::elem_type(st.tensor.dtype()), s);
-        out.push_back({"stage" + std::to_string(s) + "/" + st.name, st.tensor});
-      }
+    for (auto& st : own_->state()) out.push_back({prefix_ + st.name, st.tensor});
     return out;
   }
-  std::string name() const override { return own().name(); }
-  int64_t step_count() const override { return own().step_count(); }
+  std::string name() const override { return own_->name(); }
+  int64_t step_count() const override { return own_->step_count(); }
 
  private:
-  optim::Optimizer& own() const { return *stages_[size_t(pp_.rank())]; }
-  comm::Communicator& pp_;
-  std::vector<std::unique_ptr<optim::Optimizer>> stages_;
+  std::string prefix_;
+  std::unique_ptr<optim::Optimizer> own_;
 };
 
 }  // namespace
@@ -171,8 +164,8 @@ class StageOptimizers final : public optim::Optimizer {
 std::unique_ptr<optim::Optimizer> make_stage_optimizer(
     const Config& config, const model::Gpt& model, const comm::Mesh& mesh, comm::Communicator* dp,
     const std::map<std::string, std::vector<int64_t>>& row_blocks) {
-  return std::make_unique<StageOptimizers>(config, model, mesh.group(comm::Axis::pp), dp,
-                                           row_blocks);
+  return std::make_unique<StageOptimizer>(config, model, mesh.coordinate(comm::Axis::pp), dp,
+                                          row_blocks);
 }
 
 PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, model::Gpt& model,

@@ -16,9 +16,9 @@
 // gradient norm (no cross-stage collective, spec section 5). The windows are logged once
 // the horizon is done.
 //
-// Every rank keeps the whole model and an optimizer for every stage's parameters but trains
-// only its stage's; sync_weights() and the optimizer's state() bring every rank up to date
-// (before validation and checkpoints), so those run unchanged.
+// Every rank keeps the whole model but trains only its stage's parameters, with an optimizer
+// (and optimizer state) for those alone; sync_weights() brings every rank's weights up to
+// date before validation and checkpoints, so those run unchanged.
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -58,9 +58,9 @@ void validate_pipeline(const Config& config);
 // head on the last; a tied head's weight is the embedding, trained on the first.
 std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries);
 
-// The optimizer of the pipeline path: one per stage over that stage's parameters (states
-// named "stage<s>/..."), of which this rank steps its own. state() first broadcasts every
-// stage's state from that stage over the pp group, so it is collective over pp.
+// The optimizer of the pipeline path: this rank's stage's parameters only, its state named
+// "stage<s>/..." and held by that stage's ranks alone (checkpoints write it as their own
+// tensors). state() is collective over dp as the stage's optimizer is.
 std::unique_ptr<optim::Optimizer> make_stage_optimizer(
     const Config& config, const model::Gpt& model, const comm::Mesh& mesh, comm::Communicator* dp,
     const std::map<std::string, std::vector<int64_t>>& row_blocks);

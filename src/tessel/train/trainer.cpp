@@ -335,18 +335,21 @@ struct Trainer::State {
     if (pipeline) pipeline->sync_weights();
     CheckpointContent content;
     content.step = step;
-    // Each expert once: the first edp rank of each ep index writes the ep rank's experts.
-    const bool writes_experts = mesh.coordinate(comm::Axis::edp) == 0;
+    // Each expert once: the first edp rank of each ep index writes the ep rank's experts;
+    // likewise each pipeline stage's optimizer state (edp = dp without experts).
+    const bool writes_own = mesh.coordinate(comm::Axis::edp) == 0;
     for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
-    // Collective on every rank. A pipeline's stage optimizers gather their state whole.
+    // Collective on every rank.
     auto* sharded = dynamic_cast<parallel::ExpertShardedOptimizer*>(optimizer.get());
-    auto state = sharded ? sharded->split_state()
-                         : parallel::ExpertShardedOptimizer::SplitState{optimizer->state(), {}};
+    using SplitState = parallel::ExpertShardedOptimizer::SplitState;
+    auto state = sharded    ? sharded->split_state()
+                 : pipeline ? SplitState{{}, optimizer->state()}
+                            : SplitState{optimizer->state(), {}};
     for (auto& st : state.replicated) content.optimizer.push_back({st.name, st.tensor});
-    if (writes_experts) {
+    if (writes_own) {
       for (const auto& p : model.expert_parameters())
         content.own_model.push_back({p.name, p.value});
-      for (auto& st : state.experts) content.own_optimizer.push_back({st.name, st.tensor});
+      for (auto& st : state.own) content.own_optimizer.push_back({st.name, st.tensor});
     }
     auto ls = loader.state();
     content.state = {{"compatibility", compatibility()},

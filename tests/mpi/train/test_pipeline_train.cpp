@@ -15,6 +15,7 @@
 #include "support/mpi_train_fixture.hpp"
 #include "support/pipeline_fixture.hpp"
 #include "support/train_fixture.hpp"
+#include "tessel/comm/mesh.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/comm/world.hpp"
 #include "tessel/data/loader.hpp"
@@ -382,4 +383,77 @@ TEST(PipelineTrain, ResumeContinuesBitwise) {
         world, c, 4, [&] { fs::remove_all(run + "/checkpoints/step-00000008"); });
     EXPECT_EQ(full.steps.size(), 8u);
   }
+}
+
+// Each rank holds its own stage's optimizer state only. The stages together hold exactly
+// the per-parameter state of the single-process optimizer, each tensor once, and so does a
+// checkpoint, also when dp replicas of a stage hold the same state (pp 2 x dp 2).
+TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
+  comm::Communicator& world = comm::world();
+  std::vector<int> pps = {world.size()};
+  if (world.size() == 4) pps.push_back(2);
+  for (const char* optimizer : {"adamw", "muon"})
+    for (const int pp : pps) {
+      SCOPED_TRACE(std::string(optimizer) + ", pp " + std::to_string(pp));
+      train::Config c = pipeline_config(world, "tessel-pp-state");
+      c.optim.name = optimizer;
+      c.parallel.pp = pp;
+      c.pipeline.schedule = "1f1b";
+      c.train.eval_every = 0;
+      c.train.save_final = true;
+      run_on(world, c);
+
+      model::Gpt model(c.model, uint64_t(c.run.seed));
+      const auto stage_of = train::parameter_stages(model, train::pipeline_boundaries(c));
+      std::map<std::string, int> param_stage;
+      for (size_t i = 0; i < stage_of.size(); ++i)
+        param_stage[model.parameters()[i].name] = stage_of[i];
+      // Per-parameter state tensors ("<kind>/<parameter>") by name: their sizes.
+      auto per_parameter = [](std::vector<std::pair<std::string, int64_t>> named) {
+        std::map<std::string, int64_t> out;
+        for (auto& [name, numel] : named)
+          if (name.find('/') != std::string::npos) {
+            EXPECT_TRUE(out.emplace(name, numel).second) << name;
+          }
+        return out;
+      };
+      std::vector<std::pair<std::string, int64_t>> single;
+      for (auto& st : optim::make_optimizer(c.optim, model.parameters(), nullptr, {})->state())
+        single.emplace_back(st.name, st.tensor.numel());
+      const auto whole = per_parameter(single);
+      ASSERT_FALSE(whole.empty());
+      int64_t whole_numel = 0;
+      for (auto& [name, numel] : whole) whole_numel += numel;
+
+      // "stage<s>/<kind>/<parameter>": the parameter is on stage s; the prefix dropped.
+      auto strip = [&](const std::string& name) -> std::pair<std::string, int64_t> {
+        const size_t slash = name.find('/');
+        EXPECT_EQ(name.rfind("stage", 0), 0u) << name;
+        const int s = std::stoi(name.substr(5, slash - 5));
+        const std::string rest = name.substr(slash + 1);
+        if (rest.find('/') != std::string::npos) {
+          EXPECT_EQ(param_stage.at(rest.substr(rest.rfind('/') + 1)), s) << name;
+        }
+        return {rest, s};
+      };
+
+      const comm::Mesh mesh = comm::Mesh::build(world, {pp, world.size() / pp, 1, 1});
+      auto mine = train::make_stage_optimizer(c, model, mesh, &mesh.group(comm::Axis::dp), {});
+      int64_t own_numel = 0;
+      for (auto& st : mine->state()) {
+        const auto [rest, s] = strip(st.name);
+        EXPECT_EQ(s, mesh.coordinate(comm::Axis::pp)) << st.name;
+        if (rest.find('/') != std::string::npos) own_numel += st.tensor.numel();
+      }
+      mesh.group(comm::Axis::pp).all_reduce(std::span<int64_t>(&own_numel, 1));
+      EXPECT_EQ(own_numel, whole_numel);
+
+      train::CheckpointStore store(c.run.dir + "/checkpoints", 2);
+      const auto latest = store.latest();
+      ASSERT_TRUE(latest.has_value());
+      std::vector<std::pair<std::string, int64_t>> saved;
+      for (const auto& t : train::CheckpointStore::load(*latest).optimizer)
+        saved.emplace_back(strip(t.name).first, t.tensor.numel());
+      EXPECT_EQ(per_parameter(saved), whole);
+    }
 }

@@ -311,7 +311,7 @@ TEST(GptGradients, AccumulationOverMicroBatchesMatchesOneBatch) {
 
 // The pieces run in sequence are the whole forward/backward, bit for bit; so is a
 // two-stage split with the residual stream (and its gradient) copied between two
-// Activations, as pipeline stages will do.
+// Activations that hold only their stage's blocks, as pipeline stages do.
 TEST(GptPieces, CompositionEqualsWholeModel) {
   for (const GptConfig& c : {gelu_config(), swiglu_config()}) {
     Gpt gpt(c, 31);
@@ -337,8 +337,14 @@ TEST(GptPieces, CompositionEqualsWholeModel) {
     gpt.backward_embedding(*acts);
     EXPECT_TRUE(bitwise_equal(gpt.flat_grads(), grads));
 
-    auto stage0 = gpt.make_activations(2, 6);
-    auto stage1 = gpt.make_activations(2, 6);
+    auto stage0 = gpt.make_activations(2, 6, 0, k);
+    auto stage1 = gpt.make_activations(2, 6, k, L);
+    EXPECT_EQ(stage0->q.dim(0), k);
+    EXPECT_EQ(stage1->q.dim(0), L - k);
+    EXPECT_EQ(stage0->stream.dim(0), k + 1);
+    EXPECT_FALSE(stage0->logits.defined());  // the head's buffers live on the last stage
+    EXPECT_ANY_THROW(stage1->residual(0));
+    EXPECT_ANY_THROW(gpt.forward_blocks(*stage0, k, L));
     gpt.load_inputs(*stage0, batch.inputs());
     gpt.load_inputs(*stage1, batch.inputs());
     gpt.forward_embedding(*stage0);
