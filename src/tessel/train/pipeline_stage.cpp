@@ -27,6 +27,20 @@ GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, in
   for (size_t i = slots_.size(); i-- > 0;) free_.push_back(i);
 }
 
+double GptStage::forward_stage(model::Activations& acts, const BatchInputs& in,
+                               std::span<const float> input, std::span<float> output) const {
+  model_.load_inputs(acts, in.inputs());
+  if (first_stage())
+    model_.forward_embedding(acts);
+  else
+    std::copy(input.begin(), input.end(), acts.residual(first_).f32());
+  model_.forward_blocks(acts, first_, last_);
+  if (last_stage()) return model_.forward_head(acts);
+  const float* x = acts.residual(last_).f32();
+  std::copy(x, x + output.size(), output.begin());
+  return 0.0;
+}
+
 void GptStage::forward(int64_t micro, std::span<const float> input, std::span<float> output) {
   TESSEL_CHECK(!free_.empty(), "stage ", stage_, ": more than ", slots_.size(),
                " micro-batches in flight");
@@ -36,20 +50,17 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   free_.pop_back();
   auto& acts = slots_[slot];
   if (!acts) acts = model_.make_activations(batch.B, batch.T, first_, last_);
-  model_.load_inputs(*acts, in.inputs());
-  if (first_stage())
-    model_.forward_embedding(*acts);
-  else
-    std::copy(input.begin(), input.end(), acts->residual(first_).f32());
-  model_.forward_blocks(*acts, first_, last_);
-  double loss = 0;
-  if (last_stage()) {
-    loss = model_.forward_head(*acts);
-  } else {
-    const float* x = acts->residual(last_).f32();
-    std::copy(x, x + output.size(), output.begin());
-  }
+  const double loss = forward_stage(*acts, in, input, output);
   live_.emplace(micro, Live{slot, loss, in.loss_weight_sum(), steps_});
+}
+
+StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> input,
+                               std::span<float> output) {
+  const BatchInputs in(batch, mask_);
+  auto& acts = eval_[{batch.B, batch.T}];
+  if (!acts) acts = model_.make_activations(batch.B, batch.T, first_, last_);
+  const double loss = forward_stage(*acts, in, input, output);
+  return {loss, in.loss_weight_sum(), 1};
 }
 
 void GptStage::backward(int64_t micro, std::span<const float> output_grad,

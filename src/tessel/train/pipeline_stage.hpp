@@ -26,6 +26,7 @@
 #include "tessel/data/loader.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/pipeline/stage_executor.hpp"
+#include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/config.hpp"
 
 namespace tessel::train {
@@ -55,6 +56,12 @@ class GptStage final : public pipeline::StageWork {
   void step(int64_t version) override;
 
   StageWindow take_window();
+  // Validation forward of `batch` (forward only, on activations of its own; the training's
+  // in-flight micro-batches are untouched): reads `input` (first stage: empty), writes
+  // `output` (last stage: empty); the loss sum on the last stage (0 elsewhere) and the
+  // batch's loss tokens.
+  StageWindow evaluate(const data::Batch& batch, std::span<const float> input,
+                       std::span<float> output);
   int64_t live() const { return int64_t(live_.size()); }
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == stages_ - 1; }
@@ -65,6 +72,10 @@ class GptStage final : public pipeline::StageWork {
     double loss_sum, loss_tokens;
     int64_t steps;  // STEPs taken before the forward
   };
+  // load_inputs, the stage's pieces of the forward, `output` from its last boundary; the
+  // loss sum on the last stage.
+  double forward_stage(model::Activations& acts, const BatchInputs& in,
+                       std::span<const float> input, std::span<float> output) const;
   void swap_stashed();
   model::Gpt& model_;
   int stage_, stages_;
@@ -74,6 +85,7 @@ class GptStage final : public pipeline::StageWork {
   size_t boundary_elems_;  // micro_batch * seq_len * width
   std::function<void(int64_t)> on_step_;
   std::vector<std::unique_ptr<model::Activations>> slots_;  // [max_live], made on first use
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> eval_;  // by B, T
   std::vector<size_t> free_;
   std::map<int64_t, Live> live_;  // by micro-batch
   StageWindow window_;

@@ -336,6 +336,24 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   return this->step(step, before_update);
 }
 
+std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches) {
+  // Between executor runs no message is in flight, so any tag is free.
+  constexpr int kTag = 0;
+  std::vector<float> input, output;
+  double sums[2] = {0, 0};
+  for (const data::Batch& b : batches) {
+    const size_t elems = size_t(b.B * b.T * model_.config().width);
+    input.resize(work_.first_stage() ? 0 : elems);
+    output.resize(work_.last_stage() ? 0 : elems);
+    if (!input.empty()) pp_.recv(input, stage_ - 1, kTag);
+    const StageWindow r = work_.evaluate(b, input, output);
+    if (!output.empty()) pp_.send(output, stage_ + 1, kTag);
+    if (work_.last_stage()) sums[0] += r.loss_sum, sums[1] += r.loss_tokens;
+  }
+  pp_.all_reduce(std::span<double>(sums, 2));  // the last stage's sums; + 0 is exact
+  return {sums[0], sums[1]};
+}
+
 void PipelineTrainer::sync_weights() {
   float* values = model_.flat_params().f32();
   for (int s = 0; s < stages_; ++s) {

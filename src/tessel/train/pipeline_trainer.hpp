@@ -16,9 +16,11 @@
 // gradient norm (no cross-stage collective, spec section 5). The windows are logged once
 // the horizon is done.
 //
-// Every rank keeps the whole model but trains only its stage's parameters, with an optimizer
-// (and optimizer state) for those alone; sync_weights() brings every rank's weights up to
-// date before validation and checkpoints, so those run unchanged.
+// Every rank keeps the whole model's weights but trains only its stage's parameters, with an
+// optimizer (and optimizer state) for those alone; validation runs through the stages
+// (validation_sums); sync_weights() brings every rank's weights up to date before
+// checkpoints and the sample, so those run unchanged.
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -83,6 +85,11 @@ class PipelineTrainer {
   // window, running the horizon that starts there first. `before_update` runs before every
   // optimizer step (the trainer waits for a checkpoint's staging copy there).
   PipelineStep step(int64_t step, const std::function<void()>& before_update);
+  // Validation through the stages, forward only: the first stage embeds, each runs its
+  // blocks on what the previous one sent, the last computes the loss. [loss sum, loss tokens]
+  // over `batches` (this dp rank's), summed in batch order as one process sums them, on every
+  // rank of the pp group. Collective over pp; call between steps (no message in flight).
+  std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches);
   // Every stage's parameters broadcast from that stage over pp.
   void sync_weights();
 

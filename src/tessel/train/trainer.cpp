@@ -263,7 +263,9 @@ struct Trainer::State {
   void synthetic_step() {
     try {
       set_num_threads(int(config.run.threads));
-      activations(config.train.micro_batch, config.train.seq_len / config.parallel.cp);
+      // A pipeline stage trains on activations of its own blocks (pipeline_stage.hpp).
+      if (!pipeline_enabled(config))
+        activations(config.train.micro_batch, config.train.seq_len / config.parallel.cp);
       const auto& moe = model.moe_blocks();
       if (config.parallel.cp > 1 || std::find(moe.begin(), moe.end(), true) != moe.end()) return;
       const int64_t T = config.train.seq_len;
@@ -421,23 +423,27 @@ struct Trainer::State {
   }
 
   double validate_loss() {
-    if (pipeline) pipeline->sync_weights();
     double stats[2] = {0, 0};
     moe_val.clear();
-    // Every forward exchanges tokens over the ep group: its ranks run as many as the one with
-    // the most validation batches, the others on batches without loss tokens.
-    int64_t rounds = int64_t(val_batches.size());
-    mesh.group(comm::Axis::ep).all_reduce(std::span<int64_t>(&rounds, 1), comm::ReduceOp::max);
-    const data::Batch idle = idle_batch(config.train.seq_len);
-    for (int64_t i = 0; i < rounds; ++i) {
-      const bool real = i < int64_t(val_batches.size());
-      const data::Batch& b = real ? val_batches[size_t(i)] : idle;
-      const RankBatchInputs rank_in(b, config, mesh.group(comm::Axis::cp));  // as in training
-      const model::ModelInputs& in = rank_in.inputs();
-      stats[0] += model.forward(activations(in.B, in.T), in);
-      if (!real) continue;
-      stats[1] += rank_in.loss_weight_sum();
-      moe_val.add(activations(in.B, in.T));
+    if (pipeline) {
+      const auto sums = pipeline->validation_sums(val_batches);
+      stats[0] = sums[0], stats[1] = sums[1];
+    } else {
+      // Every forward exchanges tokens over the ep group: its ranks run as many as the one
+      // with the most validation batches, the others on batches without loss tokens.
+      int64_t rounds = int64_t(val_batches.size());
+      mesh.group(comm::Axis::ep).all_reduce(std::span<int64_t>(&rounds, 1), comm::ReduceOp::max);
+      const data::Batch idle = idle_batch(config.train.seq_len);
+      for (int64_t i = 0; i < rounds; ++i) {
+        const bool real = i < int64_t(val_batches.size());
+        const data::Batch& b = real ? val_batches[size_t(i)] : idle;
+        const RankBatchInputs rank_in(b, config, mesh.group(comm::Axis::cp));  // as in training
+        const model::ModelInputs& in = rank_in.inputs();
+        stats[0] += model.forward(activations(in.B, in.T), in);
+        if (!real) continue;
+        stats[1] += rank_in.loss_weight_sum();
+        moe_val.add(activations(in.B, in.T));
+      }
     }
     grad_group.all_reduce(std::span<double>(stats, 2));
     if (!moe_val.empty()) dp.all_reduce(moe_val.values());
@@ -716,6 +722,7 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
+  if (c.train.sample_tokens > 0 && s.pipeline) s.pipeline->sync_weights();  // rank 0 samples
   if (c.train.sample_tokens > 0 && (s.is_root || s.sharded_experts())) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
