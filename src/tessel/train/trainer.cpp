@@ -337,9 +337,10 @@ struct Trainer::State {
     if (pipeline) pipeline->sync_weights();
     CheckpointContent content;
     content.step = step;
-    // Each expert once: the first edp rank of each ep index writes the ep rank's experts;
-    // likewise each pipeline stage's optimizer state (edp = dp without experts).
-    const bool writes_own = mesh.coordinate(comm::Axis::edp) == 0;
+    // Each expert once: the first edp rank of each ep index writes the ep rank's experts.
+    // Each pipeline stage's optimizer state once: the stage's first dp rank (pipelines have
+    // no experts, but parallel.ep > 1 still splits dp into several edp groups).
+    const bool writes_own = mesh.coordinate(pipeline ? comm::Axis::dp : comm::Axis::edp) == 0;
     for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
     // Collective on every rank.
     auto* sharded = dynamic_cast<parallel::ExpertShardedOptimizer*>(optimizer.get());

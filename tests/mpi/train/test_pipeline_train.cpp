@@ -387,17 +387,20 @@ TEST(PipelineTrain, ResumeContinuesBitwise) {
 
 // Each rank holds its own stage's optimizer state only. The stages together hold exactly
 // the per-parameter state of the single-process optimizer, each tensor once, and so does a
-// checkpoint, also when dp replicas of a stage hold the same state (pp 2 x dp 2).
+// checkpoint, also when dp replicas of a stage hold the same state (pp 2 x dp 2, with ep 1
+// and ep 2: a dense model with parallel.ep = 2 has two edp groups per stage).
 TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
   comm::Communicator& world = comm::world();
-  std::vector<int> pps = {world.size()};
-  if (world.size() == 4) pps.push_back(2);
+  std::vector<std::pair<int, int>> meshes = {{world.size(), 1}};  // pp, ep
+  if (world.size() == 4) meshes.insert(meshes.end(), {{2, 1}, {2, 2}});
   for (const char* optimizer : {"adamw", "muon"})
-    for (const int pp : pps) {
-      SCOPED_TRACE(std::string(optimizer) + ", pp " + std::to_string(pp));
+    for (const auto& [pp, ep] : meshes) {
+      SCOPED_TRACE(std::string(optimizer) + ", pp " + std::to_string(pp) + ", ep " +
+                   std::to_string(ep));
       train::Config c = pipeline_config(world, "tessel-pp-state");
       c.optim.name = optimizer;
       c.parallel.pp = pp;
+      c.parallel.ep = ep;
       c.pipeline.schedule = "1f1b";
       c.train.eval_every = 0;
       c.train.save_final = true;
@@ -437,7 +440,7 @@ TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
         return {rest, s};
       };
 
-      const comm::Mesh mesh = comm::Mesh::build(world, {pp, world.size() / pp, 1, 1});
+      const comm::Mesh mesh = comm::Mesh::build(world, {pp, world.size() / pp, 1, ep});
       auto mine = train::make_stage_optimizer(c, model, mesh, &mesh.group(comm::Axis::dp), {});
       int64_t own_numel = 0;
       for (auto& st : mine->state()) {
