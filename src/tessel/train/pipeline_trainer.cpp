@@ -231,6 +231,10 @@ void PipelineTrainer::on_step(int64_t version) {
     stats[0] = sums.back();
   } else {
     norm = optim::global_grad_norm(own_params_);
+    if (on_window && work_.last_stage()) {
+      on_window(update, stats[0] / stats[1], norm, window_timer_.seconds());
+      window_timer_.reset();
+    }
   }
   if (!std::isfinite(norm))
     throw Error("step " + std::to_string(update) + ": stage " + std::to_string(stage_) +
@@ -271,6 +275,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   run_windows_.clear();
   model_.zero_grads();
   Timer timer;
+  window_timer_.reset();
   pipeline::ScheduleOptions options{kind_, stages_,
                                     paci ? windows * micro_per_step_ : micro_per_step_, 1,
                                     paci ? micro_per_step_ : 1};

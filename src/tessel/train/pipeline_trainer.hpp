@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "tessel/comm/mesh.hpp"
+#include "tessel/core/timer.hpp"
 #include "tessel/data/loader.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/optim/lr_schedule.hpp"
@@ -92,6 +93,11 @@ class PipelineTrainer {
   std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches);
   // Every stage's parameters broadcast from that stage over pp.
   void sync_weights();
+  // PACI, on the last stage: called at each of its local steps (step counted from 1) with the
+  // window's loss over the global batch, the last stage's gradient norm and the seconds since
+  // its previous window (or the horizon's start), as it happens (the trainer's step records
+  // of a horizon come only once it drains).
+  std::function<void(int64_t step, double loss, double grad_norm, double seconds)> on_window;
 
  private:
   void on_step(int64_t version);
@@ -120,6 +126,7 @@ class PipelineTrainer {
   std::vector<PipelineStep> run_windows_;  // this stage's view of each STEP of the run
   std::deque<PipelineStep> pending_;       // PACI: windows done, not yet returned
   int64_t next_step_ = -1;                 // the step pending_.front() belongs to
+  Timer window_timer_;                     // PACI: since the previous window (on_window)
 };
 
 }  // namespace tessel::train

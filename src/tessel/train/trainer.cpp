@@ -588,6 +588,22 @@ TrainResult Trainer::run() {
 
   Timer run_timer;
   double train_seconds = 0;
+  auto log_step = [&](int64_t step) {
+    return step % c.train.log_every == 0 || step == c.train.steps || step == s.start_step + 1;
+  };
+  // PACI's step records come once a horizon drains (at validation, checkpoints, the end), so
+  // the last stage, which computes the loss, prints its progress lines as its windows finish.
+  const bool paci = s.pipeline && pipeline_schedule(c) == pipeline::ScheduleKind::paci;
+  if (paci && !c.run.quiet && s.mesh.coordinate(comm::Axis::pp) == c.parallel.pp - 1 &&
+      s.mesh.coordinate(comm::Axis::dp) == 0)
+    s.pipeline->on_window = [&](int64_t step, double loss, double grad_norm, double seconds) {
+      if (!log_step(step)) return;
+      std::printf(
+          "step %5lld/%lld | loss %.4f | lr %.2e | last stage's grad norm %.3f | %.0f tok/s\n",
+          static_cast<long long>(step), static_cast<long long>(c.train.steps), loss,
+          s.schedule.lr(step), grad_norm, double(global_tokens) / seconds);
+      std::fflush(stdout);
+    };
   for (int64_t step = s.start_step; step < c.train.steps; ++step) {
     s.ledger.enter(Phase::productive, step + 1);
     s.checkpointer.poll();  // twice per step: a commit needs a few rounds
@@ -667,7 +683,7 @@ TrainResult Trainer::run() {
     }
     write_metrics(record);
     bool last = rec.step == c.train.steps;
-    if (rec.step % c.train.log_every == 0 || last || rec.step == s.start_step + 1) {
+    if (!paci && log_step(rec.step)) {
       double per_step = train_seconds / double(rec.step - s.start_step);
       char line[256];
       std::snprintf(line, sizeof line,

@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "support/mpi_train_fixture.hpp"
 #include "support/pipeline_fixture.hpp"
@@ -459,4 +461,40 @@ TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
         saved.emplace_back(strip(t.name).first, t.tensor.numel());
       EXPECT_EQ(per_parameter(saved), whole);
     }
+}
+
+// PACI's step records come only when a horizon drains, so the last stage prints the progress
+// line of every logged step as its window finishes, with the loss the record gets later; no
+// other rank prints step lines.
+TEST(PipelineTrain, PaciLastStagePrintsEachLoggedWindow) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-live");
+  c.parallel.pp = world.size();
+  c.pipeline.schedule = "paci";
+  c.train.eval_every = 0;  // one horizon over the whole run
+  c.train.log_every = 3;
+  c.run.quiet = false;
+  testing::internal::CaptureStdout();
+  const auto result = run_on(world, c);
+  const std::string out = testing::internal::GetCapturedStdout();
+  std::vector<std::pair<int64_t, std::string>> printed;  // step, its loss as printed
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    long long step = 0, steps = 0;
+    char loss[32] = {};
+    if (std::sscanf(line.c_str(), "step %lld/%lld | loss %31s", &step, &steps, loss) == 3)
+      printed.emplace_back(step, loss);
+  }
+  if (world.rank() != world.size() - 1) {
+    EXPECT_TRUE(printed.empty()) << out;
+    return;
+  }
+  ASSERT_EQ(result.steps.size(), 8u);
+  std::vector<std::pair<int64_t, std::string>> want;
+  for (const int64_t step : {1, 3, 6, 8}) {  // the first, every log_every-th and the last
+    char loss[32];
+    std::snprintf(loss, sizeof loss, "%.4f", result.steps[size_t(step - 1)].loss);
+    want.emplace_back(step, loss);
+  }
+  EXPECT_EQ(printed, want) << out;
 }
