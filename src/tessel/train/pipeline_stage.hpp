@@ -31,7 +31,7 @@
 
 namespace tessel::train {
 
-// What the backwards since the last take_window() contributed.
+// What the backwards since the last take_window() contributed, or one evaluate() computed.
 struct StageWindow {
   double loss_sum = 0;     // last stage only (0 elsewhere)
   double loss_tokens = 0;  // every stage

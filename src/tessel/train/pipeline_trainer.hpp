@@ -13,8 +13,9 @@
 // PACI: no flush. A trainer step is one window of K micro-batches. The executor runs over a
 // horizon that ends at the next validation, checkpoint or the run's end (the only drains);
 // inside it each stage steps alone after every K-th backward, clipping with its own
-// gradient norm (no cross-stage collective, spec section 5). The windows are logged once
-// the horizon is done.
+// gradient norm (no cross-stage collective, spec section 5). The last stage reports each
+// window's loss as it finishes (on_window); the windows' step records come once the horizon
+// is done.
 //
 // Every rank keeps the whole model's weights but trains only its stage's parameters, with an
 // optimizer (and optimizer state) for those alone; validation runs through the stages

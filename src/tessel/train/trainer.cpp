@@ -594,8 +594,7 @@ TrainResult Trainer::run() {
   // PACI's step records come once a horizon drains (at validation, checkpoints, the end), so
   // the last stage, which computes the loss, prints its progress lines as its windows finish.
   const bool paci = s.pipeline && pipeline_schedule(c) == pipeline::ScheduleKind::paci;
-  if (paci && !c.run.quiet && s.mesh.coordinate(comm::Axis::pp) == c.parallel.pp - 1 &&
-      s.mesh.coordinate(comm::Axis::dp) == 0)
+  if (paci && !c.run.quiet && s.mesh.coordinate(comm::Axis::dp) == 0)  // called on the last stage
     s.pipeline->on_window = [&](int64_t step, double loss, double grad_norm, double seconds) {
       if (!log_step(step)) return;
       std::printf(
