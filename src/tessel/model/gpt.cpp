@@ -92,8 +92,8 @@ Tensor Activations::residual_grad(int64_t boundary) const {
   return boundary_view(d_stream, boundary);
 }
 
-Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
-    : config_(config), shard_(shard) {
+Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange blocks)
+    : config_(config), shard_(shard), range_(blocks) {
   validate(config_);
   C_ = config_.width;
   H_ = config_.heads;
@@ -104,14 +104,19 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
   QKV_ = (H_ + 2 * Hkv_) * D_;
   const int64_t V = config_.vocab, L = config_.layers;
   const bool layernorm = config_.norm == NormType::layernorm;
+  if (range_.last < 0) range_.last = L;
+  TESSEL_CHECK(0 <= range_.first && range_.first <= range_.last && range_.last <= L, "blocks [",
+               range_.first, ", ", range_.last, ") of ", L);
 
-  // The registry, in order (docs/model.md), less the experts outside the shard (whose
-  // indices stay -1); every parameter keeps its whole-model position for its init stream.
+  // The registry, in order (docs/model.md), less the experts outside the shard and the
+  // parameters outside the block range (whose indices stay -1); every parameter keeps its
+  // whole-model position for its init stream. Sizes count the whole model.
   std::vector<Spec> specs;
   uint64_t position = 0;
-  bool expert = false, held = true;  // adding an expert's parameters; one of the shard's
+  bool expert = false, held = true;  // adding an expert's parameters; one this model holds
   auto add = [&](std::string name, ParamTag tag, Shape shape, Init init) {
     const uint64_t at = position++;
+    total_numel_ += shape_numel(shape);
     if (!held) return -1;
     specs.push_back({std::move(name), tag, std::move(shape), init, expert, at});
     return int(specs.size() - 1);
@@ -122,10 +127,14 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
   };
   auto add_linear = [&](const std::string& prefix, int64_t out, int64_t in, Init init, int& w,
                         int& b) {
+    if (!expert) matmul_numel_ += out * in;  // an expert's count once per token: below
     w = add(prefix + ".weight", ParamTag::hidden_matrix, {out, in}, init);
     if (config_.bias) b = add(prefix + ".bias", ParamTag::bias, {out}, Init::zeros);
   };
+  matmul_numel_ = V * C_;  // the head, tied or not
+  held = holds_embedding() || (config_.tied_head && holds_head());
   embed_ = add("embed.weight", ParamTag::embedding, {V, C_}, Init::normal);
+  held = holds_embedding();
   if (config_.positions == PositionType::learned)
     pos_embed_ =
         add("pos_embed.weight", ParamTag::position_embedding, {config_.max_seq, C_}, Init::normal);
@@ -150,6 +159,8 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
   blocks_.resize(size_t(L));
   for (int64_t i = 0; i < L; ++i) {
     const std::string p = "blocks." + std::to_string(i) + ".";
+    const bool in_range = range_.first <= i && i < range_.last;
+    held = in_range;
     BlockParams& b = blocks_[size_t(i)];
     add_norm(p + "attn_norm", b.attn_norm_w, b.attn_norm_b);
     add_linear(p + "attn.qkv", QKV_, C_, Init::normal, b.qkv_w, b.qkv_b);
@@ -158,17 +169,19 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
     if (moe_mask_[size_t(i)]) {
       MoeParams& m = moe_params_[size_t(i)];
       const int64_t E = config_.moe.experts;
+      matmul_numel_ +=
+          E * C_ + config_.moe.top_k * (moe_shape.fc_in_rows(moe_shape.F) * C_ + C_ * moe_shape.F);
       m.router = add(p + "moe.router.weight", ParamTag::router, {E, C_}, Init::normal);
       m.beta = add(p + "moe.router.balance_bias", ParamTag::balance_bias, {E}, Init::zeros);
       m.experts.resize(size_t(E));
       const int64_t per_shard = E / shard_.count;
       expert = true;
       for (int64_t e = 0; e < E; ++e) {
-        held = e / per_shard == shard_.index;
+        held = in_range && e / per_shard == shard_.index;
         add_mlp(p + "moe.experts." + std::to_string(e), moe_shape.F, m.experts[size_t(e)]);
       }
       expert = false;
-      held = true;
+      held = in_range;
       if (moe_shape.Fs > 0) add_mlp(p + "moe.shared", moe_shape.Fs, m.shared);
       if (!moe_) moe_.emplace(config_.moe, moe_shape);
       continue;
@@ -176,8 +189,10 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
     add_linear(p + "mlp.fc_in", Fi_, C_, Init::normal, b.fc_in_w, b.fc_in_b);
     add_linear(p + "mlp.fc_out", C_, F_, Init::scaled_normal, b.fc_out_w, b.fc_out_b);
   }
+  held = holds_head();
   add_norm("final_norm", final_norm_w_, final_norm_b_);
   head_ = config_.tied_head ? embed_ : add("head.weight", ParamTag::head, {V, C_}, Init::normal);
+  registry_size_ = int64_t(position);
 
   // Flat layout: the dense parameters, then the experts (registry order within each).
   std::vector<int64_t> offset(specs.size());
@@ -193,6 +208,7 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard)
     const Spec& s = specs[i];
     parameters_.push_back({s.name, s.tag, flat_params_.view(offset[i], s.shape),
                            flat_grads_.view(offset[i], s.shape)});
+    positions_.push_back(int64_t(s.position));
     (s.expert ? expert_params_ : dense_params_).push_back(parameters_.back());
   }
 
@@ -234,24 +250,10 @@ Tensor Gpt::expert_grads() const {
   return flat_grads_.view(dense_numel_, {num_parameters() - dense_numel_});
 }
 
-int64_t Gpt::total_parameters() const {
-  return dense_numel_ + (num_parameters() - dense_numel_) * shard_.count;
-}
-
-int64_t Gpt::matmul_parameters() const {
-  int64_t n = config_.vocab * C_;  // the head, tied or not
-  auto numel = [&](int i) { return i < 0 ? 0 : parameters_[size_t(i)].value.numel(); };
-  for (size_t l = 0; l < blocks_.size(); ++l) {
-    const BlockParams& b = blocks_[l];
-    for (int i : {b.qkv_w, b.out_w, b.fc_in_w, b.fc_out_w}) n += numel(i);
-    if (!moe_mask_[l]) continue;
-    // An MoE block: the router, top_k experts and the shared expert act on each token.
-    const MoeParams& m = moe_params_[l];
-    const int64_t F = config_.moe_hidden_size(), Fi = config_.mlp == MlpType::swiglu ? 2 * F : F;
-    n += numel(m.router) + numel(m.shared.fc_in_w) + numel(m.shared.fc_out_w) +
-         config_.moe.top_k * (Fi * C_ + C_ * F);
-  }
-  return n;
+void Gpt::check_blocks(int64_t first, int64_t last) const {
+  TESSEL_CHECK(range_.first <= first && first <= last && last <= range_.last, "blocks [", first,
+               ", ", last, ") are not held by a model of blocks [", range_.first, ", ", range_.last,
+               ")");
 }
 
 const float* Gpt::value(int index) const {
@@ -389,6 +391,7 @@ void Gpt::norm_backward(float* dx, int w, int b, const float* dy, const float* x
 
 // x_0 [N, C] = embed[tokens] (+ pos_embed[positions]).
 void Gpt::forward_embedding(Activations& acts) const {
+  TESSEL_CHECK(holds_embedding(), "forward_embedding: the model does not hold the embedding");
   TESSEL_CHECK(acts.has_tokens, "forward_embedding needs inputs.tokens");
   const int64_t N = acts.B * acts.T, C = C_;
   float* x = acts.residual(0).f32();
@@ -404,8 +407,7 @@ void Gpt::forward_embedding(Activations& acts) const {
 }
 
 void Gpt::forward_blocks(Activations& acts, int64_t first, int64_t last) const {
-  TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers, "blocks [", first, ", ", last,
-               ") of ", config_.layers);
+  check_blocks(first, last);
   for (int64_t l = first; l < last; ++l) block_forward(acts, l);
 }
 
@@ -467,6 +469,7 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
 
 // x_L [N, C] -> final_norm [N, C] -> logits [N, V] -> loss sum (0 without targets).
 double Gpt::forward_head(Activations& acts) const {
+  TESSEL_CHECK(holds_head(), "forward_head: the model does not hold the head");
   const int64_t N = acts.B * acts.T, V = config_.vocab;
   const float* x = acts.residual(config_.layers).f32();
   norm_forward(acts.final_norm.f32(), at(acts.final_norm_mean, 0), acts.final_norm_rstd.f32(), x,
@@ -478,6 +481,7 @@ double Gpt::forward_head(Activations& acts) const {
 }
 
 void Gpt::backward_head(Activations& acts, float loss_scale) {
+  TESSEL_CHECK(holds_head(), "backward_head: the model does not hold the head");
   TESSEL_CHECK(acts.has_targets, "backward needs a forward with targets");
   const int64_t N = acts.B * acts.T, V = config_.vocab, L = config_.layers;
   acts.loss_scale = loss_scale;
@@ -494,8 +498,7 @@ void Gpt::backward_head(Activations& acts, float loss_scale) {
 }
 
 void Gpt::backward_blocks(Activations& acts, int64_t first, int64_t last) {
-  TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers, "blocks [", first, ", ", last,
-               ") of ", config_.layers);
+  check_blocks(first, last);
   for (int64_t l = last - 1; l >= first; --l) block_backward(acts, l);
 }
 
@@ -590,13 +593,14 @@ void Gpt::set_expert_comm(moe::ExpertComm* comm) {
 }
 
 void Gpt::update_balance() {
-  for (size_t l = 0; l < moe_mask_.size(); ++l)
-    if (moe_mask_[l])
-      moe_->update(balance_[l], parameters_[size_t(moe_params_[l].beta)].value.f32(),
-                   *expert_comm_);
+  for (int64_t l = range_.first; l < range_.last; ++l)
+    if (moe_mask_[size_t(l)])
+      moe_->update(balance_[size_t(l)],
+                   parameters_[size_t(moe_params_[size_t(l)].beta)].value.f32(), *expert_comm_);
 }
 
 void Gpt::backward_embedding(Activations& acts) {
+  TESSEL_CHECK(holds_embedding(), "backward_embedding: the model does not hold the embedding");
   TESSEL_CHECK(acts.has_tokens, "backward_embedding needs inputs.tokens");
   const int64_t N = acts.B * acts.T;
   const float* dx = acts.residual_grad(0).f32();

@@ -124,11 +124,20 @@ struct ExpertShard {
   int64_t index = 0, count = 1;
 };
 
+// Which blocks a model holds: [first, last) (last < 0: through the last block), as a
+// pipeline stage places them; with block 0 come the embeddings, with the last block the final
+// norm and the head (and the embedding, when the head is tied to it). Placement is data, like
+// ExpertShard: the model allocates only what it holds and never sees the pipeline.
+struct BlockRange {
+  int64_t first = 0, last = -1;
+};
+
 class Gpt {
  public:
   // Validates the config (InputError) and initializes the parameters from `seed`. Only the
-  // experts of `shard` are allocated; each parameter's values do not depend on the shard.
-  Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard = {});
+  // experts of `shard` and the parameters of `blocks` are allocated; each parameter's values
+  // do not depend on the shard or the range.
+  Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard = {}, BlockRange blocks = {});
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
   Gpt(Gpt&&) = default;
@@ -136,9 +145,18 @@ class Gpt {
 
   const GptConfig& config() const { return config_; }
   const ExpertShard& expert_shard() const { return shard_; }
-  // Registry order, names, shapes and tags: docs/model.md. Experts outside the shard are
-  // left out; the others keep their global names (blocks.{i}.moe.experts.{e}.*).
+  const BlockRange& block_range() const { return range_; }    // resolved: last >= 0
+  bool holds_embedding() const { return range_.first == 0; }  // the input side's pieces
+  bool holds_head() const { return range_.last == config_.layers; }
+  // Registry order, names, shapes and tags: docs/model.md. Experts outside the shard and
+  // parameters outside the block range are left out; the others keep their global names
+  // (blocks.{i}.moe.experts.{e}.*).
   const ParameterList& parameters() const { return parameters_; }
+  // Where parameters()[i] stands in the whole model's registry (every expert, every block),
+  // and that registry's length: what a held subset needs to add per-parameter sums in the
+  // whole model's order.
+  int64_t registry_position(size_t i) const { return positions_.at(i); }
+  int64_t registry_size() const { return registry_size_; }
   // The same split in two, each in registry order: the parameters every shard holds
   // (replicated over an ep group) and this shard's experts.
   const ParameterList& dense_parameters() const { return dense_params_; }
@@ -154,11 +172,13 @@ class Gpt {
   Tensor expert_grads() const;  // the experts' range of flat_grads() (may be empty)
   void zero_grads();
   int64_t num_parameters() const { return flat_params_.numel(); }  // held by this model
-  int64_t total_parameters() const;  // of the whole model, every expert counted once
-  // Weights that multiply each token's activations: every block matrix plus the
-  // head matrix (counted also when tied); no biases, norms or embedding lookups.
+  // Of the whole model, every expert counted once, whatever this model holds.
+  int64_t total_parameters() const { return total_numel_; }
+  // Weights of the whole model that multiply each token's activations: every block matrix
+  // (in an MoE block the router, top_k experts and the shared expert) plus the head matrix
+  // (counted also when tied); no biases, norms or embedding lookups.
   // MFU counts 6 * matmul_parameters() + 12 * L * H * D * T flops per token.
-  int64_t matmul_parameters() const;
+  int64_t matmul_parameters() const { return matmul_numel_; }
 
   // Buffers for one micro-batch of B sequences of T tokens (InputError when
   // T > max_seq), for the blocks [first, last) (last < 0: through the last block).
@@ -173,7 +193,8 @@ class Gpt {
 
   // The pieces, for pipeline stages. Each forward reads the previous boundary of
   // acts and writes the next; each backward reads residual_grad(last) (after
-  // backward_head or from the next stage) and writes residual_grad(first).
+  // backward_head or from the next stage) and writes residual_grad(first). A piece the
+  // block range does not hold is an error (forward / backward need the whole model).
   // Validates and copies the inputs (InputError on ids or positions out of range).
   void load_inputs(Activations& acts, const ModelInputs& inputs) const;
   void forward_embedding(Activations& acts) const;                            // -> residual(0)
@@ -223,8 +244,14 @@ class Gpt {
   template <class P, class Get>
   moe::LayerWeightsT<P> moe_views(const MoeParams& m, Get get) const;
 
+  // Checks that the blocks [first, last) are held.
+  void check_blocks(int64_t first, int64_t last) const;
+
   GptConfig config_;
   ExpertShard shard_;
+  BlockRange range_;
+  std::vector<int64_t> positions_;  // [parameters_] whole-registry positions
+  int64_t registry_size_ = 0, total_numel_ = 0, matmul_numel_ = 0;
   int64_t C_, H_, Hkv_, D_, F_, Fi_, QKV_;
   Tensor flat_params_, flat_grads_;
   int64_t dense_numel_ = 0;  // the dense range of the flat buffers: [0, dense_numel_)

@@ -82,6 +82,13 @@ void validate_pipeline(const Config& c) {
   pipeline_boundaries(c);  // InputError for a bad layout, or too few blocks for the stages
 }
 
+model::BlockRange pipeline_block_range(const Config& config, const comm::Mesh& mesh) {
+  if (!pipeline_enabled(config)) return {};
+  const auto bounds = pipeline_boundaries(config);
+  const auto s = size_t(mesh.coordinate(comm::Axis::pp));
+  return {bounds.at(s), bounds.at(s + 1)};
+}
+
 std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries) {
   const int last = int(boundaries.size()) - 2;
   std::vector<int> out;
@@ -110,25 +117,21 @@ ParameterList stage_parameters(const model::Gpt& model, const std::vector<int>& 
   return out;
 }
 
-// Each stage's flat element range [begin, end): its parameters are contiguous in the flat
-// buffers (registry order follows the stages); a tied head's weight is the first stage's.
-std::vector<std::pair<int64_t, int64_t>> stage_ranges(const model::Gpt& model,
-                                                      const std::vector<int>& stages, int count) {
-  std::vector<std::pair<int64_t, int64_t>> out;
+// Stage s's flat element range [begin, end) in `model`: its parameters are contiguous in the
+// flat buffers (registry order follows the stages); a tied head's weight is the first stage's.
+std::pair<int64_t, int64_t> stage_range(const model::Gpt& model, const std::vector<int>& stages,
+                                        int s) {
+  int64_t begin = -1, end = -1, total = 0;
   const float* base = model.flat_params().f32();
-  for (int s = 0; s < count; ++s) {
-    int64_t begin = -1, end = -1, total = 0;
-    for (const Parameter& p : stage_parameters(model, stages, s)) {
-      const int64_t at = p.value.f32() - base;
-      if (begin < 0) begin = at;
-      end = at + p.value.numel();
-      total += p.value.numel();
-    }
-    TESSEL_CHECK(begin >= 0 && total == end - begin, "stage ", s,
-                 "'s parameters are not contiguous");
-    out.emplace_back(begin, end);
+  for (const Parameter& p : stage_parameters(model, stages, s)) {
+    const int64_t at = p.value.f32() - base;
+    if (begin < 0) begin = at;
+    end = at + p.value.numel();
+    total += p.value.numel();
   }
-  return out;
+  if (begin < 0) return {0, 0};  // a stage without parameters
+  TESSEL_CHECK(total == end - begin, "stage ", s, "'s parameters are not contiguous");
+  return {begin, end};
 }
 
 // Only this rank's stage: the other stages' optimizer state (momentum, Adam moments,
@@ -183,14 +186,18 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       micro_per_step_(micro_batches_per_step(config)),
       param_stage_(parameter_stages(model, pipeline_boundaries(config))),
       own_params_(stage_parameters(model, param_stage_, stage_)),
-      stage_ranges_(stage_ranges(model, param_stage_, stages_)),
+      own_range_(stage_range(model, param_stage_, stage_)),
       tied_(config.model.tied_head && stages_ > 1),
+      ends_(tied_ ? pp_.split(stage_ == 0 || stage_ == stages_ - 1 ? 0 : 1, stage_) : nullptr),
       work_(
           model, pipeline_boundaries(config), stage_, loader, config.data.attention_mask,
           kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
           [this](int64_t version) { on_step(version); }, own_stash(config)),
       executor_(pp_, work_) {
-  const auto [begin, end] = stage_ranges_[size_t(stage_)];
+  const model::BlockRange blocks = pipeline_block_range(config, mesh);
+  TESSEL_CHECK(model.block_range().first == blocks.first && model.block_range().last == blocks.last,
+               "the model holds other blocks than stage ", stage_, "'s");
+  const auto [begin, end] = own_range_;
   reducer_.emplace(grad_group, model.flat_grads().view(begin, {end - begin}),
                    int64_t(config.parallel.bucket_mb * 1024 * 1024));
 }
@@ -198,7 +205,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
 Tensor PipelineTrainer::own_stash(const Config& config) const {
   // The last stage's backwards are never inconsistent.
   if (!config.pipeline.paci_stash || stage_ == stages_ - 1) return {};
-  const auto [begin, end] = stage_ranges_[size_t(stage_)];
+  const auto [begin, end] = own_range_;
   return model_.flat_params().view(begin, {end - begin});
 }
 
@@ -206,9 +213,10 @@ void PipelineTrainer::on_step(int64_t version) {
   const int64_t update = run_step_ + (version - run_version_) + 1;  // counted from 1
   const StageWindow w = work_.take_window();
   const bool flush = kind_ != pipeline::ScheduleKind::paci;
-  if (tied_) {  // lookups' part (first stage) + head's part (last stage); 0 elsewhere
+  const bool end_stage = stage_ == 0 || stage_ == stages_ - 1;
+  if (tied_ && end_stage) {  // lookups' part (first stage) + head's part (last stage)
     Tensor g = model_.parameter("embed.weight").grad;
-    pp_.all_reduce(std::span<float>(g.f32(), size_t(g.numel())));
+    ends_->all_reduce(std::span<float>(g.f32(), size_t(g.numel())));
   }
   double stats[2] = {w.loss_sum, w.loss_tokens};
   grad_group_.all_reduce(std::span<double>(stats, 2));
@@ -216,17 +224,20 @@ void PipelineTrainer::on_step(int64_t version) {
   reducer_->reduce(float(1.0 / stats[1]));
   double norm = 0;
   if (flush) {
-    // Per-parameter sums of squares, each from its stage, then the loss sum of the last
-    // stage: added in registry order as optim::global_grad_norm adds them.
-    const ParameterList& all = model_.parameters();
-    std::vector<double> sums(all.size() + 1, 0.0);
-    for (size_t i = 0; i < all.size(); ++i)
+    // Per-parameter sums of squares, each from its stage at its place in the whole model's
+    // registry, then the loss sum of the last stage: added in registry order as
+    // optim::global_grad_norm adds them.
+    const ParameterList& held = model_.parameters();
+    const auto registry = size_t(model_.registry_size());
+    std::vector<double> sums(registry + 1, 0.0);
+    for (size_t i = 0; i < held.size(); ++i)
       if (param_stage_[i] == stage_)
-        sums[i] = optim::sum_squares(all[i].grad.f32(), all[i].grad.numel());
+        sums[size_t(model_.registry_position(i))] =
+            optim::sum_squares(held[i].grad.f32(), held[i].grad.numel());
     if (work_.last_stage()) sums.back() = stats[0];
     pp_.all_reduce(std::span<double>(sums));
     double total = 0;
-    for (size_t i = 0; i < all.size(); ++i) total += sums[i];
+    for (size_t i = 0; i < registry; ++i) total += sums[i];
     norm = std::sqrt(total);
     stats[0] = sums.back();
   } else {
@@ -243,9 +254,9 @@ void PipelineTrainer::on_step(int64_t version) {
   before_update_();
   optimizer_.step(schedule_.scale(update));
   model_.zero_grads();
-  if (tied_) {
+  if (tied_ && end_stage) {
     Tensor e = model_.parameter("embed.weight").value;
-    pp_.broadcast(std::span<float>(e.f32(), size_t(e.numel())), 0);
+    ends_->broadcast(std::span<float>(e.f32(), size_t(e.numel())), 0);
   }
   run_windows_.push_back({stats[0], stats[1], norm, 0, {}});
 }
@@ -359,12 +370,29 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
   return {sums[0], sums[1]};
 }
 
-void PipelineTrainer::sync_weights() {
-  float* values = model_.flat_params().f32();
-  for (int s = 0; s < stages_; ++s) {
-    const auto [begin, end] = stage_ranges_[size_t(s)];
-    pp_.broadcast(std::span<float>(values + begin, size_t(end - begin)), s);
+std::unique_ptr<model::Gpt> PipelineTrainer::gather_model() {
+  constexpr int kTag = 0;  // between executor runs no message is in flight
+  const auto [begin, end] = own_range_;
+  const float* own = model_.flat_params().f32() + begin;
+  if (stage_ != 0) {
+    pp_.send(std::span<const float>(own, size_t(end - begin)), 0, kTag);
+    return nullptr;
   }
+  auto whole = std::make_unique<model::Gpt>(config_.model, uint64_t(config_.run.seed),
+                                            model_.expert_shard());
+  const std::vector<int> stages = parameter_stages(*whole, pipeline_boundaries(config_));
+  float* values = whole->flat_params().f32();
+  for (int s = 0; s < stages_; ++s) {
+    const auto [b, e] = stage_range(*whole, stages, s);
+    const std::span<float> into(values + b, size_t(e - b));
+    TESSEL_CHECK(s != 0 || e - b == end - begin, "stage 0 holds ", end - begin,
+                 " parameter values, the whole model's stage 0 ", e - b);
+    if (s == 0)
+      std::copy(own, own + (end - begin), into.begin());
+    else
+      pp_.recv(into, s, kTag);
+  }
+  return whole;
 }
 
 }  // namespace tessel::train

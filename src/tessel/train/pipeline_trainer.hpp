@@ -17,10 +17,11 @@
 // window's loss as it finishes (on_window); the windows' step records come once the horizon
 // is done.
 //
-// Every rank keeps the whole model's weights but trains only its stage's parameters, with an
-// optimizer (and optimizer state) for those alone; validation runs through the stages
-// (validation_sums); sync_weights() brings every rank's weights up to date before
-// checkpoints and the sample, so those run unchanged.
+// Every rank holds only its stage: the model is built with the stage's blocks
+// (pipeline_block_range), so weights, gradients, optimizer state and activations are the
+// stage's alone (a tied embedding also on the last stage, for the head). Validation runs
+// through the stages (validation_sums); checkpoints write each stage's parameters from its
+// first dp rank (own_parameters); gather_model() assembles the whole model for the sample.
 #include <array>
 #include <cstdint>
 #include <deque>
@@ -57,6 +58,10 @@ std::vector<int64_t> pipeline_boundaries(const Config& config);
 // with a tied head or an adaptive checkpoint policy) and for a bad schedule or layout.
 void validate_pipeline(const Config& config);
 
+// The blocks this rank's stage holds (the model's BlockRange): its pp coordinate's
+// [boundaries[s], boundaries[s + 1]); every block without a pipeline.
+model::BlockRange pipeline_block_range(const Config& config, const comm::Mesh& mesh);
+
 // The stage of every parameter of `model`, in registry order: the embeddings on the first
 // stage, each block's on the stage holding it (stage_boundaries), the final norm and the
 // head on the last; a tied head's weight is the embedding, trained on the first.
@@ -92,8 +97,13 @@ class PipelineTrainer {
   // over `batches` (this dp rank's), summed in batch order as one process sums them, on every
   // rank of the pp group. Collective over pp; call between steps (no message in flight).
   std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches);
-  // Every stage's parameters broadcast from that stage over pp.
-  void sync_weights();
+  // The whole model (built from config and run.seed, then every stage's current parameters
+  // received from it) on the first stage; null on the others. Collective over pp; call
+  // between steps.
+  std::unique_ptr<model::Gpt> gather_model();
+  // The parameters this stage trains (and checkpoints write from its first dp rank): the
+  // model's, less a tied embedding on the last stage (the first stage's).
+  const ParameterList& own_parameters() const { return own_params_; }
   // PACI, on the last stage: called at each of its local steps (step counted from 1) with the
   // window's loss over the global batch, the last stage's gradient norm and the seconds since
   // its previous window (or the horizon's start), as it happens (the trainer's step records
@@ -116,8 +126,10 @@ class PipelineTrainer {
   int64_t micro_per_step_;
   std::vector<int> param_stage_;
   ParameterList own_params_;
-  std::vector<std::pair<int64_t, int64_t>> stage_ranges_;  // [stage] flat element range
-  bool tied_;  // the embedding lives on the first and the last stage
+  std::pair<int64_t, int64_t> own_range_;  // own_params_' flat element range
+  bool tied_;                              // the embedding lives on the first and the last stage
+  // Tied: the first and the last stage (ranks 0 and 1 in it), which share the embedding.
+  std::unique_ptr<comm::Communicator> ends_;
   std::optional<parallel::GradientReducer> reducer_;  // this stage's gradient range
   GptStage work_;
   pipeline::StageExecutor executor_;

@@ -197,7 +197,8 @@ struct Trainer::State {
         dp(mesh.group(comm::Axis::dp)),
         dp_cp(shape.cp > 1 ? w.split(mesh.coordinate(comm::Axis::pp), w.rank()) : nullptr),
         grad_group(dp_cp ? *dp_cp : dp),
-        model(config.model, uint64_t(config.run.seed), parallel::expert_shard(mesh)),
+        model(config.model, uint64_t(config.run.seed), parallel::expert_shard(mesh),
+              pipeline_block_range(config, mesh)),
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
         moe_val(model),
@@ -263,9 +264,10 @@ struct Trainer::State {
   void synthetic_step() {
     try {
       set_num_threads(int(config.run.threads));
-      // A pipeline stage trains on activations of its own blocks (pipeline_stage.hpp).
-      if (!pipeline_enabled(config))
-        activations(config.train.micro_batch, config.train.seq_len / config.parallel.cp);
+      // A pipeline stage holds only its blocks and trains on activations of its own
+      // (pipeline_stage.hpp): its first micro-batch warms the kernels.
+      if (pipeline_enabled(config)) return;
+      activations(config.train.micro_batch, config.train.seq_len / config.parallel.cp);
       const auto& moe = model.moe_blocks();
       if (config.parallel.cp > 1 || std::find(moe.begin(), moe.end(), true) != moe.end()) return;
       const int64_t T = config.train.seq_len;
@@ -334,14 +336,17 @@ struct Trainer::State {
   }
 
   void save(int64_t step) {
-    if (pipeline) pipeline->sync_weights();
     CheckpointContent content;
     content.step = step;
     // Each expert once: the first edp rank of each ep index writes the ep rank's experts.
-    // Each pipeline stage's optimizer state once: the stage's first dp rank (pipelines have
-    // no experts, but parallel.ep > 1 still splits dp into several edp groups).
+    // Each pipeline stage's parameters and optimizer state once: the stage's first dp rank
+    // (pipelines have no experts, but parallel.ep > 1 still splits dp into edp groups).
     const bool writes_own = mesh.coordinate(pipeline ? comm::Axis::dp : comm::Axis::edp) == 0;
-    for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
+    if (pipeline && writes_own)
+      for (const auto& p : pipeline->own_parameters())
+        content.own_model.push_back({p.name, p.value});
+    if (!pipeline)
+      for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
     // Collective on every rank.
     auto* sharded = dynamic_cast<parallel::ExpertShardedOptimizer*>(optimizer.get());
     using SplitState = parallel::ExpertShardedOptimizer::SplitState;
@@ -451,17 +456,18 @@ struct Trainer::State {
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
-  // Rank 0's text sample. With ep = 1 rank 0 runs alone; with sharded experts every rank
-  // calls this and each ep group generates together (same prompt, seed and length).
-  std::string sample() {
+  // Rank 0's text sample from `from` (the model, or a pipeline's gathered one). With ep = 1
+  // rank 0 runs alone; with sharded experts every rank calls this and each ep group
+  // generates together (same prompt, seed and length).
+  std::string sample(model::Gpt& from) {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
-    if (!sharded_experts()) model.set_expert_comm(nullptr);
+    if (!sharded_experts()) from.set_expert_comm(nullptr);
     auto ids =
-        model::generate(model, tok.encode(config.train.sample_prompt), config.train.sample_tokens,
+        model::generate(from, tok.encode(config.train.sample_prompt), config.train.sample_tokens,
                         float(config.train.sample_temperature), config.train.sample_top_k, rng);
-    model.set_expert_comm(&experts);
+    from.set_expert_comm(&experts);
     return tok.decode(ids);
   }
 
@@ -560,9 +566,14 @@ TrainResult Trainer::run() {
     if (metrics_log) metrics_log->write(j);
   };
 
+  // What each rank holds (expert shards, pipeline stages): one all-gather at the start.
+  const int64_t held = s.model.num_parameters();
+  std::vector<int64_t> per_rank(size_t(s.world.size()));
+  s.world.all_gather(std::span<const int64_t>(&held, 1), per_rank);
   write_metrics({{"event", "start"},
                  {"parameters", s.model.total_parameters()},
                  {"rank_parameters", s.model.num_parameters()},
+                 {"parameters_per_rank", per_rank},
                  {"matmul_parameters", s.model.matmul_parameters()},
                  {"flops_per_token", flops_tok},
                  {"peak_gflops", peak},
@@ -738,9 +749,12 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  if (c.train.sample_tokens > 0 && s.pipeline) s.pipeline->sync_weights();  // rank 0 samples
+  // A pipeline's stages hold parts of the model: rank 0 (stage 0 of dp replica 0) gathers it.
+  std::unique_ptr<model::Gpt> gathered;
+  if (c.train.sample_tokens > 0 && s.pipeline && s.mesh.coordinate(comm::Axis::dp) == 0)
+    gathered = s.pipeline->gather_model();
   if (c.train.sample_tokens > 0 && (s.is_root || s.sharded_experts())) {
-    result.sample = s.sample();
+    result.sample = s.sample(gathered ? *gathered : s.model);
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }
   s.log("done in " + format_duration(run_timer.seconds()) + "; metrics in " + c.run.dir +

@@ -194,7 +194,9 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   train::Config c = pipeline_config(world, "tessel-pp-run");
+  c.train.sample_tokens = 12;  // rank 0 samples from the model gathered from the stages
   const Reference ref = single_process(c);
+  ASSERT_FALSE(ref.result.sample.empty());
   bool clipped = false;
   for (const auto& s : ref.result.steps) clipped = clipped || s.grad_norm > c.train.grad_clip;
   EXPECT_TRUE(clipped);
@@ -209,6 +211,7 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
       fixture::expect_same_steps(piped, ref.result);
       fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
       if (world.rank() != 0) continue;
+      EXPECT_EQ(piped.sample, ref.result.sample);
       const auto records = pipeline_records(c.run.dir);
       ASSERT_EQ(records.size(), 8u);
       for (const auto& r : records) {
@@ -385,6 +388,45 @@ TEST(PipelineTrain, ResumeContinuesBitwise) {
         world, c, 4, [&] { fs::remove_all(run + "/checkpoints/step-00000008"); });
     EXPECT_EQ(full.steps.size(), 8u);
   }
+}
+
+// Each rank's model holds only its stage's parameters (a tied embedding also on the last
+// stage): the counts every rank reports at the start equal a model built with the stage's
+// block range, and one dp replica's stages together hold the whole model once. pp = world,
+// and pp 2 x dp 2 on 4 ranks; tied and untied head.
+TEST(PipelineTrain, EachRankHoldsOnlyItsStagesParameters) {
+  comm::Communicator& world = comm::world();
+  std::vector<int> pps = {world.size()};
+  if (world.size() == 4) pps.push_back(2);
+  for (const bool tied : {false, true})
+    for (const int pp : pps) {
+      SCOPED_TRACE("pp " + std::to_string(pp) + (tied ? ", tied head" : ""));
+      train::Config c = pipeline_config(world, "tessel-pp-held");
+      c.parallel.pp = pp;
+      c.pipeline.schedule = "1f1b";
+      c.model.tied_head = tied;
+      c.train.steps = 2;
+      c.optim.warmup_steps = 1;
+      c.train.eval_every = 0;
+      run_on(world, c);
+      nlohmann::json start;
+      std::ifstream in(c.run.dir + "/metrics.jsonl");
+      for (std::string line; std::getline(in, line) && start.is_null();)
+        if (auto j = nlohmann::json::parse(line); j.value("event", "") == "start") start = j;
+      ASSERT_TRUE(start.contains("parameters_per_rank"));
+      const auto held = start["parameters_per_rank"].get<std::vector<int64_t>>();
+      ASSERT_EQ(held.size(), size_t(world.size()));
+
+      const comm::Mesh mesh = comm::Mesh::build(world, {pp, world.size() / pp, 1, 1});
+      const model::BlockRange range = train::pipeline_block_range(c, mesh);
+      const model::Gpt stage(c.model, uint64_t(c.run.seed), {}, range);
+      EXPECT_EQ(held[size_t(world.rank())], stage.num_parameters());
+      EXPECT_LT(stage.num_parameters(), stage.total_parameters());
+      int64_t replica = stage.num_parameters();  // summed over this dp replica's stages
+      mesh.group(comm::Axis::pp).all_reduce(std::span<int64_t>(&replica, 1));
+      const int64_t embed = c.model.vocab * c.model.width;
+      EXPECT_EQ(replica, stage.total_parameters() + (tied ? embed : 0));
+    }
 }
 
 // Each rank holds its own stage's optimizer state only. The stages together hold exactly

@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "tessel/core/error.hpp"
 #include "tessel/model/gpt.hpp"
@@ -362,6 +366,93 @@ TEST(GptPieces, CompositionEqualsWholeModel) {
     gpt.backward_embedding(*stage0);
     EXPECT_TRUE(bitwise_equal(gpt.flat_grads(), grads));
     EXPECT_EQ(stage0->residual(0).shape(), (Shape{2, 6, 16}));
+  }
+}
+
+// Models holding only a block range (pipeline stages) hold exactly their parameters, with
+// the whole model's values, names and registry positions; run in sequence with the residual
+// stream (and its gradient) copied between them, they give the whole model's loss and
+// gradients bit for bit. A tied embedding's gradient is split between the first and the last
+// stage (lookups, head): their sum adds in another order than the whole model accumulates, so
+// only rounding may differ there (1e-6 of the largest entry). Pieces not held are errors.
+TEST(GptBlockRange, StageModelsComposeTheWholeModel) {
+  for (GptConfig c : {gelu_config(), swiglu_config()}) {
+    c.layers = 3;
+    Gpt whole(c, 31);
+    const Batch batch = random_batch(c, 2, 6, 33, c.positions == PositionType::rotary);
+    auto whole_acts = whole.make_activations(2, 6);
+    whole.zero_grads();
+    const double loss = forward_backward(whole, *whole_acts, batch);
+
+    const std::vector<int64_t> bounds = {0, 1, 1, 3};  // a middle stage without blocks
+    std::vector<std::unique_ptr<Gpt>> stages;
+    std::vector<std::unique_ptr<Activations>> acts;
+    std::map<std::string, int> holders;
+    for (size_t s = 0; s + 1 < bounds.size(); ++s) {
+      stages.push_back(
+          std::make_unique<Gpt>(c, 31, ExpertShard{}, BlockRange{bounds[s], bounds[s + 1]}));
+      const Gpt& m = *stages.back();
+      EXPECT_EQ(m.total_parameters(), whole.total_parameters());
+      EXPECT_EQ(m.matmul_parameters(), whole.matmul_parameters());
+      EXPECT_EQ(m.registry_size(), int64_t(whole.parameters().size()));
+      for (size_t i = 0; i < m.parameters().size(); ++i) {
+        const Parameter& p = m.parameters()[i];
+        const Parameter& q = whole.parameters()[size_t(m.registry_position(i))];
+        EXPECT_EQ(p.name, q.name);
+        EXPECT_TRUE(bitwise_equal(p.value, q.value)) << p.name;
+        ++holders[p.name];
+      }
+      acts.push_back(m.make_activations(2, 6, bounds[s], bounds[s + 1]));
+      stages.back()->zero_grads();
+    }
+    // Every parameter once; a tied embedding also on the last stage, for the head.
+    for (const Parameter& p : whole.parameters())
+      EXPECT_EQ(holders[p.name], p.name == "embed.weight" && c.tied_head ? 2 : 1) << p.name;
+    EXPECT_TRUE(stages[1]->parameters().empty());
+
+    const size_t last = stages.size() - 1;
+    for (size_t s = 0; s <= last; ++s) {
+      stages[s]->load_inputs(*acts[s], batch.inputs());
+      if (s == 0)
+        stages[s]->forward_embedding(*acts[s]);
+      else
+        std::memcpy(acts[s]->residual(bounds[s]).raw(), acts[s - 1]->residual(bounds[s]).raw(),
+                    acts[s]->residual(bounds[s]).bytes());
+      stages[s]->forward_blocks(*acts[s], bounds[s], bounds[s + 1]);
+    }
+    EXPECT_EQ(stages[last]->forward_head(*acts[last]), loss);
+    for (size_t s = last + 1; s-- > 0;) {
+      if (s == last)
+        stages[s]->backward_head(*acts[s], 1.0f);
+      else
+        std::memcpy(acts[s]->residual_grad(bounds[s + 1]).raw(),
+                    acts[s + 1]->residual_grad(bounds[s + 1]).raw(),
+                    acts[s]->residual_grad(bounds[s + 1]).bytes());
+      stages[s]->backward_blocks(*acts[s], bounds[s], bounds[s + 1]);
+      if (s == 0) stages[s]->backward_embedding(*acts[s]);
+    }
+    for (const Parameter& q : whole.parameters()) {
+      Tensor sum = Tensor(q.grad.shape());
+      for (const auto& m : stages)
+        for (const Parameter& p : m->parameters())
+          if (p.name == q.name)
+            for (int64_t i = 0; i < sum.numel(); ++i) sum.f32()[i] += p.grad.f32()[i];
+      if (q.name != "embed.weight" || !c.tied_head) {
+        EXPECT_TRUE(bitwise_equal(sum, q.grad)) << q.name;
+        continue;
+      }
+      float scale = 0.0f;
+      for (int64_t i = 0; i < sum.numel(); ++i) scale = std::max(scale, std::fabs(q.grad.f32()[i]));
+      ASSERT_GT(scale, 0.0f);
+      for (int64_t i = 0; i < sum.numel(); ++i)
+        ASSERT_NEAR(sum.f32()[i], q.grad.f32()[i], 1e-6f * scale) << i;
+    }
+
+    EXPECT_ANY_THROW(stages[0]->forward_head(*acts[0]));
+    EXPECT_ANY_THROW(stages[2]->forward_embedding(*acts[2]));
+    EXPECT_ANY_THROW(stages[2]->forward_blocks(*acts[2], 0, 3));
+    EXPECT_ANY_THROW(stages[0]->forward(*acts[0], batch.inputs()));
+    EXPECT_ANY_THROW(Gpt(c, 31, ExpertShard{}, BlockRange{2, 1}));
   }
 }
 
