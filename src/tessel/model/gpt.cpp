@@ -105,8 +105,10 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange b
   const int64_t V = config_.vocab, L = config_.layers;
   const bool layernorm = config_.norm == NormType::layernorm;
   if (range_.last < 0) range_.last = L;
-  TESSEL_CHECK(0 <= range_.first && range_.first <= range_.last && range_.last <= L, "blocks [",
-               range_.first, ", ", range_.last, ") of ", L);
+  TESSEL_CHECK(0 <= range_.first && range_.first <= range_.last && range_.last <= L &&
+                   (!range_.embedding || range_.first == 0) && (!range_.head || range_.last == L),
+               "blocks [", range_.first, ", ", range_.last, ") of ", L,
+               range_.embedding ? " with the embedding" : "", range_.head ? " with the head" : "");
 
   // The registry, in order (docs/model.md), less the experts outside the shard and the
   // parameters outside the block range (whose indices stay -1); every parameter keeps its
@@ -264,18 +266,18 @@ float* Gpt::grad(int index) {
   return index < 0 ? nullptr : parameters_[size_t(index)].grad.f32();
 }
 
-std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, int64_t first,
-                                                   int64_t last) const {
+std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRange range) const {
   if (B <= 0 || T <= 0)
     input_error("micro-batch of ", B, " x ", T, " tokens: sizes must be positive");
   if (T > config_.max_seq)
     input_error("sequence length ", T, " exceeds model.max_seq = ", config_.max_seq);
-  if (last < 0) last = config_.layers;
-  TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers, "blocks [", first, ", ", last,
-               ") of ", config_.layers);
-  // L: the blocks held; the head's buffers only with the last block.
+  const int64_t first = range.first, last = range.last < 0 ? config_.layers : range.last;
+  TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers &&
+                   (!range.head || last == config_.layers),
+               "blocks [", first, ", ", last, ") of ", config_.layers);
+  // L: the blocks held; the head's buffers only with the head.
   const int64_t N = B * T, L = last - first, C = C_;
-  const int64_t V = last == config_.layers ? config_.vocab : 0;
+  const int64_t V = range.head ? config_.vocab : 0;
   const bool layernorm = config_.norm == NormType::layernorm;
   auto a = std::make_unique<Activations>();
   a->B = B;
@@ -469,7 +471,8 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
 
 // x_L [N, C] -> final_norm [N, C] -> logits [N, V] -> loss sum (0 without targets).
 double Gpt::forward_head(Activations& acts) const {
-  TESSEL_CHECK(holds_head(), "forward_head: the model does not hold the head");
+  TESSEL_CHECK(holds_head() && acts.logits.defined(),
+               "forward_head: the model or the activations do not hold the head");
   const int64_t N = acts.B * acts.T, V = config_.vocab;
   const float* x = acts.residual(config_.layers).f32();
   norm_forward(acts.final_norm.f32(), at(acts.final_norm_mean, 0), acts.final_norm_rstd.f32(), x,
@@ -481,7 +484,8 @@ double Gpt::forward_head(Activations& acts) const {
 }
 
 void Gpt::backward_head(Activations& acts, float loss_scale) {
-  TESSEL_CHECK(holds_head(), "backward_head: the model does not hold the head");
+  TESSEL_CHECK(holds_head() && acts.logits.defined(),
+               "backward_head: the model or the activations do not hold the head");
   TESSEL_CHECK(acts.has_targets, "backward needs a forward with targets");
   const int64_t N = acts.B * acts.T, V = config_.vocab, L = config_.layers;
   acts.loss_scale = loss_scale;

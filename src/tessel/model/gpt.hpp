@@ -103,7 +103,7 @@ struct Activations {
 
   // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole
   // model by default): per-layer buffers stack only those, and the head's (final norm,
-  // logits) exist only when last_layer is the model's last.
+  // logits) exist only for a range with the head.
   int64_t first_layer = 0, last_layer = 0;
   // Index of block `layer` in the per-layer buffers (checked to be held).
   int64_t slot(int64_t layer) const;
@@ -124,12 +124,16 @@ struct ExpertShard {
   int64_t index = 0, count = 1;
 };
 
-// Which blocks a model holds: [first, last) (last < 0: through the last block), as a
-// pipeline stage places them; with block 0 come the embeddings, with the last block the final
-// norm and the head (and the embedding, when the head is tied to it). Placement is data, like
-// ExpertShard: the model allocates only what it holds and never sees the pipeline.
+// Which parts of the model a Gpt holds, as a pipeline stage places them: the blocks
+// [first, last) (last < 0: through the last block), the embeddings (`embedding`, needs
+// first = 0) and the final norm with the head (`head`, needs last = the last block); a tied
+// head's weight is the embedding, so `head` holds it too. Explicit flags, because the first
+// or last stage of a split may hold no blocks while its neighbour's range touches the same
+// end. Placement is data, like ExpertShard: the model allocates only what it holds and never
+// sees the pipeline.
 struct BlockRange {
   int64_t first = 0, last = -1;
+  bool embedding = true, head = true;
 };
 
 class Gpt {
@@ -145,9 +149,9 @@ class Gpt {
 
   const GptConfig& config() const { return config_; }
   const ExpertShard& expert_shard() const { return shard_; }
-  const BlockRange& block_range() const { return range_; }    // resolved: last >= 0
-  bool holds_embedding() const { return range_.first == 0; }  // the input side's pieces
-  bool holds_head() const { return range_.last == config_.layers; }
+  const BlockRange& block_range() const { return range_; }  // resolved: last >= 0
+  bool holds_embedding() const { return range_.embedding; }
+  bool holds_head() const { return range_.head; }
   // Registry order, names, shapes and tags: docs/model.md. Experts outside the shard and
   // parameters outside the block range are left out; the others keep their global names
   // (blocks.{i}.moe.experts.{e}.*).
@@ -181,9 +185,12 @@ class Gpt {
   int64_t matmul_parameters() const { return matmul_numel_; }
 
   // Buffers for one micro-batch of B sequences of T tokens (InputError when
-  // T > max_seq), for the blocks [first, last) (last < 0: through the last block).
-  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, int64_t first = 0,
-                                                int64_t last = -1) const;
+  // T > max_seq), for the parts `range` names (the head's buffers only with `head`); by
+  // default those this model holds.
+  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T) const {
+    return make_activations(B, T, range_);
+  }
+  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, BlockRange range) const;
 
   // Whole model: load_inputs, then every forward piece; returns the SUM of the
   // weighted token losses (0 without targets); the caller divides by its count.

@@ -49,7 +49,8 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   const size_t slot = free_.back();
   free_.pop_back();
   auto& acts = slots_[slot];
-  if (!acts) acts = model_.make_activations(batch.B, batch.T, first_, last_);
+  if (!acts)
+    acts = model_.make_activations(batch.B, batch.T, {first_, last_, first_stage(), last_stage()});
   const double loss = forward_stage(*acts, in, input, output);
   live_.emplace(micro, Live{slot, loss, in.loss_weight_sum(), steps_});
 }
@@ -58,7 +59,8 @@ StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> 
                                std::span<float> output) {
   const BatchInputs in(batch, mask_);
   auto& acts = eval_[{batch.B, batch.T}];
-  if (!acts) acts = model_.make_activations(batch.B, batch.T, first_, last_);
+  if (!acts)
+    acts = model_.make_activations(batch.B, batch.T, {first_, last_, first_stage(), last_stage()});
   const double loss = forward_stage(*acts, in, input, output);
   return {loss, in.loss_weight_sum(), 1};
 }

@@ -86,7 +86,7 @@ model::BlockRange pipeline_block_range(const Config& config, const comm::Mesh& m
   if (!pipeline_enabled(config)) return {};
   const auto bounds = pipeline_boundaries(config);
   const auto s = size_t(mesh.coordinate(comm::Axis::pp));
-  return {bounds.at(s), bounds.at(s + 1)};
+  return {bounds.at(s), bounds.at(s + 1), s == 0, s + 2 == bounds.size()};
 }
 
 std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries) {
@@ -195,8 +195,10 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
           [this](int64_t version) { on_step(version); }, own_stash(config)),
       executor_(pp_, work_) {
   const model::BlockRange blocks = pipeline_block_range(config, mesh);
-  TESSEL_CHECK(model.block_range().first == blocks.first && model.block_range().last == blocks.last,
-               "the model holds other blocks than stage ", stage_, "'s");
+  const model::BlockRange& held = model.block_range();
+  TESSEL_CHECK(held.first == blocks.first && held.last == blocks.last &&
+                   held.embedding == blocks.embedding && held.head == blocks.head,
+               "the model holds other parts than stage ", stage_, "'s");
   const auto [begin, end] = own_range_;
   reducer_.emplace(grad_group, model.flat_grads().view(begin, {end - begin}),
                    int64_t(config.parallel.bucket_mb * 1024 * 1024));

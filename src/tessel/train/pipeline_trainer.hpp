@@ -58,8 +58,9 @@ std::vector<int64_t> pipeline_boundaries(const Config& config);
 // with a tied head or an adaptive checkpoint policy) and for a bad schedule or layout.
 void validate_pipeline(const Config& config);
 
-// The blocks this rank's stage holds (the model's BlockRange): its pp coordinate's
-// [boundaries[s], boundaries[s + 1]); every block without a pipeline.
+// What this rank's stage holds (the model's BlockRange): its pp coordinate's blocks
+// [boundaries[s], boundaries[s + 1]), the embeddings on the first stage, the final norm and
+// head on the last (either may hold no blocks); the whole model without a pipeline.
 model::BlockRange pipeline_block_range(const Config& config, const comm::Mesh& mesh);
 
 // The stage of every parameter of `model`, in registry order: the embeddings on the first

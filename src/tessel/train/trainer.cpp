@@ -260,7 +260,8 @@ struct Trainer::State {
   // the training micro-batch's activations, and runs one forward and backward on a
   // synthetic one-row batch (starts the thread pools, warms the kernels) with activations
   // of its own. Only the gradients change, and every step zeroes them first. Not for MoE
-  // models (their backward feeds the first balance update) nor under context parallelism.
+  // models (their backward feeds the first balance update), under context parallelism, nor
+  // for pipeline stages (they hold part of the model).
   void synthetic_step() {
     try {
       set_num_threads(int(config.run.threads));
@@ -751,7 +752,8 @@ TrainResult Trainer::run() {
           " (raise train.steps to continue, or choose a new run.dir)");
   // A pipeline's stages hold parts of the model: rank 0 (stage 0 of dp replica 0) gathers it.
   std::unique_ptr<model::Gpt> gathered;
-  if (c.train.sample_tokens > 0 && s.pipeline && s.mesh.coordinate(comm::Axis::dp) == 0)
+  if (c.train.sample_tokens > 0 && c.model.vocab == data::ByteTokenizer::kVocabSize && s.pipeline &&
+      s.mesh.coordinate(comm::Axis::dp) == 0)
     gathered = s.pipeline->gather_model();
   if (c.train.sample_tokens > 0 && (s.is_root || s.sharded_experts())) {
     result.sample = s.sample(gathered ? *gathered : s.model);

@@ -201,7 +201,8 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
   for (const auto& s : ref.result.steps) clipped = clipped || s.grad_norm > c.train.grad_clip;
   EXPECT_TRUE(clipped);
   for (const char* schedule : {"gpipe", "1f1b"})
-    for (const std::string layout : {"", P == 2 ? "3,1" : "1,1,1,1"}) {
+    // Balanced, explicit, and first and last stage without blocks.
+    for (const std::string layout : {"", P == 2 ? "3,1" : "1,1,1,1", P == 2 ? "0,4" : "0,2,2,0"}) {
       SCOPED_TRACE(std::string(schedule) + ", layout '" + layout + "'");
       c.parallel.pp = P;
       c.pipeline.schedule = schedule;
@@ -392,17 +393,21 @@ TEST(PipelineTrain, ResumeContinuesBitwise) {
 
 // Each rank's model holds only its stage's parameters (a tied embedding also on the last
 // stage): the counts every rank reports at the start equal a model built with the stage's
-// block range, and one dp replica's stages together hold the whole model once. pp = world,
-// and pp 2 x dp 2 on 4 ranks; tied and untied head.
+// block range, and one dp replica's stages together hold the whole model once. pp = world
+// (balanced, and with the last stage holding no blocks, so that its neighbour's blocks reach
+// the end), and pp 2 x dp 2 on 4 ranks; tied and untied head.
 TEST(PipelineTrain, EachRankHoldsOnlyItsStagesParameters) {
   comm::Communicator& world = comm::world();
-  std::vector<int> pps = {world.size()};
-  if (world.size() == 4) pps.push_back(2);
+  std::vector<std::pair<int, std::string>> splits = {
+      {world.size(), ""}, {world.size(), world.size() == 2 ? "4,0" : "1,2,1,0"}};
+  if (world.size() == 4) splits.emplace_back(2, "");
   for (const bool tied : {false, true})
-    for (const int pp : pps) {
-      SCOPED_TRACE("pp " + std::to_string(pp) + (tied ? ", tied head" : ""));
+    for (const auto& [pp, layout] : splits) {
+      SCOPED_TRACE("pp " + std::to_string(pp) + ", layout '" + layout + "'" +
+                   (tied ? ", tied head" : ""));
       train::Config c = pipeline_config(world, "tessel-pp-held");
       c.parallel.pp = pp;
+      c.pipeline.layout = layout;
       c.pipeline.schedule = "1f1b";
       c.model.tied_head = tied;
       c.train.steps = 2;

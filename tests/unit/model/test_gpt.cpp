@@ -341,8 +341,8 @@ TEST(GptPieces, CompositionEqualsWholeModel) {
     gpt.backward_embedding(*acts);
     EXPECT_TRUE(bitwise_equal(gpt.flat_grads(), grads));
 
-    auto stage0 = gpt.make_activations(2, 6, 0, k);
-    auto stage1 = gpt.make_activations(2, 6, k, L);
+    auto stage0 = gpt.make_activations(2, 6, {0, k, true, false});
+    auto stage1 = gpt.make_activations(2, 6, {k, L, false, true});
     EXPECT_EQ(stage0->q.dim(0), k);
     EXPECT_EQ(stage1->q.dim(0), L - k);
     EXPECT_EQ(stage0->stream.dim(0), k + 1);
@@ -384,13 +384,15 @@ TEST(GptBlockRange, StageModelsComposeTheWholeModel) {
     whole.zero_grads();
     const double loss = forward_backward(whole, *whole_acts, batch);
 
-    const std::vector<int64_t> bounds = {0, 1, 1, 3};  // a middle stage without blocks
+    // The first and the last stage without blocks: their neighbours' ranges touch the ends.
+    const std::vector<int64_t> bounds = {0, 0, 1, 3, 3};
+    const size_t last = bounds.size() - 2;
     std::vector<std::unique_ptr<Gpt>> stages;
     std::vector<std::unique_ptr<Activations>> acts;
     std::map<std::string, int> holders;
-    for (size_t s = 0; s + 1 < bounds.size(); ++s) {
-      stages.push_back(
-          std::make_unique<Gpt>(c, 31, ExpertShard{}, BlockRange{bounds[s], bounds[s + 1]}));
+    for (size_t s = 0; s <= last; ++s) {
+      const BlockRange range{bounds[s], bounds[s + 1], s == 0, s == last};
+      stages.push_back(std::make_unique<Gpt>(c, 31, ExpertShard{}, range));
       const Gpt& m = *stages.back();
       EXPECT_EQ(m.total_parameters(), whole.total_parameters());
       EXPECT_EQ(m.matmul_parameters(), whole.matmul_parameters());
@@ -402,15 +404,14 @@ TEST(GptBlockRange, StageModelsComposeTheWholeModel) {
         EXPECT_TRUE(bitwise_equal(p.value, q.value)) << p.name;
         ++holders[p.name];
       }
-      acts.push_back(m.make_activations(2, 6, bounds[s], bounds[s + 1]));
+      acts.push_back(m.make_activations(2, 6));
+      EXPECT_EQ(acts.back()->logits.defined(), s == last);
       stages.back()->zero_grads();
     }
     // Every parameter once; a tied embedding also on the last stage, for the head.
     for (const Parameter& p : whole.parameters())
       EXPECT_EQ(holders[p.name], p.name == "embed.weight" && c.tied_head ? 2 : 1) << p.name;
-    EXPECT_TRUE(stages[1]->parameters().empty());
 
-    const size_t last = stages.size() - 1;
     for (size_t s = 0; s <= last; ++s) {
       stages[s]->load_inputs(*acts[s], batch.inputs());
       if (s == 0)
@@ -448,11 +449,13 @@ TEST(GptBlockRange, StageModelsComposeTheWholeModel) {
         ASSERT_NEAR(sum.f32()[i], q.grad.f32()[i], 1e-6f * scale) << i;
     }
 
-    EXPECT_ANY_THROW(stages[0]->forward_head(*acts[0]));
-    EXPECT_ANY_THROW(stages[2]->forward_embedding(*acts[2]));
+    EXPECT_ANY_THROW(stages[2]->forward_head(*acts[2]));
+    EXPECT_ANY_THROW(stages[1]->forward_embedding(*acts[1]));
     EXPECT_ANY_THROW(stages[2]->forward_blocks(*acts[2], 0, 3));
-    EXPECT_ANY_THROW(stages[0]->forward(*acts[0], batch.inputs()));
-    EXPECT_ANY_THROW(Gpt(c, 31, ExpertShard{}, BlockRange{2, 1}));
+    EXPECT_ANY_THROW(stages[1]->forward(*acts[1], batch.inputs()));
+    EXPECT_ANY_THROW(Gpt(c, 31, ExpertShard{}, BlockRange{2, 1, false, false}));
+    EXPECT_ANY_THROW(Gpt(c, 31, ExpertShard{}, BlockRange{1, 3, true, false}));
+    EXPECT_ANY_THROW(Gpt(c, 31, ExpertShard{}, BlockRange{0, 2, false, true}));
   }
 }
 
