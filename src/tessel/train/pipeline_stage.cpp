@@ -8,17 +8,19 @@
 namespace tessel::train {
 
 GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
-                   data::DataLoader& loader, AttentionMaskKind mask, int64_t max_live,
-                   std::function<void(int64_t version)> on_step, Tensor stash)
+                   data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
+                   int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash)
     : model_(model),
       stage_(stage),
       stages_(int(boundaries.size()) - 1),
       first_(boundaries.at(size_t(stage))),
       last_(boundaries.at(size_t(stage) + 1)),
       loader_(loader),
-      mask_(mask),
+      config_(config),
+      cp_group_(cp_group),
       boundary_elems_(
-          size_t(loader.options().micro_batch * loader.options().seq_len * model.config().width)),
+          size_t(loader.options().micro_batch * (loader.options().seq_len / config.parallel.cp) *
+                 model.config().width)),
       on_step_(std::move(on_step)),
       slots_(size_t(max_live)),
       weights_(stash),
@@ -27,7 +29,11 @@ GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, in
   for (size_t i = slots_.size(); i-- > 0;) free_.push_back(i);
 }
 
-double GptStage::forward_stage(model::Activations& acts, const BatchInputs& in,
+size_t GptStage::boundary_elems(const data::Batch& batch) const {
+  return size_t(batch.B * (batch.T / config_.parallel.cp) * model_.config().width);
+}
+
+double GptStage::forward_stage(model::Activations& acts, const RankBatchInputs& in,
                                std::span<const float> input, std::span<float> output) const {
   model_.load_inputs(acts, in.inputs());
   if (first_stage())
@@ -44,23 +50,26 @@ double GptStage::forward_stage(model::Activations& acts, const BatchInputs& in,
 void GptStage::forward(int64_t micro, std::span<const float> input, std::span<float> output) {
   TESSEL_CHECK(!free_.empty(), "stage ", stage_, ": more than ", slots_.size(),
                " micro-batches in flight");
-  const data::Batch batch = loader_.next();
-  const BatchInputs in(batch, mask_);
+  auto batch = std::make_unique<data::Batch>(loader_.next());
+  auto in = std::make_unique<RankBatchInputs>(*batch, config_, cp_group_);
   const size_t slot = free_.back();
   free_.pop_back();
   auto& acts = slots_[slot];
+  const model::ModelInputs& rows = in->inputs();
   if (!acts)
-    acts = model_.make_activations(batch.B, batch.T, {first_, last_, first_stage(), last_stage()});
-  const double loss = forward_stage(*acts, in, input, output);
-  live_.emplace(micro, Live{slot, loss, in.loss_weight_sum(), steps_});
+    acts = model_.make_activations(rows.B, rows.T, {first_, last_, first_stage(), last_stage()});
+  const double loss = forward_stage(*acts, *in, input, output);
+  const double tokens = in->loss_weight_sum();
+  live_.emplace(micro, Live{slot, loss, tokens, steps_, std::move(batch), std::move(in)});
 }
 
 StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> input,
                                std::span<float> output) {
-  const BatchInputs in(batch, mask_);
-  auto& acts = eval_[{batch.B, batch.T}];
+  const RankBatchInputs in(batch, config_, cp_group_);
+  const model::ModelInputs& rows = in.inputs();
+  auto& acts = eval_[{rows.B, rows.T}];
   if (!acts)
-    acts = model_.make_activations(batch.B, batch.T, {first_, last_, first_stage(), last_stage()});
+    acts = model_.make_activations(rows.B, rows.T, {first_, last_, first_stage(), last_stage()});
   const double loss = forward_stage(*acts, in, input, output);
   return {loss, in.loss_weight_sum(), 1};
 }

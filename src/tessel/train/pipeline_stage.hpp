@@ -10,6 +10,12 @@
 // loss tokens, so each can scale its gradients by 1 / (global loss tokens) at its STEP.
 // Backwards add the gradients of the loss SUM (loss_scale 1) into the model's gradients.
 //
+// Context parallelism (parallel.cp > 1): each stage runs this cp rank's chunks of every
+// micro-batch (RankBatchInputs, as the trainer without pipeline does), so the residual stream
+// between stages holds seq_len / cp rows per sequence; the context-parallel attention of a
+// micro-batch lives with it until its backward. The cp ranks of a stage run the same
+// instruction list, so their attention exchanges pair up.
+//
 // Activations live in a pool, one set per micro-batch between its forward and its
 // backward, at most `max_live` at once (1F1B / PACI: P - s; GPipe: M).
 //
@@ -40,13 +46,14 @@ struct StageWindow {
 
 class GptStage final : public pipeline::StageWork {
  public:
-  // `boundaries` is stage_boundaries() of the layout; `model` and `loader` must outlive
-  // the stage. `on_step(version)` runs at every STEP of the schedule.
+  // `boundaries` is stage_boundaries() of the layout; `model`, `loader`, `config` (its
+  // data.attention_mask and parallel.cp*) and `cp_group` (used when parallel.cp > 1) must
+  // outlive the stage. `on_step(version)` runs at every STEP of the schedule.
   // `stash`: this stage's parameters as one view of the model's flat values, to stash; an
   // undefined tensor for none.
   GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
-           data::DataLoader& loader, AttentionMaskKind mask, int64_t max_live,
-           std::function<void(int64_t version)> on_step, Tensor stash = {});
+           data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
+           int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash = {});
 
   size_t input_elems() const override { return first_stage() ? 0 : boundary_elems_; }
   size_t output_elems() const override { return last_stage() ? 0 : boundary_elems_; }
@@ -62,6 +69,8 @@ class GptStage final : public pipeline::StageWork {
   // batch's loss tokens.
   StageWindow evaluate(const data::Batch& batch, std::span<const float> input,
                        std::span<float> output);
+  // f32 elements of `batch`'s residual stream on this rank: B x (T / cp) x width.
+  size_t boundary_elems(const data::Batch& batch) const;
   int64_t live() const { return int64_t(live_.size()); }
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == stages_ - 1; }
@@ -71,18 +80,23 @@ class GptStage final : public pipeline::StageWork {
     size_t slot;
     double loss_sum, loss_tokens;
     int64_t steps;  // STEPs taken before the forward
+    // The micro-batch and its inputs, kept until the backward: a context-parallel
+    // attention runs the backward's exchanges too.
+    std::unique_ptr<data::Batch> batch;
+    std::unique_ptr<RankBatchInputs> inputs;
   };
   // load_inputs, the stage's pieces of the forward, `output` from its last boundary; the
   // loss sum on the last stage.
-  double forward_stage(model::Activations& acts, const BatchInputs& in,
+  double forward_stage(model::Activations& acts, const RankBatchInputs& in,
                        std::span<const float> input, std::span<float> output) const;
   void swap_stashed();
   model::Gpt& model_;
   int stage_, stages_;
   int64_t first_, last_;  // blocks [first_, last_)
   data::DataLoader& loader_;
-  AttentionMaskKind mask_;
-  size_t boundary_elems_;  // micro_batch * seq_len * width
+  const Config& config_;
+  comm::Communicator& cp_group_;
+  size_t boundary_elems_;  // micro_batch * (seq_len / cp) * width
   std::function<void(int64_t)> on_step_;
   std::vector<std::unique_ptr<model::Activations>> slots_;  // [max_live], made on first use
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> eval_;  // by B, T

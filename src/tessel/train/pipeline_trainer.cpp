@@ -51,10 +51,6 @@ void validate_pipeline(const Config& c) {
   if (c.pipeline.paci_k < 0)
     input_error("config key 'pipeline.paci_k' must be >= 0 (0 = train.accum), got ",
                 c.pipeline.paci_k);
-  if (c.parallel.cp > 1)
-    input_error("config key 'parallel.cp' = ", c.parallel.cp,
-                " is not available with pipeline parallelism (parallel.pp, pipeline.schedule) "
-                "yet; use cp = 1");
   const auto moe = c.model.moe_mask();
   if (std::find(moe.begin(), moe.end(), true) != moe.end())
     input_error("config key 'model.moe_layers' = \"", c.model.moe_layers,
@@ -190,7 +186,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       tied_(config.model.tied_head && stages_ > 1),
       ends_(tied_ ? pp_.split(stage_ == 0 || stage_ == stages_ - 1 ? 0 : 1, stage_) : nullptr),
       work_(
-          model, pipeline_boundaries(config), stage_, loader, config.data.attention_mask,
+          model, pipeline_boundaries(config), stage_, loader, config, mesh.group(comm::Axis::cp),
           kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
           [this](int64_t version) { on_step(version); }, own_stash(config)),
       executor_(pp_, work_) {
@@ -360,7 +356,7 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
   std::vector<float> input, output;
   double sums[2] = {0, 0};
   for (const data::Batch& b : batches) {
-    const size_t elems = size_t(b.B * b.T * model_.config().width);
+    const size_t elems = work_.boundary_elems(b);
     input.resize(work_.first_stage() ? 0 : elems);
     output.resize(work_.last_stage() ? 0 : elems);
     if (!input.empty()) pp_.recv(input, stage_ - 1, kTag);

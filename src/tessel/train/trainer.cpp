@@ -340,9 +340,10 @@ struct Trainer::State {
     CheckpointContent content;
     content.step = step;
     // Each expert once: the first edp rank of each ep index writes the ep rank's experts.
-    // Each pipeline stage's parameters and optimizer state once: the stage's first dp rank
-    // (pipelines have no experts, but parallel.ep > 1 still splits dp into edp groups).
-    const bool writes_own = mesh.coordinate(pipeline ? comm::Axis::dp : comm::Axis::edp) == 0;
+    // Each pipeline stage's parameters and optimizer state once: the stage's lead (pipelines
+    // have no experts, but parallel.ep > 1 still splits dp into edp groups, and cp > 1 gives
+    // each stage cp ranks with dp coordinate 0).
+    const bool writes_own = pipeline ? stage_lead() : mesh.coordinate(comm::Axis::edp) == 0;
     if (pipeline && writes_own)
       for (const auto& p : pipeline->own_parameters())
         content.own_model.push_back({p.name, p.value});
@@ -470,6 +471,13 @@ struct Trainer::State {
                         float(config.train.sample_temperature), config.train.sample_top_k, rng);
     from.set_expert_comm(&experts);
     return tok.decode(ids);
+  }
+
+  // The first rank of a pipeline stage's replicas (dp and cp coordinate 0): it writes the
+  // stage's checkpoint tensors, prints PACI's progress lines (on the last stage) and takes
+  // part in gathering the model for the sample (its pp group holds rank 0).
+  bool stage_lead() const {
+    return mesh.coordinate(comm::Axis::dp) == 0 && mesh.coordinate(comm::Axis::cp) == 0;
   }
 
   bool sharded_experts() const {
@@ -606,7 +614,7 @@ TrainResult Trainer::run() {
   // PACI's step records come once a horizon drains (at validation, checkpoints, the end), so
   // the last stage, which computes the loss, prints its progress lines as its windows finish.
   const bool paci = s.pipeline && pipeline_schedule(c) == pipeline::ScheduleKind::paci;
-  if (paci && !c.run.quiet && s.mesh.coordinate(comm::Axis::dp) == 0)  // called on the last stage
+  if (paci && !c.run.quiet && s.stage_lead())  // called on the last stage
     s.pipeline->on_window = [&](int64_t step, double loss, double grad_norm, double seconds) {
       if (!log_step(step)) return;
       std::printf(
@@ -686,7 +694,7 @@ TrainResult Trainer::run() {
                              {"tokens_per_s", rec.tokens_per_s},
                              {"mfu", rec.mfu},
                              {"step_seconds", dt}};
-    if (c.parallel.cp > 1) record["cp_imbalance"] = cp_imbalance;
+    if (c.parallel.cp > 1 && !piped) record["cp_imbalance"] = cp_imbalance;
     if (piped) record["pipeline"] = piped->metrics;
     if (!s.moe_step.empty()) {
       record["moe"] = s.moe_step.step_json();
@@ -750,10 +758,11 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  // A pipeline's stages hold parts of the model: rank 0 (stage 0 of dp replica 0) gathers it.
+  // A pipeline's stages hold parts of the model: rank 0 (stage 0 of the first replica)
+  // gathers it.
   std::unique_ptr<model::Gpt> gathered;
   if (c.train.sample_tokens > 0 && c.model.vocab == data::ByteTokenizer::kVocabSize && s.pipeline &&
-      s.mesh.coordinate(comm::Axis::dp) == 0)
+      s.stage_lead())
     gathered = s.pipeline->gather_model();
   if (c.train.sample_tokens > 0 && (s.is_root || s.sharded_experts())) {
     result.sample = s.sample(gathered ? *gathered : s.model);

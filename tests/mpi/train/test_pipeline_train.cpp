@@ -1,6 +1,7 @@
 // Pipeline parallelism on real MPI ranks (spec pipeline.md C2, C3): GPipe and 1F1B over pp
 // stages give bitwise the losses, gradient norms, validation losses and final weights of
-// the single-process run; pp x dp those of the plain dp run; PACI drained after every window
+// the single-process run; pp x dp those of the plain dp run, pp x cp those of the plain cp
+// run; PACI drained after every window
 // equals 1F1B; undrained PACI equals a sequential single-process reference of its semantics;
 // resume continues bitwise.
 #include <gtest/gtest.h>
@@ -274,6 +275,41 @@ TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
       c.run.dir = shared_temp_dir(world, "tessel-ppdp-run");
       const auto piped = run_on(world, c);
       fixture::expect_same_steps(piped, ref);
+      fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref_weights);
+    }
+  }
+}
+
+// Context parallelism inside the stages: each stage runs its cp rank's chunks of every
+// micro-batch, so GPipe and 1F1B over the stages equal the plain cp run bitwise (losses,
+// norms, validation through the stages, weights), with the causal mask and zigzag chunks and
+// with the causal-document mask and the per-micro-batch balanced layout; PACI drained after
+// every window equals it too. np 2: pp 1 (schedule set) x cp 2; np 4: pp 2 x cp 2.
+TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
+  comm::Communicator& world = comm::world();
+  auto pair = world.split(world.rank() / 2, world.rank());  // the plain cp runs: 2 ranks each
+  const std::pair<train::AttentionMaskKind, train::CpLayoutKind> cases[] = {
+      {train::AttentionMaskKind::causal, train::CpLayoutKind::zigzag},
+      {train::AttentionMaskKind::causal_document, train::CpLayoutKind::balanced}};
+  for (const auto& [mask, layout] : cases) {
+    SCOPED_TRACE(int(layout));
+    train::Config c = pipeline_config(world, "tessel-ppcp-run");
+    c.data.attention_mask = mask;
+    c.parallel.cp = 2;
+    c.parallel.cp_layout = layout;
+    c.train.grad_clip = 0;   // PACI clips per stage: compare without clipping
+    c.train.eval_every = 1;  // PACI drains at every validation
+    train::Config plain = c;
+    plain.run.dir = shared_temp_dir(*pair, "tessel-ppcp-ref");
+    const auto ref = run_on(*pair, plain);
+    const auto ref_weights = fixture::final_weights(plain.run.dir);
+    for (const char* schedule : {"gpipe", "1f1b", "paci"}) {
+      SCOPED_TRACE(schedule);
+      c.parallel.pp = world.size() / 2;
+      c.pipeline.schedule = schedule;
+      c.run.dir = shared_temp_dir(world, "tessel-ppcp-run");
+      const auto piped = run_on(world, c);
+      fixture::expect_same_steps(piped, ref, std::string(schedule) != "paci");
       fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref_weights);
     }
   }

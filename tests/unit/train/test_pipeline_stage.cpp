@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "support/train_fixture.hpp"
+#include "tessel/comm/single_communicator.hpp"
 #include "tessel/pipeline/schedule.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/pipeline_stage.hpp"
@@ -44,9 +45,10 @@ std::vector<StepResult> run_chained(const train::Config& c, const std::vector<in
   std::vector<std::unique_ptr<train::GptStage>> stages;
   for (int s = 0; s < P; ++s) loaders.push_back(make_loader(c));
   std::vector<int64_t> versions_seen;
+  comm::SingleCommunicator no_cp;  // parallel.cp = 1
   for (int s = 0; s < P; ++s)
     stages.push_back(std::make_unique<train::GptStage>(
-        model, boundaries, s, loaders[size_t(s)], c.data.attention_mask,
+        model, boundaries, s, loaders[size_t(s)], c, no_cp,
         schedule.kind == pipeline::ScheduleKind::gpipe ? schedule.micro_batches : P - s,
         [&versions_seen](int64_t v) { versions_seen.push_back(v); }));
   std::vector<std::vector<pipeline::Op>> ops;
