@@ -8,19 +8,32 @@
 
 namespace tessel::model {
 
-std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context) {
+namespace {
+
+// The last `max_seq` tokens of `context` (not empty).
+std::span<const int32_t> last_window(const std::vector<int32_t>& context, int64_t max_seq) {
   if (context.empty()) input_error("generate: the prompt must hold at least one token");
-  const int64_t T = std::min<int64_t>(int64_t(context.size()), gpt.config().max_seq);
-  const int32_t* window = context.data() + (int64_t(context.size()) - T);
+  const auto T = size_t(std::min<int64_t>(int64_t(context.size()), max_seq));
+  return std::span<const int32_t>(context).last(T);
+}
+
+std::vector<float> whole_model_logits(const Gpt& gpt, std::span<const int32_t> window) {
+  const auto T = int64_t(window.size());
   auto acts = gpt.make_activations(1, T);
   ModelInputs in;
   in.B = 1;
   in.T = T;
-  in.tokens = window;
+  in.tokens = window.data();
   gpt.forward(*acts, in);
   const int64_t V = gpt.config().vocab;
   const float* last = acts->logits.f32() + (T - 1) * V;
   return std::vector<float>(last, last + V);
+}
+
+}  // namespace
+
+std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context) {
+  return whole_model_logits(gpt, last_window(context, gpt.config().max_seq));
 }
 
 int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng) {
@@ -51,13 +64,20 @@ int32_t sample_token(const std::vector<float>& logits, float temperature, int64_
   return ids[k - 1];  // u landed on the rounding error at the end
 }
 
-std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
-                              float temperature, int64_t top_k, Rng& rng) {
+std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
+                              std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
+                              int64_t top_k, Rng& rng) {
   if (new_tokens < 0) input_error("generate: new_tokens = ", new_tokens, " must be >= 0");
   if (prompt.empty()) input_error("generate: the prompt must hold at least one token");
   for (int64_t i = 0; i < new_tokens; ++i)
-    prompt.push_back(sample_token(next_token_logits(gpt, prompt), temperature, top_k, rng));
+    prompt.push_back(sample_token(next(last_window(prompt, max_seq)), temperature, top_k, rng));
   return prompt;
+}
+
+std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
+                              float temperature, int64_t top_k, Rng& rng) {
+  return generate([&gpt](std::span<const int32_t> w) { return whole_model_logits(gpt, w); },
+                  gpt.config().max_seq, std::move(prompt), new_tokens, temperature, top_k, rng);
 }
 
 }  // namespace tessel::model

@@ -2,6 +2,8 @@
 // Text generation without a KV cache: every step runs the whole forward over the
 // last model.max_seq tokens (simple and exactly the training forward).
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <vector>
 
 #include "tessel/core/rng.hpp"
@@ -12,12 +14,21 @@ namespace tessel::model {
 // Logits [V] of the token after `context` (its last model.max_seq tokens are used).
 std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context);
 
+// Logits [V] of the token after `window` (1 to max_seq tokens), from some forward: the whole
+// model's, or a pipeline's through its stages.
+using NextTokenLogits = std::function<std::vector<float>(std::span<const int32_t> window)>;
+
 // A token drawn from softmax(logits / temperature) over the top_k largest logits
 // (top_k = 0: all). temperature = 0 is greedy: the largest logit, the lowest id on ties.
 int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng);
 
-// prompt followed by new_tokens sampled tokens. InputError on an empty prompt, a
-// negative temperature, top_k or new_tokens, or a token id outside the vocabulary.
+// prompt followed by new_tokens tokens, each drawn by sample_token from next() of the last
+// max_seq tokens. InputError on an empty prompt, a negative temperature, top_k or new_tokens,
+// or (from the forward) a token id outside the vocabulary.
+std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
+                              std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
+                              int64_t top_k, Rng& rng);
+// The same through the whole model's forward.
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
                               float temperature, int64_t top_k, Rng& rng);
 

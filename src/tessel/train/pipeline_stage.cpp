@@ -33,9 +33,9 @@ size_t GptStage::boundary_elems(const data::Batch& batch) const {
   return size_t(batch.B * (batch.T / config_.parallel.cp) * model_.config().width);
 }
 
-double GptStage::forward_stage(model::Activations& acts, const RankBatchInputs& in,
+double GptStage::forward_stage(model::Activations& acts, const model::ModelInputs& in,
                                std::span<const float> input, std::span<float> output) const {
-  model_.load_inputs(acts, in.inputs());
+  model_.load_inputs(acts, in);
   if (first_stage())
     model_.forward_embedding(acts);
   else
@@ -56,9 +56,8 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   free_.pop_back();
   auto& acts = slots_[slot];
   const model::ModelInputs& rows = in->inputs();
-  if (!acts)
-    acts = model_.make_activations(rows.B, rows.T, {first_, last_, first_stage(), last_stage()});
-  const double loss = forward_stage(*acts, *in, input, output);
+  if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
+  const double loss = forward_stage(*acts, rows, input, output);
   const double tokens = in->loss_weight_sum();
   live_.emplace(micro, Live{slot, loss, tokens, steps_, std::move(batch), std::move(in)});
 }
@@ -68,10 +67,24 @@ StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> 
   const RankBatchInputs in(batch, config_, cp_group_);
   const model::ModelInputs& rows = in.inputs();
   auto& acts = eval_[{rows.B, rows.T}];
-  if (!acts)
-    acts = model_.make_activations(rows.B, rows.T, {first_, last_, first_stage(), last_stage()});
-  const double loss = forward_stage(*acts, in, input, output);
+  if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
+  const double loss = forward_stage(*acts, rows, input, output);
   return {loss, in.loss_weight_sum(), 1};
+}
+
+std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,
+                                               std::span<const float> input,
+                                               std::span<float> output) {
+  model::ModelInputs in;
+  in.B = 1;
+  in.T = int64_t(window.size());
+  in.tokens = window.data();
+  auto acts = model_.make_activations(1, in.T, range());
+  forward_stage(*acts, in, input, output);
+  if (!last_stage()) return {};
+  const int64_t V = model_.config().vocab;
+  const float* last = acts->logits.f32() + (in.T - 1) * V;
+  return std::vector<float>(last, last + V);
 }
 
 void GptStage::backward(int64_t micro, std::span<const float> output_grad,

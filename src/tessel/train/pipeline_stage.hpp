@@ -69,6 +69,11 @@ class GptStage final : public pipeline::StageWork {
   // batch's loss tokens.
   StageWindow evaluate(const data::Batch& batch, std::span<const float> input,
                        std::span<float> output);
+  // Inference forward of one sequence (every token of `window`, no cp), on activations of
+  // its own: reads `input`, writes `output` as evaluate(); the last stage returns the logits
+  // [V] of the last position (empty elsewhere).
+  std::vector<float> next_token_logits(std::span<const int32_t> window,
+                                       std::span<const float> input, std::span<float> output);
   // f32 elements of `batch`'s residual stream on this rank: B x (T / cp) x width.
   size_t boundary_elems(const data::Batch& batch) const;
   int64_t live() const { return int64_t(live_.size()); }
@@ -87,8 +92,9 @@ class GptStage final : public pipeline::StageWork {
   };
   // load_inputs, the stage's pieces of the forward, `output` from its last boundary; the
   // loss sum on the last stage.
-  double forward_stage(model::Activations& acts, const RankBatchInputs& in,
+  double forward_stage(model::Activations& acts, const model::ModelInputs& in,
                        std::span<const float> input, std::span<float> output) const;
+  model::BlockRange range() const { return {first_, last_, first_stage(), last_stage()}; }
   void swap_stashed();
   model::Gpt& model_;
   int stage_, stages_;

@@ -368,29 +368,17 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
   return {sums[0], sums[1]};
 }
 
-std::unique_ptr<model::Gpt> PipelineTrainer::gather_model() {
+std::vector<float> PipelineTrainer::next_token_logits(std::span<const int32_t> window) {
   constexpr int kTag = 0;  // between executor runs no message is in flight
-  const auto [begin, end] = own_range_;
-  const float* own = model_.flat_params().f32() + begin;
-  if (stage_ != 0) {
-    pp_.send(std::span<const float>(own, size_t(end - begin)), 0, kTag);
-    return nullptr;
-  }
-  auto whole = std::make_unique<model::Gpt>(config_.model, uint64_t(config_.run.seed),
-                                            model_.expert_shard());
-  const std::vector<int> stages = parameter_stages(*whole, pipeline_boundaries(config_));
-  float* values = whole->flat_params().f32();
-  for (int s = 0; s < stages_; ++s) {
-    const auto [b, e] = stage_range(*whole, stages, s);
-    const std::span<float> into(values + b, size_t(e - b));
-    TESSEL_CHECK(s != 0 || e - b == end - begin, "stage 0 holds ", end - begin,
-                 " parameter values, the whole model's stage 0 ", e - b);
-    if (s == 0)
-      std::copy(own, own + (end - begin), into.begin());
-    else
-      pp_.recv(into, s, kTag);
-  }
-  return whole;
+  const size_t elems = window.size() * size_t(model_.config().width);
+  std::vector<float> input(work_.first_stage() ? 0 : elems);
+  std::vector<float> output(work_.last_stage() ? 0 : elems);
+  if (!input.empty()) pp_.recv(input, stage_ - 1, kTag);
+  std::vector<float> logits = work_.next_token_logits(window, input, output);
+  if (!output.empty()) pp_.send(output, stage_ + 1, kTag);
+  logits.resize(size_t(model_.config().vocab));
+  pp_.broadcast(std::span<float>(logits), stages_ - 1);
+  return logits;
 }
 
 }  // namespace tessel::train

@@ -21,7 +21,8 @@
 // (pipeline_block_range), so weights, gradients, optimizer state and activations are the
 // stage's alone (a tied embedding also on the last stage, for the head). Validation runs
 // through the stages (validation_sums); checkpoints write each stage's parameters from its
-// first dp rank (own_parameters); gather_model() assembles the whole model for the sample.
+// first dp rank (own_parameters); the sample's forwards run through the stages too
+// (next_token_logits).
 #include <array>
 #include <cstdint>
 #include <deque>
@@ -98,10 +99,11 @@ class PipelineTrainer {
   // over `batches` (this dp rank's), summed in batch order as one process sums them, on every
   // rank of the pp group. Collective over pp; call between steps (no message in flight).
   std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches);
-  // The whole model (built from config and run.seed, then every stage's current parameters
-  // received from it) on the first stage; null on the others. Collective over pp; call
+  // Logits [V] of the token after `window` (one sequence, all of it on every cp rank), its
+  // forward run through the stages and the last stage's logits broadcast, so every rank of
+  // the pp group returns them (and can draw the same token). Collective over pp; call
   // between steps.
-  std::unique_ptr<model::Gpt> gather_model();
+  std::vector<float> next_token_logits(std::span<const int32_t> window);
   // The parameters this stage trains (and checkpoints write from its first dp rank): the
   // model's, less a tied embedding on the last stage (the first stage's).
   const ParameterList& own_parameters() const { return own_params_; }

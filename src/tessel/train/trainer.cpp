@@ -458,24 +458,31 @@ struct Trainer::State {
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
-  // Rank 0's text sample from `from` (the model, or a pipeline's gathered one). With ep = 1
-  // rank 0 runs alone; with sharded experts every rank calls this and each ep group
-  // generates together (same prompt, seed and length).
-  std::string sample(model::Gpt& from) {
+  // Rank 0's text sample. With ep = 1 and no pipeline rank 0 runs alone; with sharded
+  // experts every rank calls this and each ep group generates together; a pipeline's first
+  // replica (stage_lead) generates through its stages. The same prompt, seed and length
+  // everywhere.
+  std::string sample() {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
-    if (!sharded_experts()) from.set_expert_comm(nullptr);
-    auto ids =
-        model::generate(from, tok.encode(config.train.sample_prompt), config.train.sample_tokens,
-                        float(config.train.sample_temperature), config.train.sample_top_k, rng);
-    from.set_expert_comm(&experts);
+    const auto prompt = tok.encode(config.train.sample_prompt);
+    const auto& t = config.train;
+    if (pipeline)
+      return tok.decode(model::generate(
+          [this](std::span<const int32_t> w) { return pipeline->next_token_logits(w); },
+          config.model.max_seq, prompt, t.sample_tokens, float(t.sample_temperature),
+          t.sample_top_k, rng));
+    if (!sharded_experts()) model.set_expert_comm(nullptr);
+    auto ids = model::generate(model, prompt, t.sample_tokens, float(t.sample_temperature),
+                               t.sample_top_k, rng);
+    model.set_expert_comm(&experts);
     return tok.decode(ids);
   }
 
   // The first rank of a pipeline stage's replicas (dp and cp coordinate 0): it writes the
-  // stage's checkpoint tensors, prints PACI's progress lines (on the last stage) and takes
-  // part in gathering the model for the sample (its pp group holds rank 0).
+  // stage's checkpoint tensors, prints PACI's progress lines (on the last stage) and runs
+  // the sample's forwards through the stages (its pp group holds rank 0).
   bool stage_lead() const {
     return mesh.coordinate(comm::Axis::dp) == 0 && mesh.coordinate(comm::Axis::cp) == 0;
   }
@@ -758,14 +765,9 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  // A pipeline's stages hold parts of the model: rank 0 (stage 0 of the first replica)
-  // gathers it.
-  std::unique_ptr<model::Gpt> gathered;
-  if (c.train.sample_tokens > 0 && c.model.vocab == data::ByteTokenizer::kVocabSize && s.pipeline &&
-      s.stage_lead())
-    gathered = s.pipeline->gather_model();
-  if (c.train.sample_tokens > 0 && (s.is_root || s.sharded_experts())) {
-    result.sample = s.sample(gathered ? *gathered : s.model);
+  if (c.train.sample_tokens > 0 &&
+      (s.is_root || s.sharded_experts() || (s.pipeline && s.stage_lead()))) {
+    result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }
   s.log("done in " + format_duration(run_timer.seconds()) + "; metrics in " + c.run.dir +

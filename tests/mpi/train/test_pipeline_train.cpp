@@ -296,8 +296,9 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
     c.data.attention_mask = mask;
     c.parallel.cp = 2;
     c.parallel.cp_layout = layout;
-    c.train.grad_clip = 0;   // PACI clips per stage: compare without clipping
-    c.train.eval_every = 1;  // PACI drains at every validation
+    c.train.grad_clip = 0;      // PACI clips per stage: compare without clipping
+    c.train.eval_every = 1;     // PACI drains at every validation
+    c.train.sample_tokens = 8;  // generated through the stages of the first replica
     train::Config plain = c;
     plain.run.dir = shared_temp_dir(*pair, "tessel-ppcp-ref");
     const auto ref = run_on(*pair, plain);
@@ -310,6 +311,10 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
       const auto piped = run_on(world, c);
       fixture::expect_same_steps(piped, ref, std::string(schedule) != "paci");
       fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref_weights);
+      if (world.rank() == 0) {
+        EXPECT_FALSE(ref.sample.empty());
+        EXPECT_EQ(piped.sample, ref.sample);
+      }
     }
   }
 }
