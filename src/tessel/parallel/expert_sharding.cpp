@@ -43,12 +43,17 @@ double ExpertShardedGradients::clip(double max_norm) {
 }
 
 ExpertShardedOptimizer::ExpertShardedOptimizer(
-    const optim::OptimizerConfig& config, const model::Gpt& model, comm::Communicator& dense_group,
-    comm::Communicator& expert_group, const std::map<std::string, std::vector<int64_t>>& row_blocks)
-    : dense_(optim::make_optimizer(config, model.dense_parameters(), &dense_group, row_blocks)) {
-  if (!model.expert_parameters().empty())
-    experts_ = optim::make_optimizer(config, model.expert_parameters(), &expert_group);
-  for (const Parameter& p : model.expert_parameters()) expert_names_.insert(p.name);
+    const optim::OptimizerConfig& config, ParameterList dense, ParameterList experts,
+    comm::Communicator& dense_group, comm::Communicator& expert_group,
+    const std::map<std::string, std::vector<int64_t>>& row_blocks, std::string prefix)
+    : prefix_(std::move(prefix)) {
+  for (const Parameter& p : experts) expert_names_.insert(p.name);
+  // Row blocks of the dense parameters held here only (a pipeline stage holds some).
+  std::map<std::string, std::vector<int64_t>> blocks;
+  for (const Parameter& p : dense)
+    if (auto it = row_blocks.find(p.name); it != row_blocks.end()) blocks.insert(*it);
+  dense_ = optim::make_optimizer(config, std::move(dense), &dense_group, blocks);
+  if (!experts.empty()) experts_ = optim::make_optimizer(config, std::move(experts), &expert_group);
 }
 
 void ExpertShardedOptimizer::step(double lr_scale) {
@@ -57,13 +62,14 @@ void ExpertShardedOptimizer::step(double lr_scale) {
 }
 
 ExpertShardedOptimizer::SplitState ExpertShardedOptimizer::split_state() {
-  SplitState out{dense_->state(), {}};
+  SplitState out;
+  for (auto& st : dense_->state()) out.replicated.push_back({prefix_ + st.name, st.tensor});
   if (!experts_) return out;
   for (auto& st : experts_->state()) {
     const size_t slash = st.name.rfind('/');
     const bool per_expert =
         slash != std::string::npos && expert_names_.count(st.name.substr(slash + 1));
-    (per_expert ? out.own : out.replicated).push_back({"experts/" + st.name, st.tensor});
+    (per_expert ? out.own : out.replicated).push_back({prefix_ + "experts/" + st.name, st.tensor});
   }
   return out;
 }

@@ -50,13 +50,17 @@ class ExpertShardedGradients {
   GradientReducer dense_reducer_, expert_reducer_;
 };
 
-// The optimizer of a model placed by expert_shard (see the top of this file). step() and
-// state() are collective over both groups.
+// The optimizer of a model placed by expert_shard (see the top of this file): over its dense
+// and expert parameters (the model's, or a pipeline stage's share of them). Every state name
+// starts with `prefix` (a pipeline's "stage<s>/"). step() and state() are collective over
+// both groups.
 class ExpertShardedOptimizer final : public optim::Optimizer {
  public:
-  ExpertShardedOptimizer(const optim::OptimizerConfig& config, const model::Gpt& model,
-                         comm::Communicator& dense_group, comm::Communicator& expert_group,
-                         const std::map<std::string, std::vector<int64_t>>& row_blocks);
+  ExpertShardedOptimizer(const optim::OptimizerConfig& config, ParameterList dense,
+                         ParameterList experts, comm::Communicator& dense_group,
+                         comm::Communicator& expert_group,
+                         const std::map<std::string, std::vector<int64_t>>& row_blocks,
+                         std::string prefix = "");
   void step(double lr_scale) override;
   // The state in two: what every rank holds alike (the dense optimizer's state and the
   // expert optimizer's step counters), and this rank's own: its experts' tensors (those
@@ -70,6 +74,7 @@ class ExpertShardedOptimizer final : public optim::Optimizer {
   int64_t step_count() const override { return dense_->step_count(); }
 
  private:
+  std::string prefix_;
   std::unique_ptr<optim::Optimizer> dense_, experts_;  // experts_ null without experts
   std::set<std::string> expert_names_;                 // the expert parameters'
 };

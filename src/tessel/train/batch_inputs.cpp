@@ -62,6 +62,18 @@ attention::CpLayout layout_from_work(int64_t T, int P, int64_t chunk,
 
 }  // namespace
 
+data::Batch idle_batch(int64_t T) {
+  data::Batch b;
+  b.B = 1;
+  b.T = T;
+  b.tokens.assign(size_t(T), 0);
+  b.targets.assign(size_t(T), 0);
+  b.loss_mask.assign(size_t(T), 0.0f);
+  for (int64_t t = 0; t < T; ++t) b.positions.push_back(int32_t(t));
+  b.doc_starts = {{0}};
+  return b;
+}
+
 attention::CpLayout micro_batch_layout(const model::ModelInputs& full, int P,
                                        const ParallelConfig& parallel,
                                        const model::GptConfig& model) {

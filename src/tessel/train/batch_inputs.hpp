@@ -31,6 +31,10 @@ class BatchInputs {
   model::ModelInputs inputs_;
 };
 
+// One sequence of T tokens without loss tokens: a forward that only keeps an ep group's
+// token exchanges in step (validation, where the ep ranks hold different batch counts).
+data::Batch idle_batch(int64_t T);
+
 // The chunk layout of one micro-batch over P cp ranks (parallel.cp_layout). Balanced counts each
 // chunk's attention work from the micro-batch's own mask; every cp rank holds that whole mask,
 // so all of them compute the same layout without communicating.

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <string>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/timer.hpp"
 #include "tessel/optim/grad_clip.hpp"
+#include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/stage_partition.hpp"
 
 namespace tessel::train {
@@ -51,11 +53,6 @@ void validate_pipeline(const Config& c) {
   if (c.pipeline.paci_k < 0)
     input_error("config key 'pipeline.paci_k' must be >= 0 (0 = train.accum), got ",
                 c.pipeline.paci_k);
-  const auto moe = c.model.moe_mask();
-  if (std::find(moe.begin(), moe.end(), true) != moe.end())
-    input_error("config key 'model.moe_layers' = \"", c.model.moe_layers,
-                "\": MoE blocks are not available with pipeline parallelism (parallel.pp, "
-                "pipeline.schedule) yet");
   if (c.pipeline.paci_stash && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
     input_error("config key 'pipeline.paci_stash' = true needs pipeline.schedule = paci");
   // The stash holds one version back: every gap, ceil((pp - 1) / K), must be at most 1.
@@ -113,58 +110,47 @@ ParameterList stage_parameters(const model::Gpt& model, const std::vector<int>& 
   return out;
 }
 
-// Stage s's flat element range [begin, end) in `model`: its parameters are contiguous in the
-// flat buffers (registry order follows the stages); a tied head's weight is the first stage's.
-std::pair<int64_t, int64_t> stage_range(const model::Gpt& model, const std::vector<int>& stages,
-                                        int s) {
+// The flat element range [begin, end) of `params` in `model`, which must be contiguous there
+// (a stage's dense parameters are, as registry order follows the stages; so are all its
+// parameters with its experts, which end the flat buffers).
+std::pair<int64_t, int64_t> flat_range(const model::Gpt& model, const ParameterList& params) {
   int64_t begin = -1, end = -1, total = 0;
   const float* base = model.flat_params().f32();
-  for (const Parameter& p : stage_parameters(model, stages, s)) {
+  for (const Parameter& p : params) {
     const int64_t at = p.value.f32() - base;
     if (begin < 0) begin = at;
     end = at + p.value.numel();
     total += p.value.numel();
   }
   if (begin < 0) return {0, 0};  // a stage without parameters
-  TESSEL_CHECK(total == end - begin, "stage ", s, "'s parameters are not contiguous");
+  TESSEL_CHECK(total == end - begin, "a stage's parameters are not contiguous");
   return {begin, end};
 }
 
-// Only this rank's stage: the other stages' optimizer state (momentum, Adam moments,
-// scratch) lives on their own ranks, so each rank holds 1/P of it.
-class StageOptimizer final : public optim::Optimizer {
- public:
-  StageOptimizer(const Config& c, const model::Gpt& model, int stage, comm::Communicator* dp,
-                 const std::map<std::string, std::vector<int64_t>>& row_blocks)
-      : prefix_("stage" + std::to_string(stage) + "/") {
-    ParameterList params =
-        stage_parameters(model, parameter_stages(model, pipeline_boundaries(c)), stage);
-    std::map<std::string, std::vector<int64_t>> blocks;
-    for (const Parameter& p : params)
-      if (auto it = row_blocks.find(p.name); it != row_blocks.end()) blocks.insert(*it);
-    own_ = optim::make_optimizer(c.optim, std::move(params), dp, blocks);
-  }
-  void step(double lr_scale) override { own_->step(lr_scale); }
-  std::vector<optim::StateTensor> state() override {
-    std::vector<optim::StateTensor> out;
-    for (auto& st : own_->state()) out.push_back({prefix_ + st.name, st.tensor});
-    return out;
-  }
-  std::string name() const override { return own_->name(); }
-  int64_t step_count() const override { return own_->step_count(); }
-
- private:
-  std::string prefix_;
-  std::unique_ptr<optim::Optimizer> own_;
-};
+// `params` in two, each in order: the dense ones and the model's experts.
+std::pair<ParameterList, ParameterList> split_experts(const model::Gpt& model,
+                                                      const ParameterList& params) {
+  std::set<std::string> experts;
+  for (const Parameter& p : model.expert_parameters()) experts.insert(p.name);
+  std::pair<ParameterList, ParameterList> out;
+  for (const Parameter& p : params) (experts.count(p.name) ? out.second : out.first).push_back(p);
+  return out;
+}
 
 }  // namespace
 
-std::unique_ptr<optim::Optimizer> make_stage_optimizer(
-    const Config& config, const model::Gpt& model, const comm::Mesh& mesh, comm::Communicator* dp,
+std::unique_ptr<parallel::ExpertShardedOptimizer> make_stage_optimizer(
+    const Config& config, const model::Gpt& model, const comm::Mesh& mesh,
     const std::map<std::string, std::vector<int64_t>>& row_blocks) {
-  return std::make_unique<StageOptimizer>(config, model, mesh.coordinate(comm::Axis::pp), dp,
-                                          row_blocks);
+  // Only this rank's stage: the other stages' optimizer state (momentum, Adam moments,
+  // scratch) lives on their own ranks, so each rank holds 1/P of it.
+  const int stage = mesh.coordinate(comm::Axis::pp);
+  const ParameterList own =
+      stage_parameters(model, parameter_stages(model, pipeline_boundaries(config)), stage);
+  auto [dense, experts] = split_experts(model, own);
+  return std::make_unique<parallel::ExpertShardedOptimizer>(
+      config.optim, std::move(dense), std::move(experts), mesh.group(comm::Axis::dp),
+      mesh.group(comm::Axis::edp), row_blocks, "stage" + std::to_string(stage) + "/");
 }
 
 PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, model::Gpt& model,
@@ -172,6 +158,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
                                  const optim::LrSchedule& schedule, comm::Communicator& grad_group)
     : config_(config),
       pp_(mesh.group(comm::Axis::pp)),
+      ep_(mesh.group(comm::Axis::ep)),
       grad_group_(grad_group),
       model_(model),
       optimizer_(optimizer),
@@ -182,7 +169,9 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       micro_per_step_(micro_batches_per_step(config)),
       param_stage_(parameter_stages(model, pipeline_boundaries(config))),
       own_params_(stage_parameters(model, param_stage_, stage_)),
-      own_range_(stage_range(model, param_stage_, stage_)),
+      own_dense_(split_experts(model, own_params_).first),
+      own_experts_(split_experts(model, own_params_).second),
+      own_range_(flat_range(model, own_dense_)),
       tied_(config.model.tied_head && stages_ > 1),
       ends_(tied_ ? pp_.split(stage_ == 0 || stage_ == stages_ - 1 ? 0 : 1, stage_) : nullptr),
       work_(
@@ -196,14 +185,16 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
                    held.embedding == blocks.embedding && held.head == blocks.head,
                "the model holds other parts than stage ", stage_, "'s");
   const auto [begin, end] = own_range_;
-  reducer_.emplace(grad_group, model.flat_grads().view(begin, {end - begin}),
-                   int64_t(config.parallel.bucket_mb * 1024 * 1024));
+  const auto bucket_bytes = int64_t(config.parallel.bucket_mb * 1024 * 1024);
+  reducer_.emplace(grad_group, model.flat_grads().view(begin, {end - begin}), bucket_bytes);
+  if (!own_experts_.empty())  // every expert held is this stage's: summed over edp
+    expert_reducer_.emplace(mesh.group(comm::Axis::edp), model.expert_grads(), bucket_bytes);
 }
 
 Tensor PipelineTrainer::own_stash(const Config& config) const {
   // The last stage's backwards are never inconsistent.
   if (!config.pipeline.paci_stash || stage_ == stages_ - 1) return {};
-  const auto [begin, end] = own_range_;
+  const auto [begin, end] = flat_range(model_, own_params_);  // with the experts
   return model_.flat_params().view(begin, {end - begin});
 }
 
@@ -220,18 +211,29 @@ void PipelineTrainer::on_step(int64_t version) {
   grad_group_.all_reduce(std::span<double>(stats, 2));
   TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
   reducer_->reduce(float(1.0 / stats[1]));
+  if (expert_reducer_) expert_reducer_->reduce(float(1.0 / stats[1]));
+  const bool experts = expert_reducer_.has_value();
   double norm = 0;
   if (flush) {
     // Per-parameter sums of squares, each from its stage at its place in the whole model's
     // registry, then the loss sum of the last stage: added in registry order as
     // optim::global_grad_norm adds them.
+    // An expert's sum comes from the ep rank holding it (summed over ep first; the dense
+    // parameters are the same on every ep rank).
     const ParameterList& held = model_.parameters();
     const auto registry = size_t(model_.registry_size());
-    std::vector<double> sums(registry + 1, 0.0);
+    std::vector<double> sums(registry + 1, 0.0), expert_sums(experts ? registry : 0, 0.0);
+    const float* expert_grads = model_.expert_grads().f32();  // they end the flat buffer
     for (size_t i = 0; i < held.size(); ++i)
       if (param_stage_[i] == stage_)
-        sums[size_t(model_.registry_position(i))] =
+        (experts && held[i].grad.f32() >= expert_grads
+             ? expert_sums
+             : sums)[size_t(model_.registry_position(i))] =
             optim::sum_squares(held[i].grad.f32(), held[i].grad.numel());
+    if (experts) {
+      ep_.all_reduce(std::span<double>(expert_sums));
+      for (size_t i = 0; i < registry; ++i) sums[i] += expert_sums[i];  // one of the two is 0
+    }
     if (work_.last_stage()) sums.back() = stats[0];
     pp_.all_reduce(std::span<double>(sums));
     double total = 0;
@@ -239,7 +241,8 @@ void PipelineTrainer::on_step(int64_t version) {
     norm = std::sqrt(total);
     stats[0] = sums.back();
   } else {
-    norm = optim::global_grad_norm(own_params_);
+    norm = experts ? parallel::expert_sharded_grad_norm(own_dense_, own_experts_, ep_)
+                   : optim::global_grad_norm(own_params_);
     if (on_window && work_.last_stage()) {
       on_window(update, stats[0] / stats[1], norm, window_timer_.seconds());
       window_timer_.reset();
@@ -251,6 +254,7 @@ void PipelineTrainer::on_step(int64_t version) {
   optim::scale_to_max_norm(own_params_, norm, config_.train.grad_clip);
   before_update_();
   optimizer_.step(schedule_.scale(update));
+  model_.update_balance();  // MoE balancing: beta from this window's micro-batches
   model_.zero_grads();
   if (tied_ && end_stage) {
     Tensor e = model_.parameter("embed.weight").value;
@@ -355,7 +359,14 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
   constexpr int kTag = 0;
   std::vector<float> input, output;
   double sums[2] = {0, 0};
-  for (const data::Batch& b : batches) {
+  // An MoE stage's forwards exchange tokens over its ep group: every rank runs as many as
+  // the one with the most validation batches, the others on batches without loss tokens
+  // (the same count on every stage: each stage's ep group spans the same dp coordinates).
+  auto rounds = int64_t(batches.size());
+  ep_.all_reduce(std::span<int64_t>(&rounds, 1), comm::ReduceOp::max);
+  const data::Batch idle = idle_batch(config_.train.seq_len);
+  for (int64_t i = 0; i < rounds; ++i) {
+    const data::Batch& b = i < int64_t(batches.size()) ? batches[size_t(i)] : idle;
     const size_t elems = work_.boundary_elems(b);
     input.resize(work_.first_stage() ? 0 : elems);
     output.resize(work_.last_stage() ? 0 : elems);

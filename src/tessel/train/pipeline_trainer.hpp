@@ -20,9 +20,10 @@
 // Every rank holds only its stage: the model is built with the stage's blocks
 // (pipeline_block_range), so weights, gradients, optimizer state and activations are the
 // stage's alone (a tied embedding also on the last stage, for the head). Validation runs
-// through the stages (validation_sums); checkpoints write each stage's parameters from its
-// first dp rank (own_parameters); the sample's forwards run through the stages too
-// (next_token_logits).
+// through the stages (validation_sums); checkpoints write each stage's dense parameters from
+// its lead (own_dense_parameters) and its experts from each ep index's first edp rank; the
+// sample's forwards run through the stages too (next_token_logits). MoE blocks: the stage's
+// experts sharded over ep as without pipeline (dense gradients over dp, experts over edp).
 #include <array>
 #include <cstdint>
 #include <deque>
@@ -41,6 +42,7 @@
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/optimizer.hpp"
 #include "tessel/parallel/data_parallel.hpp"
+#include "tessel/parallel/expert_sharding.hpp"
 #include "tessel/pipeline/stage_executor.hpp"
 #include "tessel/train/config.hpp"
 #include "tessel/train/pipeline_stage.hpp"
@@ -69,11 +71,12 @@ model::BlockRange pipeline_block_range(const Config& config, const comm::Mesh& m
 // head on the last; a tied head's weight is the embedding, trained on the first.
 std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries);
 
-// The optimizer of the pipeline path: this rank's stage's parameters only, its state named
-// "stage<s>/..." and held by that stage's ranks alone (checkpoints write it as their own
-// tensors). state() is collective over dp as the stage's optimizer is.
-std::unique_ptr<optim::Optimizer> make_stage_optimizer(
-    const Config& config, const model::Gpt& model, const comm::Mesh& mesh, comm::Communicator* dp,
+// The optimizer of the pipeline path: this rank's stage's parameters only (its dense ones
+// over dp, its experts over edp), its state named "stage<s>/..." and held by that stage's
+// ranks alone (checkpoints write it as their own tensors). state() is collective over dp
+// and edp as the stage's optimizers are.
+std::unique_ptr<parallel::ExpertShardedOptimizer> make_stage_optimizer(
+    const Config& config, const model::Gpt& model, const comm::Mesh& mesh,
     const std::map<std::string, std::vector<int64_t>>& row_blocks);
 
 struct PipelineStep {
@@ -104,9 +107,10 @@ class PipelineTrainer {
   // the pp group returns them (and can draw the same token). Collective over pp; call
   // between steps.
   std::vector<float> next_token_logits(std::span<const int32_t> window);
-  // The parameters this stage trains (and checkpoints write from its first dp rank): the
-  // model's, less a tied embedding on the last stage (the first stage's).
-  const ParameterList& own_parameters() const { return own_params_; }
+  // The dense parameters this stage trains (and its lead writes to checkpoints): the model's
+  // less its experts (all the stage's too) and less a tied embedding on the last stage (the
+  // first stage's).
+  const ParameterList& own_dense_parameters() const { return own_dense_; }
   // PACI, on the last stage: called at each of its local steps (step counted from 1) with the
   // window's loss over the global batch, the last stage's gradient norm and the seconds since
   // its previous window (or the horizon's start), as it happens (the trainer's step records
@@ -120,6 +124,7 @@ class PipelineTrainer {
 
   const Config& config_;
   comm::Communicator& pp_;
+  comm::Communicator& ep_;
   comm::Communicator& grad_group_;
   model::Gpt& model_;
   optim::Optimizer& optimizer_;
@@ -129,11 +134,13 @@ class PipelineTrainer {
   int64_t micro_per_step_;
   std::vector<int> param_stage_;
   ParameterList own_params_;
-  std::pair<int64_t, int64_t> own_range_;  // own_params_' flat element range
+  ParameterList own_dense_, own_experts_;  // own_params_ in two
+  std::pair<int64_t, int64_t> own_range_;  // own_dense_'s flat element range
   bool tied_;                              // the embedding lives on the first and the last stage
   // Tied: the first and the last stage (ranks 0 and 1 in it), which share the embedding.
   std::unique_ptr<comm::Communicator> ends_;
-  std::optional<parallel::GradientReducer> reducer_;  // this stage's gradient range
+  std::optional<parallel::GradientReducer> reducer_;  // this stage's dense range, over dp (x cp)
+  std::optional<parallel::GradientReducer> expert_reducer_;  // its experts, over edp
   GptStage work_;
   pipeline::StageExecutor executor_;
   // The run in progress: its first trainer step, the executor version then, the hook.

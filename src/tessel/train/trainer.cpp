@@ -122,20 +122,6 @@ struct PhaseMark {
 // The compatibility record's entry of a pipeline run.
 constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pipeline.layout)";
 
-// One sequence of T tokens without loss tokens: a forward that only keeps an ep group's
-// token exchanges in step.
-data::Batch idle_batch(int64_t T) {
-  data::Batch b;
-  b.B = 1;
-  b.T = T;
-  b.tokens.assign(size_t(T), 0);
-  b.targets.assign(size_t(T), 0);
-  b.loss_mask.assign(size_t(T), 0.0f);
-  for (int64_t t = 0; t < T; ++t) b.positions.push_back(int32_t(t));
-  b.doc_starts = {{0}};
-  return b;
-}
-
 }  // namespace
 
 struct Trainer::State {
@@ -157,8 +143,9 @@ struct Trainer::State {
   model::Gpt model;
   parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
   MoeMetrics moe_step, moe_val;
-  // Per pipeline stage (pipeline_trainer.hpp), or dense over dp and experts over edp.
-  std::unique_ptr<optim::Optimizer> optimizer;
+  // Dense over dp and experts over edp: the whole model's, or a pipeline stage's
+  // (pipeline_trainer.hpp).
+  std::unique_ptr<parallel::ExpertShardedOptimizer> optimizer;
   optim::LrSchedule schedule;
   parallel::ExpertShardedGradients grads;  // all-reduces and clipping
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
@@ -202,12 +189,11 @@ struct Trainer::State {
         experts(mesh.group(comm::Axis::ep), dp),
         moe_step(model),
         moe_val(model),
-        optimizer(
-            pipeline_enabled(config)
-                ? make_stage_optimizer(config, model, mesh, &dp, qkv_blocks())
-                : std::unique_ptr<optim::Optimizer>(
-                      std::make_unique<parallel::ExpertShardedOptimizer>(
-                          config.optim, model, dp, mesh.group(comm::Axis::edp), qkv_blocks()))),
+        optimizer(pipeline_enabled(config)
+                      ? make_stage_optimizer(config, model, mesh, qkv_blocks())
+                      : std::make_unique<parallel::ExpertShardedOptimizer>(
+                            config.optim, model.dense_parameters(), model.expert_parameters(), dp,
+                            mesh.group(comm::Axis::edp), qkv_blocks())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
         grads(model, grad_group, mesh.group(comm::Axis::edp), mesh.group(comm::Axis::ep),
@@ -339,24 +325,21 @@ struct Trainer::State {
   void save(int64_t step) {
     CheckpointContent content;
     content.step = step;
-    // Each expert once: the first edp rank of each ep index writes the ep rank's experts.
-    // Each pipeline stage's parameters and optimizer state once: the stage's lead (pipelines
-    // have no experts, but parallel.ep > 1 still splits dp into edp groups, and cp > 1 gives
-    // each stage cp ranks with dp coordinate 0).
-    const bool writes_own = pipeline ? stage_lead() : mesh.coordinate(comm::Axis::edp) == 0;
-    if (pipeline && writes_own)
-      for (const auto& p : pipeline->own_parameters())
-        content.own_model.push_back({p.name, p.value});
-    if (!pipeline)
+    // Each expert once: the first edp rank of each ep index writes the ep rank's experts (and
+    // their optimizer state). A pipeline stage's dense parameters and optimizer state (held
+    // by its ranks alone) once: the stage's lead writes them; its experts likewise by the
+    // stage's first edp rank of each ep index (cp is 1 with experts).
+    const bool writes_experts = mesh.coordinate(comm::Axis::edp) == 0;
+    auto state = optimizer->split_state();  // collective on every rank
+    if (!pipeline) {
       for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
-    // Collective on every rank.
-    auto* sharded = dynamic_cast<parallel::ExpertShardedOptimizer*>(optimizer.get());
-    using SplitState = parallel::ExpertShardedOptimizer::SplitState;
-    auto state = sharded    ? sharded->split_state()
-                 : pipeline ? SplitState{{}, optimizer->state()}
-                            : SplitState{optimizer->state(), {}};
-    for (auto& st : state.replicated) content.optimizer.push_back({st.name, st.tensor});
-    if (writes_own) {
+      for (auto& st : state.replicated) content.optimizer.push_back({st.name, st.tensor});
+    } else if (stage_lead()) {
+      for (const auto& p : pipeline->own_dense_parameters())
+        content.own_model.push_back({p.name, p.value});
+      for (auto& st : state.replicated) content.own_optimizer.push_back({st.name, st.tensor});
+    }
+    if (writes_experts) {
       for (const auto& p : model.expert_parameters())
         content.own_model.push_back({p.name, p.value});
       for (auto& st : state.own) content.own_optimizer.push_back({st.name, st.tensor});
@@ -454,7 +437,7 @@ struct Trainer::State {
       }
     }
     grad_group.all_reduce(std::span<double>(stats, 2));
-    if (!moe_val.empty()) dp.all_reduce(moe_val.values());
+    if (!moe_val.empty() && !pipeline) dp.all_reduce(moe_val.values());
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
@@ -466,16 +449,17 @@ struct Trainer::State {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
-    const auto prompt = tok.encode(config.train.sample_prompt);
     const auto& t = config.train;
-    if (pipeline)
-      return tok.decode(model::generate(
-          [this](std::span<const int32_t> w) { return pipeline->next_token_logits(w); },
-          config.model.max_seq, prompt, t.sample_tokens, float(t.sample_temperature),
-          t.sample_top_k, rng));
+    const auto prompt = tok.encode(t.sample_prompt);
     if (!sharded_experts()) model.set_expert_comm(nullptr);
-    auto ids = model::generate(model, prompt, t.sample_tokens, float(t.sample_temperature),
-                               t.sample_top_k, rng);
+    const auto ids =
+        pipeline
+            ? model::generate(
+                  [this](std::span<const int32_t> w) { return pipeline->next_token_logits(w); },
+                  config.model.max_seq, prompt, t.sample_tokens, float(t.sample_temperature),
+                  t.sample_top_k, rng)
+            : model::generate(model, prompt, t.sample_tokens, float(t.sample_temperature),
+                              t.sample_top_k, rng);
     model.set_expert_comm(&experts);
     return tok.decode(ids);
   }
@@ -703,7 +687,7 @@ TrainResult Trainer::run() {
                              {"step_seconds", dt}};
     if (c.parallel.cp > 1 && !piped) record["cp_imbalance"] = cp_imbalance;
     if (piped) record["pipeline"] = piped->metrics;
-    if (!s.moe_step.empty()) {
+    if (!s.moe_step.empty() && !piped) {  // not yet collected through pipeline stages
       record["moe"] = s.moe_step.step_json();
       record["all_to_all_bytes"] = s.moe_step.all_to_all_bytes();
     }
@@ -725,7 +709,7 @@ TrainResult Trainer::run() {
       double val = s.validate_loss();
       result.validation.emplace_back(rec.step, val);
       nlohmann::json val_record = {{"step", rec.step}, {"val_loss", val}};
-      if (!s.moe_val.empty()) val_record["moe"] = s.moe_val.validation_json();
+      if (!s.moe_val.empty() && !s.pipeline) val_record["moe"] = s.moe_val.validation_json();
       write_metrics(val_record);
       char line[128];
       std::snprintf(line, sizeof line, "step %5lld | validation loss %.4f nats/token (%.3f bits)",

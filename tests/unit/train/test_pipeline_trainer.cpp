@@ -87,8 +87,6 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
       with({"parallel.pp=2", "pipeline.schedule=paci", "model.tied_head=false",
             "train.checkpoint_policy=young", "train.checkpoint_every=5"}),
       {"train.checkpoint_policy", "paci"});
-  fixture::expect_input_error(with({"parallel.pp=2", "model.moe_layers=all"}),
-                              {"model.moe_layers", "pipeline"});
   fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_k=-1"}), {"pipeline.paci_k"});
   fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_stash=true"}),
                               {"pipeline.paci_stash", "paci"});
