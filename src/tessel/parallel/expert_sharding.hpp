@@ -8,7 +8,8 @@
 //     each ep rank, added in ep-rank order, so every rank scales by the same bits;
 //   - optimizer: the configured optimizer over the dense parameters and dp, and a second one
 //     over the experts and edp (ZeRO-1 sharding of the Muon family over edp); the expert
-//     one's state names carry the prefix "experts/", so they do not depend on ep.
+//     one's state names carry the prefix "experts/" (under a pipeline "stage<s>/experts/"),
+//     so they do not depend on ep.
 #include <cstdint>
 #include <map>
 #include <memory>

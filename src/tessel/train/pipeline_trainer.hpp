@@ -57,8 +57,8 @@ int64_t micro_batches_per_step(const Config& config);
 // The first block of each stage and the end (stage_boundaries) for parallel.pp and
 // pipeline.layout; InputError for a bad layout.
 std::vector<int64_t> pipeline_boundaries(const Config& config);
-// InputError naming the keys for what the pipeline path does not support (MoE, PACI with a
-// tied head or an adaptive checkpoint policy) and for a bad schedule or layout.
+// InputError naming the keys for what the pipeline path does not support (PACI with a tied
+// head or an adaptive checkpoint policy) and for a bad schedule or layout.
 void validate_pipeline(const Config& config);
 
 // What this rank's stage holds (the model's BlockRange): its pp coordinate's blocks

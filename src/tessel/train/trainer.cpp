@@ -441,10 +441,9 @@ struct Trainer::State {
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
-  // Rank 0's text sample. With ep = 1 and no pipeline rank 0 runs alone; with sharded
-  // experts every rank calls this and each ep group generates together; a pipeline's first
-  // replica (stage_lead) generates through its stages. The same prompt, seed and length
-  // everywhere.
+  // Rank 0's text sample, on the ranks samples() names. With ep = 1 and no pipeline rank 0
+  // runs alone; with sharded experts each ep group generates together; a pipeline's windows
+  // pass through its stages. The same prompt, seed and length everywhere.
   std::string sample() {
     if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
@@ -473,6 +472,16 @@ struct Trainer::State {
 
   bool sharded_experts() const {
     return mesh.size(comm::Axis::ep) > 1 && !model.expert_parameters().empty();
+  }
+
+  // Whether this rank takes part in the end-of-run sample. A pipeline with ep-sharded MoE
+  // generates on every rank, decided from the whole model: a stage without MoE blocks still
+  // passes the windows of its pp neighbours that run expert all-to-alls.
+  bool samples() const {
+    if (!pipeline) return is_root || sharded_experts();
+    const auto moe = config.model.moe_mask();
+    const bool any_moe = std::find(moe.begin(), moe.end(), true) != moe.end();
+    return stage_lead() || (mesh.size(comm::Axis::ep) > 1 && any_moe);
   }
 };
 
@@ -749,8 +758,7 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  if (c.train.sample_tokens > 0 &&
-      (s.is_root || s.sharded_experts() || (s.pipeline && s.stage_lead()))) {
+  if (c.train.sample_tokens > 0 && s.samples()) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }

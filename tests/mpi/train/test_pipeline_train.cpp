@@ -325,51 +325,58 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
 // norms to 1e-12 (the pipeline adds per-parameter sums in registry order, the plain run the
 // dense ones, then the experts'). Uneven validation batches over dp keep each ep group in step
 // (idle rounds). np 2: pp 2 against one process; np 4: pp 2 x dp 2 with ep 2 against the plain
-// dp 2 x ep 2 run.
+// dp 2 x ep 2 run. Also with MoE in the last stage only (1F1B).
 TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
   comm::Communicator& world = comm::world();
-  train::Config c = pipeline_config(world, "tessel-ppmoe-run");
-  for (const char* s : {"model.moe_layers=all", "model.moe_experts=4", "model.moe_top_k=2",
-                        "model.moe_shared=8", "model.moe_balance=eqb_lei"})
-    train::apply_override(c, s);
-  c.parallel.ep = world.size() / 2;
-  c.train.grad_clip = 0;                      // PACI clips per stage: compare without clipping
-  c.train.eval_every = 1;                     // PACI drains at every validation
-  c.train.eval_sequences = world.size() + 1;  // np 4: 2 batches on dp rank 0, 1 on dp rank 1
-  c.train.sample_tokens = 8;
-  train::TrainResult ref;
-  std::map<std::string, std::vector<float>> ref_weights;
-  if (world.size() == 2) {
-    const Reference one = single_process(c);
-    ref = one.result;
-    ref_weights = one.weights;
-  } else {
-    auto pair = world.split(world.rank() / 2, world.rank());
-    train::Config plain = c;
-    plain.run.dir = shared_temp_dir(*pair, "tessel-ppmoe-ref");
-    ref = run_on(*pair, plain);
-    ref_weights = fixture::final_weights(plain.run.dir);
-  }
-  ASSERT_EQ(ref.steps.size(), 8u);
-  for (const char* schedule : {"gpipe", "1f1b", "paci"}) {
-    SCOPED_TRACE(schedule);
-    c.parallel.pp = 2;
-    c.pipeline.schedule = schedule;
-    c.run.dir = shared_temp_dir(world, "tessel-ppmoe-run");
-    const auto piped = run_on(world, c);
-    fixture::expect_same_steps(piped, ref, /*norms_too=*/false);
-    ASSERT_EQ(piped.steps.size(), ref.steps.size());
-    if (std::string(schedule) != "paci") {  // PACI's norm combines the stages' own
-      for (size_t i = 0; i < ref.steps.size(); ++i) {
-        EXPECT_NEAR(piped.steps[i].grad_norm, ref.steps[i].grad_norm,
-                    1e-12 * ref.steps[i].grad_norm)
-            << "step " << i + 1;
-      }
+  // "3": only the last stage has MoE blocks; every rank of both stages must still sample.
+  const std::pair<const char*, std::vector<const char*>> cases[] = {
+      {"all", {"gpipe", "1f1b", "paci"}}, {"3", {"1f1b"}}};
+  for (const auto& [moe_layers, schedules] : cases) {
+    SCOPED_TRACE(std::string("moe_layers = ") + moe_layers);
+    train::Config c = pipeline_config(world, "tessel-ppmoe-run");
+    for (const char* s : {"model.moe_experts=4", "model.moe_top_k=2", "model.moe_shared=8",
+                          "model.moe_balance=eqb_lei"})
+      train::apply_override(c, s);
+    c.model.moe_layers = moe_layers;
+    c.parallel.ep = world.size() / 2;
+    c.train.grad_clip = 0;                      // PACI clips per stage: compare without clipping
+    c.train.eval_every = 1;                     // PACI drains at every validation
+    c.train.eval_sequences = world.size() + 1;  // np 4: 2 batches on dp rank 0, 1 on dp rank 1
+    c.train.sample_tokens = 8;
+    train::TrainResult ref;
+    std::map<std::string, std::vector<float>> ref_weights;
+    if (world.size() == 2) {
+      const Reference one = single_process(c);
+      ref = one.result;
+      ref_weights = one.weights;
+    } else {
+      auto pair = world.split(world.rank() / 2, world.rank());
+      train::Config plain = c;
+      plain.run.dir = shared_temp_dir(*pair, "tessel-ppmoe-ref");
+      ref = run_on(*pair, plain);
+      ref_weights = fixture::final_weights(plain.run.dir);
     }
-    fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref_weights);
-    if (world.rank() == 0) {
-      EXPECT_FALSE(ref.sample.empty());
-      EXPECT_EQ(piped.sample, ref.sample);
+    ASSERT_EQ(ref.steps.size(), 8u);
+    for (const char* schedule : schedules) {
+      SCOPED_TRACE(schedule);
+      c.parallel.pp = 2;
+      c.pipeline.schedule = schedule;
+      c.run.dir = shared_temp_dir(world, "tessel-ppmoe-run");
+      const auto piped = run_on(world, c);
+      fixture::expect_same_steps(piped, ref, /*norms_too=*/false);
+      ASSERT_EQ(piped.steps.size(), ref.steps.size());
+      if (std::string(schedule) != "paci") {  // PACI's norm combines the stages' own
+        for (size_t i = 0; i < ref.steps.size(); ++i) {
+          EXPECT_NEAR(piped.steps[i].grad_norm, ref.steps[i].grad_norm,
+                      1e-12 * ref.steps[i].grad_norm)
+              << "step " << i + 1;
+        }
+      }
+      fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref_weights);
+      if (world.rank() == 0) {
+        EXPECT_FALSE(ref.sample.empty());
+        EXPECT_EQ(piped.sample, ref.sample);
+      }
     }
   }
 }
