@@ -32,6 +32,7 @@ void MoeMetrics::clear() {
 
 void MoeMetrics::add(const model::Activations& acts) {
   for (size_t b = 0; b < blocks_.size(); ++b) {
+    if (blocks_[b] < acts.first_layer || blocks_[b] >= acts.last_layer) continue;
     const moe::LayerCache& c = acts.moe[size_t(acts.slot(blocks_[b]))];
     double* v = values_.data() + b * size_t(E_ + kSlots);
     const int64_t cap = (k_ * c.N + E_ - 1) / E_;  // ceil(k N / E): capacity factor 1.0

@@ -1,6 +1,8 @@
 #pragma once
 // The MoE blocks' balance statistics for metrics.jsonl, summed over forwards on this rank;
-// the trainer sums values() over the dp group (one all-reduce) before reading them.
+// the trainer sums values() over the dp group (one all-reduce) before reading them. Every
+// MoE block of the whole model has its slots; add() fills those of the blocks the
+// activations hold, so a pipeline's stages fill disjoint slots and a sum over pp joins them.
 //   per MoE block: expert loads (assignments before drops), MaxVio of those loads, the mean
 //   MaxVio per (micro-batch, ep group) over the loads that group's experts receive, the
 //   dropped fraction, the fraction capacity factor 1.0 would drop, the balancing losses;
@@ -22,7 +24,7 @@ class MoeMetrics {
   explicit MoeMetrics(const model::Gpt& model);
   bool empty() const { return blocks_.empty(); }
   void clear();
-  void add(const model::Activations& acts);  // after a forward of acts
+  void add(const model::Activations& acts);  // after a forward of acts: its blocks' slots
   void add_all_to_all_bytes(double bytes);
   std::span<double> values() { return values_; }
   // {"layer", "loads", "maxvio_batch", "maxvio_micro", "dropped", "dropped_cf1",

@@ -9,7 +9,8 @@ namespace tessel::train {
 
 GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
                    data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
-                   int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash)
+                   int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash,
+                   ForwardHook on_forward)
     : model_(model),
       stage_(stage),
       stages_(int(boundaries.size()) - 1),
@@ -22,6 +23,7 @@ GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, in
           size_t(loader.options().micro_batch * (loader.options().seq_len / config.parallel.cp) *
                  model.config().width)),
       on_step_(std::move(on_step)),
+      on_forward_(std::move(on_forward)),
       slots_(size_t(max_live)),
       weights_(stash),
       previous_(stash.defined() ? size_t(stash.numel()) : 0) {
@@ -58,6 +60,7 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   const model::ModelInputs& rows = in->inputs();
   if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
   const double loss = forward_stage(*acts, rows, input, output);
+  if (on_forward_) on_forward_(micro, *acts);
   const double tokens = in->loss_weight_sum();
   live_.emplace(micro, Live{slot, loss, tokens, steps_, std::move(batch), std::move(in)});
 }
@@ -69,7 +72,7 @@ StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> 
   auto& acts = eval_[{rows.B, rows.T}];
   if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
   const double loss = forward_stage(*acts, rows, input, output);
-  return {loss, in.loss_weight_sum(), 1};
+  return {loss, in.loss_weight_sum(), 1, acts.get()};
 }
 
 std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,

@@ -42,18 +42,22 @@ struct StageWindow {
   double loss_sum = 0;     // last stage only (0 elsewhere)
   double loss_tokens = 0;  // every stage
   int64_t micro_batches = 0;
+  const model::Activations* activations = nullptr;  // evaluate(): its forward's, until the next
 };
 
 class GptStage final : public pipeline::StageWork {
  public:
   // `boundaries` is stage_boundaries() of the layout; `model`, `loader`, `config` (its
   // data.attention_mask and parallel.cp*) and `cp_group` (used when parallel.cp > 1) must
-  // outlive the stage. `on_step(version)` runs at every STEP of the schedule.
-  // `stash`: this stage's parameters as one view of the model's flat values, to stash; an
-  // undefined tensor for none.
+  // outlive the stage. `on_step(version)` runs at every STEP of the schedule,
+  // `on_forward(micro, activations)` (if set) after every training forward (the MoE
+  // statistics read the routing there). `stash`: this stage's parameters as one view of the
+  // model's flat values, to stash; an undefined tensor for none.
+  using ForwardHook = std::function<void(int64_t micro, const model::Activations&)>;
   GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
            data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
-           int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash = {});
+           int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash = {},
+           ForwardHook on_forward = {});
 
   size_t input_elems() const override { return first_stage() ? 0 : boundary_elems_; }
   size_t output_elems() const override { return last_stage() ? 0 : boundary_elems_; }
@@ -65,8 +69,8 @@ class GptStage final : public pipeline::StageWork {
   StageWindow take_window();
   // Validation forward of `batch` (forward only, on activations of its own; the training's
   // in-flight micro-batches are untouched): reads `input` (first stage: empty), writes
-  // `output` (last stage: empty); the loss sum on the last stage (0 elsewhere) and the
-  // batch's loss tokens.
+  // `output` (last stage: empty); the loss sum on the last stage (0 elsewhere), the batch's
+  // loss tokens and the activations of the forward.
   StageWindow evaluate(const data::Batch& batch, std::span<const float> input,
                        std::span<float> output);
   // Inference forward of one sequence (every token of `window`, no cp), on activations of
@@ -104,6 +108,7 @@ class GptStage final : public pipeline::StageWork {
   comm::Communicator& cp_group_;
   size_t boundary_elems_;  // micro_batch * (seq_len / cp) * width
   std::function<void(int64_t)> on_step_;
+  ForwardHook on_forward_;
   std::vector<std::unique_ptr<model::Activations>> slots_;  // [max_live], made on first use
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> eval_;  // by B, T
   std::vector<size_t> free_;

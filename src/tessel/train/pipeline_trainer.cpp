@@ -158,6 +158,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
                                  const optim::LrSchedule& schedule, comm::Communicator& grad_group)
     : config_(config),
       pp_(mesh.group(comm::Axis::pp)),
+      dp_(mesh.group(comm::Axis::dp)),
       ep_(mesh.group(comm::Axis::ep)),
       grad_group_(grad_group),
       model_(model),
@@ -177,7 +178,11 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       work_(
           model, pipeline_boundaries(config), stage_, loader, config, mesh.group(comm::Axis::cp),
           kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
-          [this](int64_t version) { on_step(version); }, own_stash(config)),
+          [this](int64_t version) { on_step(version); }, own_stash(config),
+          [this](int64_t micro, const model::Activations& acts) {
+            if (!run_moe_.empty())
+              run_moe_.at(size_t(micro / micro_per_step_ - run_step_)).add(acts);
+          }),
       executor_(pp_, work_) {
   const model::BlockRange blocks = pipeline_block_range(config, mesh);
   const model::BlockRange& held = model.block_range();
@@ -260,7 +265,7 @@ void PipelineTrainer::on_step(int64_t version) {
     Tensor e = model_.parameter("embed.weight").value;
     ends_->broadcast(std::span<float>(e.f32(), size_t(e.numel())), 0);
   }
-  run_windows_.push_back({stats[0], stats[1], norm, 0, {}});
+  run_windows_.push_back({stats[0], stats[1], norm, 0, {}, std::nullopt});
 }
 
 PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& before_update) {
@@ -286,6 +291,8 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   run_version_ = executor_.version();
   before_update_ = before_update;
   run_windows_.clear();
+  if (const MoeMetrics moe(model_); !moe.empty()) run_moe_.assign(size_t(windows), moe);
+  const uint64_t all_to_all_bytes = ep_.traffic().bytes.all_to_all;
   model_.zero_grads();
   Timer timer;
   window_timer_.reset();
@@ -318,7 +325,26 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
     v[2 + size_t(stage_)] = run_windows_[size_t(j)].grad_norm;
   }
   per_stage.insert(per_stage.end(), window_values.begin(), window_values.end());
+  // MoE: each window's statistics of this stage's blocks over dp; the sum over pp below
+  // joins the stages' blocks (and their all-to-all bytes).
+  std::vector<double> moe_values;
+  for (MoeMetrics& m : run_moe_) {
+    m.add_all_to_all_bytes(double(ep_.traffic().bytes.all_to_all - all_to_all_bytes) /
+                           double(windows));
+    moe_values.insert(moe_values.end(), m.values().begin(), m.values().end());
+  }
+  if (!moe_values.empty()) dp_.all_reduce(std::span<double>(moe_values));
+  const size_t moe_at = per_stage.size();
+  per_stage.insert(per_stage.end(), moe_values.begin(), moe_values.end());
   pp_.all_reduce(std::span<double>(per_stage));
+  for (size_t j = 0, at = moe_at; j < run_moe_.size(); ++j) {
+    std::span<double> v = run_moe_[j].values();
+    std::copy_n(per_stage.begin() + std::ptrdiff_t(at), v.size(), v.begin());
+    at += v.size();
+  }
+  auto window_moe = [&](int64_t j) {
+    return run_moe_.empty() ? std::optional<MoeMetrics>() : run_moe_[size_t(j)];
+  };
   nlohmann::json metrics = {{"schedule", pipeline::schedule_name(kind_)}};
   for (int s = 0; s < stages_; ++s) {
     const double* r = per_stage.data() + kFields * size_t(s);
@@ -336,12 +362,13 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
     PipelineStep r = run_windows_.front();
     r.seconds = seconds;
     r.metrics = std::move(metrics);
+    r.moe = window_moe(0);
     return r;
   }
   metrics["horizon"] = {step + 1, end};
   const double* v = per_stage.data() + kFields * size_t(stages_);
   for (int64_t j = 0; j < windows; ++j, v += fields) {
-    PipelineStep r{v[0], v[1], 0, seconds / double(windows), metrics};
+    PipelineStep r{v[0], v[1], 0, seconds / double(windows), metrics, window_moe(j)};
     double squares = 0;
     for (int s = 0; s < stages_; ++s) {
       squares += v[2 + s] * v[2 + s];
@@ -354,7 +381,8 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   return this->step(step, before_update);
 }
 
-std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches) {
+std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches,
+                                                       MoeMetrics& moe) {
   // Between executor runs no message is in flight, so any tag is free.
   constexpr int kTag = 0;
   std::vector<float> input, output;
@@ -374,8 +402,13 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
     const StageWindow r = work_.evaluate(b, input, output);
     if (!output.empty()) pp_.send(output, stage_ + 1, kTag);
     if (work_.last_stage()) sums[0] += r.loss_sum, sums[1] += r.loss_tokens;
+    if (i < int64_t(batches.size())) moe.add(*r.activations);
   }
   pp_.all_reduce(std::span<double>(sums, 2));  // the last stage's sums; + 0 is exact
+  if (!moe.empty()) {  // each stage's blocks over dp, then the stages' joined
+    dp_.all_reduce(moe.values());
+    pp_.all_reduce(moe.values());
+  }
   return {sums[0], sums[1]};
 }
 

@@ -45,6 +45,7 @@
 #include "tessel/parallel/expert_sharding.hpp"
 #include "tessel/pipeline/stage_executor.hpp"
 #include "tessel/train/config.hpp"
+#include "tessel/train/moe_metrics.hpp"
 #include "tessel/train/pipeline_stage.hpp"
 
 namespace tessel::train {
@@ -84,6 +85,9 @@ struct PipelineStep {
   double grad_norm = 0;    // pre-clip norm over all stages (PACI: of the stages' own norms)
   double seconds = 0;      // wall time (PACI: the horizon's, shared by its windows)
   nlohmann::json metrics;  // schedule, per-stage busy / wait time, version gaps, ...
+  // MoE models: every MoE block's statistics over the global batch (summed over dp, each
+  // block from its stage); PACI: the all-to-all bytes are the horizon's mean per window.
+  std::optional<MoeMetrics> moe;
 };
 
 class PipelineTrainer {
@@ -100,8 +104,10 @@ class PipelineTrainer {
   // Validation through the stages, forward only: the first stage embeds, each runs its
   // blocks on what the previous one sent, the last computes the loss. [loss sum, loss tokens]
   // over `batches` (this dp rank's), summed in batch order as one process sums them, on every
-  // rank of the pp group. Collective over pp; call between steps (no message in flight).
-  std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches);
+  // rank of the pp group. MoE models: `moe` gets every batch's forward of the stage's blocks,
+  // summed over dp and joined over pp. Collective over pp, ep and dp; call between steps (no
+  // message in flight).
+  std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches, MoeMetrics& moe);
   // Logits [V] of the token after `window` (one sequence, all of it on every cp rank), its
   // forward run through the stages and the last stage's logits broadcast, so every rank of
   // the pp group returns them (and can draw the same token). Collective over pp; call
@@ -124,6 +130,7 @@ class PipelineTrainer {
 
   const Config& config_;
   comm::Communicator& pp_;
+  comm::Communicator& dp_;
   comm::Communicator& ep_;
   comm::Communicator& grad_group_;
   model::Gpt& model_;
@@ -147,6 +154,7 @@ class PipelineTrainer {
   int64_t run_step_ = 0, run_version_ = 0;
   std::function<void()> before_update_;
   std::vector<PipelineStep> run_windows_;  // this stage's view of each STEP of the run
+  std::vector<MoeMetrics> run_moe_;        // MoE models: each window's forwards on this rank
   std::deque<PipelineStep> pending_;       // PACI: windows done, not yet returned
   int64_t next_step_ = -1;                 // the step pending_.front() belongs to
   Timer window_timer_;                     // PACI: since the previous window (on_window)

@@ -417,7 +417,7 @@ struct Trainer::State {
     double stats[2] = {0, 0};
     moe_val.clear();
     if (pipeline) {
-      const auto sums = pipeline->validation_sums(val_batches);
+      const auto sums = pipeline->validation_sums(val_batches, moe_val);
       stats[0] = sums[0], stats[1] = sums[1];
     } else {
       // Every forward exchanges tokens over the ep group: its ranks run as many as the one
@@ -437,7 +437,7 @@ struct Trainer::State {
       }
     }
     grad_group.all_reduce(std::span<double>(stats, 2));
-    if (!moe_val.empty() && !pipeline) dp.all_reduce(moe_val.values());
+    if (!moe_val.empty() && !pipeline) dp.all_reduce(moe_val.values());  // pipeline: done
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
@@ -696,9 +696,10 @@ TrainResult Trainer::run() {
                              {"step_seconds", dt}};
     if (c.parallel.cp > 1 && !piped) record["cp_imbalance"] = cp_imbalance;
     if (piped) record["pipeline"] = piped->metrics;
-    if (!s.moe_step.empty() && !piped) {  // not yet collected through pipeline stages
-      record["moe"] = s.moe_step.step_json();
-      record["all_to_all_bytes"] = s.moe_step.all_to_all_bytes();
+    if (const MoeMetrics* moe = piped ? (piped->moe ? &*piped->moe : nullptr)
+                                      : (s.moe_step.empty() ? nullptr : &s.moe_step)) {
+      record["moe"] = moe->step_json();
+      record["all_to_all_bytes"] = moe->all_to_all_bytes();
     }
     write_metrics(record);
     bool last = rec.step == c.train.steps;
@@ -718,7 +719,7 @@ TrainResult Trainer::run() {
       double val = s.validate_loss();
       result.validation.emplace_back(rec.step, val);
       nlohmann::json val_record = {{"step", rec.step}, {"val_loss", val}};
-      if (!s.moe_val.empty() && !s.pipeline) val_record["moe"] = s.moe_val.validation_json();
+      if (!s.moe_val.empty()) val_record["moe"] = s.moe_val.validation_json();
       write_metrics(val_record);
       char line[128];
       std::snprintf(line, sizeof line, "step %5lld | validation loss %.4f nats/token (%.3f bits)",

@@ -50,6 +50,7 @@ train::Config pipeline_config(comm::Communicator& world, const std::string& stem
 struct Reference {
   train::TrainResult result;
   std::map<std::string, std::vector<float>> weights;
+  std::string dir;
 };
 Reference single_process(train::Config c) {
   c.parallel.pp = 1;
@@ -57,7 +58,7 @@ Reference single_process(train::Config c) {
   c.pipeline.layout.clear();
   c.run.dir = fixture::temp_dir("tessel-pp-ref");
   comm::SingleCommunicator self;
-  Reference r{run_on(self, c), {}};
+  Reference r{run_on(self, c), {}, c.run.dir};
   r.weights = fixture::final_weights(c.run.dir);
   return r;
 }
@@ -69,6 +70,19 @@ std::vector<nlohmann::json> pipeline_records(const std::string& run_dir) {
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);
     if (j.contains("pipeline")) out.push_back(j["pipeline"]);
+  }
+  return out;
+}
+
+// The MoE fields of each metrics.jsonl step and validation record (rank 0 writes them).
+std::vector<nlohmann::json> moe_records(const std::string& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("moe")) continue;
+    out.push_back({{"step", j["step"]}, {"validation", j.contains("val_loss")}, {"moe", j["moe"]}});
+    if (j.contains("all_to_all_bytes")) out.back()["all_to_all_bytes"] = j["all_to_all_bytes"];
   }
   return out;
 }
@@ -325,7 +339,8 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
 // norms to 1e-12 (the pipeline adds per-parameter sums in registry order, the plain run the
 // dense ones, then the experts'). Uneven validation batches over dp keep each ep group in step
 // (idle rounds). np 2: pp 2 against one process; np 4: pp 2 x dp 2 with ep 2 against the plain
-// dp 2 x ep 2 run. Also with MoE in the last stage only (1F1B).
+// dp 2 x ep 2 run; the step and validation records' MoE statistics are the plain run's.
+// Also with MoE in the last stage only (1F1B), and undrained PACI's per-window statistics.
 TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
   comm::Communicator& world = comm::world();
   // "3": only the last stage has MoE blocks; every rank of both stages must still sample.
@@ -345,16 +360,19 @@ TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
     c.train.sample_tokens = 8;
     train::TrainResult ref;
     std::map<std::string, std::vector<float>> ref_weights;
+    std::string ref_dir;
     if (world.size() == 2) {
       const Reference one = single_process(c);
       ref = one.result;
       ref_weights = one.weights;
+      ref_dir = one.dir;
     } else {
       auto pair = world.split(world.rank() / 2, world.rank());
       train::Config plain = c;
       plain.run.dir = shared_temp_dir(*pair, "tessel-ppmoe-ref");
       ref = run_on(*pair, plain);
       ref_weights = fixture::final_weights(plain.run.dir);
+      ref_dir = plain.run.dir;
     }
     ASSERT_EQ(ref.steps.size(), 8u);
     for (const char* schedule : schedules) {
@@ -376,9 +394,39 @@ TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
       if (world.rank() == 0) {
         EXPECT_FALSE(ref.sample.empty());
         EXPECT_EQ(piped.sample, ref.sample);
+        // The balance statistics of every step and validation, each block from its stage:
+        // the same forwards in the same order, so the same numbers.
+        const auto ref_moe = moe_records(ref_dir);
+        EXPECT_EQ(ref_moe.size(), 16u);  // 8 steps, 8 validations
+        EXPECT_EQ(moe_records(c.run.dir), ref_moe);
       }
     }
   }
+  // Undrained PACI, horizons of 4 windows: each window's record counts the routing of its
+  // own forwards only (top-k assignments of its K micro-batches on every dp rank).
+  train::Config c = pipeline_config(world, "tessel-ppmoe-paci");
+  for (const char* s : {"model.moe_layers=all", "model.moe_experts=4", "model.moe_top_k=2",
+                        "model.moe_balance=eqb_lei"})
+    train::apply_override(c, s);
+  c.parallel.pp = 2;
+  c.parallel.ep = world.size() / 2;
+  c.pipeline.schedule = "paci";
+  run_on(world, c);
+  if (world.rank() != 0) return;
+  const double per_window = double(c.model.moe.top_k * c.train.micro_batch * c.train.seq_len *
+                                   train::micro_batches_per_step(c) * (world.size() / 2));
+  int64_t windows = 0;
+  for (const nlohmann::json& r : moe_records(c.run.dir)) {
+    if (r["validation"].get<bool>()) continue;
+    ++windows;
+    ASSERT_EQ(r["moe"].size(), 4u);
+    for (const auto& block : r["moe"]) {
+      double loads = 0;
+      for (const auto& l : block["loads"]) loads += l.get<double>();
+      EXPECT_EQ(loads, per_window) << "step " << r["step"] << ", block " << block["layer"];
+    }
+  }
+  EXPECT_EQ(windows, c.train.steps);
 }
 
 TEST(PipelineTrain, PaciDrainedAfterEveryWindowEquals1F1B) {
