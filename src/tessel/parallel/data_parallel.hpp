@@ -4,7 +4,8 @@
 // The flat gradient buffer is cut into buckets of about bucket_bytes, always at the
 // same offsets and reduced in the same order, so the reduction is deterministic for
 // a given layout. Every bucket's all-reduce is started non-blocking before any is
-// waited on (issue #7 starts them as backward produces each bucket, for overlap).
+// waited on, after the last backward of the step: nothing overlaps the backward yet (with
+// or without a pipeline; starting each bucket as the last backward completes it would).
 // Gradients are summed, then multiplied by `scale` (1 / global loss-token count):
 // the mean over the global batch, whatever the dp size and accumulation.
 #include <cstdint>
