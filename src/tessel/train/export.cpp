@@ -2,12 +2,16 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
+#include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
+#include "tessel/train/config.hpp"
 
 namespace fs = std::filesystem;
 
@@ -26,9 +30,24 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
     r.checkpoint = loaded->dir;
     content = std::move(loaded->content);
   } else {
+    if (!fs::exists(fs::path(checkpoint) / "manifest.json"))
+      input_error(checkpoint, ": neither a run directory (no checkpoints/) nor a checkpoint (no ",
+                  "manifest.json)");
     r.checkpoint = checkpoint;
     content = CheckpointStore::load(checkpoint);
   }
+  // The model's registry order, whatever layout (dp, ep, pp) wrote the checkpoint.
+  const Config config = parse_config(content.state.at("config").get<std::string>(),
+                                     r.checkpoint + "/manifest.json", {});
+  std::map<std::string, size_t> position;
+  const model::Gpt model(config.model, 0);
+  for (const Parameter& p : model.parameters()) position.emplace(p.name, position.size());
+  auto rank = [&](const NamedTensor& t) {
+    const auto it = position.find(t.name);
+    return it == position.end() ? position.size() : it->second;
+  };
+  std::stable_sort(content.model.begin(), content.model.end(),
+                   [&](const NamedTensor& a, const NamedTensor& b) { return rank(a) < rank(b); });
   r.step = content.step;
   r.tensors = int64_t(content.model.size());
   std::error_code ec;

@@ -55,6 +55,10 @@ void validate_pipeline(const Config& c) {
                 c.pipeline.paci_k);
   if (c.pipeline.paci_stash && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
     input_error("config key 'pipeline.paci_stash' = true needs pipeline.schedule = paci");
+  if (c.pipeline.paci_k != 0 && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
+    input_error("config key 'pipeline.paci_k' = ", c.pipeline.paci_k,
+                " needs pipeline.schedule = paci (the flush schedules take train.accum "
+                "micro-batches per step)");
   // The stash holds one version back: every gap, ceil((pp - 1) / K), must be at most 1.
   if (c.pipeline.paci_stash && micro_batches_per_step(c) < c.parallel.pp - 1)
     input_error("config key 'pipeline.paci_stash' = true needs pipeline.paci_k (or train.accum) ",

@@ -16,6 +16,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <string_view>
 #include <thread>
 
 #include "tessel/comm/mesh.hpp"
@@ -121,6 +122,9 @@ struct PhaseMark {
 
 // The compatibility record's entry of a pipeline run.
 constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pipeline.layout)";
+// Written into every checkpoint's compatibility record: renaming it breaks resuming them.
+constexpr std::string_view kGlobalBatchKey =
+    "global batch (sequences per step: dp * accum * micro_batch)";
 
 }  // namespace
 
@@ -313,8 +317,7 @@ struct Trainer::State {
     nlohmann::json keys;
     for (const auto& k : config_schema())
       if (k.name.rfind("model.", 0) == 0 || order_keys.count(k.name)) keys[k.name] = k.get(config);
-    keys["global batch (sequences per step: dp * accum * micro_batch)"] =
-        loader.sequences_per_step();
+    keys[std::string(kGlobalBatchKey)] = loader.sequences_per_step();
     keys["data.path/train.tok tokens"] = loader.shard().num_tokens();
     keys["data.path/train.tok documents"] = loader.shard().num_documents();
     // The stage optimizers name their state per stage: only the same stages can resume it.
@@ -396,7 +399,11 @@ struct Trainer::State {
                     " in its compatibility record (written by an older tessel); use a new run.dir");
       else if (have[key] != value)
         input_error(*latest, ": checkpoint has ", key, " = ", text(have[key]), " but this run has ",
-                    text(value), "; resume with the checkpoint's setting or use a new run.dir");
+                    text(value),
+                    key == kGlobalBatchKey
+                        ? " (under PACI pipeline.paci_k, when set, counts as accum)"
+                        : "",
+                    "; resume with the checkpoint's setting or use a new run.dir");
     // A pipeline checkpoint's stage-named optimizer state cannot resume without the pipeline.
     if (have.contains(kPipelineKey) && !want.contains(kPipelineKey))
       input_error(*latest, ": checkpoint has ", kPipelineKey, " = ", text(have[kPipelineKey]),

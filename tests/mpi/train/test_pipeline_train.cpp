@@ -26,7 +26,9 @@
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/optimizer.hpp"
 #include "tessel/train/batch_inputs.hpp"
+#include "tessel/train/export.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
+#include "tessel/train/safetensors.hpp"
 
 using namespace tessel;
 using fixture::run_on;
@@ -399,6 +401,16 @@ TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
         const auto ref_moe = moe_records(ref_dir);
         EXPECT_EQ(ref_moe.size(), 16u);  // 8 steps, 8 validations
         EXPECT_EQ(moe_records(c.run.dir), ref_moe);
+        // Export lists the parameters in the model's order, not in the stages' and ep
+        // ranks' writing order.
+        const std::string out = fixture::temp_dir("tessel-ppmoe-export");
+        train::export_checkpoint(c.run.dir, out);
+        std::vector<std::string> names, want;
+        for (const auto& t : train::read_safetensors(out + "/model.safetensors").tensors)
+          names.push_back(t.name);
+        const model::Gpt model(c.model, 0);
+        for (const Parameter& p : model.parameters()) want.push_back(p.name);
+        EXPECT_EQ(names, want);
       }
     }
   }

@@ -230,6 +230,13 @@ TEST_F(SupervisorTest, ExportWritesOneSafetensorsFileThatAnotherReaderLoads) {
   EXPECT_EQ(o.exit_code, 2);
   EXPECT_NE(o.err.find(shard), std::string::npos) << o.err;
   fs::remove_all(dir);
+  // A directory that is neither a run directory nor a checkpoint says so.
+  const std::string empty = fixture::temp_dir("tessel-export-empty");
+  o = run_tessel("export " + empty + " " + out);
+  EXPECT_EQ(o.exit_code, 2);
+  EXPECT_NE(o.err.find("neither a run directory (no checkpoints/) nor a checkpoint"),
+            std::string::npos)
+      << o.err;
 }
 
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {

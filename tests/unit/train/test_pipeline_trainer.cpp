@@ -90,6 +90,9 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
   fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_k=-1"}), {"pipeline.paci_k"});
   fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_stash=true"}),
                               {"pipeline.paci_stash", "paci"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=1f1b", "pipeline.paci_k=2"}),
+      {"pipeline.paci_k", "pipeline.schedule = paci"});
   // The stash keeps one version: 3 stages with K = 1 would have gaps of 2.
   fixture::expect_input_error(with({"parallel.pp=3", "model.layers=3", "pipeline.schedule=paci",
                                     "pipeline.paci_stash=true", "pipeline.paci_k=1"}),
