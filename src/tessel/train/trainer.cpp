@@ -486,7 +486,7 @@ struct Trainer::State {
   // passes the windows of its pp neighbours that run expert all-to-alls.
   bool samples() const {
     if (!pipeline) return is_root || sharded_experts();
-    const auto moe = config.model.moe_mask();
+    const std::vector<bool>& moe = model.moe_blocks();  // the whole model's, on every stage
     const bool any_moe = std::find(moe.begin(), moe.end(), true) != moe.end();
     return stage_lead() || (mesh.size(comm::Axis::ep) > 1 && any_moe);
   }

@@ -65,23 +65,26 @@ Reference single_process(train::Config c) {
   return r;
 }
 
-// Each metrics.jsonl step record's pipeline section (rank 0 writes it).
-std::vector<nlohmann::json> pipeline_records(const std::string& run_dir) {
+// Every record of a run's metrics.jsonl (rank 0 writes them), in order.
+std::vector<nlohmann::json> metrics_records(const std::string& run_dir) {
   std::vector<nlohmann::json> out;
   std::ifstream in(run_dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains("pipeline")) out.push_back(j["pipeline"]);
-  }
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
   return out;
 }
 
-// The MoE fields of each metrics.jsonl step and validation record (rank 0 writes them).
+// Each step record's pipeline section.
+std::vector<nlohmann::json> pipeline_records(const std::string& run_dir) {
+  std::vector<nlohmann::json> out;
+  for (const auto& j : metrics_records(run_dir))
+    if (j.contains("pipeline")) out.push_back(j["pipeline"]);
+  return out;
+}
+
+// The MoE fields of each step and validation record.
 std::vector<nlohmann::json> moe_records(const std::string& run_dir) {
   std::vector<nlohmann::json> out;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
+  for (const auto& j : metrics_records(run_dir)) {
     if (!j.contains("moe")) continue;
     out.push_back({{"step", j["step"]}, {"validation", j.contains("val_loss")}, {"moe", j["moe"]}});
     if (j.contains("all_to_all_bytes")) out.back()["all_to_all_bytes"] = j["all_to_all_bytes"];
@@ -587,9 +590,8 @@ TEST(PipelineTrain, EachRankHoldsOnlyItsStagesParameters) {
       c.train.eval_every = 0;
       run_on(world, c);
       nlohmann::json start;
-      std::ifstream in(c.run.dir + "/metrics.jsonl");
-      for (std::string line; std::getline(in, line) && start.is_null();)
-        if (auto j = nlohmann::json::parse(line); j.value("event", "") == "start") start = j;
+      for (const auto& j : metrics_records(c.run.dir))
+        if (start.is_null() && j.value("event", "") == "start") start = j;
       ASSERT_TRUE(start.contains("parameters_per_rank"));
       const auto held = start["parameters_per_rank"].get<std::vector<int64_t>>();
       ASSERT_EQ(held.size(), size_t(world.size()));
