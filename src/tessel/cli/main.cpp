@@ -61,12 +61,9 @@ int run_prepare(const data::PrepareOptions& opts) {
 
 int run_generate(const std::string& run_dir, const std::string& prompt, int64_t tokens,
                  double temperature, int64_t top_k, int64_t seed) {
-  train::CheckpointStore store(run_dir + "/checkpoints", 2);
-  auto loaded = store.load_newest_valid(
-      [](const std::string& why) { std::fprintf(stderr, "tessel: warning: %s\n", why.c_str()); });
-  if (!loaded) input_error(run_dir, ": no complete checkpoint under ", run_dir, "/checkpoints");
-  const std::string* latest = &loaded->dir;
-  const train::CheckpointContent& ckpt = loaded->content;
+  const auto loaded = train::load_run_checkpoint(run_dir);
+  const std::string* latest = &loaded.dir;
+  const train::CheckpointContent& ckpt = loaded.content;
   train::Config config = train::parse_config(ckpt.state.at("config").get<std::string>(),
                                              *latest + "/manifest.json", {});
   model::Gpt gpt(config.model, 0);

@@ -408,6 +408,17 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
   std::rethrow_exception(newest_failure);
 }
 
+void warn_on_stderr(const std::string& why) {
+  std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
+}
+
+CheckpointStore::Loaded load_run_checkpoint(const std::string& run_dir) {
+  // keep only matters for saving; 2 is the smallest the store accepts.
+  auto loaded = CheckpointStore(run_dir + "/checkpoints", 2).load_newest_valid(warn_on_stderr);
+  if (!loaded) input_error(run_dir, ": no complete checkpoint under ", run_dir, "/checkpoints");
+  return std::move(*loaded);
+}
+
 void CheckpointStore::discard_newer_than(const std::string& dir) const {
   for (const auto& d : complete_checkpoints(fs::path(root_)))
     if (d.filename() > fs::path(dir).filename()) fs::remove_all(d);

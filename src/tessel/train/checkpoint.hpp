@@ -93,6 +93,14 @@ class CheckpointStore {
   int64_t keep_;
 };
 
+// load_newest_valid's `warn` for the command line: "tessel: warning: <why>" on stderr.
+void warn_on_stderr(const std::string& why);
+
+// For the offline tools (generate, export): the newest checkpoint of the run directory
+// `run_dir` that verifies, damaged ones passed over with warn_on_stderr; an input error
+// when there is none.
+CheckpointStore::Loaded load_run_checkpoint(const std::string& run_dir);
+
 class AsyncCheckpointer {
  public:
   // `group` is used by this checkpointer alone (its collectives run while the training

@@ -21,14 +21,9 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   ExportResult r;
   CheckpointContent content;
   if (fs::is_directory(fs::path(checkpoint) / "checkpoints")) {
-    auto loaded = CheckpointStore(checkpoint + "/checkpoints", 2)
-                      .load_newest_valid([](const std::string& why) {
-                        std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
-                      });
-    if (!loaded)
-      input_error(checkpoint, ": no complete checkpoint under ", checkpoint, "/checkpoints");
-    r.checkpoint = loaded->dir;
-    content = std::move(loaded->content);
+    auto loaded = load_run_checkpoint(checkpoint);
+    r.checkpoint = loaded.dir;
+    content = std::move(loaded.content);
   } else {
     if (!fs::exists(fs::path(checkpoint) / "manifest.json"))
       input_error(checkpoint, ": neither a run directory (no checkpoints/) nor a checkpoint (no ",

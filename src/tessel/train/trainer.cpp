@@ -362,9 +362,7 @@ struct Trainer::State {
     std::optional<CheckpointStore::Loaded> loaded;  // rank 0's, reused below
     if (is_root) {
       try {
-        loaded = store.load_newest_valid([](const std::string& why) {
-          std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
-        });
+        loaded = store.load_newest_valid(warn_on_stderr);
         if (loaded) chosen = loaded->dir;
       } catch (const std::exception& e) {
         failure = e.what();
