@@ -329,6 +329,11 @@ std::vector<ConfigKey> build_schema() {
                "paci: keep each stage's previous weights (one extra copy) and run a backward "
                "whose forward saw them against them, as PipeDream-2BW; needs paci_k >= pp - 1",
                FIELD(pipeline.paci_stash)),
+      float_key("pipeline.paci_predict",
+                "paci: run a forward whose backward will see g newer weight versions on the "
+                "weights moved g x this share of the last step further (two extra copies), as "
+                "SpecTrain / PipeMare; 0 = off, at most 4; excludes paci_stash",
+                FIELD(pipeline.paci_predict)),
       string_key("pipeline.layout",
                  "blocks per stage, comma-separated (\"3,2\"); \"\" = balanced by compute",
                  FIELD(pipeline.layout)),

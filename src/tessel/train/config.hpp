@@ -76,6 +76,7 @@ struct PipelineConfig {
   std::string schedule;     // gpipe | 1f1b | paci; "" = 1f1b when parallel.pp > 1
   int64_t paci_k = 0;       // PACI: local backwards per local step; 0 = train.accum
   bool paci_stash = false;  // PACI: inconsistent backwards use their forward's weights
+  double paci_predict = 0;  // PACI: stale forwards extrapolate this share of the last step
   std::string layout;       // blocks per stage ("3,2"); "" = balanced by compute
 };
 

@@ -9,8 +9,8 @@ namespace tessel::train {
 
 GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
                    data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
-                   int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash,
-                   ForwardHook on_forward)
+                   int64_t max_live, std::function<void(int64_t version)> on_step,
+                   StaleWeights stale, ForwardHook on_forward)
     : model_(model),
       stage_(stage),
       stages_(int(boundaries.size()) - 1),
@@ -25,9 +25,13 @@ GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, in
       on_step_(std::move(on_step)),
       on_forward_(std::move(on_forward)),
       slots_(size_t(max_live)),
-      weights_(stash),
-      previous_(stash.defined() ? size_t(stash.numel()) : 0) {
+      stale_(std::move(stale)),
+      previous_(stale_.weights.defined() ? size_t(stale_.weights.numel()) : 0),
+      current_(stale_.mode == StaleWeights::Mode::predict ? previous_.size() : 0) {
   TESSEL_CHECK(max_live >= 1 && boundaries.back() == model.config().layers, "stage ", stage);
+  TESSEL_CHECK(
+      (stale_.mode == StaleWeights::Mode::plain) != stale_.weights.defined() && stale_.window >= 1,
+      "stage ", stage, ": stale-weight options");
   for (size_t i = slots_.size(); i-- > 0;) free_.push_back(i);
 }
 
@@ -59,7 +63,20 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   auto& acts = slots_[slot];
   const model::ModelInputs& rows = in->inputs();
   if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
-  const double loss = forward_stage(*acts, rows, input, output);
+  double loss = 0;
+  if (const int64_t gap = predicted_gap(micro); gap > 0) {
+    float* w = stale_.weights.f32();
+    std::copy_n(w, current_.size(), current_.data());
+    struct Restore {  // the stage's own weights come back even if the forward throws
+      float* w;
+      const std::vector<float>& saved;
+      ~Restore() { std::copy(saved.begin(), saved.end(), w); }
+    } restore{w, current_};
+    extrapolate_weights({w, current_.size()}, previous_, float(double(gap) * stale_.share));
+    loss = forward_stage(*acts, rows, input, output);
+  } else {
+    loss = forward_stage(*acts, rows, input, output);
+  }
   if (on_forward_) on_forward_(micro, *acts);
   const double tokens = in->loss_weight_sum();
   live_.emplace(micro, Live{slot, loss, tokens, steps_, std::move(batch), std::move(in)});
@@ -97,7 +114,7 @@ void GptStage::backward(int64_t micro, std::span<const float> output_grad,
                " without its forward");
   model::Activations& acts = *slots_[it->second.slot];
   const int64_t gap = steps_ - it->second.steps;
-  const bool stashed = weights_.defined() && gap > 0;
+  const bool stashed = stale_.mode == StaleWeights::Mode::stash && gap > 0;
   TESSEL_CHECK(!stashed || gap == 1, "stage ", stage_, ": micro-batch ", micro, " is ", gap,
                " steps old; the stash keeps one version");
   if (stashed) swap_stashed();
@@ -121,13 +138,29 @@ void GptStage::backward(int64_t micro, std::span<const float> output_grad,
 }
 
 void GptStage::step(int64_t version) {
-  if (weights_.defined()) std::copy_n(weights_.f32(), previous_.size(), previous_.data());
+  if (!previous_.empty()) std::copy_n(stale_.weights.f32(), previous_.size(), previous_.data());
   on_step_(version);
   ++steps_;
 }
 
+void GptStage::begin_run(int64_t first_micro) {
+  run_first_micro_ = first_micro;
+  run_first_step_ = steps_;
+}
+
+int64_t GptStage::predicted_gap(int64_t micro) const {
+  if (stale_.mode != StaleWeights::Mode::predict || steps_ == run_first_step_) return 0;
+  return (micro - run_first_micro_) / stale_.window - (steps_ - run_first_step_);
+}
+
 void GptStage::swap_stashed() {
-  std::swap_ranges(previous_.begin(), previous_.end(), weights_.f32());
+  std::swap_ranges(previous_.begin(), previous_.end(), stale_.weights.f32());
+}
+
+void extrapolate_weights(std::span<float> w, std::span<const float> previous, float factor) {
+  TESSEL_CHECK(w.size() == previous.size(), "extrapolate_weights: ", w.size(), " weights, ",
+               previous.size(), " previous values");
+  for (size_t i = 0; i < w.size(); ++i) w[i] += factor * (w[i] - previous[i]);
 }
 
 StageWindow GptStage::take_window() {

@@ -19,10 +19,19 @@
 // Activations live in a pool, one set per micro-batch between its forward and its
 // backward, at most `max_live` at once (1F1B / PACI: P - s; GPipe: M).
 //
-// Stash (pipeline.paci_stash, PipeDream-2BW's two versions): the stage keeps a copy of its
-// weights from before its last STEP, and a backward whose forward ran before that STEP swaps
-// it in, so its gradient is consistent with its activations (then applied to the newest
-// weights). One version back only: the schedule must keep every gap at most 1.
+// PACI's stale micro-batches (StaleWeights): a forward that runs g STEPs before its backward
+// sees weights g versions older than the backward will.
+// - Stash (pipeline.paci_stash, PipeDream-2BW's two versions): the stage keeps a copy of its
+//   weights from before its last STEP, and a backward whose forward ran before that STEP
+//   swaps it in, so its gradient is consistent with its activations (then applied to the
+//   newest weights). One version back only: the schedule must keep every gap at most 1.
+// - Prediction (pipeline.paci_predict = a, SpecTrain / PipeMare's weight prediction): such a
+//   forward runs on the weights extrapolated along the last STEP, w + g·a·(w − w_before);
+//   a = 1 is where the backward's weights will be if the next steps repeat the last one, a
+//   below 1 trusts the repetition less. The stage's own weights are put back right after. g is
+//   known at the forward: PACI runs the backward of micro-batch m after (m − first) / K STEPs of a
+//   drained run that began at micro-batch `first`. Only the last STEP of the same run counts, so a
+//   run that resumes from a checkpoint (saved at a drain) predicts as the uninterrupted one.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -45,18 +54,29 @@ struct StageWindow {
   const model::Activations* activations = nullptr;  // evaluate(): its forward's, until the next
 };
 
+// w <- w + factor * (w - previous), element by element.
+void extrapolate_weights(std::span<float> w, std::span<const float> previous, float factor);
+
+// What a stage does about PACI's stale forwards (see above).
+struct StaleWeights {
+  enum class Mode { plain, stash, predict };
+  Mode mode = Mode::plain;
+  Tensor weights;      // stash / predict: this stage's parameters, one view of the flat values
+  int64_t window = 1;  // predict: K, the micro-batches per STEP
+  double share = 1;    // predict: a, the share of the last step per STEP of gap
+};
+
 class GptStage final : public pipeline::StageWork {
  public:
   // `boundaries` is stage_boundaries() of the layout; `model`, `loader`, `config` (its
   // data.attention_mask and parallel.cp*) and `cp_group` (used when parallel.cp > 1) must
   // outlive the stage. `on_step(version)` runs at every STEP of the schedule,
   // `on_forward(micro, activations)` (if set) after every training forward (the MoE
-  // statistics read the routing there). `stash`: this stage's parameters as one view of the
-  // model's flat values, to stash; an undefined tensor for none.
+  // statistics read the routing there).
   using ForwardHook = std::function<void(int64_t micro, const model::Activations&)>;
   GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
            data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
-           int64_t max_live, std::function<void(int64_t version)> on_step, Tensor stash = {},
+           int64_t max_live, std::function<void(int64_t version)> on_step, StaleWeights stale = {},
            ForwardHook on_forward = {});
 
   size_t input_elems() const override { return first_stage() ? 0 : boundary_elems_; }
@@ -66,6 +86,8 @@ class GptStage final : public pipeline::StageWork {
                 std::span<float> input_grad) override;
   void step(int64_t version) override;
 
+  // Before each executor run: its first micro-batch (the run starts drained).
+  void begin_run(int64_t first_micro);
   StageWindow take_window();
   // Validation forward of `batch` (forward only, on activations of its own; the training's
   // in-flight micro-batches are untouched): reads `input` (first stage: empty), writes
@@ -100,6 +122,9 @@ class GptStage final : public pipeline::StageWork {
                        std::span<const float> input, std::span<float> output) const;
   model::BlockRange range() const { return {first_, last_, first_stage(), last_stage()}; }
   void swap_stashed();
+  // Prediction: how many STEPs will run between micro-batch `micro`'s forward (now) and its
+  // backward; 0 when there is no last STEP of this run to extrapolate along.
+  int64_t predicted_gap(int64_t micro) const;
   model::Gpt& model_;
   int stage_, stages_;
   int64_t first_, last_;  // blocks [first_, last_)
@@ -115,8 +140,10 @@ class GptStage final : public pipeline::StageWork {
   std::map<int64_t, Live> live_;  // by micro-batch
   StageWindow window_;
   int64_t steps_ = 0;
-  Tensor weights_;               // stash: the stage's parameters
-  std::vector<float> previous_;  // stash: their values before the last STEP
+  int64_t run_first_micro_ = 0, run_first_step_ = 0;  // of the current executor run
+  StaleWeights stale_;
+  std::vector<float> previous_;  // stash, predict: the weights before the last STEP
+  std::vector<float> current_;   // predict: the weights while a forward runs on the prediction
 };
 
 }  // namespace tessel::train

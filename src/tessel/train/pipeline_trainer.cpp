@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 #include <string>
 
@@ -37,10 +38,11 @@ std::vector<int64_t> pipeline_boundaries(const Config& c) {
 void validate_pipeline(const Config& c) {
   if (!pipeline_enabled(c)) {
     // A pipeline key set without a pipeline would be silently ignored.
-    const char* set = !c.pipeline.layout.empty() ? "pipeline.layout"
-                      : c.pipeline.paci_k != 0   ? "pipeline.paci_k"
-                      : c.pipeline.paci_stash    ? "pipeline.paci_stash"
-                                                 : nullptr;
+    const char* set = !c.pipeline.layout.empty()     ? "pipeline.layout"
+                      : c.pipeline.paci_k != 0       ? "pipeline.paci_k"
+                      : c.pipeline.paci_stash        ? "pipeline.paci_stash"
+                      : c.pipeline.paci_predict != 0 ? "pipeline.paci_predict"
+                                                     : nullptr;
     if (set)
       input_error("config key '", set, "' needs pipeline parallelism: set parallel.pp > 1 or ",
                   "pipeline.schedule");
@@ -53,8 +55,26 @@ void validate_pipeline(const Config& c) {
   if (c.pipeline.paci_k < 0)
     input_error("config key 'pipeline.paci_k' must be >= 0 (0 = train.accum), got ",
                 c.pipeline.paci_k);
-  if (c.pipeline.paci_stash && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
-    input_error("config key 'pipeline.paci_stash' = true needs pipeline.schedule = paci");
+  if (!(c.pipeline.paci_predict >= 0 && c.pipeline.paci_predict <= 4))
+    input_error(
+        "config key 'pipeline.paci_predict' must be in [0, 4] (a share of the last "
+        "step; 0 = off), got ",
+        c.pipeline.paci_predict);
+  for (const auto& [set, key] : {std::pair{c.pipeline.paci_stash, "pipeline.paci_stash"},
+                                 std::pair{c.pipeline.paci_predict != 0, "pipeline.paci_predict"}})
+    if (set && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
+      input_error("config key '", key, "' needs pipeline.schedule = paci");
+  // The last stage's forwards are never stale: a single stage would ignore either option.
+  if ((c.pipeline.paci_stash || c.pipeline.paci_predict != 0) && c.parallel.pp < 2)
+    input_error("config key '",
+                c.pipeline.paci_stash ? "pipeline.paci_stash" : "pipeline.paci_predict",
+                "' needs parallel.pp > 1 (a single stage's forwards are never stale)");
+  // Both read the weights before the last STEP: the stash runs a stale backward against
+  // them, the prediction moves a stale forward away from them.
+  if (c.pipeline.paci_stash && c.pipeline.paci_predict != 0)
+    input_error(
+        "config keys 'pipeline.paci_stash' and 'pipeline.paci_predict' exclude each "
+        "other: set at most one");
   if (c.pipeline.paci_k != 0 && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
     input_error("config key 'pipeline.paci_k' = ", c.pipeline.paci_k,
                 " needs pipeline.schedule = paci (the flush schedules take train.accum "
@@ -116,17 +136,18 @@ ParameterList stage_parameters(const model::Gpt& model, const std::vector<int>& 
 
 // The flat element range [begin, end) of `params` in `model`, which must be contiguous there
 // (a stage's dense parameters are, as registry order follows the stages; so are all its
-// parameters with its experts, which end the flat buffers).
+// parameters with its experts, which end the flat buffers, though not in registry order: a
+// shared expert or a dense block registered after the experts lies before them).
 std::pair<int64_t, int64_t> flat_range(const model::Gpt& model, const ParameterList& params) {
-  int64_t begin = -1, end = -1, total = 0;
+  if (params.empty()) return {0, 0};  // a stage without parameters
+  int64_t begin = std::numeric_limits<int64_t>::max(), end = 0, total = 0;
   const float* base = model.flat_params().f32();
   for (const Parameter& p : params) {
     const int64_t at = p.value.f32() - base;
-    if (begin < 0) begin = at;
-    end = at + p.value.numel();
+    begin = std::min(begin, at);
+    end = std::max(end, at + p.value.numel());
     total += p.value.numel();
   }
-  if (begin < 0) return {0, 0};  // a stage without parameters
   TESSEL_CHECK(total == end - begin, "a stage's parameters are not contiguous");
   return {begin, end};
 }
@@ -182,7 +203,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       work_(
           model, pipeline_boundaries(config), stage_, loader, config, mesh.group(comm::Axis::cp),
           kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
-          [this](int64_t version) { on_step(version); }, own_stash(config),
+          [this](int64_t version) { on_step(version); }, own_stale_weights(config),
           [this](int64_t micro, const model::Activations& acts) {
             if (!run_moe_.empty())
               run_moe_.at(size_t(micro / micro_per_step_ - run_step_)).add(acts);
@@ -200,11 +221,20 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
     expert_reducer_.emplace(mesh.group(comm::Axis::edp), model.expert_grads(), bucket_bytes);
 }
 
-Tensor PipelineTrainer::own_stash(const Config& config) const {
-  // The last stage's backwards are never inconsistent.
-  if (!config.pipeline.paci_stash || stage_ == stages_ - 1) return {};
+StaleWeights PipelineTrainer::own_stale_weights(const Config& config) const {
+  using Mode = StaleWeights::Mode;
+  const Mode mode = config.pipeline.paci_stash          ? Mode::stash
+                    : config.pipeline.paci_predict != 0 ? Mode::predict
+                                                        : Mode::plain;
+  // The last stage's forwards are never stale.
+  if (mode == Mode::plain || stage_ == stages_ - 1) return {};
   const auto [begin, end] = flat_range(model_, own_params_);  // with the experts
-  return model_.flat_params().view(begin, {end - begin});
+  StaleWeights stale{mode, model_.flat_params().view(begin, {end - begin})};
+  if (mode == Mode::predict) {
+    stale.window = micro_per_step_;
+    stale.share = config.pipeline.paci_predict;
+  }
+  return stale;
 }
 
 void PipelineTrainer::on_step(int64_t version) {
@@ -303,6 +333,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   pipeline::ScheduleOptions options{kind_, stages_,
                                     paci ? windows * micro_per_step_ : micro_per_step_, 1,
                                     paci ? micro_per_step_ : 1};
+  work_.begin_run(step * micro_per_step_);
   const pipeline::StageStats stats = executor_.run(options, step * micro_per_step_);
   TESSEL_CHECK(int64_t(run_windows_.size()) == windows, "stage ", stage_, " took ",
                run_windows_.size(), " steps in a run of ", windows);

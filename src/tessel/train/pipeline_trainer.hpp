@@ -125,8 +125,8 @@ class PipelineTrainer {
 
  private:
   void on_step(int64_t version);
-  // pipeline.paci_stash: this stage's parameters for GptStage to stash; else none.
-  Tensor own_stash(const Config& config) const;
+  // pipeline.paci_stash / paci_predict: what GptStage needs for them; else plain.
+  StaleWeights own_stale_weights(const Config& config) const;
 
   const Config& config_;
   comm::Communicator& pp_;

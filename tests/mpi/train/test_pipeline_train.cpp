@@ -101,7 +101,9 @@ std::vector<nlohmann::json> moe_records(const std::string& run_dir) {
 // activations saved under older ones. The stages' lists run in one valid sequential order,
 // drained where the trainer validates (every `eval_every` windows) and at the end. With
 // pipeline.paci_stash, a stage's backward whose forward ran before its last STEP runs
-// against the weights from before that STEP instead.
+// against the weights from before that STEP instead. With pipeline.paci_predict, a forward
+// whose backward will run g STEPs later runs on the weights extrapolated g x paci_predict
+// along the stage's last STEP of the same drained stretch (none before its first).
 struct PaciReference {
   std::vector<double> losses;                    // per window
   std::vector<std::vector<double>> stage_norms;  // [window][stage], before clipping
@@ -165,6 +167,16 @@ PaciReference paci_reference(const train::Config& c) {
           window_tokens[i] = 0;
           progress = true;
         } else if (f < end && f - b < P - s && (s == 0 || forwards[i - 1] > f)) {
+          // The backward of f runs after f / K STEPs (the versions count from the first).
+          const int64_t gap =
+              c.pipeline.paci_predict != 0 && versions[i] > start ? f / K - versions[i] : 0;
+          std::vector<std::vector<float>> current;
+          for (size_t j = 0; gap > 0 && j < params[i].size(); ++j) {
+            Tensor& w = params[i][j].value;
+            current.emplace_back(w.f32(), w.f32() + w.numel());
+            train::extrapolate_weights({w.f32(), size_t(w.numel())}, previous[i][j],
+                                       float(double(gap) * c.pipeline.paci_predict));
+          }
           if (s == 0) {
             Micro& m = live[f];
             m.batch = loader.next();
@@ -176,6 +188,8 @@ PaciReference paci_reference(const train::Config& c) {
           m.versions.push_back(versions[i]);
           model.forward_blocks(*m.acts, bounds[i], bounds[i + 1]);
           if (s == P - 1) m.loss = model.forward_head(*m.acts);
+          for (size_t j = 0; j < current.size(); ++j)
+            std::copy(current[j].begin(), current[j].end(), params[i][j].value.f32());
           ++forwards[i];
           progress = true;
         } else if (b < f && (f - b == P - s || f == end) && (s == P - 1 || backwards[i + 1] > b)) {
@@ -482,32 +496,39 @@ TEST(PipelineTrain, PaciDrainedAfterEveryWindowEquals1F1B) {
 
 TEST(PipelineTrain, PaciEqualsItsSequentialReferenceBitwise) {
   // K = 1 (every backward of all but the last stage inconsistent, gap up to P - 1) and
-  // K = 2, with Muon (the demo's optimizer) and AdamW; the stash at K = P - 1 (gap 1).
+  // K = 2, with Muon (the demo's optimizer) and AdamW; the stash at K = P - 1 (gap 1); the
+  // prediction (a whole step per step of gap, half for AdamW) at K = 1 (np 4: gaps 2 and 3
+  // extrapolate further) and K = P - 1.
   // Drained at each validation (every 4 windows), clipped per stage.
   comm::Communicator& world = comm::world();
   const int P = world.size();
   struct Case {
     const char* optimizer;
     int64_t K;
-    bool stash;
+    const char* stale;  // "", "stash" or "predict"
   };
   for (const Case& run :
-       {Case{"muon", 1, false}, Case{"muon", 2, false}, Case{"adamw", 1, false},
-        Case{"adamw", 2, false}, Case{"muon", P - 1, true}, Case{"adamw", P - 1, true}}) {
+       {Case{"muon", 1, ""}, Case{"muon", 2, ""}, Case{"adamw", 1, ""}, Case{"adamw", 2, ""},
+        Case{"muon", P - 1, "stash"}, Case{"adamw", P - 1, "stash"}, Case{"muon", 1, "predict"},
+        Case{"muon", P - 1, "predict"}, Case{"adamw", P - 1, "predict"}}) {
     const int64_t K = run.K;
-    SCOPED_TRACE(std::string(run.optimizer) + ", K = " + std::to_string(K) +
-                 (run.stash ? ", stash" : ""));
+    const std::string stale = run.stale;
+    SCOPED_TRACE(std::string(run.optimizer) + ", K = " + std::to_string(K) + ", " + stale);
     train::Config c = pipeline_config(world, "tessel-paci-ref");
     c.parallel.pp = P;
     c.pipeline.schedule = "paci";
-    c.pipeline.paci_stash = run.stash;
+    c.pipeline.paci_stash = stale == "stash";
+    c.pipeline.paci_predict = stale != "predict"                     ? 0.0
+                              : run.optimizer == std::string("muon") ? 1.0
+                                                                     : 0.5;
     c.train.accum = K;
     c.train.eval_every = 4;
     c.optim.name = run.optimizer;
     const auto paci = run_on(world, c);
     const PaciReference ref = paci_reference(c);
-    if (run.stash) {  // the stash changes what the run computes
+    if (!stale.empty()) {  // the stash or the prediction changes what the run computes
       c.pipeline.paci_stash = false;
+      c.pipeline.paci_predict = 0;
       EXPECT_NE(paci_reference(c).weights, ref.weights);
     }
     ASSERT_EQ(paci.steps.size(), ref.losses.size());
@@ -541,22 +562,27 @@ TEST(PipelineTrain, PaciEqualsItsSequentialReferenceBitwise) {
 }
 
 // Dense over pp = world, and MoE over pp 2 (np 4: x dp 2 with ep 2, each expert's weights and
-// optimizer state written by the rank holding it).
+// optimizer state written by the rank holding it). PACI also with the weight prediction,
+// which extrapolates only along steps taken since the last drain, so the resumed run, which
+// has not seen the step before the checkpoint, predicts as the uninterrupted one.
 TEST(PipelineTrain, ResumeContinuesBitwise) {
   comm::Communicator& world = comm::world();
   for (const bool moe : {false, true})
-    for (const char* schedule : {"1f1b", "paci"}) {
-      SCOPED_TRACE(std::string(schedule) + (moe ? ", MoE" : ""));
+    for (const std::string variant : {"1f1b", "paci", "paci predict"}) {
+      SCOPED_TRACE(variant + (moe ? ", MoE" : ""));
+      const std::string schedule = variant.substr(0, variant.find(' '));
       train::Config c = pipeline_config(world, "tessel-pp-resume");
       c.parallel.pp = world.size();
       if (moe) {
+        // With a shared expert, registered after the experts but stored before them.
         for (const char* s : {"model.moe_layers=all", "model.moe_experts=4", "model.moe_top_k=2",
-                              "model.moe_balance=eqb_lei"})
+                              "model.moe_balance=eqb_lei", "model.moe_shared=32"})
           train::apply_override(c, s);
         c.parallel.pp = 2;
         c.parallel.ep = world.size() / 2;
       }
       c.pipeline.schedule = schedule;
+      c.pipeline.paci_predict = variant == "paci predict" ? 1.0 : 0.0;
       c.train.eval_every = 0;
       c.train.checkpoint_every = 4;
       const std::string run = c.run.dir;

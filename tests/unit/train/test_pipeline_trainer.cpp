@@ -74,7 +74,8 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
     return [&, overrides] { train::load_config("", overrides); };
   };
   fixture::expect_input_error(with({"pipeline.schedule=zb"}), {"pipeline.schedule", "zb"});
-  for (std::string key : {"pipeline.layout=2", "pipeline.paci_k=2", "pipeline.paci_stash=true"})
+  for (std::string key : {"pipeline.layout=2", "pipeline.paci_k=2", "pipeline.paci_stash=true",
+                          "pipeline.paci_predict=1"})
     fixture::expect_input_error(with({key}), {key.substr(0, key.find('=')), "parallel.pp > 1"});
   fixture::expect_input_error(with({"pipeline.schedule=1f1b", "pipeline.layout=1,1"}),
                               {"pipeline.layout", "parallel.pp = 1"});
@@ -90,6 +91,17 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
   fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_k=-1"}), {"pipeline.paci_k"});
   fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_stash=true"}),
                               {"pipeline.paci_stash", "paci"});
+  fixture::expect_input_error(with({"parallel.pp=2", "pipeline.paci_predict=1"}),
+                              {"pipeline.paci_predict", "paci"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=paci", "pipeline.paci_predict=-0.5"}),
+      {"pipeline.paci_predict", "[0, 4]", "-0.5"});
+  fixture::expect_input_error(with({"pipeline.schedule=paci", "pipeline.paci_predict=0.5"}),
+                              {"pipeline.paci_predict", "parallel.pp > 1"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=paci", "model.tied_head=false",
+            "pipeline.paci_stash=true", "pipeline.paci_predict=1"}),
+      {"pipeline.paci_stash", "pipeline.paci_predict", "at most one"});
   fixture::expect_input_error(
       with({"parallel.pp=2", "pipeline.schedule=1f1b", "pipeline.paci_k=2"}),
       {"pipeline.paci_k", "pipeline.schedule = paci"});
