@@ -6,6 +6,7 @@
 //   run         supervise a training job: launch it under mpirun, relaunch it on failure
 //   ett-report  a run's effective training time: ett.json, ett.html, ett_trace.json
 //   export      consolidate a checkpoint into one safetensors file and its config
+//   simulate    GPipe, 1F1B and PACI simulated from a pipeline run's measured stage costs
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +28,7 @@
 #include "tessel/train/config.hpp"
 #include "tessel/train/ett.hpp"
 #include "tessel/train/export.hpp"
+#include "tessel/train/pipeline_profile.hpp"
 #include "tessel/train/supervisor.hpp"
 #include "tessel/train/trainer.hpp"
 
@@ -115,6 +117,51 @@ int run_export(const std::string& checkpoint, const std::string& out) {
       "exported %s (step %lld): %lld tensors, %llu bytes -> %s/model.safetensors, %s/config.toml\n",
       r.checkpoint.c_str(), static_cast<long long>(r.step), static_cast<long long>(r.tensors),
       static_cast<unsigned long long>(r.bytes), out.c_str(), out.c_str());
+  return 0;
+}
+
+int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_t micro_batches,
+                 bool json) {
+  const train::PipelineProfile p = train::read_pipeline_profile(run_dir, skip);
+  const int64_t M = micro_batches > 0 ? micro_batches : p.micro_batches;
+  const auto sims = train::simulate_schedules(p.costs, M, steps);
+  if (json) {
+    nlohmann::json out = {{"run",
+                           {{"schedule", p.schedule},
+                            {"micro_batches", p.micro_batches},
+                            {"steps", {p.first_step, p.last_step}},
+                            {"step_seconds", p.step_seconds}}},
+                          {"micro_batches", M},
+                          {"steps", steps}};
+    for (const auto& c : p.costs)
+      out["stage_costs"].push_back(
+          {{"forward", c.forward}, {"backward", c.backward}, {"step", c.step}});
+    for (const auto& s : sims)
+      out["simulated"][s.name] = {{"step_seconds", s.step_seconds},
+                                  {"bubble", s.bubble},
+                                  {"peak_activations", s.peak_activations}};
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%s: %s, %zu stages, %lld micro-batches per step; steps %lld-%lld averaged\n",
+              run_dir.c_str(), p.schedule.c_str(), p.costs.size(),
+              static_cast<long long>(p.micro_batches), static_cast<long long>(p.first_step),
+              static_cast<long long>(p.last_step));
+  std::printf("stage  forward/micro-batch  backward/micro-batch  optimizer step  (seconds)\n");
+  for (size_t s = 0; s < p.costs.size(); ++s)
+    std::printf("%5zu  %19.4f  %20.4f  %14.4f\n", s, p.costs[s].forward, p.costs[s].backward,
+                p.costs[s].step);
+  std::printf("measured %s step: %.4f s\n", p.schedule.c_str(), p.step_seconds);
+  std::printf("simulated, %lld steps of %lld micro-batches (PACI: K = %lld), no link latency:\n",
+              static_cast<long long>(steps), static_cast<long long>(M), static_cast<long long>(M));
+  std::printf("schedule  step (s)  bubble  throughput vs 1f1b  peak activations per stage\n");
+  const double one_f_one_b = sims.at(1).step_seconds;
+  for (const auto& s : sims) {
+    std::string peaks;
+    for (int64_t a : s.peak_activations) peaks += (peaks.empty() ? "" : " ") + std::to_string(a);
+    std::printf("%-8s  %8.4f  %6.3f  %18.3f  %s\n", s.name.c_str(), s.step_seconds, s.bubble,
+                one_f_one_b / s.step_seconds, peaks.c_str());
+  }
   return 0;
 }
 
@@ -220,6 +267,26 @@ int main(int argc, char** argv) {
       ->required();
   exportc->add_option("OUT", export_to, "output directory")->required();
 
+  std::string sim_run;
+  int64_t sim_skip = 10, sim_steps = 100, sim_micro = 0;
+  bool sim_json = false;
+  auto* simc = app.add_subcommand(
+      "simulate",
+      "GPipe, 1F1B and PACI(K = M) simulated from the stage costs a pipeline run measured");
+  simc->add_option("RUN_DIR", sim_run, "run directory of a pipeline run (parallel.pp > 1)")
+      ->required();
+  simc->add_option("--skip", sim_skip, "leave out the first steps (warm-up)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  simc->add_option("--steps", sim_steps, "steps to simulate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  simc->add_option("--micro-batches", sim_micro,
+                   "micro-batches per step, M (and PACI's K); 0 = the run's")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  simc->add_flag("--json", sim_json, "print JSON");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -248,6 +315,9 @@ int main(int argc, char** argv) {
     }
     if (*report) return world.rank() == 0 ? run_ett_report(report_dir, max_ttr) : 0;
     if (*exportc) return world.rank() == 0 ? run_export(export_from, export_to) : 0;
+    if (*simc)
+      return world.rank() == 0 ? run_simulate(sim_run, sim_skip, sim_steps, sim_micro, sim_json)
+                               : 0;
     if (*gen) return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {

@@ -242,9 +242,16 @@ void PipelineTrainer::on_step(int64_t version) {
   const StageWindow w = work_.take_window();
   const bool flush = kind_ != pipeline::ScheduleKind::paci;
   const bool end_stage = stage_ == 0 || stage_ == stages_ - 1;
+  // The cross-stage collectives of a flush step wait for the slowest stage: timed apart
+  // from the step's own work (`sync_seconds` in the records).
+  auto across_stages = [this](auto collective) {
+    const Timer t;
+    collective();
+    sync_seconds_ += t.seconds();
+  };
   if (tied_ && end_stage) {  // lookups' part (first stage) + head's part (last stage)
     Tensor g = model_.parameter("embed.weight").grad;
-    ends_->all_reduce(std::span<float>(g.f32(), size_t(g.numel())));
+    across_stages([&] { ends_->all_reduce(std::span<float>(g.f32(), size_t(g.numel()))); });
   }
   double stats[2] = {w.loss_sum, w.loss_tokens};
   grad_group_.all_reduce(std::span<double>(stats, 2));
@@ -274,7 +281,7 @@ void PipelineTrainer::on_step(int64_t version) {
       for (size_t i = 0; i < registry; ++i) sums[i] += expert_sums[i];  // one of the two is 0
     }
     if (work_.last_stage()) sums.back() = stats[0];
-    pp_.all_reduce(std::span<double>(sums));
+    across_stages([&] { pp_.all_reduce(std::span<double>(sums)); });
     double total = 0;
     for (size_t i = 0; i < registry; ++i) total += sums[i];
     norm = std::sqrt(total);
@@ -297,7 +304,7 @@ void PipelineTrainer::on_step(int64_t version) {
   model_.zero_grads();
   if (tied_ && end_stage) {
     Tensor e = model_.parameter("embed.weight").value;
-    ends_->broadcast(std::span<float>(e.f32(), size_t(e.numel())), 0);
+    across_stages([&] { ends_->broadcast(std::span<float>(e.f32(), size_t(e.numel())), 0); });
   }
   run_windows_.push_back({stats[0], stats[1], norm, 0, {}, std::nullopt});
 }
@@ -328,6 +335,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   if (const MoeMetrics moe(model_); !moe.empty()) run_moe_.assign(size_t(windows), moe);
   const uint64_t all_to_all_bytes = ep_.traffic().bytes.all_to_all;
   model_.zero_grads();
+  sync_seconds_ = 0;
   Timer timer;
   window_timer_.reset();
   pipeline::ScheduleOptions options{kind_, stages_,
@@ -339,17 +347,19 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
                run_windows_.size(), " steps in a run of ", windows);
 
   // Every stage's record: busy and waiting seconds, version gaps, live activations.
-  constexpr size_t kFields = 8;
+  constexpr size_t kFields = 9;
   std::vector<double> per_stage(kFields * size_t(stages_), 0.0);
   double* mine = per_stage.data() + kFields * size_t(stage_);
-  mine[0] = stats.forward_seconds + stats.backward_seconds + stats.step_seconds;
+  const double own_step_seconds = stats.step_seconds - sync_seconds_;
+  mine[0] = stats.forward_seconds + stats.backward_seconds + own_step_seconds;
   mine[1] = stats.wait_seconds;
   mine[2] = double(stats.max_version_gap);
   mine[3] = double(stats.inconsistent_backwards);
   mine[4] = double(stats.peak_live_activations);
   mine[5] = stats.forward_seconds;
   mine[6] = stats.backward_seconds;
-  mine[7] = stats.step_seconds;
+  mine[7] = own_step_seconds;
+  mine[8] = sync_seconds_;
   // PACI: the last stage's loss sums, the first's token counts, each stage's norms.
   const size_t fields = 2 + size_t(stages_);
   std::vector<double> window_values(paci ? fields * size_t(windows) : 0, 0.0);
@@ -390,7 +400,8 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
                                  {"peak_live_activations", int64_t(r[4])},
                                  {"forward_seconds", r[5]},
                                  {"backward_seconds", r[6]},
-                                 {"optimizer_seconds", r[7]}});
+                                 {"optimizer_seconds", r[7]},
+                                 {"sync_seconds", r[8]}});
   }
   const double seconds = timer.seconds();
   if (!paci) {

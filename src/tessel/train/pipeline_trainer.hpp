@@ -158,6 +158,7 @@ class PipelineTrainer {
   std::deque<PipelineStep> pending_;       // PACI: windows done, not yet returned
   int64_t next_step_ = -1;                 // the step pending_.front() belongs to
   Timer window_timer_;                     // PACI: since the previous window (on_window)
+  double sync_seconds_ = 0;                // this run's STEPs: in cross-stage collectives
 };
 
 }  // namespace tessel::train

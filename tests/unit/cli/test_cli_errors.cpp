@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "support/train_fixture.hpp"
 #include "unit/cli/cli_test_util.hpp"
@@ -46,7 +47,7 @@ std::string CliTest::data;
 TEST_F(CliTest, HelpExplainsSubcommandsAndConfigKeys) {
   Outcome o = run_tessel("--help");
   EXPECT_EQ(o.exit_code, 0);
-  for (const char* sub : {"prepare", "train", "generate", "bench-gemm"})
+  for (const char* sub : {"prepare", "train", "generate", "bench-gemm", "export", "simulate"})
     EXPECT_NE(o.out.find(sub), std::string::npos) << sub;
   o = run_tessel("train --help-config");
   EXPECT_EQ(o.exit_code, 0);
@@ -93,6 +94,33 @@ TEST_F(CliTest, ExpertShardedRunSamplesAndGeneratesTheSameOnOneProcess) {
   o = run_tessel("generate --run " + run + " --prompt ab --tokens 6 --temperature 0");
   ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_EQ(o.out, sample + "\n");
+}
+
+// A 2-stage 1F1B run, then the simulator fed its measured stage costs: every schedule is
+// simulated, PACI without the flush bubble is faster. A run without a pipeline has no stage
+// costs: one line says so.
+TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
+  std::string run = temp_dir("tessel-cli-pp");
+  Outcome o = run_tessel(train_args(run) +
+                             " --set model.layers=2 --set parallel.pp=2 --set train.accum=2"
+                             " --set pipeline.schedule=1f1b --set model.tied_head=false",
+                         2);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  o = run_tessel("simulate " + run + " --skip 1 --steps 20 --json");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const auto j = nlohmann::json::parse(o.out);
+  EXPECT_EQ(j["run"]["schedule"], "1f1b");
+  EXPECT_EQ(j["run"]["micro_batches"], 2);
+  EXPECT_EQ(j["run"]["steps"], nlohmann::json::array({2, 4}));
+  ASSERT_EQ(j["stage_costs"].size(), 2u);
+  for (const auto& c : j["stage_costs"])
+    for (const char* part : {"forward", "backward", "step"}) EXPECT_GT(c[part], 0.0) << part;
+  for (const char* s : {"gpipe", "1f1b", "paci"}) EXPECT_GT(j["simulated"][s]["step_seconds"], 0.0);
+  EXPECT_LT(j["simulated"]["paci"]["step_seconds"], j["simulated"]["1f1b"]["step_seconds"]);
+
+  std::string plain = temp_dir("tessel-cli-plain");
+  ASSERT_EQ(run_tessel(train_args(plain)).exit_code, 0);
+  expect_one_line_error(run_tessel("simulate " + plain), {"no pipeline step records"});
 }
 
 TEST_F(CliTest, UnknownConfigKey) {

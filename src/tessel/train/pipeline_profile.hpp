@@ -1,0 +1,44 @@
+#pragma once
+// The schedule simulator (pipeline/simulator.hpp) fed the per-stage costs a pipeline training
+// run measured (`tessel simulate RUN_DIR`): what GPipe, 1F1B and PACI would take per step on
+// this model, these stages and this machine, from one run of any of them. A run's step
+// records carry each stage's forward, backward and optimizer seconds (docs/training.md);
+// the forward and backward are divided by the micro-batches they covered, so the costs
+// hold for any M or K.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tessel/pipeline/simulator.hpp"
+
+namespace tessel::train {
+
+struct PipelineProfile {
+  std::string schedule;                   // the run's: gpipe, 1f1b or paci
+  int64_t micro_batches = 0;              // the run's per step: train.accum, or PACI's K
+  int64_t first_step = 0, last_step = 0;  // the steps averaged
+  double step_seconds = 0;                // measured: their mean
+  // Seconds, per stage: forward and backward of one micro-batch, one optimizer step.
+  std::vector<pipeline::StageCosts> costs;
+};
+
+// Averages the step records of `run_dir`/metrics.jsonl after the first `skip` steps (their
+// warm-up: allocation, first touch); the micro-batches per step come from
+// `run_dir`/config.toml. A PACI run's records are per horizon (one executor run between
+// drains); only horizons that begin after `skip` count. InputError when the run has no
+// pipeline step records after `skip`.
+PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip);
+
+struct SimulatedSchedule {
+  std::string name;  // "gpipe", "1f1b", "paci"
+  double step_seconds = 0;
+  double bubble = 0;
+  std::vector<int64_t> peak_activations;  // per stage
+};
+
+// GPipe, 1F1B and PACI(K = M) over `steps` steps of M = `micro_batches` micro-batches, each
+// stage with `costs`, no link latency; PACI's step is a window (its fill and drain once).
+std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::StageCosts>& costs,
+                                                  int64_t micro_batches, int64_t steps);
+
+}  // namespace tessel::train

@@ -1,0 +1,124 @@
+// tessel simulate's inputs: a pipeline run's stage costs averaged from its step records
+// (against sums worked by hand), and the simulated schedules against the closed forms.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "support/expect_input_error.hpp"
+#include "support/train_fixture.hpp"
+#include "tessel/train/pipeline_profile.hpp"
+
+using namespace tessel;
+
+namespace {
+
+// A run directory with `config` as config.toml and `records` as metrics.jsonl.
+std::string run_dir(const std::string& config, const std::vector<nlohmann::json>& records) {
+  const std::string dir = fixture::temp_dir("tessel-profile");
+  std::ofstream(dir + "/config.toml") << config;
+  std::ofstream metrics(dir + "/metrics.jsonl");
+  metrics << nlohmann::json{{"event", "start"}, {"start_step", 0}}.dump() << "\n";
+  for (const auto& r : records) metrics << r.dump() << "\n";
+  return dir;
+}
+
+// A step record whose stage s spent (s + 1) x `forward`, `backward`, `optimizer` seconds.
+nlohmann::json step_record(int64_t step, double seconds, const char* schedule, double forward,
+                           double backward, double optimizer, int stages = 2) {
+  nlohmann::json pipe = {{"schedule", schedule}};
+  for (int s = 0; s < stages; ++s)
+    pipe["stages"].push_back({{"forward_seconds", (s + 1) * forward},
+                              {"backward_seconds", (s + 1) * backward},
+                              {"optimizer_seconds", (s + 1) * optimizer},
+                              {"sync_seconds", 0.0}});
+  return {{"step", step}, {"loss", 1.0}, {"step_seconds", seconds}, {"pipeline", pipe}};
+}
+
+constexpr const char* kFlushConfig = "[parallel]\npp = 2\n[train]\naccum = 4\n";
+
+}  // namespace
+
+TEST(PipelineProfile, FlushRunAveragesTheStepsAfterTheSkip) {
+  // Step 1 is the skipped warm-up; step 3 was redone after a resume: its last record counts.
+  const std::string dir =
+      run_dir(kFlushConfig,
+              {step_record(1, 9.0, "1f1b", 9, 9, 9), step_record(2, 1.0, "1f1b", 0.4, 0.8, 0.1),
+               step_record(3, 5.0, "1f1b", 7, 7, 7), step_record(3, 2.0, "1f1b", 0.8, 1.6, 0.3)});
+  const train::PipelineProfile p = train::read_pipeline_profile(dir, 1);
+  EXPECT_EQ(p.schedule, "1f1b");
+  EXPECT_EQ(p.micro_batches, 4);
+  EXPECT_EQ(p.first_step, 2);
+  EXPECT_EQ(p.last_step, 3);
+  EXPECT_DOUBLE_EQ(p.step_seconds, 1.5);
+  ASSERT_EQ(p.costs.size(), 2u);
+  for (int s = 0; s < 2; ++s) {  // 2 steps x 4 micro-batches; the optimizer per step
+    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].forward, (s + 1) * 1.2 / 8);
+    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].backward, (s + 1) * 2.4 / 8);
+    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].step, (s + 1) * 0.4 / 2);
+  }
+}
+
+TEST(PipelineProfile, PaciRecordsCountOncePerHorizon) {
+  // Each window's record repeats its horizon's totals; K = 2; the horizon of steps 1-2 is
+  // skipped whole with skip 1.
+  auto window = [](int64_t step, int64_t first, int64_t last, double seconds, double f) {
+    nlohmann::json r = step_record(step, seconds, "paci", f, 2 * f, f / 2);
+    r["pipeline"]["horizon"] = {first, last};
+    return r;
+  };
+  const std::string dir = run_dir(
+      "[parallel]\npp = 2\n[model]\ntied_head = false\n[pipeline]\nschedule = \"paci\"\npaci_k = "
+      "2\n",
+      {window(1, 1, 2, 9.0, 9), window(2, 1, 2, 9.0, 9), window(3, 3, 5, 1.0, 0.6),
+       window(4, 3, 5, 1.0, 0.6), window(5, 3, 5, 1.0, 0.6)});
+  const train::PipelineProfile p = train::read_pipeline_profile(dir, 1);
+  EXPECT_EQ(p.schedule, "paci");
+  EXPECT_EQ(p.micro_batches, 2);
+  EXPECT_EQ(p.first_step, 3);
+  EXPECT_EQ(p.last_step, 5);
+  EXPECT_DOUBLE_EQ(p.step_seconds, 1.0);
+  for (int s = 0; s < 2; ++s) {  // 3 windows x 2 micro-batches
+    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].forward, (s + 1) * 0.6 / 6);
+    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].backward, (s + 1) * 1.2 / 6);
+    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].step, (s + 1) * 0.3 / 3);
+  }
+}
+
+TEST(PipelineProfile, ARunWithoutPipelineRecordsIsAClearError) {
+  fixture::expect_input_error([&] { train::read_pipeline_profile(run_dir(kFlushConfig, {}), 0); },
+                              {"metrics.jsonl", "no pipeline step records"});
+  fixture::expect_input_error(
+      [&] {
+        train::read_pipeline_profile(run_dir(kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1)}),
+                                     1);
+      },
+      {"after step 1"});
+  fixture::expect_input_error(
+      [&] { train::read_pipeline_profile(fixture::temp_dir("tessel-profile-none"), 0); },
+      {"config.toml", "run directory"});
+}
+
+TEST(PipelineProfile, SimulatedSchedulesFollowTheClosedForms) {
+  // Uniform stages: a flush step takes (M + P - 1)(F + B) + o; PACI's window M (F + B) + o
+  // once filled, its fill and drain (P - 1)(F + B) paid once over the run.
+  const double F = 0.01, B = 0.02, o = 0.007;
+  for (const int P : {2, 4})
+    for (const int64_t M : {2, 8}) {
+      SCOPED_TRACE("P " + std::to_string(P) + ", M " + std::to_string(M));
+      const int64_t steps = 50;
+      const auto sims = train::simulate_schedules(
+          std::vector<pipeline::StageCosts>(size_t(P), {F, B, o}), M, steps);
+      ASSERT_EQ(sims.size(), 3u);
+      EXPECT_EQ(sims[0].name, "gpipe");
+      EXPECT_EQ(sims[1].name, "1f1b");
+      EXPECT_EQ(sims[2].name, "paci");
+      const double flush = double(M + P - 1) * (F + B) + o;
+      EXPECT_NEAR(sims[0].step_seconds, flush, 1e-12);
+      EXPECT_NEAR(sims[1].step_seconds, flush, 1e-12);
+      const double paci = double(M) * (F + B) + o + double(P - 1) * (F + B) / double(steps);
+      EXPECT_NEAR(sims[2].step_seconds, paci, 0.01 * paci);
+      EXPECT_EQ(sims[1].peak_activations.front(), std::min<int64_t>(M, P));
+      EXPECT_EQ(sims[0].peak_activations.front(), M);
+    }
+}
