@@ -129,7 +129,7 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     nlohmann::json out = {{"run",
                            {{"schedule", p.schedule},
                             {"micro_batches", p.micro_batches},
-                            {"steps", {p.first_step, p.last_step}},
+                            {"averaged_steps", {p.first_step, p.last_step}},
                             {"step_seconds", p.step_seconds}}},
                           {"micro_batches", M},
                           {"steps", steps}};
@@ -139,6 +139,7 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     for (const auto& s : sims)
       out["simulated"][s.name] = {{"step_seconds", s.step_seconds},
                                   {"bubble", s.bubble},
+                                  {"throughput_vs_1f1b", sims.at(1).step_seconds / s.step_seconds},
                                   {"peak_activations", s.peak_activations}};
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
@@ -275,7 +276,9 @@ int main(int argc, char** argv) {
       "GPipe, 1F1B and PACI(K = M) simulated from the stage costs a pipeline run measured");
   simc->add_option("RUN_DIR", sim_run, "run directory of a pipeline run (parallel.pp > 1)")
       ->required();
-  simc->add_option("--skip", sim_skip, "leave out the first steps (warm-up)")
+  simc->add_option("--skip", sim_skip,
+                   "leave out the last attempt's first steps (warm-up; a PACI horizon that "
+                   "begins among them whole)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   simc->add_option("--steps", sim_steps, "steps to simulate")

@@ -1,5 +1,6 @@
 #include "tessel/train/pipeline_profile.hpp"
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,32 @@
 
 namespace tessel::train {
 
+namespace {
+
+// The step records of the run's last attempt, the last record of each step, by step; the
+// step that attempt started from.
+std::pair<std::map<int64_t, nlohmann::json>, int64_t> last_attempt_records(
+    const std::string& path) {
+  std::ifstream in(path);
+  if (!in) input_error(path, ": cannot read");
+  std::map<int64_t, nlohmann::json> records;
+  int64_t start_step = 0;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) continue;
+    if (j.value("event", "") == "start") {  // a resumed attempt may run another schedule
+      records.clear();
+      start_step = j.value("start_step", int64_t(0));
+    }
+    if (!j.contains("pipeline") || !j.contains("step_seconds")) continue;
+    const auto step = j.at("step").get<int64_t>();  // before j moves into the map
+    records[step] = std::move(j);
+  }
+  return {std::move(records), start_step};
+}
+
+}  // namespace
+
 PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) {
   if (skip < 0) input_error("skip must be >= 0, got ", skip);
   const std::string config_path = run_dir + "/config.toml";
@@ -19,53 +46,51 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   if (!config_file) input_error(config_path, ": cannot read (is ", run_dir, " a run directory?)");
   std::stringstream text;
   text << config_file.rdbuf();
-  const Config config = parse_config(text.str(), config_path, {});
+  const Config config = parse_config(text.str(), config_path, {});  // the last attempt's
 
-  // The last record of each step: a resumed run rewrites the steps after its checkpoint.
-  std::map<int64_t, nlohmann::json> records;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object() || !j.contains("pipeline") || !j.contains("step_seconds")) continue;
-    const auto step = j["step"].get<int64_t>();  // before j moves (operator= takes it by value)
-    records[step] = std::move(j);
-  }
+  const std::string metrics_path = run_dir + "/metrics.jsonl";
+  const auto [records, start_step] = last_attempt_records(metrics_path);
   PipelineProfile p;
   p.micro_batches = micro_batches_per_step(config);
   std::vector<double> forward, backward, optimizer;  // sums per stage
   int64_t steps = 0, micro_batches = 0;
   double seconds = 0;
   int64_t horizon_end = -1;  // PACI: the horizon whose totals were added last
-  for (const auto& [step, j] : records) {
-    const nlohmann::json& pipe = j["pipeline"];
-    // A PACI record repeats its horizon's totals; a flush record holds its own step's.
-    const int64_t first = pipe.contains("horizon") ? pipe["horizon"][0].get<int64_t>() : step;
-    const int64_t last = pipe.contains("horizon") ? pipe["horizon"][1].get<int64_t>() : step;
-    if (first <= skip) continue;
-    if (p.schedule.empty()) {
-      p.schedule = pipe["schedule"].get<std::string>();
-      p.first_step = step;
-      const size_t stages = pipe["stages"].size();
-      forward.assign(stages, 0.0), backward.assign(stages, 0.0), optimizer.assign(stages, 0.0);
+  try {
+    for (const auto& [step, j] : records) {
+      const nlohmann::json& pipe = j.at("pipeline");
+      // A PACI record repeats its horizon's totals; a flush record holds its own step's.
+      const bool paci = pipe.contains("horizon");
+      const int64_t first = paci ? pipe.at("horizon").at(0).get<int64_t>() : step;
+      const int64_t last = paci ? pipe.at("horizon").at(1).get<int64_t>() : step;
+      if (first <= start_step + skip) continue;
+      if (p.schedule.empty()) {
+        p.schedule = pipe.at("schedule").get<std::string>();
+        p.first_step = step;
+        const size_t stages = pipe.at("stages").size();
+        forward.assign(stages, 0.0), backward.assign(stages, 0.0), optimizer.assign(stages, 0.0);
+      }
+      p.last_step = step;
+      ++steps;
+      seconds += j.at("step_seconds").get<double>();
+      if (last == horizon_end) continue;  // this horizon's totals are in
+      horizon_end = last;
+      micro_batches += (last - first + 1) * p.micro_batches;
+      const nlohmann::json& stages = pipe.at("stages");
+      if (stages.size() != forward.size())
+        input_error(metrics_path, ": step ", step, " has ", stages.size(), " stages, step ",
+                    p.first_step, " ", forward.size());
+      for (size_t s = 0; s < stages.size(); ++s) {
+        forward[s] += stages[s].at("forward_seconds").get<double>();
+        backward[s] += stages[s].at("backward_seconds").get<double>();
+        optimizer[s] += stages[s].at("optimizer_seconds").get<double>();
+      }
     }
-    p.last_step = step;
-    ++steps;
-    seconds += j["step_seconds"].get<double>();
-    if (last == horizon_end) continue;  // this horizon's totals are in
-    horizon_end = last;
-    micro_batches += (last - first + 1) * p.micro_batches;
-    const nlohmann::json& stages = pipe["stages"];
-    if (stages.size() != forward.size())
-      input_error(run_dir, "/metrics.jsonl: step ", step, " has ", stages.size(),
-                  " stages, earlier steps ", forward.size());
-    for (size_t s = 0; s < stages.size(); ++s) {
-      forward[s] += stages[s]["forward_seconds"].get<double>();
-      backward[s] += stages[s]["backward_seconds"].get<double>();
-      optimizer[s] += stages[s]["optimizer_seconds"].get<double>();
-    }
+  } catch (const nlohmann::json::exception& e) {  // e.g. records older than the stage split
+    input_error(metrics_path, ": a pipeline step record without the stage costs: ", e.what());
   }
   if (steps == 0)
-    input_error(run_dir, "/metrics.jsonl: no pipeline step records after step ", skip,
+    input_error(metrics_path, ": no pipeline step records after step ", start_step + skip,
                 " (a run with parallel.pp > 1 or pipeline.schedule writes them)");
   p.step_seconds = seconds / double(steps);
   const auto m = double(micro_batches), windows = m / double(p.micro_batches);

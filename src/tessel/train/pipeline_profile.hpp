@@ -4,7 +4,7 @@
 // this model, these stages and this machine, from one run of any of them. A run's step
 // records carry each stage's forward, backward and optimizer seconds (docs/training.md);
 // the forward and backward are divided by the micro-batches they covered, so the costs
-// hold for any M or K.
+// apply to any M or K at the run's micro-batch size (another M means another global batch).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -22,11 +22,12 @@ struct PipelineProfile {
   std::vector<pipeline::StageCosts> costs;
 };
 
-// Averages the step records of `run_dir`/metrics.jsonl after the first `skip` steps (their
-// warm-up: allocation, first touch); the micro-batches per step come from
-// `run_dir`/config.toml. A PACI run's records are per horizon (one executor run between
-// drains); only horizons that begin after `skip` count. InputError when the run has no
-// pipeline step records after `skip`.
+// Averages the step records of the run's last attempt (`run_dir`/metrics.jsonl after its
+// last start record: a resumed run may have changed schedule or accum) after its first
+// `skip` steps (their warm-up: allocation, first touch); the micro-batches per step come from
+// `run_dir`/config.toml, which that attempt wrote. A PACI run's records are per horizon (one
+// executor run between drains); only horizons that begin after the skip count. InputError
+// when there are no such records or they lack the stage costs.
 PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip);
 
 struct SimulatedSchedule {

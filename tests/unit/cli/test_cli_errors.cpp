@@ -111,12 +111,13 @@ TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   const auto j = nlohmann::json::parse(o.out);
   EXPECT_EQ(j["run"]["schedule"], "1f1b");
   EXPECT_EQ(j["run"]["micro_batches"], 2);
-  EXPECT_EQ(j["run"]["steps"], nlohmann::json::array({2, 4}));
+  EXPECT_EQ(j["run"]["averaged_steps"], nlohmann::json::array({2, 4}));
   ASSERT_EQ(j["stage_costs"].size(), 2u);
   for (const auto& c : j["stage_costs"])
     for (const char* part : {"forward", "backward", "step"}) EXPECT_GT(c[part], 0.0) << part;
   for (const char* s : {"gpipe", "1f1b", "paci"}) EXPECT_GT(j["simulated"][s]["step_seconds"], 0.0);
   EXPECT_LT(j["simulated"]["paci"]["step_seconds"], j["simulated"]["1f1b"]["step_seconds"]);
+  EXPECT_GT(j["simulated"]["paci"]["throughput_vs_1f1b"], 1.0);
 
   std::string plain = temp_dir("tessel-cli-plain");
   ASSERT_EQ(run_tessel(train_args(plain)).exit_code, 0);

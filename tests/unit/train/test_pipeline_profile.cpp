@@ -2,6 +2,7 @@
 // (against sums worked by hand), and the simulated schedules against the closed forms.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -59,6 +60,25 @@ TEST(PipelineProfile, FlushRunAveragesTheStepsAfterTheSkip) {
   }
 }
 
+TEST(PipelineProfile, OnlyTheLastAttemptCountsAndItsOwnWarmUpIsSkipped) {
+  // A GPipe attempt, then one resumed from step 2 under 1F1B: with skip 1 only its steps
+  // after 3 count.
+  const std::string dir = run_dir(kFlushConfig, {step_record(1, 9.0, "gpipe", 9, 9, 9),
+                                                 step_record(2, 9.0, "gpipe", 9, 9, 9),
+                                                 step_record(3, 9.0, "gpipe", 9, 9, 9),
+                                                 {{"event", "start"}, {"start_step", 2}},
+                                                 step_record(3, 7.0, "1f1b", 7, 7, 7),
+                                                 step_record(4, 1.0, "1f1b", 0.4, 0.8, 0.1),
+                                                 step_record(5, 3.0, "1f1b", 0.4, 0.8, 0.1)});
+  const train::PipelineProfile p = train::read_pipeline_profile(dir, 1);
+  EXPECT_EQ(p.schedule, "1f1b");
+  EXPECT_EQ(p.first_step, 4);
+  EXPECT_EQ(p.last_step, 5);
+  EXPECT_DOUBLE_EQ(p.step_seconds, 2.0);
+  EXPECT_DOUBLE_EQ(p.costs[0].forward, 0.8 / 8);
+  EXPECT_DOUBLE_EQ(p.costs[1].step, 2 * 0.2 / 2);
+}
+
 TEST(PipelineProfile, PaciRecordsCountOncePerHorizon) {
   // Each window's record repeats its horizon's totals; K = 2; the horizon of steps 1-2 is
   // skipped whole with skip 1.
@@ -97,6 +117,16 @@ TEST(PipelineProfile, ARunWithoutPipelineRecordsIsAClearError) {
   fixture::expect_input_error(
       [&] { train::read_pipeline_profile(fixture::temp_dir("tessel-profile-none"), 0); },
       {"config.toml", "run directory"});
+  const std::string no_metrics = run_dir(kFlushConfig, {});
+  std::filesystem::remove(no_metrics + "/metrics.jsonl");
+  fixture::expect_input_error([&] { train::read_pipeline_profile(no_metrics, 0); },
+                              {"metrics.jsonl", "cannot read"});
+  // Records written before the step records split the stages' busy time.
+  nlohmann::json old = step_record(2, 1.0, "1f1b", 1, 1, 1);
+  old["pipeline"]["stages"][1].erase("forward_seconds");
+  fixture::expect_input_error(
+      [&] { train::read_pipeline_profile(run_dir(kFlushConfig, {old}), 1); },
+      {"metrics.jsonl", "without the stage costs", "forward_seconds"});
 }
 
 TEST(PipelineProfile, SimulatedSchedulesFollowTheClosedForms) {
