@@ -4,7 +4,6 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "tessel/core/error.hpp"
 #include "tessel/pipeline/schedule.hpp"
@@ -42,11 +41,9 @@ std::pair<std::map<int64_t, nlohmann::json>, int64_t> last_attempt_records(
 PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) {
   if (skip < 0) input_error("skip must be >= 0, got ", skip);
   const std::string config_path = run_dir + "/config.toml";
-  std::ifstream config_file(config_path);
-  if (!config_file) input_error(config_path, ": cannot read (is ", run_dir, " a run directory?)");
-  std::stringstream text;
-  text << config_file.rdbuf();
-  const Config config = parse_config(text.str(), config_path, {});  // the last attempt's
+  if (!std::filesystem::is_regular_file(config_path))
+    input_error(config_path, ": cannot read (is ", run_dir, " a run directory?)");
+  const Config config = load_config(config_path, {});  // the last attempt's
 
   const std::string metrics_path = run_dir + "/metrics.jsonl";
   const auto [records, start_step] = last_attempt_records(metrics_path);

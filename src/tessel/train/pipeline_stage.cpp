@@ -1,6 +1,7 @@
 #include "tessel/train/pipeline_stage.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include "tessel/core/error.hpp"
 #include "tessel/train/batch_inputs.hpp"
@@ -63,20 +64,20 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   auto& acts = slots_[slot];
   const model::ModelInputs& rows = in->inputs();
   if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
-  double loss = 0;
+  struct Restore {  // the stage's own weights come back even if the forward throws
+    float* w;
+    const std::vector<float>& saved;
+    ~Restore() { std::copy(saved.begin(), saved.end(), w); }
+  };
+  std::optional<Restore> restore;
   if (const int64_t gap = predicted_gap(micro); gap > 0) {
     float* w = stale_.weights.f32();
     std::copy_n(w, current_.size(), current_.data());
-    struct Restore {  // the stage's own weights come back even if the forward throws
-      float* w;
-      const std::vector<float>& saved;
-      ~Restore() { std::copy(saved.begin(), saved.end(), w); }
-    } restore{w, current_};
+    restore.emplace(w, current_);
     extrapolate_weights({w, current_.size()}, previous_, float(double(gap) * stale_.share));
-    loss = forward_stage(*acts, rows, input, output);
-  } else {
-    loss = forward_stage(*acts, rows, input, output);
   }
+  const double loss = forward_stage(*acts, rows, input, output);
+  restore.reset();
   if (on_forward_) on_forward_(micro, *acts);
   const double tokens = in->loss_weight_sum();
   live_.emplace(micro, Live{slot, loss, tokens, steps_, std::move(batch), std::move(in)});

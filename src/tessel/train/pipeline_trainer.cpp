@@ -60,15 +60,17 @@ void validate_pipeline(const Config& c) {
         "config key 'pipeline.paci_predict' must be in [0, 4] (a share of the last "
         "step; 0 = off), got ",
         c.pipeline.paci_predict);
-  for (const auto& [set, key] : {std::pair{c.pipeline.paci_stash, "pipeline.paci_stash"},
-                                 std::pair{c.pipeline.paci_predict != 0, "pipeline.paci_predict"}})
-    if (set && pipeline_schedule(c) != pipeline::ScheduleKind::paci)
+  for (const auto& [set, key] :
+       {std::pair{c.pipeline.paci_stash, "pipeline.paci_stash"},
+        std::pair{c.pipeline.paci_predict != 0, "pipeline.paci_predict"}}) {
+    if (!set) continue;
+    if (pipeline_schedule(c) != pipeline::ScheduleKind::paci)
       input_error("config key '", key, "' needs pipeline.schedule = paci");
-  // The last stage's forwards are never stale: a single stage would ignore either option.
-  if ((c.pipeline.paci_stash || c.pipeline.paci_predict != 0) && c.parallel.pp < 2)
-    input_error("config key '",
-                c.pipeline.paci_stash ? "pipeline.paci_stash" : "pipeline.paci_predict",
-                "' needs parallel.pp > 1 (a single stage's forwards are never stale)");
+    // The last stage's forwards are never stale: a single stage would ignore either option.
+    if (c.parallel.pp < 2)
+      input_error("config key '", key,
+                  "' needs parallel.pp > 1 (a single stage's forwards are never stale)");
+  }
   // Both read the weights before the last STEP: the stash runs a stale backward against
   // them, the prediction moves a stale forward away from them.
   if (c.pipeline.paci_stash && c.pipeline.paci_predict != 0)

@@ -36,6 +36,17 @@ nlohmann::json step_record(int64_t step, double seconds, const char* schedule, d
   return {{"step", step}, {"loss", 1.0}, {"step_seconds", seconds}, {"pipeline", pipe}};
 }
 
+// The costs step_record's stages average to: stage s's are (s + 1) times these.
+void expect_stage_costs(const train::PipelineProfile& p, double forward, double backward,
+                        double step) {
+  ASSERT_EQ(p.costs.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_DOUBLE_EQ(p.costs[s].forward, double(s + 1) * forward) << "stage " << s;
+    EXPECT_DOUBLE_EQ(p.costs[s].backward, double(s + 1) * backward) << "stage " << s;
+    EXPECT_DOUBLE_EQ(p.costs[s].step, double(s + 1) * step) << "stage " << s;
+  }
+}
+
 constexpr const char* kFlushConfig = "[parallel]\npp = 2\n[train]\naccum = 4\n";
 
 }  // namespace
@@ -52,12 +63,7 @@ TEST(PipelineProfile, FlushRunAveragesTheStepsAfterTheSkip) {
   EXPECT_EQ(p.first_step, 2);
   EXPECT_EQ(p.last_step, 3);
   EXPECT_DOUBLE_EQ(p.step_seconds, 1.5);
-  ASSERT_EQ(p.costs.size(), 2u);
-  for (int s = 0; s < 2; ++s) {  // 2 steps x 4 micro-batches; the optimizer per step
-    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].forward, (s + 1) * 1.2 / 8);
-    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].backward, (s + 1) * 2.4 / 8);
-    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].step, (s + 1) * 0.4 / 2);
-  }
+  expect_stage_costs(p, 1.2 / 8, 2.4 / 8, 0.4 / 2);  // 2 steps x 4 micro-batches; 2 steps
 }
 
 TEST(PipelineProfile, OnlyTheLastAttemptCountsAndItsOwnWarmUpIsSkipped) {
@@ -98,11 +104,7 @@ TEST(PipelineProfile, PaciRecordsCountOncePerHorizon) {
   EXPECT_EQ(p.first_step, 3);
   EXPECT_EQ(p.last_step, 5);
   EXPECT_DOUBLE_EQ(p.step_seconds, 1.0);
-  for (int s = 0; s < 2; ++s) {  // 3 windows x 2 micro-batches
-    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].forward, (s + 1) * 0.6 / 6);
-    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].backward, (s + 1) * 1.2 / 6);
-    EXPECT_DOUBLE_EQ(p.costs[size_t(s)].step, (s + 1) * 0.3 / 3);
-  }
+  expect_stage_costs(p, 0.6 / 6, 1.2 / 6, 0.3 / 3);  // 3 windows x 2 micro-batches; 3 windows
 }
 
 TEST(PipelineProfile, ARunWithoutPipelineRecordsIsAClearError) {
