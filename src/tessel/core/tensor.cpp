@@ -6,6 +6,7 @@
 
 #include "tessel/core/bf16.hpp"
 #include "tessel/core/error.hpp"
+#include "tessel/core/memory.hpp"
 
 namespace tessel {
 
@@ -58,6 +59,7 @@ std::string shape_str(const Shape& shape) {
 }
 
 Storage::Storage(size_t bytes) : bytes_(bytes) {
+  retain_freed_memory();
   size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   data_ = static_cast<std::byte*>(std::aligned_alloc(kAlignment, rounded ? rounded : kAlignment));
   TESSEL_CHECK(data_ != nullptr, "out of memory allocating ", bytes, " bytes");
