@@ -14,18 +14,21 @@ namespace tessel::train {
 
 namespace {
 
-// The step records of the run's last attempt, the last record of each step, by step; the
-// step that attempt started from.
+// The step records of the run's last attempt that wrote any, the last record of each step,
+// by step; the step that attempt started from. Each attempt starts with a "start" record (a
+// resumed attempt may run another schedule); one that wrote no step record (it failed early,
+// or an older tessel's run with nothing to train) does not hide the one before it.
 std::pair<std::map<int64_t, nlohmann::json>, int64_t> last_attempt_records(
     const std::string& path) {
   std::ifstream in(path);
   if (!in) input_error(path, ": cannot read");
-  std::map<int64_t, nlohmann::json> records;
-  int64_t start_step = 0;
+  std::map<int64_t, nlohmann::json> records, trained;
+  int64_t start_step = 0, trained_start = 0;
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (!j.is_object()) continue;
-    if (j.value("event", "") == "start") {  // a resumed attempt may run another schedule
+    if (j.value("event", "") == "start") {
+      if (!records.empty()) trained = std::move(records), trained_start = start_step;
       records.clear();
       start_step = j.value("start_step", int64_t(0));
     }
@@ -33,6 +36,7 @@ std::pair<std::map<int64_t, nlohmann::json>, int64_t> last_attempt_records(
     const auto step = j.at("step").get<int64_t>();  // before j moves into the map
     records[step] = std::move(j);
   }
+  if (records.empty()) return {std::move(trained), trained_start};
   return {std::move(records), start_step};
 }
 
@@ -44,6 +48,9 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   if (!std::filesystem::is_regular_file(config_path))
     input_error(config_path, ": cannot read (is ", run_dir, " a run directory?)");
   const Config config = load_config(config_path, {});  // the last attempt's
+  if (!pipeline_enabled(config))
+    input_error(run_dir, ": not a pipeline run (its config.toml has parallel.pp = 1 and no ",
+                "pipeline.schedule)");
 
   const std::string metrics_path = run_dir + "/metrics.jsonl";
   const auto [records, start_step] = last_attempt_records(metrics_path);
@@ -53,6 +60,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   int64_t steps = 0, micro_batches = 0;
   double seconds = 0;
   int64_t horizon_end = -1;  // PACI: the horizon whose totals were added last
+  int64_t skipped = 0;       // records of horizons (steps) that begin within the skip
   try {
     for (const auto& [step, j] : records) {
       const nlohmann::json& pipe = j.at("pipeline");
@@ -60,7 +68,10 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
       const bool paci = pipe.contains("horizon");
       const int64_t first = paci ? pipe.at("horizon").at(0).get<int64_t>() : step;
       const int64_t last = paci ? pipe.at("horizon").at(1).get<int64_t>() : step;
-      if (first <= start_step + skip) continue;
+      if (first <= start_step + skip) {
+        ++skipped;
+        continue;
+      }
       if (p.schedule.empty()) {
         p.schedule = pipe.at("schedule").get<std::string>();
         p.first_step = step;
@@ -86,9 +97,11 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   } catch (const nlohmann::json::exception& e) {  // e.g. records older than the stage split
     input_error(metrics_path, ": a pipeline step record without the stage costs: ", e.what());
   }
-  if (steps == 0)
-    input_error(metrics_path, ": no pipeline step records after step ", start_step + skip,
-                " (a run with parallel.pp > 1 or pipeline.schedule writes them)");
+  if (steps == 0 && skipped > 0)
+    input_error(metrics_path, ": every step record of the last attempt belongs to a step or ",
+                "PACI horizon (one per validation or checkpoint interval) that begins within ",
+                "--skip ", skip, " of its start at step ", start_step, "; lower --skip");
+  if (steps == 0) input_error(metrics_path, ": no pipeline step records");
   p.step_seconds = seconds / double(steps);
   const auto m = double(micro_batches), windows = m / double(p.micro_batches);
   for (size_t s = 0; s < forward.size(); ++s)

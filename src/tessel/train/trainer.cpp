@@ -128,15 +128,38 @@ constexpr std::string_view kGlobalBatchKey =
 
 }  // namespace
 
+struct Trainer::Attempt {
+  bool supervised = std::getenv("TESSEL_ETT_ATTEMPT") != nullptr;  // by `tessel run`
+  int64_t t0;       // when this attempt began (process start, or the trainer's construction)
+  RunDirLock lock;  // rank 0's exclusive lock on <run.dir>/lock, held for the run
+  int index;
+  EttLedger ledger;  // rank 0 writes the attempt's ETT log
+
+  Attempt(const std::string& run_dir, comm::Communicator& w, const ProcessTimes& times)
+      : t0(times.started_ns >= 0 ? times.started_ns : monotonic_ns()),
+        lock(run_dir, w.rank() == 0),
+        index(agree_attempt(w, run_dir)),
+        ledger(w.rank() == 0 ? EttLedger(run_dir, index, !supervised, t0) : EttLedger()) {}
+
+  // A start rejected for bad input is no attempt of the job: left in the ledger it would
+  // count as a failure (and move the observed MTBF and the fault injector's attempt count).
+  // A supervised attempt's log belongs to `tessel run`, which records the exit itself.
+  void discard() {
+    if (supervised || !ledger.active()) return;
+    std::error_code ec;
+    fs::remove(ledger.path(), ec);
+    fs::remove(fs::path(ledger.path()).parent_path(), ec);  // ett/, when now empty
+  }
+};
+
 struct Trainer::State {
   Config config;
   comm::Communicator& world;
   bool is_root;
-  bool supervised = std::getenv("TESSEL_ETT_ATTEMPT") != nullptr;  // by `tessel run`
-  int64_t t0;       // when this attempt began (process start, or the trainer's construction)
-  RunDirLock lock;  // rank 0's exclusive lock on <run.dir>/lock, held for the run
+  bool supervised;
+  int64_t t0;
   int attempt;
-  EttLedger ledger;  // rank 0 writes the attempt's ETT log
+  EttLedger& ledger;
   PhaseMark build_mark;
   comm::Mesh mesh;
   comm::Communicator& dp;
@@ -175,14 +198,15 @@ struct Trainer::State {
       }
   }
 
-  State(Config c, comm::Communicator& w, comm::MeshShape shape, const ProcessTimes& times)
+  State(Config c, comm::Communicator& w, comm::MeshShape shape, const ProcessTimes& times,
+        Attempt& a)
       : config(std::move(c)),
         world(w),
         is_root(w.rank() == 0),
-        t0(times.started_ns >= 0 ? times.started_ns : monotonic_ns()),
-        lock(config.run.dir, is_root),
-        attempt(agree_attempt(w, config.run.dir)),
-        ledger(is_root ? EttLedger(config.run.dir, attempt, !supervised, t0) : EttLedger()),
+        supervised(a.supervised),
+        t0(a.t0),
+        attempt(a.index),
+        ledger(a.ledger),
         build_mark(mark_start(times)),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
@@ -499,31 +523,39 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   set_num_threads(threads);
   config.run.threads = threads;
   config.parallel.dp = shape.dp;
-  s_ = std::make_unique<State>(std::move(config), world, shape, times);
-  State& s = *s_;
-  // What a killed run left: half-written checkpoints and temporary files of atomic writes.
-  if (s.is_root) {
-    s.store.sweep_leftovers();
-    remove_temporary_files(s.config.run.dir);
+  attempt_ = std::make_unique<Attempt>(config.run.dir, world, times);
+  try {
+    s_ = std::make_unique<State>(std::move(config), world, shape, times, *attempt_);
+    State& s = *s_;
+    // What a killed run left: half-written checkpoints and temporary files of atomic writes.
+    if (s.is_root) {
+      s.store.sweep_leftovers();
+      remove_temporary_files(s.config.run.dir);
+    }
+    s.ledger.enter(Phase::checkpoint_load);
+    if (s.config.train.resume)
+      s.resume();
+    else if (s.store.latest())
+      // A fresh run here would mix its checkpoints with the old run's (and retention,
+      // which keeps the highest steps, could delete the new ones).
+      input_error(s.config.run.dir,
+                  ": holds checkpoints of an earlier run but train.resume = "
+                  "false; choose a new run.dir or remove ",
+                  s.config.run.dir, "/checkpoints");
+    s.finish_warmup();
+    s.ledger.enter(Phase::other);
+    // Written only once the run is accepted, so a rejected run leaves the directory as it
+    // was, and only when it trains: a run with nothing to train changes nothing.
+    if (s.is_root && s.start_step < s.config.train.steps) {
+      fs::create_directories(s.config.run.dir);
+      write_file_atomically(s.config.run.dir + "/config.toml", to_toml(s.config));
+    }
+    world.barrier();
+  } catch (const InputError&) {
+    s_.reset();  // writes its exit line first
+    attempt_->discard();
+    throw;
   }
-  s.ledger.enter(Phase::checkpoint_load);
-  if (s.config.train.resume)
-    s.resume();
-  else if (s.store.latest())
-    // A fresh run here would mix its checkpoints with the old run's (and retention,
-    // which keeps the highest steps, could delete the new ones).
-    input_error(s.config.run.dir,
-                ": holds checkpoints of an earlier run but train.resume = "
-                "false; choose a new run.dir or remove ",
-                s.config.run.dir, "/checkpoints");
-  s.finish_warmup();
-  s.ledger.enter(Phase::other);
-  // Written only once the run is accepted, so a rejected run leaves the directory as it was.
-  if (s.is_root) {
-    fs::create_directories(s.config.run.dir);
-    write_file_atomically(s.config.run.dir + "/config.toml", to_toml(s.config));
-  }
-  world.barrier();
 }
 
 Trainer::~Trainer() = default;
@@ -574,8 +606,9 @@ TrainResult Trainer::run() {
         " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : ""));
 
-  std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics
-  if (s.is_root) metrics_log.emplace(c.run.dir + "/metrics.jsonl", s.resumed_from);
+  std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics (none: no step)
+  if (s.is_root && s.start_step < c.train.steps)
+    metrics_log.emplace(c.run.dir + "/metrics.jsonl", s.resumed_from);
   auto write_metrics = [&](const nlohmann::json& j) {
     if (metrics_log) metrics_log->write(j);
   };

@@ -43,14 +43,17 @@ class Trainer {
   // Builds the mesh (InputError when the world does not match parallel.*), the model,
   // optimizer and data, and resumes from the run directory's latest checkpoint when
   // train.resume is set. Collective over `world`. Rank 0 records the attempt in
-  // <run.dir>/ett/ (ett.hpp).
+  // <run.dir>/ett/ (ett.hpp); a start rejected for bad input (InputError) removes its record
+  // again, since it is no attempt of the job.
   Trainer(Config config, comm::Communicator& world, ProcessTimes times = {});
   ~Trainer();
   TrainResult run();
 
  private:
+  struct Attempt;  // the run directory's lock and this attempt's ETT log
   struct State;
-  std::unique_ptr<State> s_;
+  std::unique_ptr<Attempt> attempt_;
+  std::unique_ptr<State> s_;  // destroyed first: it writes the attempt's exit line
 };
 
 // Threads per rank when run.threads = 0: OMP_NUM_THREADS if set, else the cores of

@@ -121,7 +121,7 @@ TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
 
   std::string plain = temp_dir("tessel-cli-plain");
   ASSERT_EQ(run_tessel(train_args(plain)).exit_code, 0);
-  expect_one_line_error(run_tessel("simulate " + plain), {"no pipeline step records"});
+  expect_one_line_error(run_tessel("simulate " + plain), {"not a pipeline run"});
 }
 
 TEST_F(CliTest, UnknownConfigKey) {
@@ -176,6 +176,35 @@ TEST_F(CliTest, MissingCheckpoint) {
   fs::remove(run + "/checkpoints/step-00000004/optimizer-00000-of-00001.safetensors");
   expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
                         {"optimizer-00000-of-00001.safetensors", "missing"});
+}
+
+// A start rejected for bad input is no attempt of the job: it leaves no ETT record (which
+// would count as a failure), and a run with nothing to train rewrites neither config.toml nor
+// metrics.jsonl.
+TEST_F(CliTest, RejectedAndEmptyStartsLeaveTheRunAsItWas) {
+  std::string run = temp_dir("tessel-cli-run");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  const std::string config = slurp(run + "/config.toml"), metrics = slurp(run + "/metrics.jsonl");
+  // Rejected while resuming (another model), and while building (no data).
+  expect_one_line_error(run_tessel(train_args(run) + " --set model.width=64 --set train.steps=6"),
+                        {"model"});
+  expect_one_line_error(run_tessel(train_args(run) + " --set data.path=/nonexistent/data"),
+                        {"/nonexistent/data/train.tok"});
+  EXPECT_TRUE(fs::exists(run + "/ett/attempt-0000.jsonl"));
+  EXPECT_FALSE(fs::exists(run + "/ett/attempt-0001.jsonl")) << "a rejected start was recorded";
+  Outcome o = run_tessel("ett-report " + run);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("NoF 0"), std::string::npos) << o.out;
+  // Nothing to train: the run's files stay as they were.
+  o = run_tessel(train_args(run) + " --set train.steps=2");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(slurp(run + "/config.toml"), config);
+  EXPECT_EQ(slurp(run + "/metrics.jsonl"), metrics);
+  // A fresh directory rejected at once keeps no ett/ either.
+  const std::string fresh = temp_dir("tessel-cli-run");
+  expect_one_line_error(run_tessel(train_args(fresh) + " --set data.path=/nonexistent/data"),
+                        {"/nonexistent/data/train.tok"});
+  EXPECT_FALSE(fs::exists(fresh + "/ett"));
 }
 
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {

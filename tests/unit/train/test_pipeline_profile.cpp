@@ -85,6 +85,20 @@ TEST(PipelineProfile, OnlyTheLastAttemptCountsAndItsOwnWarmUpIsSkipped) {
   EXPECT_DOUBLE_EQ(p.costs[1].step, 2 * 0.2 / 2);
 }
 
+TEST(PipelineProfile, AnAttemptWithoutStepRecordsDoesNotHideTheOneBefore) {
+  // The second attempt started from step 3 and wrote no step (it failed at once, or had
+  // nothing to train): the first attempt's records are the last ones.
+  const std::string dir = run_dir(kFlushConfig, {step_record(1, 9.0, "1f1b", 9, 9, 9),
+                                                 step_record(2, 1.0, "1f1b", 0.4, 0.8, 0.1),
+                                                 step_record(3, 3.0, "1f1b", 0.4, 0.8, 0.1),
+                                                 {{"event", "start"}, {"start_step", 3}}});
+  const train::PipelineProfile p = train::read_pipeline_profile(dir, 1);
+  EXPECT_EQ(p.first_step, 2);
+  EXPECT_EQ(p.last_step, 3);
+  EXPECT_DOUBLE_EQ(p.step_seconds, 2.0);
+  expect_stage_costs(p, 0.8 / 8, 1.6 / 8, 0.2 / 2);
+}
+
 TEST(PipelineProfile, PaciRecordsCountOncePerHorizon) {
   // Each window's record repeats its horizon's totals; K = 2; the horizon of steps 1-2 is
   // skipped whole with skip 1.
@@ -115,7 +129,10 @@ TEST(PipelineProfile, ARunWithoutPipelineRecordsIsAClearError) {
         train::read_pipeline_profile(run_dir(kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1)}),
                                      1);
       },
-      {"after step 1"});
+      {"--skip 1", "start at step 0", "lower --skip"});
+  fixture::expect_input_error(
+      [&] { train::read_pipeline_profile(run_dir("[train]\naccum = 4\n", {}), 0); },
+      {"not a pipeline run", "parallel.pp = 1"});
   fixture::expect_input_error(
       [&] { train::read_pipeline_profile(fixture::temp_dir("tessel-profile-none"), 0); },
       {"config.toml", "run directory"});
