@@ -8,6 +8,10 @@ if [ $# -lt 2 ]; then
 fi
 ranks=$1
 shift
+if ! [[ $ranks =~ ^[1-9][0-9]*$ ]]; then
+  echo "launch.sh: NRANKS must be a positive integer, got '$ranks'" >&2
+  exit 2
+fi
 here=$(cd "$(dirname "$0")/.." && pwd)
 binary=${TESSEL_BIN:-$here/build/release/tessel}
 [ -x "$binary" ] || { echo "launch.sh: $binary not built (cmake --preset release && cmake --build build/release)" >&2; exit 2; }

@@ -38,8 +38,8 @@ namespace {
 
 std::string schema_help() {
   std::ostringstream os;
-  os << "Config keys (TOML tables [run], [data], [model], [train], [optim], [parallel], [mfu],\n"
-        "[fault]; override any with --set key=value). Defaults shown:\n\n";
+  os << "Config keys (TOML tables [run], [data], [model], [train], [optim], [parallel],\n"
+        "[pipeline], [mfu], [fault]; override any with --set key=value). Defaults shown:\n\n";
   train::Config defaults;
   for (const auto& k : train::config_schema()) {
     std::string left = "  " + k.name + " = " + k.get(defaults);
@@ -81,7 +81,6 @@ int run_generate(const std::string& run_dir, const std::string& prompt, int64_t 
 }
 
 int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
-  if (size < 1) input_error("--size must be at least 1, got ", size);
   if (threads > 0) set_num_threads(threads);
   double gflops = kernels::measure_gemm_peak_gflops(size, seconds);
   if (json)
@@ -202,12 +201,14 @@ int main(int argc, char** argv) {
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents held out")
       ->capture_default_str();
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")
+      ->check(CLI::Range(uint64_t(0), uint64_t(1) << 63))
       ->capture_default_str();
 
   std::string config_path;
   std::vector<std::string> overrides;
   bool help_config = false;
-  auto* trainc = app.add_subcommand("train", "train a GPT (under mpirun: data parallel)");
+  auto* trainc = app.add_subcommand(
+      "train", "train a GPT (under mpirun: data, pipeline, context and expert parallel)");
   trainc->add_option("--config", config_path, "TOML config file (configs/*.toml)");
   trainc->add_option("--set", overrides, "override a config key: --set train.steps=100")
       ->take_all();
@@ -231,9 +232,14 @@ int main(int argc, char** argv) {
   int gemm_threads = 0;
   bool gemm_json = false;
   auto* bench = app.add_subcommand("bench-gemm", "measure the sgemm peak (MFU denominator)");
-  bench->add_option("--size", gemm_size, "matrix size")->capture_default_str();
-  bench->add_option("--seconds", gemm_seconds, "measuring time")->capture_default_str();
-  bench->add_option("--threads", gemm_threads, "threads; 0 = OMP_NUM_THREADS or all cores");
+  bench->add_option("--size", gemm_size, "matrix size")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 15))
+      ->capture_default_str();
+  bench->add_option("--seconds", gemm_seconds, "measuring time")
+      ->check(CLI::Range(0.01, 3600.0))
+      ->capture_default_str();
+  bench->add_option("--threads", gemm_threads, "threads; 0 = OMP_NUM_THREADS or all cores")
+      ->check(CLI::Range(0, 4096));
   bench->add_flag("--json", gemm_json, "print JSON");
 
   train::SuperviseOptions sup;
@@ -252,14 +258,14 @@ int main(int argc, char** argv) {
   const char* max_ttr_help =
       "recovery-time objective in seconds: exit status 3 if a failure's TTR (wasted steps + "
       "detection + the next attempt's start-up) exceeded it; 0 = none";
-  runc->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::NonNegativeNumber);
+  runc->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::Range(0.0, 1e9));
   runc->add_option("--set", sup_overrides, "override a config key, as for train")->take_all();
 
   std::string report_dir;
   auto* report = app.add_subcommand(
       "ett-report", "effective training time of a run: ett.json, ett.html, ett_trace.json");
   report->add_option("RUN_DIR", report_dir, "run directory")->required();
-  report->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::NonNegativeNumber);
+  report->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::Range(0.0, 1e9));
 
   std::string export_from, export_to;
   auto* exportc = app.add_subcommand(
@@ -279,17 +285,25 @@ int main(int argc, char** argv) {
   simc->add_option("--skip", sim_skip,
                    "leave out the last attempt's first steps (warm-up; a PACI horizon that "
                    "begins among them whole)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
       ->capture_default_str();
   simc->add_option("--steps", sim_steps, "steps to simulate")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
       ->capture_default_str();
   simc->add_option("--micro-batches", sim_micro,
                    "micro-batches per step, M (and PACI's K); 0 = the run's")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
       ->capture_default_str();
   simc->add_flag("--json", sim_json, "print JSON");
 
+  // CLI11 answers an unknown first word with "A subcommand is required".
+  if (argc > 1 && argv[1][0] != '-' &&
+      app.get_subcommands([&](CLI::App* sub) { return sub->check_name(argv[1]); }).empty()) {
+    if (world.rank() == 0)
+      std::cerr << "tessel: error: unknown subcommand '" << argv[1]
+                << "' (tessel --help lists them)\n";
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

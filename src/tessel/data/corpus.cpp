@@ -156,6 +156,8 @@ std::vector<std::string> load_fortunes() {
 
 std::vector<std::string> load_text_file(const std::string& path) {
   if (!fs::exists(path)) input_error(path, ": no such file (corpus \"file:", path, "\")");
+  if (fs::is_directory(path))
+    input_error(path, ": is a directory; corpus \"file:PATH\" takes one text file");
   const std::string text = read_file(path);
   if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
     input_error(path, ": not valid UTF-8 text (at byte ", bad, ")");

@@ -48,6 +48,13 @@ namespace {
 void require_positive(const char* field, int64_t value) {
   if (value <= 0) input_error("model.", field, " = ", value, " must be positive");
 }
+// Positive and at most `limit`: far beyond any trainable model, and small enough that no
+// product of sizes (parameter counts, buffer bytes) overflows int64.
+void require_size(const char* field, int64_t value, int64_t limit) {
+  require_positive(field, value);
+  if (value > limit)
+    input_error("model.", field, " = ", value, " is larger than tessel supports (", limit, ")");
+}
 void require_positive(const char* field, double value) {
   if (!(value > 0.0) || !std::isfinite(value))
     input_error("model.", field, " = ", value, " must be positive");
@@ -59,8 +66,8 @@ void validate(const GptConfig& c) {
   if (c.vocab > std::numeric_limits<int32_t>::max())
     input_error("model.vocab = ", c.vocab, " must fit token ids in int32 (at most ",
                 std::numeric_limits<int32_t>::max(), ")");
-  require_positive("layers", c.layers);
-  require_positive("width", c.width);
+  require_size("layers", c.layers, int64_t(1) << 16);
+  require_size("width", c.width, int64_t(1) << 20);
   require_positive("heads", c.heads);
   if (c.width % c.heads != 0)
     input_error("model.heads = ", c.heads, " must divide model.width = ", c.width);
@@ -70,6 +77,7 @@ void validate(const GptConfig& c) {
     input_error("model.kv_heads = ", c.kv_heads, " must divide model.heads = ", c.heads);
   if (c.mlp_hidden < 0)
     input_error("model.mlp_hidden = ", c.mlp_hidden, " must be positive (or 0 = default)");
+  if (c.mlp_hidden > 0) require_size("mlp_hidden", c.mlp_hidden, int64_t(1) << 24);
   require_positive("norm_eps", c.norm_eps);
   if (c.positions == PositionType::rotary) {
     if (c.head_dim() % 2 != 0)
@@ -77,7 +85,7 @@ void validate(const GptConfig& c) {
                   " (the head dimension) must be even for model.positions = \"rotary\"");
     require_positive("rope_theta", c.rope_theta);
   }
-  require_positive("max_seq", c.max_seq);
+  require_size("max_seq", c.max_seq, int64_t(1) << 24);
   require_positive("init_std", c.init_std);
   const std::vector<bool> mask = c.moe_mask();
   if (std::find(mask.begin(), mask.end(), true) != mask.end()) moe::validate(c.moe);

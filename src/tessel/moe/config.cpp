@@ -7,14 +7,18 @@
 namespace tessel::moe {
 
 void validate(const MoeConfig& c) {
-  if (c.experts < 1) input_error("model.moe_experts = ", c.experts, " must be positive");
+  if (c.experts < 1 || c.experts > 256)  // the router's selection keeps a 256-bit set
+    input_error("model.moe_experts = ", c.experts, " must lie in [1, 256]");
   if (c.top_k < 1 || c.top_k > c.experts)
     input_error("model.moe_top_k = ", c.top_k, " must lie in [1, model.moe_experts = ", c.experts,
                 "]");
-  if (c.hidden < 0)
-    input_error("model.moe_hidden = ", c.hidden, " must be positive (or 0 = model.mlp_hidden)");
-  if (c.shared < 0)
-    input_error("model.moe_shared = ", c.shared, " must be positive (or 0 = no shared expert)");
+  constexpr int64_t kMaxHidden = int64_t(1) << 24;  // as model.mlp_hidden
+  if (c.hidden < 0 || c.hidden > kMaxHidden)
+    input_error("model.moe_hidden = ", c.hidden, " must lie in [1, ", kMaxHidden,
+                "] (or 0 = model.mlp_hidden)");
+  if (c.shared < 0 || c.shared > kMaxHidden)
+    input_error("model.moe_shared = ", c.shared, " must lie in [1, ", kMaxHidden,
+                "] (or 0 = no shared expert)");
   auto non_negative = [](const char* field, double v) {
     if (!(v >= 0) || !std::isfinite(v))
       input_error("model.moe_", field, " = ", v, " must be a finite number >= 0");

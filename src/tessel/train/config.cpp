@@ -490,6 +490,9 @@ void validate(const Config& c) {
   non_negative("train.eval_every", double(c.train.eval_every));
   non_negative("train.checkpoint_every", double(c.train.checkpoint_every));
   non_negative("train.sample_tokens", double(c.train.sample_tokens));
+  if (c.train.sample_tokens > 0 && c.train.sample_prompt.empty())
+    input_error("config key 'train.sample_prompt' is empty; the final sample needs a prompt ",
+                "(or train.sample_tokens = 0)");
   non_negative("train.sample_top_k", double(c.train.sample_top_k));
   non_negative("train.sample_temperature", c.train.sample_temperature);
   if (c.train.keep_checkpoints < 2)

@@ -222,6 +222,26 @@ TEST_F(CliTest, SequenceLongerThanTheModelAllows) {
                         {"train.seq_len", "model.max_seq"});
 }
 
+TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
+  expect_one_line_error(run_tessel("trian --config x.toml"), {"unknown subcommand 'trian'"});
+  const std::string run = temp_dir("r");
+  expect_one_line_error(run_tessel(train_args(run) + " --set model.width=3000000000"),
+                        {"model.width", "larger than tessel supports"});
+  expect_one_line_error(
+      run_tessel(train_args(run) + " --set model.moe_layers=all --set model.moe_experts=300"),
+      {"model.moe_experts", "[1, 256]"});
+  expect_one_line_error(
+      run_tessel(train_args(run) + " --set train.sample_tokens=5 --set train.sample_prompt="),
+      {"train.sample_prompt"});
+  EXPECT_FALSE(fs::exists(run + "/checkpoints")) << "refused only after training";
+  expect_one_line_error(run_tessel("prepare --corpus file:" + run + " --out " + temp_dir("p")),
+                        {run, "is a directory"});
+  // CLI11's own range checks: its message names the option.
+  const Outcome o = run_tessel("bench-gemm --seconds -1");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.err.find("--seconds"), std::string::npos) << o.err;
+}
+
 TEST_F(CliTest, BadCorpusForPrepare) {
   expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " + temp_dir("p")),
                         {"/nonexistent.txt"});
