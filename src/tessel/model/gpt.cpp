@@ -118,6 +118,7 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange b
   bool expert = false, held = true;  // adding an expert's parameters; one this model holds
   auto add = [&](std::string name, ParamTag tag, Shape shape, Init init) {
     const uint64_t at = position++;
+    registry_names_.push_back(name);
     total_numel_ += shape_numel(shape);
     if (!held) return -1;
     specs.push_back({std::move(name), tag, std::move(shape), init, expert, at});

@@ -161,6 +161,10 @@ class Gpt {
   // whole model's order.
   int64_t registry_position(size_t i) const { return positions_.at(i); }
   int64_t registry_size() const { return registry_size_; }
+  // The whole model's registry, every parameter's name in order, whatever this model holds:
+  // a model that holds nothing (BlockRange{0, 0, false, false}) allocates no parameters, so
+  // this is how a checkpoint's tensors are put in model order without building the model.
+  const std::vector<std::string>& registry_names() const { return registry_names_; }
   // The same split in two, each in registry order: the parameters every shard holds
   // (replicated over an ep group) and this shard's experts.
   const ParameterList& dense_parameters() const { return dense_params_; }
@@ -258,6 +262,7 @@ class Gpt {
   ExpertShard shard_;
   BlockRange range_;
   std::vector<int64_t> positions_;  // [parameters_] whole-registry positions
+  std::vector<std::string> registry_names_;
   int64_t registry_size_ = 0, total_numel_ = 0, matmul_numel_ = 0;
   int64_t C_, H_, Hkv_, D_, F_, Fi_, QKV_;
   Tensor flat_params_, flat_grads_;

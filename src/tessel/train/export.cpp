@@ -35,8 +35,8 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   const Config config = parse_config(content.state.at("config").get<std::string>(),
                                      r.checkpoint + "/manifest.json", {});
   std::map<std::string, size_t> position;
-  const model::Gpt model(config.model, 0);
-  for (const Parameter& p : model.parameters()) position.emplace(p.name, position.size());
+  const model::Gpt registry(config.model, 0, {}, model::BlockRange{0, 0, false, false});
+  for (const std::string& name : registry.registry_names()) position.emplace(name, position.size());
   auto rank = [&](const NamedTensor& t) {
     const auto it = position.find(t.name);
     return it == position.end() ? position.size() : it->second;

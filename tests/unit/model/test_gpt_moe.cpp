@@ -38,6 +38,23 @@ TEST(GptMoe, RegistryOfAnMoeBlock) {
                                          c.moe.top_k * 2 * C * F + 2 * C * c.moe.shared);
 }
 
+// registry_names(): every parameter's name in registry order, the same list for a model
+// that holds nothing (and so allocates no parameters) as the whole model's parameters().
+TEST(GptMoe, AModelHoldingNothingKnowsTheWholeRegistry) {
+  GptConfig untied = swiglu_config();
+  untied.tied_head = false;
+  for (const GptConfig& c : {gelu_config(), untied, moe_config(gelu_config(), "1")}) {
+    const Gpt whole(c, 1);
+    std::vector<std::string> names;
+    for (const Parameter& p : whole.parameters()) names.push_back(p.name);
+    const Gpt none(c, 1, {}, BlockRange{0, 0, false, false});
+    EXPECT_EQ(none.num_parameters(), 0);
+    EXPECT_EQ(none.registry_names(), names);
+    EXPECT_EQ(whole.registry_names(), names);
+    EXPECT_EQ(int64_t(names.size()), whole.registry_size());
+  }
+}
+
 TEST(GptMoe, BadMoeLayersAreInputErrors) {
   for (const char* bad : {"2", "x", "0,", "-1"}) {
     GptConfig c = moe_config(gelu_config(), bad);
