@@ -218,7 +218,9 @@ int main(int argc, char** argv) {
   int64_t gen_tokens = 200, top_k = 40, gen_seed = 1;
   double temperature = 0.8;
   auto* gen = app.add_subcommand("generate", "sample text from a run's latest checkpoint");
-  gen->add_option("--run", run_dir, "run directory")->capture_default_str();
+  gen->add_option("--run", run_dir,
+                  "run directory (its newest checkpoint) or one checkpoint directory")
+      ->capture_default_str();
   gen->add_option("--prompt", prompt, "prompt text")->capture_default_str();
   gen->add_option("--tokens", gen_tokens, "tokens to generate")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))

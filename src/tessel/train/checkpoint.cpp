@@ -412,10 +412,16 @@ void warn_on_stderr(const std::string& why) {
   std::fprintf(stderr, "tessel: warning: %s\n", why.c_str());
 }
 
-CheckpointStore::Loaded load_run_checkpoint(const std::string& run_dir) {
+CheckpointStore::Loaded load_run_checkpoint(const std::string& path) {
+  if (!fs::is_directory(fs::path(path) / "checkpoints")) {
+    if (!fs::exists(fs::path(path) / kManifest))
+      input_error(path, ": neither a run directory (no checkpoints/) nor a checkpoint (no ",
+                  kManifest, ")");
+    return {path, CheckpointStore::load(path)};
+  }
   // keep only matters for saving; 2 is the smallest the store accepts.
-  auto loaded = CheckpointStore(run_dir + "/checkpoints", 2).load_newest_valid(warn_on_stderr);
-  if (!loaded) input_error(run_dir, ": no complete checkpoint under ", run_dir, "/checkpoints");
+  auto loaded = CheckpointStore(path + "/checkpoints", 2).load_newest_valid(warn_on_stderr);
+  if (!loaded) input_error(path, ": no complete checkpoint under ", path, "/checkpoints");
   return std::move(*loaded);
 }
 

@@ -96,10 +96,10 @@ class CheckpointStore {
 // load_newest_valid's `warn` for the command line: "tessel: warning: <why>" on stderr.
 void warn_on_stderr(const std::string& why);
 
-// For the offline tools (generate, export): the newest checkpoint of the run directory
-// `run_dir` that verifies, damaged ones passed over with warn_on_stderr; an input error
-// when there is none.
-CheckpointStore::Loaded load_run_checkpoint(const std::string& run_dir);
+// For the offline tools (generate, export): `path` is a run directory (its newest checkpoint
+// that verifies, damaged ones passed over with warn_on_stderr) or one checkpoint directory;
+// an input error when there is none, or when the checkpoint does not verify.
+CheckpointStore::Loaded load_run_checkpoint(const std::string& path);
 
 class AsyncCheckpointer {
  public:

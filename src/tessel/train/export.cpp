@@ -19,18 +19,9 @@ namespace tessel::train {
 
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir) {
   ExportResult r;
-  CheckpointContent content;
-  if (fs::is_directory(fs::path(checkpoint) / "checkpoints")) {
-    auto loaded = load_run_checkpoint(checkpoint);
-    r.checkpoint = loaded.dir;
-    content = std::move(loaded.content);
-  } else {
-    if (!fs::exists(fs::path(checkpoint) / "manifest.json"))
-      input_error(checkpoint, ": neither a run directory (no checkpoints/) nor a checkpoint (no ",
-                  "manifest.json)");
-    r.checkpoint = checkpoint;
-    content = CheckpointStore::load(checkpoint);
-  }
+  auto loaded = load_run_checkpoint(checkpoint);
+  r.checkpoint = loaded.dir;
+  CheckpointContent& content = loaded.content;
   // The model's registry order, whatever layout (dp, ep, pp) wrote the checkpoint.
   const Config config = parse_config(content.state.at("config").get<std::string>(),
                                      r.checkpoint + "/manifest.json", {});

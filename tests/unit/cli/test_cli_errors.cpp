@@ -171,8 +171,16 @@ TEST_F(CliTest, CorruptCheckpoint) {
 
 TEST_F(CliTest, MissingCheckpoint) {
   std::string run = temp_dir("tessel-cli-run");
+  expect_one_line_error(run_tessel("generate --run " + run), {run, "neither a run directory"});
+  fs::create_directories(run + "/checkpoints");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "no complete checkpoint"});
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  // One checkpoint directory works as well as its run directory.
+  const Outcome from_run = run_tessel("generate --run " + run + " --tokens 4 --temperature 0");
+  const Outcome from_checkpoint =
+      run_tessel("generate --run " + run + "/checkpoints/step-00000004 --tokens 4 --temperature 0");
+  ASSERT_EQ(from_checkpoint.exit_code, 0) << from_checkpoint.err;
+  EXPECT_EQ(from_checkpoint.out, from_run.out);
   fs::remove(run + "/checkpoints/step-00000004/optimizer-00000-of-00001.safetensors");
   expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
                         {"optimizer-00000-of-00001.safetensors", "missing"});
