@@ -9,15 +9,19 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
 config=$1
-repeats=${2:-2}
-shift $(( $# >= 2 ? 2 : 1 ))
+shift
+repeats=2
+if [[ ${1:-} =~ ^[1-9][0-9]*$ ]]; then
+  repeats=$1
+  shift
+fi
 declare -A total=([glibc]=0 [retain]=0)
 for ((r = 0; r < repeats; ++r)); do
   for policy in glibc retain; do
     run=$(mktemp -d /tmp/tessel-allocator-XXXXXX)
-    TESSEL_RETAIN_FREED_MEMORY=$([ $policy = glibc ] && echo 0 || echo 1) OMP_NUM_THREADS=1 \
+    TESSEL_RETAIN_FREED_MEMORY=$([ $policy = glibc ] && echo 0 || echo 1) \
       "$here/scripts/launch.sh" 2 train --config "$config" --set run.dir="$run" \
-      --set run.quiet=true --set train.steps=60 --set train.eval_every=60 \
+      --set run.quiet=true --set run.threads=1 --set train.steps=60 --set train.eval_every=60 \
       --set train.log_every=1 --set train.eval_sequences=16 --set train.sample_tokens=0 \
       --set train.save_final=false "$@"
     read -r step val < <(python3 - "$run/metrics.jsonl" <<'PY'

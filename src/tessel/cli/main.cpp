@@ -201,7 +201,9 @@ int main(int argc, char** argv) {
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents held out")
       ->capture_default_str();
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")
-      ->check(CLI::Range(uint64_t(0), uint64_t(1) << 63))
+      ->check(CLI::Validator(  // an unsigned option would wrap -1 to 2^64 - 1
+          [](std::string& v) { return v.starts_with('-') ? "must not be negative" : ""; },
+          "UINT64"))
       ->capture_default_str();
 
   std::string config_path;

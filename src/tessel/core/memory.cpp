@@ -3,21 +3,25 @@
 #include <malloc.h>
 
 #include <cstdlib>
-#include <cstring>
-#include <limits>
+#include <string_view>
 
 namespace tessel {
 
 void retain_freed_memory() {
   [[maybe_unused]] static const bool applied = [] {
     const char* env = std::getenv("TESSEL_RETAIN_FREED_MEMORY");
-    if (env && std::strcmp(env, "0") == 0) return false;
+    for (std::string_view off : {"0", "false", "off", "no"})
+      if (env && off == env) return false;
     // No mmap'd chunks: freeing one returns its pages to the kernel.
     mallopt(M_MMAP_MAX, 0);
-    // Never shrink the heap (the main arena's top, and the threads' arenas).
-    mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+    // Never shrink the heap (-1: no threshold at all; man mallopt).
+    mallopt(M_TRIM_THRESHOLD, -1);
     return true;
   }();
+}
+
+void release_free_memory() {
+  malloc_trim(0);
 }
 
 }  // namespace tessel

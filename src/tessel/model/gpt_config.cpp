@@ -48,8 +48,8 @@ namespace {
 void require_positive(const char* field, int64_t value) {
   if (value <= 0) input_error("model.", field, " = ", value, " must be positive");
 }
-// Positive and at most `limit`: far beyond any trainable model, and small enough that no
-// product of sizes (parameter counts, buffer bytes) overflows int64.
+// Positive and at most `limit`: far beyond any trainable model, and small enough that the
+// parameter-count bound below can be computed without overflow.
 void require_size(const char* field, int64_t value, int64_t limit) {
   require_positive(field, value);
   if (value > limit)
@@ -88,7 +88,21 @@ void validate(const GptConfig& c) {
   require_size("max_seq", c.max_seq, int64_t(1) << 24);
   require_positive("init_std", c.init_std);
   const std::vector<bool> mask = c.moe_mask();
-  if (std::find(mask.begin(), mask.end(), true) != mask.end()) moe::validate(c.moe);
+  const bool moe = std::find(mask.begin(), mask.end(), true) != mask.end();
+  if (moe) moe::validate(c.moe);
+  // An upper bound of the parameter count (every block with the widest MLP, gated, each
+  // expert and the shared one), in floating point: sizes whose products would overflow the
+  // int64 element counts of the model's tensors are refused here, not in an allocation.
+  const double C = double(c.width), mlp = 2.0 * double(c.mlp_hidden_size()),
+               experts = moe ? 2.0 * double(c.moe_hidden_size()) * double(c.moe.experts) +
+                                   2.0 * double(c.moe.shared) + double(c.moe.experts)
+                             : 0.0;
+  const double bound = double(c.layers) * C * (4.0 * C + 2.0 * mlp + 2.0 * experts + 4.0) +
+                       C * (2.0 * double(c.vocab) + double(c.max_seq) + 2.0);
+  constexpr double kMaxParameters = double(int64_t(1) << 40);
+  if (bound > kMaxParameters)
+    input_error("model: about ", bound, " parameters (model.layers, width, mlp_hidden, vocab, ",
+                "moe_*), more than tessel supports (2^40)");
 }
 
 const char* to_string(MlpType mlp) {

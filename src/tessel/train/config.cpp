@@ -487,6 +487,13 @@ void validate(const Config& c) {
   positive("train.accum", c.train.accum);
   positive("train.log_every", c.train.log_every);
   positive("train.eval_sequences", c.train.eval_sequences);
+  // Far beyond a real batch, and small enough that buffer sizes cannot overflow.
+  for (auto [name, v] : {std::pair{"train.micro_batch", c.train.micro_batch},
+                         std::pair{"train.accum", c.train.accum},
+                         std::pair{"train.eval_sequences", c.train.eval_sequences}})
+    if (v > (int64_t(1) << 24))
+      input_error("config key '", name, "' = ", v, " is larger than tessel supports (",
+                  int64_t(1) << 24, ")");
   non_negative("train.eval_every", double(c.train.eval_every));
   non_negative("train.checkpoint_every", double(c.train.checkpoint_every));
   non_negative("train.sample_tokens", double(c.train.sample_tokens));

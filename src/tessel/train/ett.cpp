@@ -217,6 +217,15 @@ int count_attempts(const std::string& run_dir) {
   return n;
 }
 
+bool attempt_rejected(const std::string& path) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.value("event", "") == "rejected") return true;
+  }
+  return false;
+}
+
 EttLedger::EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0)
     : path_(attempt_path(run_dir, attempt)), attempt_(attempt) {
   fs::create_directories(ett_dir(run_dir));

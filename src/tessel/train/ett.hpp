@@ -65,6 +65,10 @@ std::string ett_dir(const std::string& run_dir);
 std::string attempt_path(const std::string& run_dir, int attempt);
 // The number of attempt logs in the run directory (the next attempt's index).
 int count_attempts(const std::string& run_dir);
+// Whether the attempt log at `path` holds a {"event": "rejected"} line: the trainer refused
+// to start for bad input (a supervised attempt; `tessel run` then removes the log, since
+// such a start is no attempt of the job).
+bool attempt_rejected(const std::string& path);
 
 // Rank 0's writer of one attempt log; a default-constructed ledger records nothing
 // (the other ranks). Entering a leaf closes the previous one.

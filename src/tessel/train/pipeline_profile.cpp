@@ -55,6 +55,8 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   const std::string metrics_path = run_dir + "/metrics.jsonl";
   const auto [records, start_step] = last_attempt_records(metrics_path);
   PipelineProfile p;
+  // The records' own count (config.toml is the last accepted attempt's, which may not be the
+  // one whose records these are); records written before they held it: the config's.
   p.micro_batches = micro_batches_per_step(config);
   std::vector<double> forward, backward, optimizer;  // sums per stage
   int64_t steps = 0, micro_batches = 0;
@@ -74,6 +76,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
       }
       if (p.schedule.empty()) {
         p.schedule = pipe.at("schedule").get<std::string>();
+        p.micro_batches = pipe.value("micro_batches", p.micro_batches);
         p.first_step = step;
         const size_t stages = pipe.at("stages").size();
         forward.assign(stages, 0.0), backward.assign(stages, 0.0), optimizer.assign(stages, 0.0);

@@ -392,7 +392,8 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   auto window_moe = [&](int64_t j) {
     return run_moe_.empty() ? std::optional<MoeMetrics>() : run_moe_[size_t(j)];
   };
-  nlohmann::json metrics = {{"schedule", pipeline::schedule_name(kind_)}};
+  nlohmann::json metrics = {{"schedule", pipeline::schedule_name(kind_)},
+                            {"micro_batches", micro_per_step_}};
   for (int s = 0; s < stages_; ++s) {
     const double* r = per_stage.data() + kFields * size_t(s);
     metrics["stages"].push_back({{"busy_seconds", r[0]},

@@ -76,6 +76,11 @@ int supervise(const SuperviseOptions& o) {
                                      "train"};
     args.insert(args.end(), o.train_args.begin(), o.train_args.end());
     int status = run_process(args);
+    if (status == 2 && attempt_rejected(log)) {  // refused for bad input: no attempt
+      std::error_code ec;
+      std::filesystem::remove(log, ec);
+      return status;
+    }
     int64_t ended = monotonic_ns();
     append_json_line(log, {{"event", "exit"}, {"t", ended}, {"status", status}});
     if (status == 0 || status == 2) return status;

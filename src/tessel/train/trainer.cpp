@@ -22,6 +22,7 @@
 #include "tessel/comm/mesh.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
+#include "tessel/core/memory.hpp"
 #include "tessel/core/threading.hpp"
 #include "tessel/core/timer.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
@@ -133,7 +134,8 @@ struct Trainer::Attempt {
   int64_t t0;       // when this attempt began (process start, or the trainer's construction)
   RunDirLock lock;  // rank 0's exclusive lock on <run.dir>/lock, held for the run
   int index;
-  EttLedger ledger;  // rank 0 writes the attempt's ETT log
+  EttLedger ledger;       // rank 0 writes the attempt's ETT log
+  bool finished = false;  // run() completed: exit status 0 (else 1)
 
   Attempt(const std::string& run_dir, comm::Communicator& w, const ProcessTimes& times)
       : t0(times.started_ns >= 0 ? times.started_ns : monotonic_ns()),
@@ -141,14 +143,29 @@ struct Trainer::Attempt {
         index(agree_attempt(w, run_dir)),
         ledger(w.rank() == 0 ? EttLedger(run_dir, index, !supervised, t0) : EttLedger()) {}
 
-  // A start rejected for bad input is no attempt of the job: left in the ledger it would
+  // The exit line, however the attempt ends (also when building the State threw). `tessel
+  // run` writes it itself, after the job's teardown.
+  ~Attempt() {
+    if (!supervised && ledger.active()) try {
+        ledger.event({{"event", "exit"}, {"status", finished ? 0 : 1}});
+      } catch (const std::exception&) {
+      }
+  }
+
+  // A start refused for bad input is no attempt of the job: left in the ledger it would
   // count as a failure (and move the observed MTBF and the fault injector's attempt count).
-  // A supervised attempt's log belongs to `tessel run`, which records the exit itself.
-  void discard() {
-    if (supervised || !ledger.active()) return;
+  // Rank 0 removes its log; a supervised attempt's log belongs to `tessel run`, which removes
+  // it when it finds this mark (attempt_rejected, ett.hpp).
+  void reject() {
+    if (!ledger.active()) return;
+    if (supervised) {
+      ledger.event({{"event", "rejected"}});
+      return;
+    }
     std::error_code ec;
     fs::remove(ledger.path(), ec);
     fs::remove(fs::path(ledger.path()).parent_path(), ec);  // ett/, when now empty
+    ledger = EttLedger();
   }
 };
 
@@ -160,6 +177,7 @@ struct Trainer::State {
   int64_t t0;
   int attempt;
   EttLedger& ledger;
+  bool& finished;  // the attempt's: run() completed
   PhaseMark build_mark;
   comm::Mesh mesh;
   comm::Communicator& dp;
@@ -188,16 +206,6 @@ struct Trainer::State {
   FaultInjector faults;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
-  bool finished = false;  // run() completed
-
-  ~State() {
-    // `tessel run` writes the exit line itself, after the job's teardown.
-    if (!supervised && ledger.active()) try {
-        ledger.event({{"event", "exit"}, {"status", finished ? 0 : 1}});
-      } catch (const std::exception&) {
-      }
-  }
-
   State(Config c, comm::Communicator& w, comm::MeshShape shape, const ProcessTimes& times,
         Attempt& a)
       : config(std::move(c)),
@@ -207,6 +215,7 @@ struct Trainer::State {
         t0(a.t0),
         attempt(a.index),
         ledger(a.ledger),
+        finished(a.finished),
         build_mark(mark_start(times)),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
@@ -543,17 +552,19 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
                   "false; choose a new run.dir or remove ",
                   s.config.run.dir, "/checkpoints");
     s.finish_warmup();
+    // A resume loaded the whole checkpoint on every rank; the steps never hold that much.
+    if (s.resumed_from >= 0) release_free_memory();
     s.ledger.enter(Phase::other);
     // Written only once the run is accepted, so a rejected run leaves the directory as it
-    // was, and only when it trains: a run with nothing to train changes nothing.
+    // was, and only when it trains: a run with nothing to train keeps the config that trained.
     if (s.is_root && s.start_step < s.config.train.steps) {
       fs::create_directories(s.config.run.dir);
       write_file_atomically(s.config.run.dir + "/config.toml", to_toml(s.config));
     }
     world.barrier();
   } catch (const InputError&) {
-    s_.reset();  // writes its exit line first
-    attempt_->discard();
+    s_.reset();
+    attempt_->reject();
     throw;
   }
 }
@@ -801,8 +812,8 @@ TrainResult Trainer::run() {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }
-  s.log("done in " + format_duration(run_timer.seconds()) + "; metrics in " + c.run.dir +
-        "/metrics.jsonl");
+  s.log("done in " + format_duration(run_timer.seconds()) +
+        (metrics_log ? "; metrics in " + c.run.dir + "/metrics.jsonl" : ""));
   s.finished = true;
   return result;
 }

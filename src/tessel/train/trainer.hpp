@@ -53,7 +53,7 @@ class Trainer {
   struct Attempt;  // the run directory's lock and this attempt's ETT log
   struct State;
   std::unique_ptr<Attempt> attempt_;
-  std::unique_ptr<State> s_;  // destroyed first: it writes the attempt's exit line
+  std::unique_ptr<State> s_;  // destroyed before the attempt, which writes the exit line
 };
 
 // Threads per rank when run.threads = 0: OMP_NUM_THREADS if set, else the cores of

@@ -239,6 +239,24 @@ TEST_F(SupervisorTest, ExportWritesOneSafetensorsFileThatAnotherReaderLoads) {
       << o.err;
 }
 
+// A supervised start refused for bad input (here a model the checkpoint does not match) is
+// no attempt of the job: `tessel run` exits 2 and removes its log, so it is no failure.
+TEST_F(SupervisorTest, ARefusedStartLeavesNoAttempt) {
+  const std::string run = fixture::temp_dir("tessel-sup-refused");
+  fs::copy(reference, run, fs::copy_options::recursive);
+  auto attempts = [&] {
+    return std::distance(fs::directory_iterator(run + "/ett"), fs::directory_iterator());
+  };
+  const auto before = attempts();
+  const Outcome o = run_tessel(run_args(run, " --set model.width=64 --set train.steps=20"));
+  EXPECT_EQ(o.exit_code, 2) << o.err;
+  EXPECT_NE(o.err.find("model"), std::string::npos) << o.err;
+  EXPECT_EQ(attempts(), before) << "the refused start left a log";
+  const Outcome report = run_tessel("ett-report " + run);
+  ASSERT_EQ(report.exit_code, 0) << report.err;
+  EXPECT_NE(report.out.find("NoF 0"), std::string::npos) << report.out;
+}
+
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
   std::string run = fixture::temp_dir("tessel-sup-seconds");
   // Attempt 0 dies 1 ms after its process began: by the time the trainer arms the injector

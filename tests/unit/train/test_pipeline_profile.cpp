@@ -86,13 +86,21 @@ TEST(PipelineProfile, OnlyTheLastAttemptCountsAndItsOwnWarmUpIsSkipped) {
 }
 
 TEST(PipelineProfile, AnAttemptWithoutStepRecordsDoesNotHideTheOneBefore) {
-  // The second attempt started from step 3 and wrote no step (it failed at once, or had
-  // nothing to train): the first attempt's records are the last ones.
-  const std::string dir = run_dir(kFlushConfig, {step_record(1, 9.0, "1f1b", 9, 9, 9),
-                                                 step_record(2, 1.0, "1f1b", 0.4, 0.8, 0.1),
-                                                 step_record(3, 3.0, "1f1b", 0.4, 0.8, 0.1),
-                                                 {{"event", "start"}, {"start_step", 3}}});
+  // The second attempt started from step 3 with accum 2 in config.toml and wrote no step (it
+  // failed at once): the first attempt's records are the last ones, and their own micro-batch
+  // count (4) holds, not the config's.
+  auto record = [](int64_t step, double seconds, double f) {
+    nlohmann::json r = step_record(step, seconds, "1f1b", f, 2 * f, f / 4);
+    r["pipeline"]["micro_batches"] = 4;
+    return r;
+  };
+  const std::string dir = run_dir("[parallel]\npp = 2\n[train]\naccum = 2\n",
+                                  {record(1, 9.0, 9),
+                                   record(2, 1.0, 0.4),
+                                   record(3, 3.0, 0.4),
+                                   {{"event", "start"}, {"start_step", 3}}});
   const train::PipelineProfile p = train::read_pipeline_profile(dir, 1);
+  EXPECT_EQ(p.micro_batches, 4);
   EXPECT_EQ(p.first_step, 2);
   EXPECT_EQ(p.last_step, 3);
   EXPECT_DOUBLE_EQ(p.step_seconds, 2.0);
