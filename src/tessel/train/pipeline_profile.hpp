@@ -22,12 +22,13 @@ struct PipelineProfile {
   std::vector<pipeline::StageCosts> costs;
 };
 
-// Averages the step records of the run's last attempt (`run_dir`/metrics.jsonl after its
-// last start record: a resumed run may have changed schedule or accum) after its first
+// Averages the step records of the run's last attempt that wrote any (`run_dir`/metrics.jsonl
+// after a start record: a resumed run may have changed schedule or accum) after its first
 // `skip` steps (their warm-up: allocation, first touch); the micro-batches per step come from
-// `run_dir`/config.toml, which that attempt wrote. A PACI run's records are per horizon (one
-// executor run between drains); only horizons that begin after the skip count. InputError
-// when there are no such records or they lack the stage costs.
+// the records (`pipeline.micro_batches`; older records: `run_dir`/config.toml). A PACI run's
+// records are per horizon (one executor run between drains); only horizons that begin after
+// the skip count. InputError for a run that is not a pipeline run, or when there are no such
+// records or they lack the stage costs.
 PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip);
 
 struct SimulatedSchedule {

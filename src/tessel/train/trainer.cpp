@@ -173,7 +173,6 @@ struct Trainer::State {
   Config config;
   comm::Communicator& world;
   bool is_root;
-  bool supervised;
   int64_t t0;
   int attempt;
   EttLedger& ledger;
@@ -211,7 +210,6 @@ struct Trainer::State {
       : config(std::move(c)),
         world(w),
         is_root(w.rank() == 0),
-        supervised(a.supervised),
         t0(a.t0),
         attempt(a.index),
         ledger(a.ledger),
