@@ -26,15 +26,27 @@ inline std::string shared_temp_dir(comm::Communicator& world, const std::string&
   return std::string(reinterpret_cast<const char*>(buf.data()));
 }
 
-// The synthetic dataset, made once per test binary by rank 0.
-inline std::string shared_dataset(comm::Communicator& world) {
-  static std::string dir;
+// A dataset made by rank 0 with `make` into `dir` (once: `dir` empty), known to all ranks.
+inline const std::string& shared_once(comm::Communicator& world, std::string& dir,
+                                      std::string (*make)(const std::string&)) {
   if (dir.empty()) {
     dir = shared_temp_dir(world, "tessel-dp-data");
-    if (world.rank() == 0) make_dataset(dir);
+    if (world.rank() == 0) make(dir);
     world.barrier();
   }
   return dir;
+}
+
+// The synthetic dataset, made once per test binary by rank 0.
+inline std::string shared_dataset(comm::Communicator& world) {
+  static std::string dir;
+  return shared_once(world, dir, make_dataset);
+}
+
+// The synthetic SFT data set (make_sft_dataset), made once per test binary by rank 0.
+inline std::string shared_sft_dataset(comm::Communicator& world) {
+  static std::string dir;
+  return shared_once(world, dir, make_sft_dataset);
 }
 
 // Runs `c` to its end, lets rank 0 `break_newest` (remove or damage the newest checkpoint),

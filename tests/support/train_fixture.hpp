@@ -1,5 +1,6 @@
 #pragma once
 // Helpers for trainer tests: a small synthetic dataset and tiny configs.
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -39,6 +40,38 @@ inline std::string make_dataset(const std::string& dir) {
   opts.output_dir = dir;
   opts.val_fraction = 0.1;
   data::prepare_documents(synthetic_documents(400, 11), opts);
+  return dir;
+}
+
+// Questions of 2..9 of the same words, each answered by its words in reverse order: enough
+// structure for fine-tuning to learn.
+inline std::vector<data::SftSample> synthetic_conversations(int count, uint64_t seed) {
+  const auto questions = synthetic_documents(count, seed);
+  std::vector<data::SftSample> samples;
+  for (const std::string& doc : questions) {
+    const std::string question = doc.substr(0, doc.find('.'));
+    std::vector<std::string> words;
+    for (size_t b = 0, e; b < question.size(); b = e + 1) {
+      e = std::min(question.find(' ', b), question.size());
+      words.push_back(question.substr(b, e - b));
+    }
+    std::string reply;
+    for (auto w = words.rbegin(); w != words.rend(); ++w)
+      reply += *w + (w + 1 != words.rend() ? " " : ".");
+    const data::ChatMessage conversation[2] = {{"user", "Reverse: " + question + "."},
+                                               {"assistant", reply}};
+    samples.push_back(data::render_conversation(conversation, "synthetic"));
+  }
+  return samples;
+}
+
+// Writes the SFT data set of 400 synthetic conversations under `dir` and returns `dir`.
+inline std::string make_sft_dataset(const std::string& dir) {
+  data::PrepareOptions opts;
+  opts.corpus = "chat:synthetic";
+  opts.output_dir = dir;
+  opts.val_fraction = 0.1;
+  data::prepare_samples(synthetic_conversations(400, 12), opts);
   return dir;
 }
 

@@ -1,5 +1,5 @@
 // tessel — the command-line front end. Subcommands:
-//   prepare     text corpus -> token shards (train.tok, val.tok)
+//   prepare     text or SFT corpus -> token shards (train.tok, val.tok; SFT: loss masks too)
 //   train       train a GPT (one process, or under mpirun: data parallel)
 //   generate    sample text from a run's latest checkpoint
 //   bench-gemm  this machine's GEMM peak, the denominator of MFU
@@ -51,13 +51,14 @@ std::string schema_help() {
 
 int run_prepare(const data::PrepareOptions& opts) {
   auto r = data::prepare_dataset(opts);
-  std::printf(
-      "prepared %s: train %lld documents / %lld tokens -> %s; val %lld documents / %lld "
-      "tokens -> %s\n",
-      opts.corpus.c_str(), static_cast<long long>(r.train.documents),
-      static_cast<long long>(r.train.tokens), r.train.path.c_str(),
-      static_cast<long long>(r.val.documents), static_cast<long long>(r.val.tokens),
-      r.val.path.c_str());
+  auto split = [&](const data::SplitCounts& c) {
+    return detail::concat(c.documents, r.sft ? " samples / " : " documents / ", c.tokens, " tokens",
+                          r.sft ? detail::concat(" (", c.trained_tokens, " trained)") : "", " -> ",
+                          c.path);
+  };
+  std::printf("prepared %s%s: train %s; val %s\n", opts.corpus.c_str(),
+              r.sft ? " (SFT: loss masks beside the shards)" : "", split(r.train).c_str(),
+              split(r.val).c_str());
   return 0;
 }
 
@@ -191,14 +192,18 @@ int main(int argc, char** argv) {
   data::PrepareOptions prep;
   prep.corpus = "bible";
   prep.output_dir = "data/bible";
-  auto* prepare = app.add_subcommand("prepare", "turn a text corpus into token shards");
+  auto* prepare = app.add_subcommand(
+      "prepare", "turn a text corpus or an SFT corpus (conversations) into token shards");
   prepare
       ->add_option("--corpus", prep.corpus,
-                   "bible (Debian bible-kjv, one document per chapter), fortunes (one per "
-                   "fortune) or file:PATH (documents separated by blank lines)")
+                   "text: bible (Debian bible-kjv, one document per chapter), fortunes (one per "
+                   "fortune) or file:PATH (documents separated by blank lines); SFT, trained "
+                   "on the assistant replies only (docs/sft.md): bible-quotes (\"Quote Genesis "
+                   "1:3.\" -> the verse) or chat:PATH (JSON Lines, {\"messages\": [{\"role\", "
+                   "\"content\"}, ...]} or {\"prompt\", \"response\"} per line)")
       ->capture_default_str();
   prepare->add_option("--out", prep.output_dir, "output directory")->capture_default_str();
-  prepare->add_option("--val-fraction", prep.val_fraction, "share of documents held out")
+  prepare->add_option("--val-fraction", prep.val_fraction, "share of documents (samples) held out")
       ->capture_default_str();
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")
       ->check(CLI::Validator(  // an unsigned option would wrap -1 to 2^64 - 1

@@ -155,18 +155,22 @@ std::vector<std::string> load_fortunes() {
 }
 
 std::vector<std::string> load_text_file(const std::string& path) {
-  if (!fs::exists(path)) input_error(path, ": no such file (corpus \"file:", path, "\")");
-  if (fs::is_directory(path))
-    input_error(path, ": is a directory; corpus \"file:PATH\" takes one text file");
-  const std::string text = read_file(path);
-  if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
-    input_error(path, ": not valid UTF-8 text (at byte ", bad, ")");
-  auto docs = parse_paragraphs(text);
+  auto docs = parse_paragraphs(read_corpus_file(path, "file"));
   if (docs.empty()) input_error(path, ": no documents (the file is empty or blank)");
   return docs;
 }
 
 }  // namespace
+
+std::string read_corpus_file(const std::string& path, const std::string& kind) {
+  if (!fs::exists(path)) input_error(path, ": no such file (corpus \"", kind, ":", path, "\")");
+  if (fs::is_directory(path))
+    input_error(path, ": is a directory; corpus \"", kind, ":PATH\" takes one file");
+  std::string text = read_file(path);
+  if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
+    input_error(path, ": not valid UTF-8 text (at byte ", bad, ")");
+  return text;
+}
 
 std::vector<std::string> parse_bible(std::string_view text, const std::string& source) {
   // Layout: a blank line, a heading ("Genesis 1", "Song of Solomon 3"), a blank line, then

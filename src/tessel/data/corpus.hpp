@@ -22,6 +22,10 @@ namespace tessel::data {
 
 std::vector<std::string> load_corpus(const std::string& name);
 
+// The text of the file a "KIND:PATH" corpus names ("file", "chat"): InputError for a missing
+// file, a directory or text that is not valid UTF-8.
+std::string read_corpus_file(const std::string& path, const std::string& kind);
+
 // The parsers behind load_corpus, for text already in memory. `source` names the text in
 // error messages.
 // Output of the `bible` program -> one document per chapter.

@@ -29,26 +29,12 @@ void check_layout(int64_t micro_batch, int64_t accum, int64_t dp_rank, int64_t d
     input_error("data loader: dp_rank ", dp_rank, " outside [0, dp_size = ", dp_size, ")");
 }
 
-Batch empty_batch(int64_t B, int64_t T) {
-  Batch b;
-  b.B = B;
-  b.T = T;
-  b.tokens.resize(size_t(B * T));
-  b.targets.resize(size_t(B * T));
-  b.loss_mask.assign(size_t(B * T), 1.0f);
-  b.positions.resize(size_t(B * T));
-  for (int64_t r = 0; r < B; ++r)
-    std::iota(b.positions.begin() + r * T, b.positions.begin() + (r + 1) * T, 0);
-  b.doc_starts.resize(size_t(B));
-  return b;
-}
-
 }  // namespace
 
 Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> windows,
                          int64_t seq_len) {
   const int64_t T = seq_len;
-  Batch b = empty_batch(int64_t(windows.size()), T);
+  Batch b = make_batch(int64_t(windows.size()), T);
   std::vector<int32_t> row(size_t(T + 1));
   const auto starts = shard.doc_starts();
   for (size_t r = 0; r < windows.size(); ++r) {
@@ -72,9 +58,34 @@ Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> wind
   return b;
 }
 
+namespace {
+
+std::optional<PackedSamples> pack_if_sft(const ShardReader& shard, int64_t seq_len) {
+  if (!has_loss_mask(shard.path())) return std::nullopt;
+  return PackedSamples(shard, seq_len);
+}
+
+}  // namespace
+
 DataLoader::DataLoader(const std::string& shard_path, const LoaderOptions& options)
-    : shard_(shard_path), options_(options), windows_(count_windows(shard_, options.seq_len)) {
+    : shard_(shard_path),
+      options_(options),
+      packed_(pack_if_sft(shard_, options.seq_len)),
+      windows_(packed_ ? packed_->rows() : count_windows(shard_, options.seq_len)) {
   check_layout(options.micro_batch, options.accum, options.dp_rank, options.dp_size);
+}
+
+Batch DataLoader::rows_batch(std::span<const int64_t> windows) const {
+  return packed_ ? packed_->batch(shard_, windows)
+                 : batch_from_windows(shard_, windows, options_.seq_len);
+}
+
+int64_t DataLoader::step_tokens(int64_t step) {
+  const int64_t G = sequences_per_step();
+  if (!packed_) return G * options_.seq_len;
+  int64_t n = 0;
+  for (int64_t i = 0; i < G; ++i) n += packed_->row_tokens(window_of(step * G + i));
+  return n;
 }
 
 int64_t DataLoader::sequences_per_step() const {
@@ -106,7 +117,7 @@ Batch DataLoader::next() {
     state_.micro = 0;
     ++state_.step;
   }
-  return batch_from_windows(shard_, windows, options_.seq_len);
+  return rows_batch(windows);
 }
 
 void DataLoader::restore(const LoaderState& state) {
@@ -120,7 +131,8 @@ std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq
                                       int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
                                       int64_t dp_size) {
   const ShardReader shard(shard_path);
-  const int64_t w = count_windows(shard, seq_len);
+  const auto packed = pack_if_sft(shard, seq_len);
+  const int64_t w = packed ? packed->rows() : count_windows(shard, seq_len);
   check_layout(micro_batch, 1, dp_rank, dp_size);
   const int64_t n = max_sequences > 0 ? std::min(max_sequences, w) : w;
   const int64_t q = n / dp_size, rem = n % dp_size;
@@ -131,7 +143,8 @@ std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq
   for (int64_t first = begin; first < end; first += micro_batch) {
     windows.resize(size_t(std::min(micro_batch, end - first)));
     std::iota(windows.begin(), windows.end(), first);
-    batches.push_back(batch_from_windows(shard, windows, seq_len));
+    batches.push_back(packed ? packed->batch(shard, windows)
+                             : batch_from_windows(shard, windows, seq_len));
   }
   return batches;
 }

@@ -16,29 +16,26 @@
 // micro_batch; micro-batch m (0 <= m < accum) of data-parallel rank r holds sequences
 // s*G + (r*accum + m)*micro_batch + [0, micro_batch).
 //
+// SFT data sets (a loss-mask shard beside the token shard, packing.hpp): the same order and
+// sharding over the data set's packed rows instead of windows (W = the number of rows), and
+// only the positions packing.hpp names count in the loss.
+//
 // Documents and the loss. doc_starts[b] lists the offsets in row b where a document begins
 // (always 0 first: the row's first token starts the row's first, possibly partial, document);
 // attention masks are built from them. loss_mask[b*T + t] is 0 when the target of position t
 // is the first token of a document, because under a document mask nothing the position sees
 // predicts the next document; every other position is 1.
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "tessel/data/batch.hpp"
+#include "tessel/data/packing.hpp"
 #include "tessel/data/shard.hpp"
 
 namespace tessel::data {
-
-// One micro-batch of B rows of T positions; flat arrays are row-major [B*T].
-struct Batch {
-  int64_t B = 0, T = 0;
-  std::vector<int32_t> tokens;                   // [B*T] input ids
-  std::vector<int32_t> targets;                  // [B*T] the next token of each input
-  std::vector<float> loss_mask;                  // [B*T] 1 = counts in the loss, 0 = ignored
-  std::vector<int32_t> positions;                // [B*T] t, 0..T-1 within each row
-  std::vector<std::vector<int32_t>> doc_starts;  // [B][k] ascending, doc_starts[b][0] = 0
-};
 
 struct LoaderOptions {
   int64_t seq_len = 0;  // T
@@ -59,8 +56,9 @@ struct LoaderState {
 
 class DataLoader {
  public:
-  // Opens and validates the shard; InputError for seq_len < 1, a shard with fewer than
-  // seq_len + 1 tokens (naming the file), or a bad micro_batch / accum / dp layout.
+  // Opens and validates the shard (and its loss-mask shard when there is one); InputError for
+  // seq_len < 1, a shard with fewer than seq_len + 1 tokens or an SFT shard without a sample
+  // to train on (naming the file), or a bad micro_batch / accum / dp layout.
   DataLoader(const std::string& shard_path, const LoaderOptions& options);
 
   // This rank's next micro-batch [micro_batch, seq_len]; after accum of them, the next step.
@@ -69,16 +67,25 @@ class DataLoader {
   // Resumes at a state from state(); the batches that follow are bitwise those that followed.
   void restore(const LoaderState& state);
 
-  int64_t windows() const { return windows_; }  // W
+  int64_t windows() const { return windows_; }  // W (packed rows of an SFT data set)
   int64_t sequences_per_step() const;           // G
+  // Positions of step `step`'s G rows (over all ranks) that hold data: G * seq_len, less an
+  // SFT data set's padding. What tokens/s and MFU count.
+  int64_t step_tokens(int64_t step);
+  // The packed rows of an SFT data set; null for a text data set.
+  const PackedSamples* packed() const { return packed_ ? &*packed_ : nullptr; }
   // The window of global sequence g >= 0.
   int64_t window_of(int64_t g);
   const ShardReader& shard() const { return shard_; }
   const LoaderOptions& options() const { return options_; }
 
  private:
+  // The given windows (rows) as a batch.
+  Batch rows_batch(std::span<const int64_t> windows) const;
+
   ShardReader shard_;
   LoaderOptions options_;
+  std::optional<PackedSamples> packed_;
   int64_t windows_;
   LoaderState state_;
   int64_t perm_epoch_ = -1;  // the epoch perm_ holds
@@ -89,11 +96,11 @@ class DataLoader {
 Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> windows,
                          int64_t seq_len);
 
-// This rank's share of the first max_sequences windows (all when max_sequences <= 0), in
-// window order and unshuffled, as micro-batches of up to micro_batch rows (the last may be
-// smaller; a rank may get none). The ranks split the sequences into contiguous ranges whose
-// sizes differ by at most one, so the union over ranks is exactly those windows whatever
-// dp_size is; sum the loss over ranks and divide by the total of loss_mask.
+// This rank's share of the first max_sequences windows (all when max_sequences <= 0; packed
+// rows of an SFT data set), in window order and unshuffled, as micro-batches of up to micro_batch
+// rows (the last may be smaller; a rank may get none). The ranks split the sequences into
+// contiguous ranges whose sizes differ by at most one, so the union over ranks is exactly those
+// windows whatever dp_size is; sum the loss over ranks and divide by the total of loss_mask.
 std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq_len,
                                       int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
                                       int64_t dp_size);

@@ -10,37 +10,48 @@
 //   dataset.json         {"corpus", "tokenizer": "byte", "vocab_size": 256, "seed",
 //                         "val_fraction", "train": {"documents", "tokens", "path"},
 //                         "val": {...}}
+// An SFT corpus (sft_corpus.hpp) is split the same way by samples, and each split also gets
+// its loss-mask shard (train.loss_mask.tok, val.loss_mask.tok: packing.hpp); dataset.json then
+// says "format": "sft" (else "text") and counts each split's "trained_tokens". Preparing a
+// text corpus removes loss-mask shards an earlier SFT prepare left in the directory.
 // Every file is written to a temporary name and renamed into place.
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "tessel/data/sft_corpus.hpp"
+
 namespace tessel::data {
 
 struct PrepareOptions {
-  std::string corpus;      // "bible", "fortunes" or "file:PATH"
+  std::string corpus;      // "bible", "fortunes", "file:PATH", "bible-quotes" or "chat:PATH"
   std::string output_dir;  // e.g. "data/bible"
   double val_fraction = 0.01;
   uint64_t seed = 0;
 };
 
 struct SplitCounts {
-  int64_t documents = 0;
+  int64_t documents = 0;  // documents, or samples of an SFT corpus
   int64_t tokens = 0;
-  std::string path;  // the shard written
+  int64_t trained_tokens = 0;  // SFT: tokens the loss counts
+  std::string path;            // the shard written
 };
 
 struct PrepareResult {
+  bool sft = false;  // an SFT corpus: the splits have loss-mask shards
   SplitCounts train, val;
   std::string metadata_path;  // <output_dir>/dataset.json
 };
 
 // Loads, splits, tokenizes and writes the corpus. InputError on a bad corpus name, a
-// val_fraction outside [0, 1), a corpus of fewer than 2 documents, or an unwritable directory.
+// val_fraction outside [0, 1), a corpus of fewer than 2 documents (samples), or an unwritable
+// directory.
 PrepareResult prepare_dataset(const PrepareOptions& options);
 
-// The split above for already loaded documents: the same files, with `corpus` recorded.
+// The split above for already loaded documents or SFT samples: the same files, with `corpus`
+// recorded.
 PrepareResult prepare_documents(const std::vector<std::string>& documents,
                                 const PrepareOptions& options);
+PrepareResult prepare_samples(const std::vector<SftSample>& samples, const PrepareOptions& options);
 
 }  // namespace tessel::data

@@ -129,7 +129,10 @@ std::vector<ConfigKey> build_schema() {
       int_key("run.seed", "seed of initialization and data order", FIELD(run.seed)),
       int_key("run.threads", "threads per rank; 0 = cores / ranks", FIELD(run.threads)),
       bool_key("run.quiet", "suppress progress lines", FIELD(run.quiet)),
-      string_key("data.path", "directory holding train.tok and val.tok", FIELD(data.path)),
+      string_key("data.path",
+                 "directory holding train.tok and val.tok (an SFT data set: with their "
+                 "*.loss_mask.tok; docs/sft.md)",
+                 FIELD(data.path)),
       bool_key("data.shuffle", "shuffle training windows each epoch", FIELD(data.shuffle)),
       choice_key<AttentionMaskKind>(
           "data.attention_mask",
@@ -223,7 +226,8 @@ std::vector<ConfigKey> build_schema() {
       int_key("train.eval_every", "steps between validation; 0 = only at the end",
               FIELD(train.eval_every)),
       int_key("train.eval_sequences",
-              "validation sequences: the first windows of val.tok (all it holds, when fewer)",
+              "validation sequences: the first windows of val.tok, or packed rows of an SFT data "
+              "set (all it holds, when fewer)",
               FIELD(train.eval_sequences)),
       int_key("train.checkpoint_every", "steps between checkpoints; 0 = none but the final one",
               FIELD(train.checkpoint_every)),
@@ -247,6 +251,11 @@ std::vector<ConfigKey> build_schema() {
                FIELD(train.fast_start)),
       bool_key("train.resume", "resume from the run directory's latest checkpoint",
                FIELD(train.resume)),
+      string_key("train.init_from",
+                 "fine-tuning: a run or checkpoint directory whose model weights start this run "
+                 "(fresh optimizer and data order; the model config must match); unused when "
+                 "the run resumes from its own checkpoint. Empty = random initialization",
+                 FIELD(train.init_from)),
       int_key("train.sample_tokens", "tokens of the final text sample; 0 = none",
               FIELD(train.sample_tokens)),
       string_key("train.sample_prompt", "prompt of the final text sample",

@@ -27,7 +27,9 @@ struct RunConfig {
 enum class AttentionMaskKind { causal_document, causal };
 
 struct DataConfig {
-  std::string path = "data/bible";  // directory with train.tok and val.tok (`tessel prepare`)
+  // Directory with train.tok and val.tok (`tessel prepare`); with train.loss_mask.tok and
+  // val.loss_mask.tok beside them an SFT data set (data/packing.hpp).
+  std::string path = "data/bible";
   bool shuffle = true;
   AttentionMaskKind attention_mask = AttentionMaskKind::causal_document;
 };
@@ -48,7 +50,8 @@ struct TrainLoopConfig {
   std::string checkpoint_policy = "fixed";  // fixed | young | daly (checkpoint_interval.hpp)
   double mtbf_seconds = 86400;  // mean time between failures for young/daly until one is seen
   bool fast_start = true;       // synthetic warm-up beside the data warm-up; cached GEMM peak
-  bool resume = true;  // continue from the run directory's latest checkpoint when there is one
+  bool resume = true;     // continue from the run directory's latest checkpoint when there is one
+  std::string init_from;  // fine-tuning: start from this run's (checkpoint's) model weights
   int64_t sample_tokens = 200;  // text sample printed at the end; 0 = none
   std::string sample_prompt = "And God said";
   double sample_temperature = 0.8;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -71,6 +72,11 @@ std::string format_duration(double seconds) {
 }
 
 // Rank 0's `text` on every rank.
+// A config value of a compatibility record as a user wrote it: strings without quotes.
+std::string json_text(const nlohmann::json& v) {
+  return v.is_string() ? v.get<std::string>() : v.dump();
+}
+
 std::string broadcast_text(comm::Communicator& group, const std::string& text) {
   int64_t n = int64_t(text.size());
   group.broadcast(std::span<int64_t>(&n, 1), 0);
@@ -205,6 +211,7 @@ struct Trainer::State {
   FaultInjector faults;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
+  std::string initialized_from;  // train.init_from's checkpoint, when it started the weights
   State(Config c, comm::Communicator& w, comm::MeshShape shape, const ProcessTimes& times,
         Attempt& a)
       : config(std::move(c)),
@@ -257,6 +264,16 @@ struct Trainer::State {
       input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
                   " is not a rank of this job (world size ", w.size(), ")");
     model.set_expert_comm(&experts);
+    if (loader.packed() && config.data.attention_mask != AttentionMaskKind::causal_document)
+      input_error(config.data.path,
+                  " is an SFT data set (it has loss-mask shards): its packed samples need "
+                  "data.attention_mask = \"causal_document\"; under \"causal\" they would "
+                  "attend to each other");
+    const std::string val_path = config.data.path + "/val.tok";
+    if (data::has_loss_mask(val_path) != bool(loader.packed()))
+      input_error(config.data.path, ": ", loader.packed() ? "train.tok" : "val.tok",
+                  " has a loss-mask shard and ", loader.packed() ? "val.tok" : "train.tok",
+                  " has none; prepare the data set again");
     int64_t data_vocab = loader.shard().vocab_size();
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
@@ -386,14 +403,15 @@ struct Trainer::State {
     if (!config.train.checkpoint_async) checkpointer.wait();
   }
 
-  // Rank 0 picks the checkpoint (the newest that verifies) and every rank loads that
-  // one, so the ranks can never continue from different steps; any failure stops all.
-  void resume() {
+  // Rank 0 picks a checkpoint with `pick` and every rank loads that one, so the ranks can
+  // never start from different ones; any failure stops all. nullopt when rank 0 found none.
+  std::optional<CheckpointStore::Loaded> load_agreed(
+      const std::function<std::optional<CheckpointStore::Loaded>()>& pick) {
     std::string chosen, failure;
     std::optional<CheckpointStore::Loaded> loaded;  // rank 0's, reused below
     if (is_root) {
       try {
-        loaded = store.load_newest_valid(warn_on_stderr);
+        loaded = pick();
         if (loaded) chosen = loaded->dir;
       } catch (const std::exception& e) {
         failure = e.what();
@@ -403,8 +421,7 @@ struct Trainer::State {
         broadcast_text(world, failure.empty() ? "ok:" + chosen : "error:" + failure);
     if (agreed.rfind("error:", 0) == 0) input_error(agreed.substr(6));
     chosen = agreed.substr(3);
-    if (chosen.empty()) return;
-    if (is_root) store.discard_newer_than(chosen);  // damaged ones: the run redoes those steps
+    if (chosen.empty()) return std::nullopt;
     if (!is_root) {
       try {
         loaded = CheckpointStore::Loaded{chosen, CheckpointStore::load(chosen)};
@@ -415,27 +432,33 @@ struct Trainer::State {
     if (!comm::all_agree(world, failure.empty()))
       input_error(failure.empty() ? chosen + ": another rank could not read this checkpoint"
                                   : failure);
+    return loaded;
+  }
+
+  // Continues from the run directory's newest checkpoint that verifies, when there is one.
+  void resume() {
+    const auto loaded = load_agreed([this] { return store.load_newest_valid(warn_on_stderr); });
+    if (!loaded) return;
+    const std::string& chosen = loaded->dir;
+    if (is_root) store.discard_newer_than(chosen);  // damaged ones: the run redoes those steps
     const std::string* latest = &chosen;
     const CheckpointContent& content = loaded->content;
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
-    auto text = [](const nlohmann::json& v) {
-      return v.is_string() ? v.get<std::string>() : v.dump();
-    };
     for (const auto& [key, value] : want.items())
       if (!have.contains(key))
         input_error(*latest, ": checkpoint has no ", key,
                     " in its compatibility record (written by an older tessel); use a new run.dir");
       else if (have[key] != value)
-        input_error(*latest, ": checkpoint has ", key, " = ", text(have[key]), " but this run has ",
-                    text(value),
+        input_error(*latest, ": checkpoint has ", key, " = ", json_text(have[key]),
+                    " but this run has ", json_text(value),
                     key == kGlobalBatchKey
                         ? " (under PACI pipeline.paci_k, when set, counts as accum)"
                         : "",
                     "; resume with the checkpoint's setting or use a new run.dir");
     // A pipeline checkpoint's stage-named optimizer state cannot resume without the pipeline.
     if (have.contains(kPipelineKey) && !want.contains(kPipelineKey))
-      input_error(*latest, ": checkpoint has ", kPipelineKey, " = ", text(have[kPipelineKey]),
+      input_error(*latest, ": checkpoint has ", kPipelineKey, " = ", json_text(have[kPipelineKey]),
                   " but this run has no pipeline; resume with the checkpoint's setting or use a "
                   "new run.dir");
     finish_warmup();  // its forward reads the weights restored here
@@ -447,6 +470,32 @@ struct Trainer::State {
     loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
     start_step = resumed_from = content.step;
     ledger.event({{"event", "resume"}, {"step", content.step}, {"dir", chosen}});
+  }
+
+  // Fine-tuning: a run that did not resume starts from the model weights of train.init_from
+  // (a run directory's newest valid checkpoint, or a checkpoint directory), with a fresh
+  // optimizer and data order. The checkpoint's model config must equal this run's.
+  void init_weights() {
+    const std::string& from = config.train.init_from;
+    const auto loaded = load_agreed([&] { return std::optional(load_run_checkpoint(from)); });
+    const std::string& dir = loaded->dir;
+    const nlohmann::json& have = loaded->content.state.at("compatibility");
+    const nlohmann::json want = compatibility();  // a named object: items() refers into it
+    for (const auto& [key, value] : want.items()) {
+      if (key.rfind("model.", 0) != 0) continue;
+      if (!have.contains(key))
+        input_error("train.init_from: ", dir, " has no ", key,
+                    " in its compatibility record (written by an older tessel)");
+      if (have[key] != value)
+        input_error("train.init_from: ", dir, " has ", key, " = ", json_text(have[key]),
+                    " but this run has ", json_text(value),
+                    "; fine-tuning keeps the model of the checkpoint");
+    }
+    finish_warmup();  // its forward reads the weights restored here
+    ledger.enter(Phase::checkpoint_load);
+    for (auto p : model.parameters()) restore_tensor(loaded->content.model, p.name, p.value, dir);
+    initialized_from = dir;
+    ledger.event({{"event", "init"}, {"step", loaded->content.step}, {"dir", dir}});
   }
 
   double validate_loss() {
@@ -549,9 +598,11 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
                   ": holds checkpoints of an earlier run but train.resume = "
                   "false; choose a new run.dir or remove ",
                   s.config.run.dir, "/checkpoints");
+    if (s.resumed_from < 0 && !s.config.train.init_from.empty()) s.init_weights();
     s.finish_warmup();
-    // A resume loaded the whole checkpoint on every rank; the steps never hold that much.
-    if (s.resumed_from >= 0) release_free_memory();
+    // A resume or an init loaded a whole checkpoint on every rank; the steps never hold that
+    // much.
+    if (s.resumed_from >= 0 || !s.initialized_from.empty()) release_free_memory();
     s.ledger.enter(Phase::other);
     // Written only once the run is accepted, so a rejected run leaves the directory as it
     // was, and only when it trains: a run with nothing to train keeps the config that trained.
@@ -605,15 +656,25 @@ TrainResult Trainer::run() {
   const auto& mc = c.model;
   const double flops_tok = flops_per_token(s.model.matmul_parameters(), mc.layers, mc.heads,
                                            mc.head_dim(), c.train.seq_len);
-  const int64_t global_tokens =
-      s.loader.sequences_per_step() * c.train.seq_len;  // input positions per step
+  // Input positions per step; an SFT data set's padding is not counted (tokens/s and MFU).
+  const int64_t global_tokens = s.loader.sequences_per_step() * c.train.seq_len;
+  const data::PackedSamples* packed = s.loader.packed();
+  auto step_tokens = [&](int64_t step) {  // step counts from 1
+    return packed ? s.loader.step_tokens(step - 1) : global_tokens;
+  };
+  const std::string sft =
+      packed ? detail::concat(" (SFT: ", packed->samples(), " samples packed into ", packed->rows(),
+                              " rows, ", packed->truncated(), " cut to seq_len, ",
+                              packed->dropped(), " without a trained token left out)")
+             : "";
   s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +
         std::to_string(s.model.num_parameters()) + " on rank 0), " +
         std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
         " thread(s), dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) + ", " +
-        std::to_string(global_tokens) + " tokens/step, GEMM peak " + std::to_string(int(peak)) +
-        " GFLOP/s per rank" +
-        (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : ""));
+        (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft +
+        ", GEMM peak " + std::to_string(int(peak)) + " GFLOP/s per rank" +
+        (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : "") +
+        (s.initialized_from.empty() ? "" : ", weights from " + s.initialized_from));
 
   std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics (none: no step)
   if (s.is_root && s.start_step < c.train.steps)
@@ -667,7 +728,7 @@ TrainResult Trainer::run() {
       std::printf(
           "step %5lld/%lld | loss %.4f | lr %.2e | last stage's grad norm %.3f | %.0f tok/s\n",
           static_cast<long long>(step), static_cast<long long>(c.train.steps), loss,
-          s.schedule.lr(step), grad_norm, double(global_tokens) / seconds);
+          s.schedule.lr(step), grad_norm, double(step_tokens(step)) / seconds);
       std::fflush(stdout);
     };
   for (int64_t step = s.start_step; step < c.train.steps; ++step) {
@@ -731,7 +792,7 @@ TrainResult Trainer::run() {
     rec.loss = stats[0] / stats[1];
     rec.lr = lr;
     rec.grad_norm = grad_norm;
-    rec.tokens_per_s = double(global_tokens) / dt;
+    rec.tokens_per_s = double(step_tokens(rec.step)) / dt;
     rec.mfu = rec.tokens_per_s / s.world.size() * flops_tok / (peak * 1e9);
     result.steps.push_back(rec);
     nlohmann::json record = {{"step", rec.step},

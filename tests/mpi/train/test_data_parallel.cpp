@@ -104,6 +104,39 @@ TEST(ContextParallel, TrainingFollowsSingleRankLoss) {
   }
 }
 
+// SFT (packed samples, loss on the replies only, padded rows): the loss divides by the global
+// count of trained tokens, so dp = P, and cp = 2 (which splits padded tails over its ranks),
+// follow one process accumulating the same global batch. Training and validation.
+TEST(Sft, DataAndContextParallelFollowSingleRankAccumulation) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  train::Config single =
+      fixture::tiny_config(fixture::shared_sft_dataset(world), fixture::temp_dir("tessel-sft"));
+  single.model.max_seq = single.train.seq_len = 128;
+  single.train.steps = 12;
+  single.train.eval_every = 6;
+  single.train.accum = P;
+  comm::SingleCommunicator self;
+  const auto ref = run_on(self, single);
+  ASSERT_EQ(ref.steps.size(), 12u);
+  EXPECT_LT(ref.steps.back().loss, ref.steps.front().loss - 0.5);
+  for (const int cp : {1, 2}) {
+    SCOPED_TRACE("cp = " + std::to_string(cp));
+    train::Config dist = single;
+    dist.parallel.cp = cp;
+    dist.train.accum = cp;  // dp = P / cp ranks of cp micro-batches: the same global batch
+    dist.run.dir = shared_temp_dir(world, "tessel-sft-run");
+    const auto a = run_on(world, dist);
+    ASSERT_EQ(a.steps.size(), 12u);
+    for (size_t i = 0; i < a.steps.size(); ++i)
+      EXPECT_NEAR(a.steps[i].loss, ref.steps[i].loss, 1e-5 * ref.steps[i].loss) << "step " << i + 1;
+    ASSERT_EQ(a.validation.size(), ref.validation.size());
+    for (size_t i = 0; i < a.validation.size(); ++i)
+      EXPECT_NEAR(a.validation[i].second, ref.validation[i].second,
+                  1e-5 * ref.validation[i].second);
+  }
+}
+
 TEST(DataParallel, ResumeContinuesBitwise) {
   comm::Communicator& world = comm::world();
   std::string run = shared_temp_dir(world, "tessel-dp-resume");

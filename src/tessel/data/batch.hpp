@@ -1,0 +1,23 @@
+#pragma once
+// What the data loader hands the trainer: one micro-batch of token rows (data/loader.hpp
+// cuts them from a text data set, data/packing.hpp packs them from SFT samples).
+#include <cstdint>
+#include <vector>
+
+namespace tessel::data {
+
+// One micro-batch of B rows of T positions; flat arrays are row-major [B*T].
+struct Batch {
+  int64_t B = 0, T = 0;
+  std::vector<int32_t> tokens;                   // [B*T] input ids
+  std::vector<int32_t> targets;                  // [B*T] the next token of each input
+  std::vector<float> loss_mask;                  // [B*T] 1 = counts in the loss, 0 = ignored
+  std::vector<int32_t> positions;                // [B*T] t, 0..T-1 within each row
+  std::vector<std::vector<int32_t>> doc_starts;  // [B][k] ascending, doc_starts[b][0] = 0
+};
+
+// B rows of T positions: tokens and targets 0, every loss weight 1, positions 0..T-1 and no
+// document starts yet (the caller fills the rows).
+Batch make_batch(int64_t B, int64_t T);
+
+}  // namespace tessel::data

@@ -1,0 +1,67 @@
+#pragma once
+// Packing SFT samples into training rows.
+//
+// Storage. An SFT data set (`tessel prepare` with an SFT corpus, sft_corpus.hpp) holds beside
+// each token shard X.tok a loss-mask shard X.loss_mask.tok: a u8 shard of vocabulary 2 with
+// the same documents, whose token i is 1 when token i of X.tok is trained on. A token shard
+// with a loss-mask shard beside it is packed by the loader; one without is cut into windows.
+//
+// Rows. Each sample (a document of the shard) is cut to its first T tokens (T = seq_len) and
+// placed whole into one row of T positions, by best-fit decreasing: samples in order of
+// decreasing length (ties: lower index first), each into the open row with the least room that
+// still fits it (ties: the older row), else into a new row. The rows are fixed for the data set
+// and T; the loader shuffles rows, not samples. A row's samples keep their placement order, and
+// the positions after the last are padding: token 0, no loss, their own document.
+//
+// Targets. Position t of a sample predicts the sample's token t + 1, counted in the loss when
+// the loss-mask shard marks that token; the sample's last position predicts nothing (its next
+// token belongs to another sample), and neither does padding. A sample with no counted target
+// after the cut is left out. Under the causal-document attention mask with positions
+// restarting at every document (train/batch_inputs.hpp), a packed row computes exactly what its
+// samples compute one by one: no attention crosses a sample boundary.
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessel/data/batch.hpp"
+#include "tessel/data/shard.hpp"
+
+namespace tessel::data {
+
+// "dir/train.tok" -> "dir/train.loss_mask.tok".
+std::string loss_mask_path(const std::string& token_shard_path);
+// Whether the token shard at `token_shard_path` belongs to an SFT data set.
+bool has_loss_mask(const std::string& token_shard_path);
+
+// Best-fit decreasing as above: rows[i] lists the indices of the items in row i in placement
+// order; every length must lie in [1, capacity].
+std::vector<std::vector<int64_t>> pack_best_fit(std::span<const int64_t> lengths, int64_t capacity);
+
+// The packed rows of one SFT token shard and its loss-mask shard.
+class PackedSamples {
+ public:
+  // Opens and checks the loss-mask shard of `tokens` (vocabulary 2, the same token count and
+  // document index; InputError naming the file otherwise) and packs rows of `seq_len`
+  // positions. InputError when no sample keeps a counted target.
+  PackedSamples(const ShardReader& tokens, int64_t seq_len);
+
+  int64_t rows() const { return int64_t(rows_.size()); }
+  // Positions of row r that hold sample tokens (the rest is padding).
+  int64_t row_tokens(int64_t r) const { return row_tokens_.at(size_t(r)); }
+  int64_t samples() const { return samples_; }      // placed in rows
+  int64_t truncated() const { return truncated_; }  // of those, cut to seq_len tokens
+  int64_t dropped() const { return dropped_; }      // left out: no counted target
+
+  // The given rows of `tokens` (the shard this object was built from) as a batch.
+  Batch batch(const ShardReader& tokens, std::span<const int64_t> rows) const;
+
+ private:
+  ShardReader mask_;
+  int64_t T_;
+  std::vector<std::vector<int64_t>> rows_;  // sample (document) indices per row
+  std::vector<int64_t> row_tokens_;
+  int64_t samples_ = 0, truncated_ = 0, dropped_ = 0;
+};
+
+}  // namespace tessel::data
