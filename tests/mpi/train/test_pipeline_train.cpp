@@ -270,6 +270,26 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
     }
 }
 
+// SFT over the stages: a 1F1B pipeline fine-tuned on packed samples from a single-process
+// checkpoint (train.init_from: each stage takes its own tensors) equals the single-process
+// fine-tuning bitwise.
+TEST(PipelineTrain, SftFromACheckpointEqualsTheSingleProcessRun) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-sft");
+  c.model.max_seq = c.train.seq_len = 128;  // room for a reply after the prompt
+  c.train.accum = 2;
+  const Reference base = single_process(c);
+  c.data.path = fixture::shared_sft_dataset(world);
+  c.train.init_from = base.dir;
+  const Reference ref = single_process(c);
+  c.parallel.pp = world.size();
+  c.pipeline.schedule = "1f1b";
+  c.run.dir = shared_temp_dir(world, "tessel-pp-sft");
+  const auto piped = run_on(world, c);
+  fixture::expect_same_steps(piped, ref.result);
+  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+}
+
 TEST(PipelineTrain, TiedHeadOverStagesFollowsTheSingleProcessRun) {
   // The tied weight's two gradient parts are summed in another order than one process
   // accumulates them, so only rounding may differ.

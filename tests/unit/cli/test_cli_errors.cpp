@@ -254,3 +254,22 @@ TEST_F(CliTest, BadCorpusForPrepare) {
   expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " + temp_dir("p")),
                         {"/nonexistent.txt"});
 }
+
+// An SFT corpus through the binary: a good JSON Lines file is prepared with its loss masks and
+// counted in the output line; a bad line is one error naming the file and the line.
+TEST_F(CliTest, ChatCorpusIsPreparedOrNamesTheBadLine) {
+  const std::string dir = temp_dir("chat");
+  const std::string good = dir + "/good.jsonl", bad = dir + "/bad.jsonl";
+  std::ofstream(good) << "{\"prompt\": \"a?\", \"response\": \"b\"}\n"
+                      << "{\"prompt\": \"c?\", \"response\": \"dd\"}\n";
+  const Outcome o = run_tessel("prepare --corpus chat:" + good + " --out " + dir + "/data");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  // One sample in each split: "b\n" or "dd\n" is trained, 3 or 2 of its bytes.
+  EXPECT_NE(o.out.find("SFT"), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("1 samples"), std::string::npos) << o.out;
+  EXPECT_TRUE(fs::exists(dir + "/data/train.loss_mask.tok"));
+  EXPECT_TRUE(fs::exists(dir + "/data/val.loss_mask.tok"));
+  std::ofstream(bad) << "{\"prompt\": \"a?\", \"response\": \"b\"}\n\n{\"messages\": 3}\n";
+  expect_one_line_error(run_tessel("prepare --corpus chat:" + bad + " --out " + dir + "/data2"),
+                        {bad + ":3", "\"messages\" is not an array"});
+}

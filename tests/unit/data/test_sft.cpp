@@ -202,14 +202,7 @@ class SftLoader : public ::testing::Test {
   }
   LoaderOptions options(int64_t T, int64_t mb = 2, int64_t accum = 1, int64_t rank = 0,
                         int64_t dp = 1) const {
-    LoaderOptions o;
-    o.seq_len = T;
-    o.micro_batch = mb;
-    o.accum = accum;
-    o.dp_rank = rank;
-    o.dp_size = dp;
-    o.seed = 77;
-    return o;
+    return {T, mb, accum, rank, dp, /*seed=*/77};
   }
   TempDir dir_;
   std::vector<SftSample> samples_;
