@@ -63,7 +63,7 @@ int run_prepare(const data::PrepareOptions& opts) {
 }
 
 int run_generate(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                 double temperature, int64_t top_k, int64_t seed) {
+                 double temperature, int64_t top_k, int64_t seed, const std::string& stop) {
   const auto loaded = train::load_run_checkpoint(run_dir);
   const std::string* latest = &loaded.dir;
   const train::CheckpointContent& ckpt = loaded.content;
@@ -76,7 +76,8 @@ int run_generate(const std::string& run_dir, const std::string& prompt, int64_t 
     input_error(*latest, ": generate needs the byte tokenizer (model.vocab = 256)");
   data::ByteTokenizer tok;
   Rng rng{uint64_t(seed)};
-  auto ids = model::generate(gpt, tok.encode(prompt), tokens, float(temperature), top_k, rng);
+  auto ids = model::generate(gpt, tok.encode(prompt), tokens, float(temperature), top_k, rng,
+                             tok.single_token(stop, "--stop"));
   std::printf("%s\n", tok.decode(ids).c_str());
   return 0;
 }
@@ -235,6 +236,10 @@ int main(int argc, char** argv) {
   gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   gen->add_option("--top-k", top_k, "sample among the k likeliest; 0 = all")->capture_default_str();
   gen->add_option("--seed", gen_seed, "sampling seed")->capture_default_str();
+  std::string gen_stop;
+  gen->add_option("--stop", gen_stop,
+                  "one character that ends generation once drawn, e.g. --stop $'\\n' after a "
+                  "fine-tuned reply (docs/sft.md)");
 
   int64_t gemm_size = 1024;
   double gemm_seconds = 1.0;
@@ -344,7 +349,8 @@ int main(int argc, char** argv) {
     if (*simc)
       return world.rank() == 0 ? run_simulate(sim_run, sim_skip, sim_steps, sim_micro, sim_json)
                                : 0;
-    if (*gen) return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed);
+    if (*gen)
+      return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed, gen_stop);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {
     // One line naming the file or field, and a non-zero exit.

@@ -19,6 +19,9 @@ class ByteTokenizer {
   std::vector<int32_t> encode(std::string_view text) const;
   // ids [n] -> text [n bytes]; an id outside [0, 256) is an InputError naming its position.
   std::string decode(std::span<const int32_t> ids) const;
+  // The id of a one-byte text (a stop token), -1 for an empty one; InputError naming `what`
+  // for a longer text.
+  int32_t single_token(std::string_view text, const std::string& what) const;
 };
 
 }  // namespace tessel::data

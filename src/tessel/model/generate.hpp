@@ -23,13 +23,14 @@ using NextTokenLogits = std::function<std::vector<float>(std::span<const int32_t
 int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng);
 
 // prompt followed by new_tokens tokens, each drawn by sample_token from next() of the last
-// max_seq tokens. InputError on an empty prompt, a negative temperature, top_k or new_tokens,
-// or (from the forward) a token id outside the vocabulary.
+// max_seq tokens; generation ends early after a drawn `stop` token (kept; -1 = no stop token).
+// InputError on an empty prompt, a negative temperature, top_k or new_tokens, or (from the
+// forward) a token id outside the vocabulary.
 std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
-                              int64_t top_k, Rng& rng);
+                              int64_t top_k, Rng& rng, int32_t stop = -1);
 // The same through the whole model's forward.
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
-                              float temperature, int64_t top_k, Rng& rng);
+                              float temperature, int64_t top_k, Rng& rng, int32_t stop = -1);
 
 }  // namespace tessel::model

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "tessel/core/error.hpp"
+#include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
 
@@ -260,6 +261,10 @@ std::vector<ConfigKey> build_schema() {
               FIELD(train.sample_tokens)),
       string_key("train.sample_prompt", "prompt of the final text sample",
                  FIELD(train.sample_prompt)),
+      string_key("train.sample_stop",
+                 "one character that ends the final sample once drawn, e.g. \"\\n\" after a "
+                 "fine-tuned reply; \"\" = none",
+                 FIELD(train.sample_stop)),
       float_key("train.sample_temperature", "sampling temperature; 0 = greedy",
                 FIELD(train.sample_temperature)),
       int_key("train.sample_top_k", "sample among the k likeliest tokens; 0 = all",
@@ -508,6 +513,7 @@ void validate(const Config& c) {
   non_negative("train.eval_every", double(c.train.eval_every));
   non_negative("train.checkpoint_every", double(c.train.checkpoint_every));
   non_negative("train.sample_tokens", double(c.train.sample_tokens));
+  data::ByteTokenizer().single_token(c.train.sample_stop, "config key 'train.sample_stop'");
   if (c.train.sample_tokens > 0 && c.train.sample_prompt.empty())
     input_error("config key 'train.sample_prompt' is empty; the final sample needs a prompt ",
                 "(or train.sample_tokens = 0)");

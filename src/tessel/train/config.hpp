@@ -54,6 +54,7 @@ struct TrainLoopConfig {
   std::string init_from;  // fine-tuning: start from this run's (checkpoint's) model weights
   int64_t sample_tokens = 200;  // text sample printed at the end; 0 = none
   std::string sample_prompt = "And God said";
+  std::string sample_stop;  // one byte that ends the sample (e.g. "\n"); "" = none
   double sample_temperature = 0.8;
   int64_t sample_top_k = 40;
 };

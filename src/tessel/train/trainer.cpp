@@ -535,15 +535,16 @@ struct Trainer::State {
     Rng rng(uint64_t(config.run.seed) + 1);
     const auto& t = config.train;
     const auto prompt = tok.encode(t.sample_prompt);
+    const int32_t stop = tok.single_token(t.sample_stop, "train.sample_stop");
     if (!sharded_experts()) model.set_expert_comm(nullptr);
     const auto ids =
         pipeline
             ? model::generate(
                   [this](std::span<const int32_t> w) { return pipeline->next_token_logits(w); },
                   config.model.max_seq, prompt, t.sample_tokens, float(t.sample_temperature),
-                  t.sample_top_k, rng)
+                  t.sample_top_k, rng, stop)
             : model::generate(model, prompt, t.sample_tokens, float(t.sample_temperature),
-                              t.sample_top_k, rng);
+                              t.sample_top_k, rng, stop);
     model.set_expert_comm(&experts);
     return tok.decode(ids);
   }

@@ -43,6 +43,23 @@ TEST(Generate, GreedyIsDeterministicArgmax) {
   }
 }
 
+// A stop token ends greedy generation right after its first draw (kept); a stop token that is
+// never drawn changes nothing.
+TEST(Generate, AStopTokenEndsGenerationAfterItsFirstDraw) {
+  Gpt gpt(swiglu_config(), 3);
+  randomize_parameters(gpt, 4, 0.5f);
+  Rng rng(1);
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  const auto full = generate(gpt, prompt, 12, 0.0f, 0, rng);
+  const int32_t stop = full[6];  // the fourth new token
+  const auto first = size_t(std::find(full.begin() + 3, full.end(), stop) - full.begin());
+  const auto stopped = generate(gpt, prompt, 12, 0.0f, 0, rng, stop);
+  EXPECT_EQ(stopped, std::vector<int32_t>(full.begin(), full.begin() + int64_t(first) + 1));
+  int32_t never = 0;
+  while (std::find(full.begin() + 3, full.end(), never) != full.end()) ++never;
+  EXPECT_EQ(generate(gpt, prompt, 12, 0.0f, 0, rng, never), full);
+}
+
 TEST(Generate, ContextIsTheLastMaxSeqTokens) {
   const GptConfig c = swiglu_config();
   Gpt gpt(c, 5);
