@@ -168,7 +168,8 @@ std::string read_corpus_file(const std::string& path, const std::string& kind) {
     input_error(path, ": is a directory; corpus \"", kind, ":PATH\" takes one file");
   std::string text = read_file(path);
   if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
-    input_error(path, ": not valid UTF-8 text (at byte ", bad, ")");
+    input_error(path, ":", 1 + std::count(text.begin(), text.begin() + int64_t(bad), '\n'),
+                ": not valid UTF-8 text (at byte ", bad, " of the file)");
   return text;
 }
 
@@ -223,7 +224,8 @@ std::vector<std::string> load_corpus(const std::string& name) {
   if (name == "bible") return load_bible();
   if (name == "fortunes") return load_fortunes();
   if (name.starts_with("file:") && name.size() > 5) return load_text_file(name.substr(5));
-  input_error("unknown corpus \"", name, "\" (expected bible, fortunes or file:PATH)");
+  input_error("unknown corpus \"", name,
+              "\" (expected bible, fortunes or file:PATH; SFT: bible-quotes or chat:PATH)");
 }
 
 }  // namespace tessel::data

@@ -60,9 +60,10 @@ Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> wind
 
 namespace {
 
-std::optional<PackedSamples> pack_if_sft(const ShardReader& shard, int64_t seq_len) {
+std::optional<PackedSamples> pack_if_sft(const ShardReader& shard, int64_t seq_len,
+                                         Overlong overlong) {
   if (!has_loss_mask(shard.path())) return std::nullopt;
-  return PackedSamples(shard, seq_len);
+  return PackedSamples(shard, seq_len, overlong);
 }
 
 }  // namespace
@@ -70,7 +71,7 @@ std::optional<PackedSamples> pack_if_sft(const ShardReader& shard, int64_t seq_l
 DataLoader::DataLoader(const std::string& shard_path, const LoaderOptions& options)
     : shard_(shard_path),
       options_(options),
-      packed_(pack_if_sft(shard_, options.seq_len)),
+      packed_(pack_if_sft(shard_, options.seq_len, options.overlong)),
       windows_(packed_ ? packed_->rows() : count_windows(shard_, options.seq_len)) {
   check_layout(options.micro_batch, options.accum, options.dp_rank, options.dp_size);
 }
@@ -129,9 +130,9 @@ void DataLoader::restore(const LoaderState& state) {
 
 std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq_len,
                                       int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
-                                      int64_t dp_size) {
+                                      int64_t dp_size, Overlong overlong) {
   const ShardReader shard(shard_path);
-  const auto packed = pack_if_sft(shard, seq_len);
+  const auto packed = pack_if_sft(shard, seq_len, overlong);
   const int64_t w = packed ? packed->rows() : count_windows(shard, seq_len);
   check_layout(micro_batch, 1, dp_rank, dp_size);
   const int64_t n = max_sequences > 0 ? std::min(max_sequences, w) : w;

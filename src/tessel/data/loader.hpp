@@ -45,6 +45,7 @@ struct LoaderOptions {
   int64_t dp_size = 1;
   uint64_t seed = 0;
   bool shuffle = true;
+  Overlong overlong = Overlong::drop;  // SFT data sets: samples longer than seq_len
 };
 
 // Where a loader stands: the step and the micro-batch within it that next() returns.
@@ -103,6 +104,6 @@ Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> wind
 // windows whatever dp_size is; sum the loss over ranks and divide by the total of loss_mask.
 std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq_len,
                                       int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
-                                      int64_t dp_size);
+                                      int64_t dp_size, Overlong overlong = Overlong::drop);
 
 }  // namespace tessel::data

@@ -79,29 +79,43 @@ std::vector<std::vector<int64_t>> pack_best_fit(std::span<const int64_t> lengths
   return rows;
 }
 
-PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len)
+const char* overlong_name(Overlong o) {
+  return o == Overlong::cut ? "cut" : "drop";
+}
+
+PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len, Overlong overlong)
     : mask_(open_loss_mask(tokens)), T_(seq_len) {
   if (seq_len < 1) input_error(tokens.path(), ": seq_len must be >= 1, got ", seq_len);
   std::vector<int64_t> kept, lengths;
   std::vector<int32_t> marks;
   for (int64_t d = 0; d < tokens.num_documents(); ++d) {
     const auto [begin, n] = document_span(tokens, d);
-    const int64_t m = std::min(n, T_);
-    marks.resize(size_t(m));
-    mask_.read(begin, m, marks.data());
-    if (std::find(marks.begin() + 1, marks.end(), 1) == marks.end()) {
-      ++dropped_;
+    if (n > T_ && overlong == Overlong::drop) {
+      ++overlong_;
       continue;
     }
-    truncated_ += n > T_;
+    // The cut sample's targets reach its token T (the last position's target).
+    const int64_t r = std::min(n, T_ + 1);
+    marks.resize(size_t(r));
+    mask_.read(begin, r, marks.data());
+    if (std::find(marks.begin() + 1, marks.end(), 1) == marks.end()) {
+      ++untrained_;
+      continue;
+    }
+    overlong_ += n > T_;
     kept.push_back(d);
-    lengths.push_back(m);
+    lengths.push_back(std::min(n, T_));
   }
   samples_ = int64_t(kept.size());
   if (samples_ == 0)
     input_error(tokens.path(), ": none of its ", tokens.num_documents(),
-                " samples has a trained token within seq_len = ", seq_len, " tokens");
+                " samples has a trained token within seq_len = ", seq_len,
+                " tokens (data.overlong = \"", overlong_name(overlong), "\")");
   rows_ = pack_best_fit(lengths, T_);
+  // Rows in the order of their first samples: the first rows (validation's, or training's
+  // unshuffled) hold the corpus's first samples, not its longest.
+  for (auto& row : rows_) std::sort(row.begin(), row.end());
+  std::sort(rows_.begin(), rows_.end());
   for (auto& row : rows_) {
     int64_t used = 0;
     for (int64_t& i : row) used += lengths[size_t(i)], i = kept[size_t(i)];
@@ -110,6 +124,9 @@ PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len)
 }
 
 Batch PackedSamples::batch(const ShardReader& tokens, std::span<const int64_t> rows) const {
+  TESSEL_CHECK(
+      tokens.num_tokens() == mask_.num_tokens() && tokens.num_documents() == mask_.num_documents(),
+      tokens.path(), " is not the shard these rows were packed from");
   const int64_t T = T_;
   Batch b = make_batch(int64_t(rows.size()), T);
   std::vector<int32_t> ids, marks;
@@ -118,17 +135,18 @@ Batch PackedSamples::batch(const ShardReader& tokens, std::span<const int64_t> r
     int64_t t = 0;
     for (int64_t d : rows_.at(size_t(rows[r]))) {
       const auto [begin, n] = document_span(tokens, d);
-      const int64_t m = std::min(n, T);
-      ids.resize(size_t(m));
-      marks.resize(size_t(m));
-      tokens.read(begin, m, ids.data());
-      mask_.read(begin, m, marks.data());
+      const int64_t m = std::min(n, T), with_target = std::min(n, T + 1);
+      ids.resize(size_t(with_target));
+      marks.resize(size_t(with_target));
+      tokens.read(begin, with_target, ids.data());
+      mask_.read(begin, with_target, marks.data());
       b.doc_starts[r].push_back(int32_t(t));
       for (int64_t j = 0; j < m; ++j) {
+        // A whole sample's last position predicts nothing: its next token is another sample's.
+        const bool target = j + 1 < with_target;
         b.tokens[size_t(base + t + j)] = ids[size_t(j)];
-        const bool last = j + 1 == m;
-        b.targets[size_t(base + t + j)] = last ? 0 : ids[size_t(j + 1)];
-        b.loss_mask[size_t(base + t + j)] = last ? 0.0f : float(marks[size_t(j + 1)]);
+        b.targets[size_t(base + t + j)] = target ? ids[size_t(j + 1)] : 0;
+        b.loss_mask[size_t(base + t + j)] = target ? float(marks[size_t(j + 1)]) : 0.0f;
       }
       t += m;
     }

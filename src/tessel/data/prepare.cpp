@@ -80,10 +80,11 @@ SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t
       writer.add_document(tokenizer.encode(items[i]));
     }
   }
+  // The mask first: a token shard never stands beside a missing or older mask (the loader
+  // checks that a mask matches its shard's documents).
+  if (mask) mask->finish();
   writer.finish();
-  if (mask) {
-    mask->finish();
-  } else {
+  if (!mask) {
     std::error_code ec;
     fs::remove(loss_mask_path(path), ec);
   }

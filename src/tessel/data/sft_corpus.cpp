@@ -31,6 +31,8 @@ std::string string_field(const nlohmann::json& object, const char* key, const st
 
 std::vector<ChatMessage> conversation_of(const nlohmann::json& line, const std::string& where) {
   if (!line.is_object()) input_error(where, ": not a JSON object");
+  if (line.contains("messages") && (line.contains("prompt") || line.contains("response")))
+    input_error(where, ": both \"messages\" and \"prompt\"/\"response\"; use one form per line");
   if (line.contains("messages")) {
     const auto& list = line["messages"];
     if (!list.is_array()) input_error(where, ": \"messages\" is not an array");
@@ -65,8 +67,8 @@ SftSample render_conversation(std::span<const ChatMessage> messages, const std::
     const ChatMessage& m = messages[i];
     const char* label = role_label(m.role);
     if (!label)
-      input_error(where, ": message ", i, " has role \"", m.role,
-                  "\" (expected system, user or assistant)");
+      input_error(where, ": messages[", i, "]: role \"", m.role,
+                  "\" is not system, user or assistant");
     const bool reply = m.role == "assistant";
     append(s, label, false);
     append(s, m.content, reply);
@@ -90,8 +92,14 @@ std::vector<SftSample> parse_chat_jsonl(std::string_view text, const std::string
     text.remove_prefix(end == std::string_view::npos ? text.size() : end + 1);
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
     const std::string where = source + ":" + std::to_string(line_no);
-    const auto json = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (json.is_discarded()) input_error(where, ": not valid JSON");
+    // nlohmann's parser would stop at a NUL byte and ignore the rest of the line.
+    if (line.find('\0') != std::string_view::npos) input_error(where, ": holds a NUL byte");
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      input_error(where, ": not valid JSON (", e.what(), ")");
+    }
     const auto messages = conversation_of(json, where);
     samples.push_back(render_conversation(messages, where));
   }
@@ -105,11 +113,11 @@ std::vector<SftSample> bible_quote_samples(const std::vector<std::string>& chapt
     std::string_view rest = chapter;
     const size_t heading_end = rest.find('\n');
     const auto [book, number] = split_heading(rest.substr(0, heading_end));
-    rest.remove_prefix(heading_end + 1);
+    rest.remove_prefix(heading_end == std::string_view::npos ? rest.size() : heading_end + 1);
     while (!rest.empty()) {
       const size_t end = rest.find('\n');
       const std::string_view verse = rest.substr(0, end);
-      rest.remove_prefix(end + 1);
+      rest.remove_prefix(end == std::string_view::npos ? rest.size() : end + 1);
       const size_t space = verse.find(' ');
       TESSEL_CHECK(space != std::string_view::npos && space > 0, "bible verse \"", verse,
                    "\" without a verse number");

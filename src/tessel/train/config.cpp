@@ -138,10 +138,15 @@ std::vector<ConfigKey> build_schema() {
       choice_key<AttentionMaskKind>(
           "data.attention_mask",
           "attention of packed rows: causal_document = within each document (positions restart "
-          "at each document), causal = across the whole row",
+          "at each document), causal = across the whole row (refused for an SFT data set)",
           {{"causal_document", AttentionMaskKind::causal_document},
            {"causal", AttentionMaskKind::causal}},
           FIELD(data.attention_mask)),
+      choice_key<data::Overlong>(
+          "data.overlong",
+          "SFT samples longer than train.seq_len: drop = leave them out, cut = train on their "
+          "first seq_len tokens (docs/sft.md)",
+          {{"drop", data::Overlong::drop}, {"cut", data::Overlong::cut}}, FIELD(data.overlong)),
       int_key("model.vocab", "vocabulary size", FIELD(model.vocab)),
       int_key("model.layers", "transformer blocks", FIELD(model.layers)),
       int_key("model.width", "residual width", FIELD(model.width)),

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tessel/data/packing.hpp"
 #include "tessel/model/gpt_config.hpp"
 #include "tessel/optim/optimizer.hpp"
 #include "tessel/train/fault.hpp"
@@ -32,6 +33,7 @@ struct DataConfig {
   std::string path = "data/bible";
   bool shuffle = true;
   AttentionMaskKind attention_mask = AttentionMaskKind::causal_document;
+  data::Overlong overlong = data::Overlong::drop;  // SFT samples longer than train.seq_len
 };
 
 struct TrainLoopConfig {

@@ -71,12 +71,12 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
-// Rank 0's `text` on every rank.
 // A config value of a compatibility record as a user wrote it: strings without quotes.
 std::string json_text(const nlohmann::json& v) {
   return v.is_string() ? v.get<std::string>() : v.dump();
 }
 
+// Rank 0's `text` on every rank.
 std::string broadcast_text(comm::Communicator& group, const std::string& text) {
   int64_t n = int64_t(text.size());
   group.broadcast(std::span<int64_t>(&n, 1), 0);
@@ -132,6 +132,21 @@ constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pi
 // Written into every checkpoint's compatibility record: renaming it breaks resuming them.
 constexpr std::string_view kGlobalBatchKey =
     "global batch (sequences per step: dp * accum * micro_batch)";
+// The compatibility record's entry of a run on an SFT data set (its packed rows); text runs
+// have none, so their older checkpoints still resume.
+constexpr const char* kSftRowsKey = "SFT packed rows of data.path/train.tok";
+
+// Model keys that train.init_from may change: how training treats the weights, not what
+// they compute (and under rotary positions, the context length).
+bool init_may_differ(const std::string& key, const model::GptConfig& model) {
+  static const std::set<std::string> training_settings = {
+      "model.init_std",       "model.moe_aux_coeff", "model.moe_balance",  "model.moe_bias_rate",
+      "model.moe_capacity",   "model.moe_drop",      "model.moe_eqb_step", "model.moe_lei_coeff",
+      "model.moe_lei_kernel", "model.moe_lei_width", "model.moe_z_coeff"};
+  const bool rotary = model.positions == model::PositionType::rotary;
+  return training_settings.count(key) > 0 ||
+         (rotary && (key == "model.max_seq" || key == "model.rope_theta"));
+}
 
 }  // namespace
 
@@ -212,6 +227,7 @@ struct Trainer::State {
   int64_t start_step = 0;
   int64_t resumed_from = -1;
   std::string initialized_from;  // train.init_from's checkpoint, when it started the weights
+  nlohmann::json init_pin;       // what init.json records of it (rank 0 writes it)
   State(Config c, comm::Communicator& w, comm::MeshShape shape, const ProcessTimes& times,
         Attempt& a)
       : config(std::move(c)),
@@ -247,7 +263,7 @@ struct Trainer::State {
                data::LoaderOptions{config.train.seq_len, config.train.micro_batch,
                                    micro_batches_per_step(config), mesh.coordinate(comm::Axis::dp),
                                    mesh.size(comm::Axis::dp), uint64_t(config.run.seed),
-                                   config.data.shuffle}),
+                                   config.data.shuffle, config.data.overlong}),
         pipeline(pipeline_enabled(config)
                      ? std::make_unique<PipelineTrainer>(config, mesh, model, loader, *optimizer,
                                                          schedule, grad_group)
@@ -255,7 +271,7 @@ struct Trainer::State {
         val_batches(data::validation_batches(config.data.path + "/val.tok", config.train.seq_len,
                                              config.train.micro_batch, config.train.eval_sequences,
                                              mesh.coordinate(comm::Axis::dp),
-                                             mesh.size(comm::Axis::dp))),
+                                             mesh.size(comm::Axis::dp), config.data.overlong)),
         store(config.run.dir + "/checkpoints", config.train.keep_checkpoints),
         ckpt_comm(w.split(0, w.rank())),
         checkpointer(store, *ckpt_comm),
@@ -274,6 +290,11 @@ struct Trainer::State {
       input_error(config.data.path, ": ", loader.packed() ? "train.tok" : "val.tok",
                   " has a loss-mask shard and ", loader.packed() ? "val.tok" : "train.tok",
                   " has none; prepare the data set again");
+    const auto& moe = model.moe_blocks();
+    if (loader.packed() && std::find(moe.begin(), moe.end(), true) != moe.end())
+      input_error(config.data.path,
+                  " is an SFT data set, and SFT does not support MoE blocks yet: the router would "
+                  "route and balance the rows' padding like tokens (docs/sft.md)");
     int64_t data_vocab = loader.shard().vocab_size();
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
@@ -370,6 +391,7 @@ struct Trainer::State {
     keys["data.path/train.tok documents"] = loader.shard().num_documents();
     // The stage optimizers name their state per stage: only the same stages can resume it.
     if (pipeline) keys[kPipelineKey] = pipeline_boundaries(config);
+    if (loader.packed()) keys[kSftRowsKey] = loader.windows();  // data.overlong decides them too
     return keys;
   }
 
@@ -445,6 +467,11 @@ struct Trainer::State {
     const CheckpointContent& content = loaded->content;
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
+    auto kind = [](bool sft) { return sft ? "an SFT data set" : "a text data set"; };
+    if (have.contains(kSftRowsKey) != want.contains(kSftRowsKey))
+      input_error(*latest, ": checkpoint was trained on ", kind(have.contains(kSftRowsKey)),
+                  " but this run's data.path ", config.data.path, " is ",
+                  kind(want.contains(kSftRowsKey)), "; use a new run.dir");
     for (const auto& [key, value] : want.items())
       if (!have.contains(key))
         input_error(*latest, ": checkpoint has no ", key,
@@ -474,27 +501,51 @@ struct Trainer::State {
 
   // Fine-tuning: a run that did not resume starts from the model weights of train.init_from
   // (a run directory's newest valid checkpoint, or a checkpoint directory), with a fresh
-  // optimizer and data order. The checkpoint's model config must equal this run's.
+  // optimizer and data order. The model keys must match but for init_may_differ's. The
+  // checkpoint taken is pinned in <run.dir>/init.json, so a restarted attempt (before the
+  // run's first checkpoint) starts from the same weights even if the base run saved newer
+  // ones since.
   void init_weights() {
     const std::string& from = config.train.init_from;
-    const auto loaded = load_agreed([&] { return std::optional(load_run_checkpoint(from)); });
+    const std::string pin_path = config.run.dir + "/init.json";
+    const auto loaded = load_agreed([&]() -> std::optional<CheckpointStore::Loaded> {
+      std::string dir = from, pinned;
+      if (fs::exists(pin_path)) {
+        std::ifstream in(pin_path);
+        const auto pin = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+        if (pin.is_object() && pin.value("init_from", "") == from)
+          dir = pinned = pin.value("checkpoint", "");
+      }
+      try {
+        return load_run_checkpoint(dir);
+      } catch (const InputError& e) {
+        if (pinned.empty()) input_error("train.init_from = ", from, ": ", e.what());
+        input_error("train.init_from = ", from, ": this run's first attempt started from ", pinned,
+                    " (", pin_path, "), which no longer loads: ", e.what(), "; remove ", pin_path,
+                    " to start from the newest checkpoint again");
+      }
+    });
     const std::string& dir = loaded->dir;
     const nlohmann::json& have = loaded->content.state.at("compatibility");
     const nlohmann::json want = compatibility();  // a named object: items() refers into it
+    std::string differences;
     for (const auto& [key, value] : want.items()) {
-      if (key.rfind("model.", 0) != 0) continue;
+      if (key.rfind("model.", 0) != 0 || init_may_differ(key, config.model)) continue;
       if (!have.contains(key))
         input_error("train.init_from: ", dir, " has no ", key,
                     " in its compatibility record (written by an older tessel)");
       if (have[key] != value)
-        input_error("train.init_from: ", dir, " has ", key, " = ", json_text(have[key]),
-                    " but this run has ", json_text(value),
-                    "; fine-tuning keeps the model of the checkpoint");
+        differences += detail::concat(differences.empty() ? "" : ", ", key, " = ",
+                                      json_text(have[key]), " (this run: ", json_text(value), ")");
     }
+    if (!differences.empty())
+      input_error("train.init_from: ", dir, " holds another model: ", differences,
+                  "; fine-tuning keeps the model of the checkpoint");
     finish_warmup();  // its forward reads the weights restored here
     ledger.enter(Phase::checkpoint_load);
     for (auto p : model.parameters()) restore_tensor(loaded->content.model, p.name, p.value, dir);
     initialized_from = dir;
+    init_pin = {{"init_from", from}, {"checkpoint", dir}, {"step", loaded->content.step}};
     ledger.event({{"event", "init"}, {"step", loaded->content.step}, {"dir", dir}});
   }
 
@@ -610,6 +661,8 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
     if (s.is_root && s.start_step < s.config.train.steps) {
       fs::create_directories(s.config.run.dir);
       write_file_atomically(s.config.run.dir + "/config.toml", to_toml(s.config));
+      if (!s.initialized_from.empty())
+        write_file_atomically(s.config.run.dir + "/init.json", s.init_pin.dump(2) + "\n");
     }
     world.barrier();
   } catch (const InputError&) {
@@ -665,8 +718,11 @@ TrainResult Trainer::run() {
   };
   const std::string sft =
       packed ? detail::concat(" (SFT: ", packed->samples(), " samples packed into ", packed->rows(),
-                              " rows, ", packed->truncated(), " cut to seq_len, ",
-                              packed->dropped(), " without a trained token left out)")
+                              " rows; ", packed->overlong(),
+                              c.data.overlong == data::Overlong::cut
+                                  ? " cut to seq_len"
+                                  : " longer than seq_len left out (data.overlong)",
+                              ", ", packed->untrained(), " without a trained token left out)")
              : "";
   s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +
         std::to_string(s.model.num_parameters()) + " on rank 0), " +
@@ -688,16 +744,23 @@ TrainResult Trainer::run() {
   const int64_t held = s.model.num_parameters();
   std::vector<int64_t> per_rank(size_t(s.world.size()));
   s.world.all_gather(std::span<const int64_t>(&held, 1), per_rank);
-  write_metrics({{"event", "start"},
-                 {"parameters", s.model.total_parameters()},
-                 {"rank_parameters", s.model.num_parameters()},
-                 {"parameters_per_rank", per_rank},
-                 {"matmul_parameters", s.model.matmul_parameters()},
-                 {"flops_per_token", flops_tok},
-                 {"peak_gflops", peak},
-                 {"ranks", s.world.size()},
-                 {"threads", num_threads()},
-                 {"start_step", s.start_step}});
+  nlohmann::json start = {{"event", "start"},
+                          {"parameters", s.model.total_parameters()},
+                          {"rank_parameters", s.model.num_parameters()},
+                          {"parameters_per_rank", per_rank},
+                          {"matmul_parameters", s.model.matmul_parameters()},
+                          {"flops_per_token", flops_tok},
+                          {"peak_gflops", peak},
+                          {"ranks", s.world.size()},
+                          {"threads", num_threads()},
+                          {"start_step", s.start_step}};
+  if (packed)
+    start["sft"] = {{"samples", packed->samples()},
+                    {"rows", packed->rows()},
+                    {"overlong", packed->overlong()},
+                    {"overlong_policy", data::overlong_name(c.data.overlong)},
+                    {"untrained", packed->untrained()}};
+  write_metrics(start);
   // Checkpoint interval: fixed multiples of train.checkpoint_every, or (young, daly) from
   // the blocking time of the previous save and the MTBF, decided by rank 0 for all ranks.
   const bool adaptive = c.train.checkpoint_policy != "fixed";

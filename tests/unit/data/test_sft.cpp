@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <tuple>
 
 #include "tessel/core/rng.hpp"
 #include "tessel/data/loader.hpp"
@@ -124,6 +125,18 @@ TEST(SftCorpus, JsonLinesInBothFormsAndErrorsNameTheLine) {
   expect_input_error([] { parse_chat_jsonl("{\"text\": \"x\"}", "c.jsonl"); },
                      {"c.jsonl:1", "neither \"messages\""});
   expect_input_error([] { parse_chat_jsonl("\n \n", "c.jsonl"); }, {"c.jsonl", "no conversations"});
+  // nlohmann's parser alone would stop at the NUL and drop the rest of the line.
+  expect_input_error(
+      [] {
+        parse_chat_jsonl(std::string("{\"prompt\": \"p\", \"response\": \"r\"}\0{}", 35),
+                         "c.jsonl");
+      },
+      {"c.jsonl:1", "NUL byte"});
+  expect_input_error(
+      [] {
+        parse_chat_jsonl("{\"prompt\": \"p\", \"response\": \"r\", \"messages\": []}", "c.jsonl");
+      },
+      {"c.jsonl:1", "both"});
 }
 
 TEST(SftCorpus, BibleQuotesAskForEachVerse) {
@@ -133,6 +146,8 @@ TEST(SftCorpus, BibleQuotesAskForEachVerse) {
   EXPECT_EQ(samples[0].text, "User: Quote Song of Solomon 3:1.\nAssistant: By night on my bed.\n");
   EXPECT_EQ(trained_text(samples[1]), "I will rise now.\n");
   EXPECT_EQ(samples[2].text, "User: Quote Jude 1:1.\nAssistant: Jude.\n");
+  // Without a final newline the last verse still ends the chapter.
+  EXPECT_EQ(bible_quote_samples({"Jude 1\n1 Jude."}).size(), 1u);
 }
 
 TEST(SftCorpus, PrepareWritesLossMasksAndATextPrepareRemovesThem) {
@@ -209,75 +224,120 @@ class SftLoader : public ::testing::Test {
   std::vector<std::vector<int32_t>> train_ids_, train_marks_;
 };
 
-// Every row of one epoch against the samples: each kept sample exactly once, whole or cut to T,
-// targets and loss as packing.hpp says, padding without loss, a document start per sample.
-TEST_F(SftLoader, AnEpochOfRowsHoldsEverySampleOnceWithItsLossMask) {
-  const int64_t T = 48;  // shorter than many samples: some are cut, some may be dropped
-  DataLoader loader(dir_.file("train.tok"), options(T, 1));
-  const PackedSamples* packed = loader.packed();
-  ASSERT_NE(packed, nullptr);
-  const int64_t W = loader.windows();
-  EXPECT_EQ(W, packed->rows());
-  EXPECT_EQ(packed->samples() + packed->dropped(), int64_t(train_ids_.size()));
-  EXPECT_GT(packed->truncated(), 0);
-  // Samples by their (cut) token sequence and loss marks, to find each row's pieces.
-  std::map<std::pair<std::vector<int32_t>, std::vector<int32_t>>, int> expected;
-  int64_t truncated = 0, dropped = 0;
-  for (size_t d = 0; d < train_ids_.size(); ++d) {
-    const size_t m = std::min(train_ids_[d].size(), size_t(T));
-    std::vector<int32_t> ids(train_ids_[d].begin(), train_ids_[d].begin() + int64_t(m));
-    std::vector<int32_t> marks(train_marks_[d].begin(), train_marks_[d].begin() + int64_t(m));
-    if (std::find(marks.begin() + 1, marks.end(), 1) == marks.end()) {
-      ++dropped;
-      continue;
-    }
-    truncated += train_ids_[d].size() > size_t(T);
-    ++expected[{ids, marks}];
+// One sample's piece of a row as packing.hpp defines it, derived from the raw sample: its first
+// min(n, T) tokens, each position's target (the next token of the sample, also past the cut;
+// none after a whole sample's last token) and loss weight (the target's mark).
+struct Piece {
+  std::vector<int32_t> tokens, targets;
+  std::vector<float> loss;
+  bool operator<(const Piece& o) const {
+    return std::tie(tokens, targets, loss) < std::tie(o.tokens, o.targets, o.loss);
   }
-  EXPECT_EQ(packed->truncated(), truncated);
-  EXPECT_EQ(packed->dropped(), dropped);
+};
 
-  int64_t tokens_seen = 0;
-  for (int64_t g = 0; g < W; ++g) {
-    const Batch b = loader.next();
-    ASSERT_EQ(b.B, 1);
+// Every row of one epoch against the samples, for both overlong policies: each kept sample
+// exactly once with its targets and loss weights, padding without loss, a document start per
+// sample, the counts of overlong and untrained samples, and row_tokens.
+TEST_F(SftLoader, AnEpochOfRowsHoldsEveryKeptSampleOnce) {
+  const int64_t T = 48;  // shorter than many samples
+  for (Overlong policy : {Overlong::drop, Overlong::cut}) {
+    SCOPED_TRACE(overlong_name(policy));
+    LoaderOptions o = options(T, 1);
+    o.overlong = policy;
+    DataLoader loader(dir_.file("train.tok"), o);
+    const PackedSamples* packed = loader.packed();
+    ASSERT_NE(packed, nullptr);
+    std::map<Piece, int> expected;
+    int64_t overlong = 0, untrained = 0;
+    for (size_t d = 0; d < train_ids_.size(); ++d) {
+      const auto& ids = train_ids_[d];
+      const auto& marks = train_marks_[d];
+      const int64_t n = int64_t(ids.size()), m = std::min(n, T);
+      if (n > T && policy == Overlong::drop) {
+        ++overlong;
+        continue;
+      }
+      Piece p;
+      for (int64_t j = 0; j < m; ++j) {
+        p.tokens.push_back(ids[size_t(j)]);
+        p.targets.push_back(j + 1 < n ? ids[size_t(j + 1)] : 0);
+        p.loss.push_back(j + 1 < n ? float(marks[size_t(j + 1)]) : 0.0f);
+      }
+      if (std::find(p.loss.begin(), p.loss.end(), 1.0f) == p.loss.end()) {
+        ++untrained;
+        continue;
+      }
+      overlong += n > T;
+      ++expected[p];
+    }
+    EXPECT_GT(overlong, 0);
+    EXPECT_EQ(packed->overlong(), overlong);
+    EXPECT_EQ(packed->untrained(), untrained);
+    EXPECT_EQ(packed->samples() + overlong * (policy == Overlong::drop) + untrained,
+              int64_t(train_ids_.size()));
+
+    const int64_t W = loader.windows();
+    EXPECT_EQ(W, packed->rows());
+    for (int64_t g = 0; g < W; ++g) {
+      const Batch b = loader.next();
+      ASSERT_EQ(b.B, 1);
+      const auto& starts = b.doc_starts[0];
+      ASSERT_FALSE(starts.empty());
+      ASSERT_EQ(starts[0], 0);
+      int64_t used = 0;
+      for (size_t k = 0; k < starts.size(); ++k) {
+        const int64_t begin = starts[k], end = k + 1 < starts.size() ? starts[k + 1] : T;
+        Piece p{{b.tokens.begin() + begin, b.tokens.begin() + end},
+                {b.targets.begin() + begin, b.targets.begin() + end},
+                {b.loss_mask.begin() + begin, b.loss_mask.begin() + end}};
+        // Padding: the last piece, all zeros (sample text is never all zero bytes).
+        const auto zero = [](auto v) { return v == 0; };
+        if (k + 1 == starts.size() && std::all_of(p.tokens.begin(), p.tokens.end(), zero)) {
+          ASSERT_TRUE(std::all_of(p.loss.begin(), p.loss.end(), zero));
+          continue;
+        }
+        auto it = expected.find(p);
+        ASSERT_NE(it, expected.end()) << "row " << g << " piece " << k << " is no kept sample";
+        ASSERT_GT(it->second, 0) << "a sample placed twice";
+        --it->second;
+        used += end - begin;
+      }
+      EXPECT_EQ(used, packed->row_tokens(loader.window_of(g)));
+    }
+    for (const auto& [piece, left] : expected) EXPECT_EQ(left, 0);
+  }
+}
+
+// The rows come in the order of their first samples: unshuffled, row r's smallest sample index
+// grows with r, so validation's first rows hold the corpus's first samples.
+TEST_F(SftLoader, RowsFollowTheirFirstSamples) {
+  const ShardReader tokens(dir_.file("train.tok"));
+  const int64_t T = 200;  // every test sample fits
+  const PackedSamples packed(tokens, T);
+  ASSERT_EQ(packed.samples(), int64_t(train_ids_.size()));
+  ASSERT_GT(packed.rows(), 2);
+  // Row r starts with sample s_r, s_0 = 0 and s_r increasing; best-fit decreasing alone would
+  // start with the longest sample.
+  size_t next = 0;  // the smallest sample index not yet seen at a row start
+  std::vector<bool> seen(train_ids_.size());
+  for (int64_t r = 0; r < packed.rows(); ++r) {
+    const int64_t ids[1] = {r};
+    const Batch b = packed.batch(tokens, ids);
+    while (seen[next]) ++next;
+    const auto& first = train_ids_[next];
+    ASSERT_TRUE(std::equal(first.begin(), first.end(), b.tokens.begin())) << "row " << r;
+    // Mark every sample of the row seen, found by its tokens among the unseen ones.
     const auto& starts = b.doc_starts[0];
-    ASSERT_FALSE(starts.empty());
-    ASSERT_EQ(starts[0], 0);
-    int64_t used = 0;
     for (size_t k = 0; k < starts.size(); ++k) {
       const int64_t begin = starts[k], end = k + 1 < starts.size() ? starts[k + 1] : T;
-      std::vector<int32_t> ids(b.tokens.begin() + begin, b.tokens.begin() + end);
-      // Sample text is never all zero bytes.
-      const bool padding = k + 1 == starts.size() &&
-                           std::all_of(ids.begin(), ids.end(), [](int32_t t) { return t == 0; });
-      std::vector<int32_t> marks(size_t(end - begin), 0);
-      for (int64_t t = begin; t < end; ++t) {
-        const bool last = t + 1 == end;
-        ASSERT_EQ(b.targets[size_t(t)], last || padding ? 0 : b.tokens[size_t(t + 1)]);
-        if (last || padding)
-          ASSERT_EQ(b.loss_mask[size_t(t)], 0.0f);
-        else
-          marks[size_t(t - begin + 1)] = int32_t(b.loss_mask[size_t(t)]);
-      }
-      if (padding) continue;
-      // The mark of a sample's first token is never a target; take it from the sample.
-      auto it = std::find_if(expected.begin(), expected.end(), [&](const auto& e) {
-        return e.first.first == ids &&
-               std::equal(e.first.second.begin() + 1, e.first.second.end(), marks.begin() + 1);
-      });
-      ASSERT_NE(it, expected.end()) << "row " << g << " piece " << k << " is no sample";
-      ASSERT_GT(it->second, 0) << "a sample placed twice";
-      --it->second;
-      used += end - begin;
+      for (size_t d = next; d < train_ids_.size(); ++d)
+        if (!seen[d] && int64_t(train_ids_[d].size()) == end - begin &&
+            std::equal(train_ids_[d].begin(), train_ids_[d].end(), b.tokens.begin() + begin)) {
+          seen[d] = true;
+          break;
+        }
     }
-    EXPECT_EQ(used, packed->row_tokens(loader.window_of(g)));
-    tokens_seen += used;
   }
-  for (const auto& [sample, left] : expected) EXPECT_EQ(left, 0);
-  int64_t all = 0;
-  for (int64_t r = 0; r < W; ++r) all += packed->row_tokens(r);
-  EXPECT_EQ(tokens_seen, all);
 }
 
 TEST_F(SftLoader, StepTokensCountTheRowsOfEveryRankWithoutPadding) {
@@ -336,6 +396,8 @@ TEST_F(SftLoader, DamagedOrMismatchedLossMasksAreClearErrors) {
   o.corpus = "chat:test";
   o.output_dir = dir_.path().string();
   prepare_samples(samples_, o);
-  expect_input_error([&] { DataLoader(dir_.file("train.tok"), options(2)); },
-                     {"train.tok", "trained token within seq_len = 2"});
+  auto cut = options(2);
+  cut.overlong = Overlong::cut;
+  expect_input_error([&] { DataLoader(dir_.file("train.tok"), cut); },
+                     {"train.tok", "trained token within seq_len = 2", "\"cut\""});
 }

@@ -314,14 +314,81 @@ TEST(SftTraining, InitFromStartsFromTheCheckpointWeights) {
     std::filesystem::remove_all(tune.run.dir + "/checkpoints/step-00000006");
   });
 
-  Config wider = sft_config(fixture::temp_dir("tessel-tune"));
-  wider.train.init_from = pre.run.dir;
-  wider.model.width = 64;
-  fixture::expect_input_error([&] { train_alone(wider); },
-                              {"train.init_from", "model.width = 32", "this run has 64"});
-  wider.model.width = 32;
-  wider.train.init_from = pre.run.dir + "/nowhere";
-  fixture::expect_input_error([&] { train_alone(wider); }, {"nowhere"});
+  // Every differing model key is named at once; training settings such as init_std may differ.
+  Config other = sft_config(fixture::temp_dir("tessel-tune"));
+  other.train.init_from = pre.run.dir;
+  other.model.width = 64;
+  other.model.bias = true;
+  other.model.init_std = 0.05;
+  fixture::expect_input_error([&] { train_alone(other); },
+                              {"train.init_from", "model.width = 32 (this run: 64)",
+                               "model.bias = false (this run: true)"});
+  other.model.width = 32;
+  other.model.bias = false;
+  EXPECT_EQ(train_alone(other).steps.size(), 30u) << "init_std may differ";
+  other.run.dir = fixture::temp_dir("tessel-tune");
+  other.train.init_from = pre.run.dir + "/nowhere";
+  fixture::expect_input_error([&] { train_alone(other); }, {"train.init_from = ", "nowhere"});
+}
+
+// A restarted attempt before the run's first checkpoint starts from the checkpoint the first
+// attempt took (init.json), not from a newer one the base run saved since; a pinned checkpoint
+// that is gone is an error that says how to start over.
+TEST(SftTraining, InitFromIsPinnedAcrossAttempts) {
+  comm::SingleCommunicator self;
+  Config pre = fixture::tiny_config(fixture::shared_dataset(self), fixture::temp_dir("tessel-pre"));
+  pre.model.max_seq = 128;
+  pre.train.steps = 4;
+  pre.train.checkpoint_every = 2;
+  pre.optim.warmup_steps = 1;
+  train_alone(pre);  // checkpoints at 2 and 4
+
+  Config tune = sft_config(fixture::temp_dir("tessel-tune"));
+  tune.train.init_from = pre.run.dir;
+  tune.train.steps = 2;
+  tune.optim.warmup_steps = 1;
+  tune.train.save_final = false;  // a run that never saved: its restart inits again
+  const TrainResult first = train_alone(tune);
+  std::ifstream in(tune.run.dir + "/init.json");
+  const auto pin = nlohmann::json::parse(in);
+  EXPECT_EQ(pin["step"], 4);
+  EXPECT_EQ(pin["init_from"], pre.run.dir);
+
+  // The base run moves on to step 6; the restart still starts from step 4.
+  pre.train.steps = 6;
+  train_alone(pre);
+  const TrainResult again = train_alone(tune);
+  EXPECT_EQ(again.resumed_from, -1);
+  EXPECT_EQ(again.steps.front().loss, first.steps.front().loss);
+  // A fresh run with the same init_from takes step 6.
+  Config fresh = tune;
+  fresh.run.dir = fixture::temp_dir("tessel-tune");
+  EXPECT_NE(train_alone(fresh).steps.front().loss, first.steps.front().loss);
+
+  std::filesystem::remove_all(pin["checkpoint"].get<std::string>());
+  fixture::expect_input_error([&] { train_alone(tune); },
+                              {"first attempt started from", "init.json", "remove"});
+}
+
+TEST(SftTraining, MoeBlocksAndSwitchingDataKindsAreRefused) {
+  Config moe = sft_config(fixture::temp_dir("tessel-sft-run"));
+  moe.model.moe_layers = "all";
+  moe.model.moe.experts = 4;
+  moe.model.moe.top_k = 2;
+  fixture::expect_input_error([&] { train_alone(moe); }, {"SFT data set", "MoE"});
+
+  // A run on text data cannot resume on an SFT data set (and the reverse).
+  comm::SingleCommunicator self;
+  Config text = sft_config(fixture::temp_dir("tessel-sft-run"));
+  text.data.path = fixture::shared_dataset(self);
+  text.train.steps = 2;
+  text.optim.warmup_steps = 1;
+  train_alone(text);
+  Config sft = text;
+  sft.data.path = sft_dataset();
+  sft.train.steps = 4;
+  fixture::expect_input_error([&] { train_alone(sft); },
+                              {"trained on a text data set", "is an SFT data set"});
 }
 
 }  // namespace
