@@ -33,13 +33,15 @@ inline std::vector<std::string> synthetic_documents(int count, uint64_t seed) {
   return docs;
 }
 
+// How the test data sets are prepared: a tenth held out for validation.
+inline data::PrepareOptions test_prepare_options(const std::string& dir,
+                                                 const std::string& corpus) {
+  return {corpus, dir, /*val_fraction=*/0.1, /*seed=*/0};
+}
+
 // Writes train.tok / val.tok under `dir` (created) and returns `dir`.
 inline std::string make_dataset(const std::string& dir) {
-  data::PrepareOptions opts;
-  opts.corpus = "synthetic";
-  opts.output_dir = dir;
-  opts.val_fraction = 0.1;
-  data::prepare_documents(synthetic_documents(400, 11), opts);
+  data::prepare_documents(synthetic_documents(400, 11), test_prepare_options(dir, "synthetic"));
   return dir;
 }
 
@@ -67,11 +69,8 @@ inline std::vector<data::SftSample> synthetic_conversations(int count, uint64_t 
 
 // Writes the SFT data set of 400 synthetic conversations under `dir` and returns `dir`.
 inline std::string make_sft_dataset(const std::string& dir) {
-  data::PrepareOptions opts;
-  opts.corpus = "chat:synthetic";
-  opts.output_dir = dir;
-  opts.val_fraction = 0.1;
-  data::prepare_samples(synthetic_conversations(400, 12), opts);
+  data::prepare_samples(synthetic_conversations(400, 12),
+                        test_prepare_options(dir, "chat:synthetic"));
   return dir;
 }
 
