@@ -24,8 +24,9 @@ run_sft() {  # LABEL EXTRA_SETS...
   sed -n '/^sample:/,/^done/p' "$run/out.txt" | sed '1d;$d' | sed "s/^/  $label sample: /"
   rm -rf "$run"
 }
-# The base model: one update at learning rate 0, then the validation.
-run_sft base --set train.steps=1 --set optim.warmup_steps=0 --set optim.lr=1e-9 \
-  --set optim.muon_lr=1e-9 --set optim.min_lr=0 --set train.sample_tokens=0 "$@"
+# The base model: one update at learning rate 0 (the schedule's end, min_lr 0), then the
+# validation; its settings come after the caller's, so they win.
+run_sft base "$@" --set train.steps=1 --set optim.warmup_steps=0 --set optim.lr=1e-9 \
+  --set optim.muon_lr=1e-9 --set optim.min_lr=0 --set train.sample_tokens=0
 run_sft fine_tuned "$@"
 run_sft from_scratch --set train.init_from= "$@"

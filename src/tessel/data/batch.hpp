@@ -14,6 +14,7 @@ struct Batch {
   std::vector<float> loss_mask;                  // [B*T] 1 = counts in the loss, 0 = ignored
   std::vector<int32_t> positions;                // [B*T] t, 0..T-1 within each row
   std::vector<std::vector<int32_t>> doc_starts;  // [B][k] ascending, doc_starts[b][0] = 0
+  std::vector<uint8_t> padding;  // [B*T] 1 = no token (packed SFT rows); empty = none
 };
 
 // B rows of T positions: tokens and targets 0, every loss weight 1, positions 0..T-1 and no

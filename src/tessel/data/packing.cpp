@@ -90,7 +90,9 @@ PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len, Overlon
   std::vector<int32_t> marks;
   for (int64_t d = 0; d < tokens.num_documents(); ++d) {
     const auto [begin, n] = document_span(tokens, d);
-    if (n > T_ && overlong == Overlong::drop) {
+    // A sample of T + 1 tokens fits: its last token is only a target.
+    const bool too_long = n > T_ + 1;
+    if (too_long && overlong == Overlong::drop) {
       ++overlong_;
       continue;
     }
@@ -102,15 +104,16 @@ PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len, Overlon
       ++untrained_;
       continue;
     }
-    overlong_ += n > T_;
+    overlong_ += too_long;
     kept.push_back(d);
     lengths.push_back(std::min(n, T_));
   }
   samples_ = int64_t(kept.size());
   if (samples_ == 0)
-    input_error(tokens.path(), ": none of its ", tokens.num_documents(),
-                " samples has a trained token within seq_len = ", seq_len,
-                " tokens (data.overlong = \"", overlong_name(overlong), "\")");
+    input_error(tokens.path(), ": no sample left to train on at seq_len = ", seq_len, ": ",
+                overlong_, " of its ", tokens.num_documents(),
+                " samples are longer (data.overlong = \"", overlong_name(overlong), "\"), ",
+                untrained_, " have no trained token within seq_len tokens");
   rows_ = pack_best_fit(lengths, T_);
   // Rows in the order of their first samples: the first rows (validation's, or training's
   // unshuffled) hold the corpus's first samples, not its longest.
@@ -129,6 +132,7 @@ Batch PackedSamples::batch(const ShardReader& tokens, std::span<const int64_t> r
       tokens.path(), " is not the shard these rows were packed from");
   const int64_t T = T_;
   Batch b = make_batch(int64_t(rows.size()), T);
+  b.padding.assign(b.tokens.size(), 0);
   std::vector<int32_t> ids, marks;
   for (size_t r = 0; r < rows.size(); ++r) {
     const int64_t base = int64_t(r) * T;
@@ -151,7 +155,7 @@ Batch PackedSamples::batch(const ShardReader& tokens, std::span<const int64_t> r
       t += m;
     }
     if (t < T) b.doc_starts[r].push_back(int32_t(t));  // the padding's own document
-    for (; t < T; ++t) b.loss_mask[size_t(base + t)] = 0.0f;
+    for (; t < T; ++t) b.loss_mask[size_t(base + t)] = 0.0f, b.padding[size_t(base + t)] = 1;
   }
   return b;
 }

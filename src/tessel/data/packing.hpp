@@ -6,14 +6,15 @@
 // the same documents, whose token i is 1 when token i of X.tok is trained on. A token shard
 // with a loss-mask shard beside it is packed by the loader; one without is cut into windows.
 //
-// Samples longer than T (T = seq_len) are left out (data.overlong = "drop", the default) or
-// cut to their first T tokens ("cut"). Each sample is placed whole into one row of T positions
-// by best-fit decreasing: samples in order of decreasing length (ties: lower index first), each
-// into the open row with the least room that still fits it (ties: the older row), else into a
-// new row. Then each row lists its samples in index order, and the rows are numbered in the
-// order of their first samples, so the first rows hold the corpus's first samples. The rows
-// are fixed for the data set, T and the policy; the loader shuffles rows, not samples. The
-// positions after a row's last sample are padding: token 0, no loss, their own document.
+// Samples longer than T + 1 tokens (T = seq_len; the last token of a sample is only a target)
+// are left out (data.overlong = "drop", the default) or cut to their first T tokens ("cut"). Each
+// sample is placed whole into one row of T positions by best-fit decreasing: samples in order of
+// decreasing length (ties: lower index first), each into the open row with the least room that
+// still fits it (ties: the older row), else into a new row. Then each row lists its samples in
+// index order, and the rows are numbered in the order of their first samples, so the first rows
+// hold the corpus's first samples. The rows are fixed for the data set, T and the policy; the
+// loader shuffles rows, not samples. The positions after a row's last sample are padding: token 0,
+// no loss, their own document, and marked in Batch::padding (MoE layers leave them out).
 //
 // Targets. Position t of a sample predicts the sample's token t + 1, counted in the loss when
 // the loss-mask shard marks that token; the last position of a whole sample predicts nothing
@@ -57,7 +58,7 @@ class PackedSamples {
   // Positions of row r that hold sample tokens (the rest is padding).
   int64_t row_tokens(int64_t r) const { return row_tokens_.at(size_t(r)); }
   int64_t samples() const { return samples_; }  // placed in rows
-  // Samples longer than seq_len: left out ("drop"), or placed cut ("cut").
+  // Samples longer than seq_len + 1: left out ("drop"), or placed cut ("cut").
   int64_t overlong() const { return overlong_; }
   int64_t untrained() const { return untrained_; }  // left out: no counted target
 

@@ -80,14 +80,15 @@ SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t
       writer.add_document(tokenizer.encode(items[i]));
     }
   }
-  // The mask first: a token shard never stands beside a missing or older mask (the loader
-  // checks that a mask matches its shard's documents).
-  if (mask) mask->finish();
-  writer.finish();
-  if (!mask) {
+  // The mask first, or an old one removed first: a new token shard never stands beside a
+  // missing or older mask.
+  if (mask) {
+    mask->finish();
+  } else {
     std::error_code ec;
     fs::remove(loss_mask_path(path), ec);
   }
+  writer.finish();
   counts.documents = writer.num_documents();
   counts.tokens = writer.num_tokens();
   counts.path = path;

@@ -97,7 +97,7 @@ std::vector<SftSample> parse_chat_jsonl(std::string_view text, const std::string
     nlohmann::json json;
     try {
       json = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {  // parse errors, number overflows
       input_error(where, ": not valid JSON (", e.what(), ")");
     }
     const auto messages = conversation_of(json, where);

@@ -20,6 +20,21 @@ namespace {
 
 enum class Init { normal, scaled_normal, ones, zeros };
 
+// out [rows, C] = in's rows `rows` ([N, C]).
+void gather_rows(std::vector<float>& out, const float* in, const std::vector<int64_t>& rows,
+                 int64_t C) {
+  out.resize(rows.size() * size_t(C));
+  for (size_t r = 0; r < rows.size(); ++r)
+    std::copy_n(in + rows[r] * C, C, out.begin() + int64_t(r) * C);
+}
+
+// out's rows `rows` ([N, C]) = in [rows, C]; the other rows of out are left as they are.
+void scatter_rows(float* out, const std::vector<float>& in, const std::vector<int64_t>& rows,
+                  int64_t C) {
+  for (size_t r = 0; r < rows.size(); ++r)
+    std::copy_n(in.begin() + int64_t(r) * C, C, out + rows[r] * C);
+}
+
 struct Spec {
   std::string name;
   ParamTag tag;
@@ -335,6 +350,11 @@ void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
       attention::TiledMask(in.mask ? *in.mask : attention::ColumnMask::causal_only(acts.B, T, T));
   attention::check_mask_fits(acts.mask, attention_shape(acts));
   acts.attention = in.attention;
+  acts.routed.clear();
+  if (in.padding)
+    for (int64_t n = 0; n < N; ++n)
+      if (!in.padding[n]) acts.routed.push_back(n);
+  acts.routed_all = int64_t(acts.routed.size()) == N || !in.padding;
   acts.has_tokens = in.tokens != nullptr;
   acts.has_targets = in.targets != nullptr;
   int32_t* tokens = acts.tokens.i32();
@@ -456,9 +476,17 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
                  " but runs with ep rank ", expert_comm_->ep_rank(), " of ",
                  expert_comm_->ep_size(), ": set the expert comm of its ep group");
     const MoeParams& mp = moe_params_[size_t(l)];
-    moe_->forward(acts.moe[size_t(s)], y, ln2, N,
-                  moe_views<const float>(mp, [this](int i) { return value(i); }), value(mp.beta),
-                  *expert_comm_);
+    const auto w = moe_views<const float>(mp, [this](int i) { return value(i); });
+    if (acts.routed_all) {
+      moe_->forward(acts.moe[size_t(s)], y, ln2, N, w, value(mp.beta), *expert_comm_);
+    } else {  // padding rows are not routed: their MoE output is 0
+      gather_rows(acts.moe_x, ln2, acts.routed, C);
+      acts.moe_y.resize(acts.moe_x.size());
+      moe_->forward(acts.moe[size_t(s)], acts.moe_y.data(), acts.moe_x.data(),
+                    int64_t(acts.routed.size()), w, value(mp.beta), *expert_comm_);
+      std::fill_n(y, N * C, 0.0f);
+      scatter_rows(y, acts.moe_y, acts.routed, C);
+    }
   } else {
     kn::linear_forward(fc, ln2, value(p.fc_in_w), value(p.fc_in_b), N, C, Fi_);
     if (config_.mlp == MlpType::gelu)
@@ -526,10 +554,20 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   if (moe_mask_[size_t(l)]) {
     const MoeParams& mp = moe_params_[size_t(l)];
     auto g = moe_views<float>(mp, [this](int i) { return grad(i); });
+    const auto w = moe_views<const float>(mp, [this](int i) { return value(i); });
+    const float* x_norm = acts.mlp_norm.f32() + s * N * C;
     acts.d_norm.fill_zero();
-    moe_->backward(acts.moe[size_t(s)], d_norm, g, dy, acts.mlp_norm.f32() + s * N * C,
-                   moe_views<const float>(mp, [this](int i) { return value(i); }), acts.loss_scale,
-                   balance_[size_t(l)], *expert_comm_);
+    if (acts.routed_all) {
+      moe_->backward(acts.moe[size_t(s)], d_norm, g, dy, x_norm, w, acts.loss_scale,
+                     balance_[size_t(l)], *expert_comm_);
+    } else {  // only the routed rows, gathered as in forward
+      gather_rows(acts.moe_x, x_norm, acts.routed, C);
+      gather_rows(acts.moe_y, dy, acts.routed, C);
+      acts.moe_dx.assign(acts.moe_x.size(), 0.0f);
+      moe_->backward(acts.moe[size_t(s)], acts.moe_dx.data(), g, acts.moe_y.data(),
+                     acts.moe_x.data(), w, acts.loss_scale, balance_[size_t(l)], *expert_comm_);
+      scatter_rows(d_norm, acts.moe_dx, acts.routed, C);
+    }
   } else {
     acts.d_act.fill_zero();
     kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,

@@ -40,6 +40,10 @@ struct ModelInputs {
   // Replaces every layer's attention kernel (then `mask` is not used by attention); must live
   // through the micro-batch's backward. null = the FlashMask kernel.
   attention::AttentionHook* attention = nullptr;
+  // Padding positions [B*T], 1 = no token (the tail of a packed SFT row); null = none. MoE
+  // layers leave them out: they are not routed, take no expert capacity, count in no load or
+  // balancing loss, and their MoE output is 0.
+  const uint8_t* padding = nullptr;
 };
 
 // Everything one micro-batch's forward keeps for its backward, plus backward
@@ -100,6 +104,11 @@ struct Activations {
   // gradients (a pipeline stage without the head sets it itself).
   std::vector<moe::LayerCache> moe;
   float loss_scale = 1.0f;
+  // MoE with ModelInputs::padding: the rows routed (the others left out), ascending, and
+  // their inputs, outputs and input gradients gathered ([routed, C]). routed_all: no padding.
+  bool routed_all = true;
+  std::vector<int64_t> routed;
+  std::vector<float> moe_x, moe_y, moe_dx;
 
   // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole
   // model by default): per-layer buffers stack only those, and the head's (final norm,

@@ -9,6 +9,7 @@ namespace tessel::train {
 BatchInputs::BatchInputs(const data::Batch& b, AttentionMaskKind kind)
     : inputs_{b.B, b.T, b.tokens.data(), b.positions.data(), b.targets.data(), b.loss_mask.data()} {
   for (float w : b.loss_mask) loss_weight_sum_ += w;
+  if (!b.padding.empty()) inputs_.padding = b.padding.data();
   if (kind != AttentionMaskKind::causal_document) return;
   mask_ = attention::causal_document_batch_mask(b.doc_starts, b.T);
   positions_.resize(size_t(b.B * b.T));

@@ -290,17 +290,17 @@ struct Trainer::State {
       input_error(config.data.path, ": ", loader.packed() ? "train.tok" : "val.tok",
                   " has a loss-mask shard and ", loader.packed() ? "val.tok" : "train.tok",
                   " has none; prepare the data set again");
-    const auto& moe = model.moe_blocks();
-    if (loader.packed() && std::find(moe.begin(), moe.end(), true) != moe.end())
-      input_error(config.data.path,
-                  " is an SFT data set, and SFT does not support MoE blocks yet: the router would "
-                  "route and balance the rows' padding like tokens (docs/sft.md)");
     int64_t data_vocab = loader.shard().vocab_size();
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
     checkpointer.on_files_written = [this](int64_t step) { faults.in_checkpoint_write(step); };
     checkpointer.on_committed = [this](const std::string& dir, int64_t step) {
+      // From now on a restart resumes from the run's own checkpoint: the init pin is done.
+      if (is_root && !initialized_from.empty()) {
+        std::error_code ignored;
+        fs::remove(config.run.dir + "/init.json", ignored);
+      }
       faults.after_commit(dir, step);
     };
   }
@@ -391,7 +391,10 @@ struct Trainer::State {
     keys["data.path/train.tok documents"] = loader.shard().num_documents();
     // The stage optimizers name their state per stage: only the same stages can resume it.
     if (pipeline) keys[kPipelineKey] = pipeline_boundaries(config);
-    if (loader.packed()) keys[kSftRowsKey] = loader.windows();  // data.overlong decides them too
+    if (loader.packed()) {
+      keys[kSftRowsKey] = loader.windows();
+      keys["data.overlong"] = data::overlong_name(config.data.overlong);
+    }
     return keys;
   }
 
@@ -462,16 +465,17 @@ struct Trainer::State {
     const auto loaded = load_agreed([this] { return store.load_newest_valid(warn_on_stderr); });
     if (!loaded) return;
     const std::string& chosen = loaded->dir;
-    if (is_root) store.discard_newer_than(chosen);  // damaged ones: the run redoes those steps
     const std::string* latest = &chosen;
     const CheckpointContent& content = loaded->content;
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
-    auto kind = [](bool sft) { return sft ? "an SFT data set" : "a text data set"; };
     if (have.contains(kSftRowsKey) != want.contains(kSftRowsKey))
-      input_error(*latest, ": checkpoint was trained on ", kind(have.contains(kSftRowsKey)),
+      input_error(*latest, ": checkpoint was trained on ",
+                  have.contains(kSftRowsKey) ? "an SFT data set"
+                                             : "a text data set (or by an older tessel)",
                   " but this run's data.path ", config.data.path, " is ",
-                  kind(want.contains(kSftRowsKey)), "; use a new run.dir");
+                  want.contains(kSftRowsKey) ? "an SFT data set" : "a text data set",
+                  "; use a new run.dir");
     for (const auto& [key, value] : want.items())
       if (!have.contains(key))
         input_error(*latest, ": checkpoint has no ", key,
@@ -488,6 +492,8 @@ struct Trainer::State {
       input_error(*latest, ": checkpoint has ", kPipelineKey, " = ", json_text(have[kPipelineKey]),
                   " but this run has no pipeline; resume with the checkpoint's setting or use a "
                   "new run.dir");
+    // Only a resume that is accepted drops the damaged newer ones: the run redoes those steps.
+    if (is_root) store.discard_newer_than(chosen);
     finish_warmup();  // its forward reads the weights restored here
     ledger.enter(Phase::checkpoint_load);
     for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, *latest);
@@ -502,19 +508,26 @@ struct Trainer::State {
   // Fine-tuning: a run that did not resume starts from the model weights of train.init_from
   // (a run directory's newest valid checkpoint, or a checkpoint directory), with a fresh
   // optimizer and data order. The model keys must match but for init_may_differ's. The
-  // checkpoint taken is pinned in <run.dir>/init.json, so a restarted attempt (before the
-  // run's first checkpoint) starts from the same weights even if the base run saved newer
-  // ones since.
+  // checkpoint taken is pinned in <run.dir>/init.json until the run's first checkpoint, so a
+  // restarted attempt before it starts from the same weights even if the base run saved newer
+  // ones since (a fresh start with train.resume = false does not read the pin).
   void init_weights() {
     const std::string& from = config.train.init_from;
     const std::string pin_path = config.run.dir + "/init.json";
+    bool used_pin = false;  // rank 0's, for its start line
     const auto loaded = load_agreed([&]() -> std::optional<CheckpointStore::Loaded> {
       std::string dir = from, pinned;
-      if (fs::exists(pin_path)) {
+      if (config.train.resume && fs::exists(pin_path)) {
         std::ifstream in(pin_path);
         const auto pin = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-        if (pin.is_object() && pin.value("init_from", "") == from)
-          dir = pinned = pin.value("checkpoint", "");
+        if (!pin.is_object() || !pin.contains("init_from") || !pin["init_from"].is_string() ||
+            !pin.contains("checkpoint") || !pin["checkpoint"].is_string())
+          input_error(pin_path,
+                      ": not a pin of train.init_from (a JSON object with the strings "
+                      "\"init_from\" and \"checkpoint\"); remove it to start from ",
+                      from);
+        if (pin["init_from"] == from) dir = pinned = pin["checkpoint"].get<std::string>();
+        used_pin = !pinned.empty();
       }
       try {
         return load_run_checkpoint(dir);
@@ -544,7 +557,7 @@ struct Trainer::State {
     finish_warmup();  // its forward reads the weights restored here
     ledger.enter(Phase::checkpoint_load);
     for (auto p : model.parameters()) restore_tensor(loaded->content.model, p.name, p.value, dir);
-    initialized_from = dir;
+    initialized_from = dir + (used_pin ? " (pinned by init.json)" : "");
     init_pin = {{"init_from", from}, {"checkpoint", dir}, {"step", loaded->content.step}};
     ledger.event({{"event", "init"}, {"step", loaded->content.step}, {"dir", dir}});
   }
@@ -721,7 +734,7 @@ TrainResult Trainer::run() {
                               " rows; ", packed->overlong(),
                               c.data.overlong == data::Overlong::cut
                                   ? " cut to seq_len"
-                                  : " longer than seq_len left out (data.overlong)",
+                                  : " too long for seq_len left out (data.overlong)",
                               ", ", packed->untrained(), " without a trained token left out)")
              : "";
   s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +

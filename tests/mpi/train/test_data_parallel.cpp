@@ -256,6 +256,27 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
   }
 }
 
+// SFT with MoE blocks, experts over every rank: the padding of packed rows is left out of the
+// routing on each rank (so the token exchange carries each rank's own count), and the run
+// follows one process accumulating the same global batch, EQB + LEI balancing included.
+TEST(Sft, ExpertParallelMoeFollowsSingleRank) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  train::Config c = moe_config(world, "tessel-sft-ep");
+  c.data.path = fixture::shared_sft_dataset(world);
+  c.model.max_seq = c.train.seq_len = 128;
+  c.train.eval_every = 6;
+  const auto ref = run_on_one_process(c, P);
+  c.parallel.ep = P;
+  const auto ep = run_on(world, c);
+  ASSERT_EQ(ep.steps.size(), 12u);
+  for (size_t i = 0; i < ep.steps.size(); ++i)
+    EXPECT_NEAR(ep.steps[i].loss, ref.steps[i].loss, 1e-5 * ref.steps[i].loss) << "step " << i + 1;
+  ASSERT_EQ(ep.validation.size(), ref.validation.size());
+  for (size_t i = 0; i < ep.validation.size(); ++i)
+    EXPECT_NEAR(ep.validation[i].second, ref.validation[i].second, 1e-5 * ref.validation[i].second);
+}
+
 // With sharded experts a resumed run repeats the uninterrupted one bitwise.
 TEST(DataParallel, ExpertShardedMoeResumesBitwise) {
   comm::Communicator& world = comm::world();

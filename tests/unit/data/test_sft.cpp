@@ -253,7 +253,7 @@ TEST_F(SftLoader, AnEpochOfRowsHoldsEveryKeptSampleOnce) {
       const auto& ids = train_ids_[d];
       const auto& marks = train_marks_[d];
       const int64_t n = int64_t(ids.size()), m = std::min(n, T);
-      if (n > T && policy == Overlong::drop) {
+      if (n > T + 1 && policy == Overlong::drop) {  // T + 1 tokens fit: the last is a target
         ++overlong;
         continue;
       }
@@ -267,7 +267,7 @@ TEST_F(SftLoader, AnEpochOfRowsHoldsEveryKeptSampleOnce) {
         ++untrained;
         continue;
       }
-      overlong += n > T;
+      overlong += n > T + 1;
       ++expected[p];
     }
     EXPECT_GT(overlong, 0);
@@ -399,5 +399,5 @@ TEST_F(SftLoader, DamagedOrMismatchedLossMasksAreClearErrors) {
   auto cut = options(2);
   cut.overlong = Overlong::cut;
   expect_input_error([&] { DataLoader(dir_.file("train.tok"), cut); },
-                     {"train.tok", "trained token within seq_len = 2", "\"cut\""});
+                     {"train.tok", "no sample left to train on at seq_len = 2", "\"cut\""});
 }

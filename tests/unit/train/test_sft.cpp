@@ -4,6 +4,7 @@
 // nothing and no NaN.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include "tessel/data/packing.hpp"
 #include "tessel/data/sft_corpus.hpp"
 #include "tessel/model/gpt.hpp"
+#include "tessel/moe/config.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
 
@@ -206,6 +208,59 @@ TEST_P(Sft, ARowWithoutLossTokensAddsNothingAndNoNaN) {
       std::all_of(nothing.grads.begin(), nothing.grads.end(), [](float g) { return g == 0.0f; }));
 }
 
+// MoE blocks route the sample tokens only: dropless and without balancing losses, a packed row
+// still equals its samples one by one; with the aux, z and LEI losses and a capacity, rows of
+// padding added to a batch change nothing (they would without Batch::padding).
+model::GptConfig tiny_moe(moe::Balance balance, double capacity) {
+  model::GptConfig c = tiny_model(model::PositionType::rotary);
+  c.moe_layers = "all";
+  c.moe.experts = 4;
+  c.moe.top_k = 2;
+  c.moe.balance = balance;
+  c.moe.capacity = capacity;
+  c.moe.z_coeff = 1e-3;
+  return c;
+}
+
+TEST(SftMoe, APackedRowGivesTheLossAndGradientsOfItsSamplesOneByOne) {
+  const model::GptConfig config = tiny_moe(moe::Balance::none, 0.0);
+  for (const data::Batch& b : shared_rows(2)) {
+    const Pass packed = run(config, {b}), separate = run(config, one_by_one(b));
+    EXPECT_NEAR(packed.loss, separate.loss, 1e-5 * std::fabs(separate.loss));
+    EXPECT_LT(relative_difference(packed.grads, separate.grads), 1e-5);
+  }
+}
+
+TEST(SftMoe, PaddingIsNotRoutedOrBalanced) {
+  for (moe::Balance balance : {moe::Balance::aux, moe::Balance::lei}) {
+    SCOPED_TRACE(moe::to_string(balance));
+    const model::GptConfig config = tiny_moe(balance, 1.0);
+    const data::Batch one = packed_row(0);
+    ASSERT_LT(std::count(one.padding.begin(), one.padding.end(), 1), kT) << "a sample in the row";
+    // The row twice, then a row of padding alone: three rows hold what two hold.
+    data::Batch three = data::make_batch(3, kT), two = data::make_batch(2, kT);
+    for (data::Batch* b : {&three, &two}) {
+      b->padding.assign(size_t(b->B * kT), 1);
+      std::fill(b->loss_mask.begin(), b->loss_mask.end(), 0.0f);
+      for (int64_t r = 0; r < b->B; ++r) b->doc_starts[size_t(r)] = {0};
+      for (int64_t r = 0; r < 2; ++r) {
+        std::copy(one.tokens.begin(), one.tokens.end(), b->tokens.begin() + r * kT);
+        std::copy(one.targets.begin(), one.targets.end(), b->targets.begin() + r * kT);
+        std::copy(one.loss_mask.begin(), one.loss_mask.end(), b->loss_mask.begin() + r * kT);
+        std::copy(one.padding.begin(), one.padding.end(), b->padding.begin() + r * kT);
+        b->doc_starts[size_t(r)] = one.doc_starts[0];
+      }
+    }
+    const Pass x = run(config, {two}), y = run(config, {three});
+    EXPECT_NEAR(y.loss, x.loss, 1e-6 * std::fabs(x.loss));
+    EXPECT_LT(relative_difference(y.grads, x.grads), 1e-6);
+    // Without the padding marks the router sees the padding, and the gradients move.
+    data::Batch unmarked = three;
+    unmarked.padding.clear();
+    EXPECT_GT(relative_difference(run(config, {unmarked}).grads, x.grads), 1e-4);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Positions, Sft,
                          ::testing::Values(model::PositionType::rotary,
                                            model::PositionType::learned),
@@ -368,15 +423,20 @@ TEST(SftTraining, InitFromIsPinnedAcrossAttempts) {
   std::filesystem::remove_all(pin["checkpoint"].get<std::string>());
   fixture::expect_input_error([&] { train_alone(tune); },
                               {"first attempt started from", "init.json", "remove"});
+  // A fresh start (train.resume = false) does not read the pin: it takes step 6 (and pins it).
+  Config unpinned = tune;
+  unpinned.train.resume = false;
+  EXPECT_NE(train_alone(unpinned).steps.front().loss, first.steps.front().loss);
+
+  // The run's first checkpoint ends the pin: from then on a restart resumes.
+  std::filesystem::remove(tune.run.dir + "/init.json");
+  tune.train.save_final = true;
+  train_alone(tune);
+  EXPECT_TRUE(std::filesystem::exists(tune.run.dir + "/checkpoints/step-00000002"));
+  EXPECT_FALSE(std::filesystem::exists(tune.run.dir + "/init.json"));
 }
 
-TEST(SftTraining, MoeBlocksAndSwitchingDataKindsAreRefused) {
-  Config moe = sft_config(fixture::temp_dir("tessel-sft-run"));
-  moe.model.moe_layers = "all";
-  moe.model.moe.experts = 4;
-  moe.model.moe.top_k = 2;
-  fixture::expect_input_error([&] { train_alone(moe); }, {"SFT data set", "MoE"});
-
+TEST(SftTraining, SwitchingDataKindsIsRefused) {
   // A run on text data cannot resume on an SFT data set (and the reverse).
   comm::SingleCommunicator self;
   Config text = sft_config(fixture::temp_dir("tessel-sft-run"));
@@ -389,6 +449,14 @@ TEST(SftTraining, MoeBlocksAndSwitchingDataKindsAreRefused) {
   sft.train.steps = 4;
   fixture::expect_input_error([&] { train_alone(sft); },
                               {"trained on a text data set", "is an SFT data set"});
+  // Nor with another data.overlong (it decides the rows).
+  Config tuned = sft_config(fixture::temp_dir("tessel-sft-run"));
+  tuned.train.steps = 2;
+  tuned.optim.warmup_steps = 1;
+  train_alone(tuned);
+  tuned.data.overlong = data::Overlong::cut;
+  tuned.train.steps = 4;
+  fixture::expect_input_error([&] { train_alone(tuned); }, {"data.overlong", "drop"});
 }
 
 }  // namespace
