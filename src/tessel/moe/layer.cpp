@@ -306,22 +306,23 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
     for (int64_t i = 0; i < C; ++i) y[n * C + i] += g * row[i];
   });
 
-  // The balancing losses' values (per-token means), for the metrics.
+  // The balancing losses' values (per-token means), for the metrics; 0 without tokens (a
+  // micro-batch of padding alone).
   double loss = 0;
   const double Tk = double(N * k);
-  if (config_.balance == Balance::aux || config_.balance == Balance::aux_global) {
+  if (N > 0 && (config_.balance == Balance::aux || config_.balance == Balance::aux_global)) {
     for (int64_t e = 0; e < E; ++e) {
       double P = 0;
       for (int64_t n = 0; n < N; ++n) P += c.probs[size_t(n * E + e)];
       loss += config_.aux_coeff * double(E) * (double(c.loads[size_t(e)]) / Tk) * (P / double(N));
     }
   }
-  if (config_.z_coeff > 0) {
+  if (N > 0 && config_.z_coeff > 0) {
     double z = 0;
     for (int64_t n = 0; n < N; ++n) z += std::pow(row_lse(c.logits.data() + n * E, E), 2);
     loss += config_.z_coeff * z / double(N);
   }
-  if (lei) {
+  if (N > 0 && lei) {
     double sq = 0;
     for (int64_t e = 0; e < E; ++e) sq += std::pow(double(c.loads[size_t(e)]) / Tk - 1.0 / E, 2);
     loss += config_.lei_coeff * (1.0 + double(E) * sq);
@@ -467,7 +468,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
     for (int64_t n = 0; n < N; ++n)
       for (int64_t e = 0; e < E; ++e)
         keys[size_t(e * N + n)] = bf16_order_key(c.qb_margin[size_t(n * E + e)]);
-    if (config_.balance == Balance::qb_avg) {
+    if (config_.balance == Balance::qb_avg && N > 0) {
       // The biased baseline: this micro-batch's own quantile, averaged at the step's end.
       LocalExpertComm local;
       const auto q = global_kth_smallest(
@@ -475,7 +476,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
       state.beta_sum.resize(size_t(E), 0.0);
       for (int64_t e = 0; e < E; ++e) state.beta_sum[size_t(e)] += value_of_order_key(q[size_t(e)]);
       ++state.micro_batches;
-    } else {
+    } else if (config_.balance != Balance::qb_avg) {
       state.keys.resize(static_cast<size_t>(E));
       for (int64_t e = 0; e < E; ++e)
         state.keys[size_t(e)].insert(state.keys[size_t(e)].end(), keys.begin() + e * N,

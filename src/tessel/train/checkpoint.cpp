@@ -389,7 +389,7 @@ std::optional<std::string> CheckpointStore::latest() const {
 }
 
 std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
-    const std::function<void(const std::string&)>& warn) const {
+    const std::function<void(const std::string&)>& warn, CheckpointParts parts) const {
   auto newest = latest();
   if (!newest) return std::nullopt;
   std::vector<std::string> candidates{*newest};
@@ -399,7 +399,7 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
   std::exception_ptr newest_failure;
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
-      return Loaded{candidates[i], load(candidates[i])};
+      return Loaded{candidates[i], load(candidates[i], parts)};
     } catch (const InputError& e) {
       if (!newest_failure) newest_failure = std::current_exception();
       if (i + 1 < candidates.size()) warn(std::string(e.what()) + "; trying an older checkpoint");
@@ -417,10 +417,11 @@ CheckpointStore::Loaded load_run_checkpoint(const std::string& path) {
     if (!fs::exists(fs::path(path) / kManifest))
       input_error(path, ": neither a run directory (no checkpoints/) nor a checkpoint (no ",
                   kManifest, ")");
-    return {path, CheckpointStore::load(path)};
+    return {path, CheckpointStore::load(path, CheckpointParts::model)};
   }
   // keep only matters for saving; 2 is the smallest the store accepts.
-  auto loaded = CheckpointStore(path + "/checkpoints", 2).load_newest_valid(warn_on_stderr);
+  auto loaded = CheckpointStore(path + "/checkpoints", 2)
+                    .load_newest_valid(warn_on_stderr, CheckpointParts::model);
   if (!loaded) input_error(path, ": no complete checkpoint under ", path, "/checkpoints");
   return std::move(*loaded);
 }
@@ -430,7 +431,8 @@ void CheckpointStore::discard_newer_than(const std::string& dir) const {
     if (d.filename() > fs::path(dir).filename()) fs::remove_all(d);
 }
 
-CheckpointContent CheckpointStore::load(const std::string& dir_text) {
+CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointParts parts) {
+  const int kinds = parts == CheckpointParts::all ? 2 : 1;  // kKinds: model first
   fs::path dir(dir_text);
   fs::path manifest_path = dir / kManifest;
   if (!fs::exists(manifest_path))
@@ -445,6 +447,7 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text) {
     content.state = manifest.at("state");
     for (const auto& f : manifest.at("files")) {
       std::string name = f.at("name").get<std::string>();
+      if (kinds == 1 && name.rfind(std::string(kKinds[1]) + "-", 0) == 0) continue;
       fs::path p = dir / name;
       if (!fs::exists(p)) input_error(p.string(), ": missing checkpoint file");
       if (fs::file_size(p) != f.at("bytes").get<uint64_t>())
@@ -456,7 +459,7 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text) {
     }
     // Each kind's shares, merged by name into the saved order.
     std::vector<NamedTensor>* into[2] = {&content.model, &content.optimizer};
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < kinds; ++k) {
       std::map<std::string, Tensor> by_name;
       std::string prefix = std::string(kKinds[k]) + "-";
       for (const auto& name : files)

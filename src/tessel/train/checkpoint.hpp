@@ -34,6 +34,10 @@
 
 namespace tessel::train {
 
+// What a load reads: the whole checkpoint, or the model tensors alone (only their files are
+// read and verified; the optimizer state, about twice the model with AdamW or Muon, is not).
+enum class CheckpointParts { all, model };
+
 struct CheckpointContent {
   int64_t step = 0;
   std::vector<NamedTensor> model;      // the same list on every rank (split between them)
@@ -64,7 +68,8 @@ class CheckpointStore {
 
   // Reads and verifies the checkpoint at `dir` (sizes, checksums, manifest fields); the
   // error names the file that failed.
-  static CheckpointContent load(const std::string& dir);
+  static CheckpointContent load(const std::string& dir,
+                                CheckpointParts parts = CheckpointParts::all);
 
   struct Loaded {
     std::string dir;
@@ -74,8 +79,8 @@ class CheckpointStore {
   // each failure reported through `warn` (a damaged newest checkpoint costs the steps
   // since the previous one, not the run). nullopt when there is no checkpoint; when
   // every one fails, rethrows the newest one's error.
-  std::optional<Loaded> load_newest_valid(
-      const std::function<void(const std::string&)>& warn) const;
+  std::optional<Loaded> load_newest_valid(const std::function<void(const std::string&)>& warn,
+                                          CheckpointParts parts = CheckpointParts::all) const;
 
   // Deletes the complete checkpoints after `dir` (those load_newest_valid passed over as
   // damaged), so retention never keeps them in place of good ones.
@@ -96,9 +101,10 @@ class CheckpointStore {
 // load_newest_valid's `warn` for the command line: "tessel: warning: <why>" on stderr.
 void warn_on_stderr(const std::string& why);
 
-// For the offline tools (generate, export): `path` is a run directory (its newest checkpoint
-// that verifies, damaged ones passed over with warn_on_stderr) or one checkpoint directory;
-// an input error when there is none, or when the checkpoint does not verify.
+// The model tensors of a run, for what needs the weights alone (generate, export,
+// train.init_from): `path` is a run directory (its newest checkpoint that verifies, damaged
+// ones passed over with warn_on_stderr) or one checkpoint directory; an input error when there
+// is none, or when the checkpoint does not verify. The optimizer state is not read.
 CheckpointStore::Loaded load_run_checkpoint(const std::string& path);
 
 class AsyncCheckpointer {

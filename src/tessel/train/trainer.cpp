@@ -431,7 +431,8 @@ struct Trainer::State {
   // Rank 0 picks a checkpoint with `pick` and every rank loads that one, so the ranks can
   // never start from different ones; any failure stops all. nullopt when rank 0 found none.
   std::optional<CheckpointStore::Loaded> load_agreed(
-      const std::function<std::optional<CheckpointStore::Loaded>()>& pick) {
+      const std::function<std::optional<CheckpointStore::Loaded>()>& pick,
+      CheckpointParts parts = CheckpointParts::all) {
     std::string chosen, failure;
     std::optional<CheckpointStore::Loaded> loaded;  // rank 0's, reused below
     if (is_root) {
@@ -449,7 +450,7 @@ struct Trainer::State {
     if (chosen.empty()) return std::nullopt;
     if (!is_root) {
       try {
-        loaded = CheckpointStore::Loaded{chosen, CheckpointStore::load(chosen)};
+        loaded = CheckpointStore::Loaded{chosen, CheckpointStore::load(chosen, parts)};
       } catch (const std::exception& e) {
         failure = e.what();
       }
@@ -515,29 +516,31 @@ struct Trainer::State {
     const std::string& from = config.train.init_from;
     const std::string pin_path = config.run.dir + "/init.json";
     bool used_pin = false;  // rank 0's, for its start line
-    const auto loaded = load_agreed([&]() -> std::optional<CheckpointStore::Loaded> {
-      std::string dir = from, pinned;
-      if (config.train.resume && fs::exists(pin_path)) {
-        std::ifstream in(pin_path);
-        const auto pin = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-        if (!pin.is_object() || !pin.contains("init_from") || !pin["init_from"].is_string() ||
-            !pin.contains("checkpoint") || !pin["checkpoint"].is_string())
-          input_error(pin_path,
-                      ": not a pin of train.init_from (a JSON object with the strings "
-                      "\"init_from\" and \"checkpoint\"); remove it to start from ",
-                      from);
-        if (pin["init_from"] == from) dir = pinned = pin["checkpoint"].get<std::string>();
-        used_pin = !pinned.empty();
-      }
-      try {
-        return load_run_checkpoint(dir);
-      } catch (const InputError& e) {
-        if (pinned.empty()) input_error("train.init_from = ", from, ": ", e.what());
-        input_error("train.init_from = ", from, ": this run's first attempt started from ", pinned,
-                    " (", pin_path, "), which no longer loads: ", e.what(), "; remove ", pin_path,
-                    " to start from the newest checkpoint again");
-      }
-    });
+    const auto loaded = load_agreed(
+        [&]() -> std::optional<CheckpointStore::Loaded> {
+          std::string dir = from, pinned;
+          if (config.train.resume && fs::exists(pin_path)) {
+            std::ifstream in(pin_path);
+            const auto pin = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+            if (!pin.is_object() || !pin.contains("init_from") || !pin["init_from"].is_string() ||
+                !pin.contains("checkpoint") || !pin["checkpoint"].is_string())
+              input_error(pin_path,
+                          ": not a pin of train.init_from (a JSON object with the strings "
+                          "\"init_from\" and \"checkpoint\"); remove it to start from ",
+                          from);
+            if (pin["init_from"] == from) dir = pinned = pin["checkpoint"].get<std::string>();
+            used_pin = !pinned.empty();
+          }
+          try {
+            return load_run_checkpoint(dir);
+          } catch (const InputError& e) {
+            if (pinned.empty()) input_error("train.init_from = ", from, ": ", e.what());
+            input_error("train.init_from = ", from, ": this run's first attempt started from ",
+                        pinned, " (", pin_path, "), which no longer loads: ", e.what(), "; remove ",
+                        pin_path, " to start from the newest checkpoint again");
+          }
+        },
+        CheckpointParts::model);
     const std::string& dir = loaded->dir;
     const nlohmann::json& have = loaded->content.state.at("compatibility");
     const nlohmann::json want = compatibility();  // a named object: items() refers into it

@@ -256,9 +256,10 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
   }
 }
 
-// SFT with MoE blocks, experts over every rank: the padding of packed rows is left out of the
-// routing on each rank (so the token exchange carries each rank's own count), and the run
-// follows one process accumulating the same global batch, EQB + LEI balancing included.
+// SFT with MoE blocks, experts over every rank: each rank routes its rows without their padding
+// (unit_train's SftMoe tests show that it is left out), so the token exchange carries different
+// counts per rank, and the run follows one process accumulating the same global batch, EQB +
+// LEI balancing included.
 TEST(Sft, ExpertParallelMoeFollowsSingleRank) {
   comm::Communicator& world = comm::world();
   const int P = world.size();

@@ -170,6 +170,12 @@ TEST(Checkpoint, CorruptionIsDetectedByChecksumAndSize) {
   fs::resize_file(dir + "/optimizer-00000-of-00001.safetensors", 10);
   what = input_error_of([&] { CheckpointStore::load(dir); });
   EXPECT_NE(what.find("optimizer-00000-of-00001.safetensors"), std::string::npos) << what;
+  // A model-only load (init_from, generate, export) neither reads nor needs the optimizer files.
+  const CheckpointContent weights = CheckpointStore::load(dir, CheckpointParts::model);
+  EXPECT_TRUE(weights.optimizer.empty());
+  CheckpointContent want = content_at(2);
+  want.optimizer.clear();
+  expect_same_content(weights, want);
   std::ofstream(dir + "/manifest.json") << "{ not json";
   what = input_error_of([&] { CheckpointStore::load(dir); });
   EXPECT_NE(what.find("manifest.json"), std::string::npos) << what;

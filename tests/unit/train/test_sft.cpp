@@ -64,8 +64,8 @@ data::Batch packed_row(int64_t row) {
   return packed.batch(tokens, r);
 }
 
-// The first `count` rows that pack two samples or more.
-std::vector<data::Batch> shared_rows(size_t count) {
+// The first `count` rows that pack two samples or more (and end in padding, if `padded`).
+std::vector<data::Batch> shared_rows(size_t count, bool padded = false) {
   const data::ShardReader tokens(sft_dataset() + "/train.tok");
   const data::PackedSamples packed(tokens, kT);
   std::vector<data::Batch> rows;
@@ -73,7 +73,7 @@ std::vector<data::Batch> shared_rows(size_t count) {
     const int64_t ids[1] = {r};
     data::Batch b = packed.batch(tokens, ids);
     const size_t samples = b.doc_starts[0].size() - (packed.row_tokens(r) < kT ? 1 : 0);
-    if (samples >= 2) rows.push_back(std::move(b));
+    if (samples >= 2 && (!padded || packed.row_tokens(r) < kT)) rows.push_back(std::move(b));
   }
   return rows;
 }
@@ -224,7 +224,10 @@ model::GptConfig tiny_moe(moe::Balance balance, double capacity) {
 
 TEST(SftMoe, APackedRowGivesTheLossAndGradientsOfItsSamplesOneByOne) {
   const model::GptConfig config = tiny_moe(moe::Balance::none, 0.0);
-  for (const data::Batch& b : shared_rows(2)) {
+  const auto rows = shared_rows(2, /*padded=*/true);
+  ASSERT_EQ(rows.size(), 2u);
+  for (const data::Batch& b : rows) {
+    ASSERT_GT(std::count(b.padding.begin(), b.padding.end(), 1), 0) << "a row with padding";
     const Pass packed = run(config, {b}), separate = run(config, one_by_one(b));
     EXPECT_NEAR(packed.loss, separate.loss, 1e-5 * std::fabs(separate.loss));
     EXPECT_LT(relative_difference(packed.grads, separate.grads), 1e-5);
