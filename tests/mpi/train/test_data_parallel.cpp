@@ -34,6 +34,17 @@ train::TrainResult run_on_one_process(train::Config c, int P) {
   return run_on(self, c);
 }
 
+// Every step's loss and every validation loss of `a` within 1e-5 relative of `ref`'s (only
+// summation orders differ), and as many of each.
+void expect_losses_near(const train::TrainResult& a, const train::TrainResult& ref) {
+  ASSERT_EQ(a.steps.size(), ref.steps.size());
+  for (size_t i = 0; i < a.steps.size(); ++i)
+    EXPECT_NEAR(a.steps[i].loss, ref.steps[i].loss, 1e-5 * ref.steps[i].loss) << "step " << i + 1;
+  ASSERT_EQ(a.validation.size(), ref.validation.size());
+  for (size_t i = 0; i < a.validation.size(); ++i)
+    EXPECT_NEAR(a.validation[i].second, ref.validation[i].second, 1e-5 * ref.validation[i].second);
+}
+
 }  // namespace
 
 TEST(DataParallel, FollowsSingleRankAccumulationAndRepeatsBitwise) {
@@ -126,14 +137,7 @@ TEST(Sft, DataAndContextParallelFollowSingleRankAccumulation) {
     dist.parallel.cp = cp;
     dist.train.accum = cp;  // dp = P / cp ranks of cp micro-batches: the same global batch
     dist.run.dir = shared_temp_dir(world, "tessel-sft-run");
-    const auto a = run_on(world, dist);
-    ASSERT_EQ(a.steps.size(), 12u);
-    for (size_t i = 0; i < a.steps.size(); ++i)
-      EXPECT_NEAR(a.steps[i].loss, ref.steps[i].loss, 1e-5 * ref.steps[i].loss) << "step " << i + 1;
-    ASSERT_EQ(a.validation.size(), ref.validation.size());
-    for (size_t i = 0; i < a.validation.size(); ++i)
-      EXPECT_NEAR(a.validation[i].second, ref.validation[i].second,
-                  1e-5 * ref.validation[i].second);
+    expect_losses_near(run_on(world, dist), ref);
   }
 }
 
@@ -269,13 +273,7 @@ TEST(Sft, ExpertParallelMoeFollowsSingleRank) {
   c.train.eval_every = 6;
   const auto ref = run_on_one_process(c, P);
   c.parallel.ep = P;
-  const auto ep = run_on(world, c);
-  ASSERT_EQ(ep.steps.size(), 12u);
-  for (size_t i = 0; i < ep.steps.size(); ++i)
-    EXPECT_NEAR(ep.steps[i].loss, ref.steps[i].loss, 1e-5 * ref.steps[i].loss) << "step " << i + 1;
-  ASSERT_EQ(ep.validation.size(), ref.validation.size());
-  for (size_t i = 0; i < ep.validation.size(); ++i)
-    EXPECT_NEAR(ep.validation[i].second, ref.validation[i].second, 1e-5 * ref.validation[i].second);
+  expect_losses_near(run_on(world, c), ref);
 }
 
 // With sharded experts a resumed run repeats the uninterrupted one bitwise.
