@@ -137,6 +137,10 @@ TEST(SftCorpus, JsonLinesInBothFormsAndErrorsNameTheLine) {
         parse_chat_jsonl("{\"prompt\": \"p\", \"response\": \"r\", \"messages\": []}", "c.jsonl");
       },
       {"c.jsonl:1", "both"});
+  // A number nlohmann cannot hold is an input error too, not an internal one.
+  expect_input_error(
+      [] { parse_chat_jsonl("{\"prompt\": \"p\", \"response\": \"r\", \"n\": 1e999}", "c.jsonl"); },
+      {"c.jsonl:1", "not valid JSON"});
 }
 
 TEST(SftCorpus, BibleQuotesAskForEachVerse) {
