@@ -381,15 +381,24 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
 // dense ones, then the experts'). Uneven validation batches over dp keep each ep group in step
 // (idle rounds). np 2: pp 2 against one process; np 4: pp 2 x dp 2 with ep 2 against the plain
 // dp 2 x ep 2 run; the step and validation records' MoE statistics are the plain run's.
-// Also with MoE in the last stage only (1F1B), and undrained PACI's per-window statistics.
+// Also with MoE in the last stage only (1F1B), on SFT data (1F1B: each stage leaves the
+// padding out of its MoE blocks), and undrained PACI's per-window statistics.
 TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
   comm::Communicator& world = comm::world();
-  // "3": only the last stage has MoE blocks; every rank of both stages must still sample.
-  const std::pair<const char*, std::vector<const char*>> cases[] = {
-      {"all", {"gpipe", "1f1b", "paci"}}, {"3", {"1f1b"}}};
-  for (const auto& [moe_layers, schedules] : cases) {
-    SCOPED_TRACE(std::string("moe_layers = ") + moe_layers);
+  struct Case {
+    const char* moe_layers;  // "3": only the last stage has MoE blocks; all ranks still sample
+    std::vector<const char*> schedules;
+    bool sft;
+  };
+  const Case cases[] = {
+      {"all", {"gpipe", "1f1b", "paci"}, false}, {"3", {"1f1b"}, false}, {"all", {"1f1b"}, true}};
+  for (const auto& [moe_layers, schedules, sft] : cases) {
+    SCOPED_TRACE(std::string("moe_layers = ") + moe_layers + (sft ? ", SFT" : ""));
     train::Config c = pipeline_config(world, "tessel-ppmoe-run");
+    if (sft) {
+      c.data.path = fixture::shared_sft_dataset(world);
+      c.model.max_seq = c.train.seq_len = 128;
+    }
     for (const char* s : {"model.moe_experts=4", "model.moe_top_k=2", "model.moe_shared=8",
                           "model.moe_balance=eqb_lei"})
       train::apply_override(c, s);
