@@ -28,18 +28,6 @@ constexpr const char* kFortuneDir = "/usr/share/games/fortunes";
               "); install it with scripts/setup.sh or `apt-get install ", package, "`");
 }
 
-// Calls f(line) for each line of text, without its '\n' or a trailing '\r'.
-template <class F>
-void for_each_line(std::string_view text, F&& f) {
-  while (!text.empty()) {
-    size_t end = text.find('\n');
-    std::string_view line = text.substr(0, end);
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    f(line);
-    text.remove_prefix(end == std::string_view::npos ? text.size() : end + 1);
-  }
-}
-
 bool is_blank(std::string_view line) {
   return std::all_of(line.begin(), line.end(), [](unsigned char c) { return std::isspace(c); });
 }

@@ -22,6 +22,19 @@ namespace tessel::data {
 
 std::vector<std::string> load_corpus(const std::string& name);
 
+// Calls f(line) for each line of text, without its '\n' or a trailing '\r' (the last line
+// need not end in '\n').
+template <class F>
+void for_each_line(std::string_view text, F&& f) {
+  while (!text.empty()) {
+    const size_t end = text.find('\n');
+    std::string_view line = text.substr(0, end);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    f(line);
+    text.remove_prefix(end == std::string_view::npos ? text.size() : end + 1);
+  }
+}
+
 // The text of the file a "KIND:PATH" corpus names ("file", "chat"): InputError for a missing
 // file, a directory or text that is not valid UTF-8.
 std::string read_corpus_file(const std::string& path, const std::string& kind);

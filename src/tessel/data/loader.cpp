@@ -66,19 +66,26 @@ std::optional<PackedSamples> pack_if_sft(const ShardReader& shard, int64_t seq_l
   return PackedSamples(shard, seq_len, overlong);
 }
 
+// A shard's rows: its packed samples' (an SFT data set), else its windows'.
+int64_t count_rows(const ShardReader& shard, const std::optional<PackedSamples>& packed,
+                   int64_t seq_len) {
+  return packed ? packed->rows() : count_windows(shard, seq_len);
+}
+
+// The given rows of a shard as a batch, packed or cut as count_rows counted them.
+Batch rows_batch(const ShardReader& shard, const std::optional<PackedSamples>& packed,
+                 std::span<const int64_t> rows, int64_t seq_len) {
+  return packed ? packed->batch(shard, rows) : batch_from_windows(shard, rows, seq_len);
+}
+
 }  // namespace
 
 DataLoader::DataLoader(const std::string& shard_path, const LoaderOptions& options)
     : shard_(shard_path),
       options_(options),
       packed_(pack_if_sft(shard_, options.seq_len, options.overlong)),
-      windows_(packed_ ? packed_->rows() : count_windows(shard_, options.seq_len)) {
+      windows_(count_rows(shard_, packed_, options.seq_len)) {
   check_layout(options.micro_batch, options.accum, options.dp_rank, options.dp_size);
-}
-
-Batch DataLoader::rows_batch(std::span<const int64_t> windows) const {
-  return packed_ ? packed_->batch(shard_, windows)
-                 : batch_from_windows(shard_, windows, options_.seq_len);
 }
 
 int64_t DataLoader::step_tokens(int64_t step) {
@@ -118,7 +125,7 @@ Batch DataLoader::next() {
     state_.micro = 0;
     ++state_.step;
   }
-  return rows_batch(windows);
+  return rows_batch(shard_, packed_, windows, options_.seq_len);
 }
 
 void DataLoader::restore(const LoaderState& state) {
@@ -133,7 +140,7 @@ std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq
                                       int64_t dp_size, Overlong overlong) {
   const ShardReader shard(shard_path);
   const auto packed = pack_if_sft(shard, seq_len, overlong);
-  const int64_t w = packed ? packed->rows() : count_windows(shard, seq_len);
+  const int64_t w = count_rows(shard, packed, seq_len);
   check_layout(micro_batch, 1, dp_rank, dp_size);
   const int64_t n = max_sequences > 0 ? std::min(max_sequences, w) : w;
   const int64_t q = n / dp_size, rem = n % dp_size;
@@ -144,8 +151,7 @@ std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq
   for (int64_t first = begin; first < end; first += micro_batch) {
     windows.resize(size_t(std::min(micro_batch, end - first)));
     std::iota(windows.begin(), windows.end(), first);
-    batches.push_back(packed ? packed->batch(shard, windows)
-                             : batch_from_windows(shard, windows, seq_len));
+    batches.push_back(rows_batch(shard, packed, windows, seq_len));
   }
   return batches;
 }

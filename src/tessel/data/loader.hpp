@@ -81,9 +81,6 @@ class DataLoader {
   const LoaderOptions& options() const { return options_; }
 
  private:
-  // The given windows (rows) as a batch.
-  Batch rows_batch(std::span<const int64_t> windows) const;
-
   ShardReader shard_;
   LoaderOptions options_;
   std::optional<PackedSamples> packed_;

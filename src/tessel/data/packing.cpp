@@ -56,8 +56,8 @@ std::vector<std::vector<int64_t>> pack_best_fit(std::span<const int64_t> lengths
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return lengths[size_t(a)] > lengths[size_t(b)]; });
   std::vector<std::vector<int64_t>> rows;
-  std::set<std::pair<int64_t, size_t>>
-      open;  // (room left, row): the least room, then the older row
+  // (room left, row): lower_bound finds the least room that fits, then the older row.
+  std::set<std::pair<int64_t, size_t>> open;
   for (int64_t i : order) {
     const int64_t n = lengths[size_t(i)];
     TESSEL_CHECK(n >= 1 && n <= capacity, "item ", i, " of length ", n, " does not fit rows of ",

@@ -1,6 +1,7 @@
 #include "tessel/data/sft_corpus.hpp"
 
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "tessel/core/error.hpp"
 #include "tessel/data/corpus.hpp"
@@ -85,12 +86,9 @@ SftSample render_conversation(std::span<const ChatMessage> messages, const std::
 std::vector<SftSample> parse_chat_jsonl(std::string_view text, const std::string& source) {
   std::vector<SftSample> samples;
   size_t line_no = 0;
-  while (!text.empty()) {
+  for_each_line(text, [&](std::string_view line) {
     ++line_no;
-    const size_t end = text.find('\n');
-    const std::string_view line = text.substr(0, end);
-    text.remove_prefix(end == std::string_view::npos ? text.size() : end + 1);
-    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos) return;
     const std::string where = source + ":" + std::to_string(line_no);
     // nlohmann's parser would stop at a NUL byte and ignore the rest of the line.
     if (line.find('\0') != std::string_view::npos) input_error(where, ": holds a NUL byte");
@@ -100,9 +98,8 @@ std::vector<SftSample> parse_chat_jsonl(std::string_view text, const std::string
     } catch (const nlohmann::json::exception& e) {  // parse errors, number overflows
       input_error(where, ": not valid JSON (", e.what(), ")");
     }
-    const auto messages = conversation_of(json, where);
-    samples.push_back(render_conversation(messages, where));
-  }
+    samples.push_back(render_conversation(conversation_of(json, where), where));
+  });
   if (samples.empty()) input_error(source, ": no conversations (the file is empty or blank)");
   return samples;
 }
@@ -110,14 +107,13 @@ std::vector<SftSample> parse_chat_jsonl(std::string_view text, const std::string
 std::vector<SftSample> bible_quote_samples(const std::vector<std::string>& chapters) {
   std::vector<SftSample> samples;
   for (const std::string& chapter : chapters) {
-    std::string_view rest = chapter;
-    const size_t heading_end = rest.find('\n');
-    const auto [book, number] = split_heading(rest.substr(0, heading_end));
-    rest.remove_prefix(heading_end == std::string_view::npos ? rest.size() : heading_end + 1);
-    while (!rest.empty()) {
-      const size_t end = rest.find('\n');
-      const std::string_view verse = rest.substr(0, end);
-      rest.remove_prefix(end == std::string_view::npos ? rest.size() : end + 1);
+    std::optional<std::pair<std::string_view, std::string_view>> heading;  // book, chapter
+    for_each_line(chapter, [&](std::string_view verse) {
+      if (!heading) {  // the chapter's first line
+        heading = split_heading(verse);
+        return;
+      }
+      const auto& [book, number] = *heading;
       const size_t space = verse.find(' ');
       TESSEL_CHECK(space != std::string_view::npos && space > 0, "bible verse \"", verse,
                    "\" without a verse number");
@@ -125,7 +121,7 @@ std::vector<SftSample> bible_quote_samples(const std::vector<std::string>& chapt
           {"user", detail::concat("Quote ", book, " ", number, ":", verse.substr(0, space), ".")},
           {"assistant", std::string(verse.substr(space + 1))}};
       samples.push_back(render_conversation(messages, std::string(verse)));
-    }
+    });
   }
   return samples;
 }

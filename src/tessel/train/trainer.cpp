@@ -466,12 +466,11 @@ struct Trainer::State {
     const auto loaded = load_agreed([this] { return store.load_newest_valid(warn_on_stderr); });
     if (!loaded) return;
     const std::string& chosen = loaded->dir;
-    const std::string* latest = &chosen;
     const CheckpointContent& content = loaded->content;
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
     if (have.contains(kSftRowsKey) != want.contains(kSftRowsKey))
-      input_error(*latest, ": checkpoint was trained on ",
+      input_error(chosen, ": checkpoint was trained on ",
                   have.contains(kSftRowsKey) ? "an SFT data set"
                                              : "a text data set (or by an older tessel)",
                   " but this run's data.path ", config.data.path, " is ",
@@ -479,10 +478,10 @@ struct Trainer::State {
                   "; use a new run.dir");
     for (const auto& [key, value] : want.items())
       if (!have.contains(key))
-        input_error(*latest, ": checkpoint has no ", key,
+        input_error(chosen, ": checkpoint has no ", key,
                     " in its compatibility record (written by an older tessel); use a new run.dir");
       else if (have[key] != value)
-        input_error(*latest, ": checkpoint has ", key, " = ", json_text(have[key]),
+        input_error(chosen, ": checkpoint has ", key, " = ", json_text(have[key]),
                     " but this run has ", json_text(value),
                     key == kGlobalBatchKey
                         ? " (under PACI pipeline.paci_k, when set, counts as accum)"
@@ -490,16 +489,16 @@ struct Trainer::State {
                     "; resume with the checkpoint's setting or use a new run.dir");
     // A pipeline checkpoint's stage-named optimizer state cannot resume without the pipeline.
     if (have.contains(kPipelineKey) && !want.contains(kPipelineKey))
-      input_error(*latest, ": checkpoint has ", kPipelineKey, " = ", json_text(have[kPipelineKey]),
+      input_error(chosen, ": checkpoint has ", kPipelineKey, " = ", json_text(have[kPipelineKey]),
                   " but this run has no pipeline; resume with the checkpoint's setting or use a "
                   "new run.dir");
     // Only a resume that is accepted drops the damaged newer ones: the run redoes those steps.
     if (is_root) store.discard_newer_than(chosen);
     finish_warmup();  // its forward reads the weights restored here
     ledger.enter(Phase::checkpoint_load);
-    for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, *latest);
+    for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, chosen);
     for (auto& st : optimizer->state())
-      restore_tensor(content.optimizer, st.name, st.tensor, *latest);
+      restore_tensor(content.optimizer, st.name, st.tensor, chosen);
     const auto& ls = content.state.at("loader");
     loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
     start_step = resumed_from = content.step;
@@ -729,9 +728,7 @@ TrainResult Trainer::run() {
   // Input positions per step; an SFT data set's padding is not counted (tokens/s and MFU).
   const int64_t global_tokens = s.loader.sequences_per_step() * c.train.seq_len;
   const data::PackedSamples* packed = s.loader.packed();
-  auto step_tokens = [&](int64_t step) {  // step counts from 1
-    return packed ? s.loader.step_tokens(step - 1) : global_tokens;
-  };
+  auto step_tokens = [&](int64_t step) { return s.loader.step_tokens(step - 1); };  // from 1
   const std::string sft =
       packed ? detail::concat(" (SFT: ", packed->samples(), " samples packed into ", packed->rows(),
                               " rows; ", packed->overlong(),
