@@ -19,7 +19,7 @@ std::span<const int32_t> last_window(const std::vector<int32_t>& context, int64_
 
 std::vector<float> whole_model_logits(const Gpt& gpt, std::span<const int32_t> window) {
   const auto T = int64_t(window.size());
-  auto acts = gpt.make_activations(1, T);
+  auto acts = gpt.make_activations(1, T, Recompute::blocks);  // no backward: one block's cache
   ModelInputs in;
   in.B = 1;
   in.T = T;

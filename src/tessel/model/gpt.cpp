@@ -91,12 +91,18 @@ int64_t Activations::slot(int64_t layer) const {
   return layer - first_layer;
 }
 
-// Boundary `boundary` of a [held layers + 1, N, C] stack, as a [B, T, C] view.
+int64_t Activations::cache_slot(int64_t layer) const {
+  const int64_t s = slot(layer);  // checks that the block is held
+  return recompute == Recompute::blocks ? 0 : s;
+}
+
+// Boundary `boundary` of a [slots, N, C] stack, as a [B, T, C] view: slot boundary -
+// first_layer of the stream, cyclically over the gradient's two.
 Tensor Activations::boundary_view(const Tensor& stack, int64_t boundary) const {
   TESSEL_CHECK(first_layer <= boundary && boundary <= last_layer, "boundary ", boundary,
                " is not held by activations of blocks [", first_layer, ", ", last_layer, ")");
-  const int64_t C = stack.dim(-1);
-  return stack.view((boundary - first_layer) * B * T * C, {B, T, C});
+  const int64_t C = stack.dim(-1), slot = (boundary - first_layer) % stack.dim(0);
+  return stack.view(slot * B * T * C, {B, T, C});
 }
 
 Tensor Activations::residual(int64_t boundary) const {
@@ -282,7 +288,8 @@ float* Gpt::grad(int index) {
   return index < 0 ? nullptr : parameters_[size_t(index)].grad.f32();
 }
 
-std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRange range) const {
+std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRange range,
+                                                   Recompute recompute) const {
   if (B <= 0 || T <= 0)
     input_error("micro-batch of ", B, " x ", T, " tokens: sizes must be positive");
   if (T > config_.max_seq)
@@ -291,8 +298,9 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRa
   TESSEL_CHECK(0 <= first && first <= last && last <= config_.layers &&
                    (!range.head || last == config_.layers),
                "blocks [", first, ", ", last, ") of ", config_.layers);
-  // L: the blocks held; the head's buffers only with the head.
+  // L: the blocks held; Lc: the block caches kept; the head's buffers only with the head.
   const int64_t N = B * T, L = last - first, C = C_;
+  const int64_t Lc = recompute == Recompute::blocks ? std::min<int64_t>(L, 1) : L;
   const int64_t V = range.head ? config_.vocab : 0;
   const bool layernorm = config_.norm == NormType::layernorm;
   auto a = std::make_unique<Activations>();
@@ -300,42 +308,49 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRa
   a->T = T;
   a->first_layer = first;
   a->last_layer = last;
-  a->tokens = Tensor({N}, DType::i32);
-  a->positions = Tensor({N}, DType::i32);
-  a->targets = Tensor({N}, DType::i32);
-  a->loss_weight = Tensor({N});
-  auto mean = [&](int64_t layers) { return layernorm ? Tensor({layers, N}) : Tensor(); };
-  a->stream = Tensor({L + 1, N, C});
-  a->attn_norm = Tensor({L, N, C});
-  a->attn_norm_mean = mean(L);
-  a->attn_norm_rstd = Tensor({L, N});
-  a->q = Tensor({L, N, H_, D_});
-  a->k = Tensor({L, N, Hkv_, D_});
-  a->v = Tensor({L, N, Hkv_, D_});
-  a->attn = Tensor({L, N, H_, D_});
-  a->attn_lse = Tensor({L, B, H_, T});
-  a->mid = Tensor({L, N, C});
-  a->mlp_norm = Tensor({L, N, C});
-  a->mlp_norm_mean = mean(L);
-  a->mlp_norm_rstd = Tensor({L, N});
-  a->fc = Tensor({L, N, Fi_});
-  a->act = Tensor({L, N, F_});
+  a->recompute = recompute;
+  // Every tensor is allocated here, so that tensor_bytes counts them all.
+  auto make = [&a](Shape shape, DType dtype = DType::f32) {
+    Tensor t(std::move(shape), dtype);
+    a->tensor_bytes += int64_t(t.bytes());
+    return t;
+  };
+  a->tokens = make({N}, DType::i32);
+  a->positions = make({N}, DType::i32);
+  a->targets = make({N}, DType::i32);
+  a->loss_weight = make({N});
+  auto mean = [&](int64_t layers) { return layernorm ? make({layers, N}) : Tensor(); };
+  a->stream = make({L + 1, N, C});
+  a->attn_norm = make({Lc, N, C});
+  a->attn_norm_mean = mean(Lc);
+  a->attn_norm_rstd = make({Lc, N});
+  a->q = make({Lc, N, H_, D_});
+  a->k = make({Lc, N, Hkv_, D_});
+  a->v = make({Lc, N, Hkv_, D_});
+  a->attn = make({Lc, N, H_, D_});
+  a->attn_lse = make({Lc, B, H_, T});
+  a->mid = make({Lc, N, C});
+  a->mlp_norm = make({Lc, N, C});
+  a->mlp_norm_mean = mean(Lc);
+  a->mlp_norm_rstd = make({Lc, N});
+  a->fc = make({Lc, N, Fi_});
+  a->act = make({Lc, N, F_});
   if (V > 0) {
-    a->final_norm = Tensor({N, C});
-    a->final_norm_mean = layernorm ? Tensor({N}) : Tensor();
-    a->final_norm_rstd = Tensor({N});
-    a->logits = Tensor({N, V});
-    a->lse = Tensor({N});
-    a->d_logits = Tensor({N, V});
+    a->final_norm = make({N, C});
+    a->final_norm_mean = layernorm ? make({N}) : Tensor();
+    a->final_norm_rstd = make({N});
+    a->logits = make({N, V});
+    a->lse = make({N});
+    a->d_logits = make({N, V});
   }
-  a->d_stream = Tensor({L + 1, N, C});
-  a->qkv = Tensor({N, QKV_});
-  a->d_split = Tensor({N * QKV_});
-  if (config_.positions == PositionType::rotary) a->d_unrot = Tensor({N * (H_ + Hkv_) * D_});
-  a->d_attn = Tensor({N, H_ * D_});
-  a->d_norm = Tensor({N, C});
-  a->d_act = Tensor({N, F_});
-  a->d_fc = Tensor({N, Fi_});
+  a->d_stream = make({std::min<int64_t>(L + 1, 2), N, C});
+  a->qkv = make({N, QKV_});
+  a->d_split = make({N * QKV_});
+  if (config_.positions == PositionType::rotary) a->d_unrot = make({N * (H_ + Hkv_) * D_});
+  a->d_attn = make({N, H_ * D_});
+  a->d_norm = make({N, C});
+  a->d_act = make({N, F_});
+  a->d_fc = make({N, Fi_});
   a->moe.resize(size_t(L));
   return a;
 }
@@ -434,23 +449,25 @@ void Gpt::forward_blocks(Activations& acts, int64_t first, int64_t last) const {
   for (int64_t l = first; l < last; ++l) block_forward(acts, l);
 }
 
-// x_l [N, C] -> x_{l+1} [N, C], caching what block_backward needs.
-void Gpt::block_forward(Activations& acts, int64_t l) const {
+// x_l [N, C] -> x_{l+1} [N, C], caching what block_backward needs. Stream slot s, cache
+// slot c (the same unless the activations recompute).
+void Gpt::block_forward(Activations& acts, int64_t l, bool rebuild) const {
   const BlockParams& p = blocks_[size_t(l)];
   const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_, s = acts.slot(l);
+  const int64_t c = acts.cache_slot(l);
   const float* x = acts.stream.f32() + s * N * C;
   float* y = acts.stream.f32() + (s + 1) * N * C;
-  float* m = acts.mid.f32() + s * N * C;
-  float* ln1 = acts.attn_norm.f32() + s * N * C;
-  float* ln2 = acts.mlp_norm.f32() + s * N * C;
-  float* q = acts.q.f32() + s * N * Q;
-  float* k = acts.k.f32() + s * N * KV;
-  float* v = acts.v.f32() + s * N * KV;
-  float* o = acts.attn.f32() + s * N * Q;
-  float* fc = acts.fc.f32() + s * N * Fi_;
-  float* act = acts.act.f32() + s * N * F_;
+  float* m = acts.mid.f32() + c * N * C;
+  float* ln1 = acts.attn_norm.f32() + c * N * C;
+  float* ln2 = acts.mlp_norm.f32() + c * N * C;
+  float* q = acts.q.f32() + c * N * Q;
+  float* k = acts.k.f32() + c * N * KV;
+  float* v = acts.v.f32() + c * N * KV;
+  float* o = acts.attn.f32() + c * N * Q;
+  float* fc = acts.fc.f32() + c * N * Fi_;
+  float* act = acts.act.f32() + c * N * F_;
 
-  norm_forward(ln1, at(acts.attn_norm_mean, s * N), acts.attn_norm_rstd.f32() + s * N, x,
+  norm_forward(ln1, at(acts.attn_norm_mean, c * N), acts.attn_norm_rstd.f32() + c * N, x,
                p.attn_norm_w, p.attn_norm_b, N);
   kn::linear_forward(acts.qkv.f32(), ln1, value(p.qkv_w), value(p.qkv_b), N, C, QKV_);
   split_qkv(q, k, v, acts.qkv.f32(), N, Q, KV);
@@ -460,7 +477,7 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
     kn::rope_forward(q, q, pos, N, H_, D_, theta);
     kn::rope_forward(k, k, pos, N, Hkv_, D_, theta);
   }
-  float* lse = acts.attn_lse.f32() + s * N * H_;
+  float* lse = acts.attn_lse.f32() + c * N * H_;
   if (acts.attention)
     acts.attention->forward(o, lse, q, k, v);
   else
@@ -468,9 +485,11 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
   kn::linear_forward(m, o, value(p.out_w), value(p.out_b), N, Q, C);
   add_into(m, x, N * C);
 
-  norm_forward(ln2, at(acts.mlp_norm_mean, s * N), acts.mlp_norm_rstd.f32() + s * N, m,
+  norm_forward(ln2, at(acts.mlp_norm_mean, c * N), acts.mlp_norm_rstd.f32() + c * N, m,
                p.mlp_norm_w, p.mlp_norm_b, N);
   if (moe_mask_[size_t(l)]) {
+    // A rebuild runs the whole MoE layer (backward needs its expert outputs) and writes the
+    // same x_{l+1} again.
     TESSEL_CHECK(expert_comm_->ep_size() == shard_.count && expert_comm_->ep_rank() == shard_.index,
                  "this model holds expert shard ", shard_.index, " of ", shard_.count,
                  " but runs with ep rank ", expert_comm_->ep_rank(), " of ",
@@ -487,12 +506,15 @@ void Gpt::block_forward(Activations& acts, int64_t l) const {
       std::fill_n(y, N * C, 0.0f);
       scatter_rows(y, acts.moe_y, acts.routed, C);
     }
+    // With recomputation the expert buffers live from here only to the block's backward.
+    if (acts.recompute == Recompute::blocks && !rebuild) acts.moe[size_t(s)].release_buffers();
   } else {
     kn::linear_forward(fc, ln2, value(p.fc_in_w), value(p.fc_in_b), N, C, Fi_);
     if (config_.mlp == MlpType::gelu)
       kn::gelu_forward(act, fc, N * F_);
     else
       kn::swiglu_forward(act, fc, N, F_);
+    if (rebuild) return;  // backward reads act, not the MLP's output
     kn::linear_forward(y, act, value(p.fc_out_w), value(p.fc_out_b), N, F_, C);
   }
   add_into(y, m, N * C);
@@ -532,21 +554,27 @@ void Gpt::backward_head(Activations& acts, float loss_scale) {
 
 void Gpt::backward_blocks(Activations& acts, int64_t first, int64_t last) {
   check_blocks(first, last);
-  for (int64_t l = last - 1; l >= first; --l) block_backward(acts, l);
+  const bool recompute = acts.recompute == Recompute::blocks;
+  for (int64_t l = last - 1; l >= first; --l) {
+    if (recompute) block_forward(acts, l, true);
+    block_backward(acts, l);
+    if (recompute && moe_mask_[size_t(l)]) acts.moe[size_t(acts.slot(l))].release_buffers();
+  }
 }
 
 // d x_{l+1} [N, C] -> d x_l [N, C], adding the block's parameter gradients.
 void Gpt::block_backward(Activations& acts, int64_t l) {
   const BlockParams& p = blocks_[size_t(l)];
   const int64_t N = acts.B * acts.T, C = C_, Q = H_ * D_, KV = Hkv_ * D_, s = acts.slot(l);
-  const float* dy = acts.d_stream.f32() + (s + 1) * N * C;
-  float* dx = acts.d_stream.f32() + s * N * C;
+  const int64_t c = acts.cache_slot(l);
+  const float* dy = acts.residual_grad(l + 1).f32();
+  float* dx = acts.residual_grad(l).f32();
   const float* x = acts.stream.f32() + s * N * C;
-  const float* m = acts.mid.f32() + s * N * C;
-  const float* q = acts.q.f32() + s * N * Q;
-  const float* k = acts.k.f32() + s * N * KV;
-  const float* v = acts.v.f32() + s * N * KV;
-  const float* o = acts.attn.f32() + s * N * Q;
+  const float* m = acts.mid.f32() + c * N * C;
+  const float* q = acts.q.f32() + c * N * Q;
+  const float* k = acts.k.f32() + c * N * KV;
+  const float* v = acts.v.f32() + c * N * KV;
+  const float* o = acts.attn.f32() + c * N * Q;
   float* d_norm = acts.d_norm.f32();
 
   // MLP branch; dx first carries the residual path, then becomes d m.
@@ -555,7 +583,7 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
     const MoeParams& mp = moe_params_[size_t(l)];
     auto g = moe_views<float>(mp, [this](int i) { return grad(i); });
     const auto w = moe_views<const float>(mp, [this](int i) { return value(i); });
-    const float* x_norm = acts.mlp_norm.f32() + s * N * C;
+    const float* x_norm = acts.mlp_norm.f32() + c * N * C;
     acts.d_norm.fill_zero();
     if (acts.routed_all) {
       moe_->backward(acts.moe[size_t(s)], d_norm, g, dy, x_norm, w, acts.loss_scale,
@@ -571,8 +599,8 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   } else {
     acts.d_act.fill_zero();
     kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,
-                        acts.act.f32() + s * N * F_, value(p.fc_out_w), N, F_, C);
-    const float* fc = acts.fc.f32() + s * N * Fi_;
+                        acts.act.f32() + c * N * F_, value(p.fc_out_w), N, F_, C);
+    const float* fc = acts.fc.f32() + c * N * Fi_;
     acts.d_fc.fill_zero();
     if (config_.mlp == MlpType::gelu)
       kn::gelu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N * F_);
@@ -580,10 +608,10 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
       kn::swiglu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N, F_);
     acts.d_norm.fill_zero();
     kn::linear_backward(d_norm, grad(p.fc_in_w), grad(p.fc_in_b), acts.d_fc.f32(),
-                        acts.mlp_norm.f32() + s * N * C, value(p.fc_in_w), N, C, Fi_);
+                        acts.mlp_norm.f32() + c * N * C, value(p.fc_in_w), N, C, Fi_);
   }
-  norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, s * N),
-                acts.mlp_norm_rstd.f32() + s * N, N);
+  norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, c * N),
+                acts.mlp_norm_rstd.f32() + c * N, N);
 
   // Attention branch; dx gains the path through attn_norm and becomes d x_l.
   acts.d_attn.fill_zero();
@@ -593,7 +621,7 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* dq = acts.d_split.f32();
   float* dk = dq + N * Q;
   float* dv = dk + N * KV;
-  const float* lse = acts.attn_lse.f32() + s * N * H_;
+  const float* lse = acts.attn_lse.f32() + c * N * H_;
   if (acts.attention)
     acts.attention->backward(dq, dk, dv, acts.d_attn.f32(), q, k, v, o, lse);
   else
@@ -613,10 +641,10 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* d_qkv = acts.qkv.f32();
   merge_qkv(d_qkv, dq, dk, dv, N, Q, KV);
   acts.d_norm.fill_zero();
-  kn::linear_backward(d_norm, grad(p.qkv_w), grad(p.qkv_b), d_qkv, acts.attn_norm.f32() + s * N * C,
+  kn::linear_backward(d_norm, grad(p.qkv_w), grad(p.qkv_b), d_qkv, acts.attn_norm.f32() + c * N * C,
                       value(p.qkv_w), N, C, QKV_);
-  norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, s * N),
-                acts.attn_norm_rstd.f32() + s * N, N);
+  norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, c * N),
+                acts.attn_norm_rstd.f32() + c * N, N);
 }
 
 template <class P, class Get>

@@ -48,12 +48,13 @@ struct ModelInputs {
 
 // Everything one micro-batch's forward keeps for its backward, plus backward
 // scratch, allocated once by Gpt::make_activations. Shapes, with N = B*T tokens,
-// L blocks held (last_layer - first_layer), C width, H query heads, Hkv key/value heads,
-// D head dim, F MLP hidden width, Fi = F (gelu) or 2F (swiglu), QKV = (H + 2 Hkv) D,
-// V vocab:
+// L blocks held (last_layer - first_layer), Lc = L (Recompute::none) or min(L, 1) (blocks)
+// block caches, C width, H query heads, Hkv key/value heads, D head dim, F MLP hidden width,
+// Fi = F (gelu) or 2F (swiglu), QKV = (H + 2 Hkv) D, V vocab:
 struct Activations {
   int64_t B = 0, T = 0;
   bool has_tokens = false, has_targets = false;
+  Recompute recompute = Recompute::none;
 
   // Inputs, copied by load_inputs.
   Tensor tokens;              // i32 [N]
@@ -63,31 +64,32 @@ struct Activations {
   attention::TiledMask mask;  // the attention mask with its tile summaries, shared by all layers
   attention::AttentionHook* attention = nullptr;  // ModelInputs::attention
 
-  // Forward cache. Per-layer buffers stack the layers along dimension 0. The
-  // norm means exist only for layernorm.
+  // Forward cache. Per-layer buffers stack the block caches along dimension 0 (block
+  // `layer` at cache_slot(layer)). The norm means exist only for layernorm.
   Tensor stream;           // [L+1, N, C] residual stream x_i at block boundary i
-  Tensor attn_norm;        // [L, N, C] attn_norm(x_i)
-  Tensor attn_norm_mean;   // [L, N]
-  Tensor attn_norm_rstd;   // [L, N]
-  Tensor q;                // [L, N, H, D] queries (rotated when rotary)
-  Tensor k;                // [L, N, Hkv, D] keys (rotated when rotary)
-  Tensor v;                // [L, N, Hkv, D] values
-  Tensor attn;             // [L, N, H, D] attention output
-  Tensor attn_lse;         // [L, B, H, T] log-sum-exp of each attention row
-  Tensor mid;              // [L, N, C] residual after attention, m_i
-  Tensor mlp_norm;         // [L, N, C] mlp_norm(m_i)
-  Tensor mlp_norm_mean;    // [L, N]
-  Tensor mlp_norm_rstd;    // [L, N]
-  Tensor fc;               // [L, N, Fi] fc_in output (swiglu: [gate | up] per row)
-  Tensor act;              // [L, N, F] gelu(fc) or silu(gate) * up
+  Tensor attn_norm;        // [Lc, N, C] attn_norm(x_i)
+  Tensor attn_norm_mean;   // [Lc, N]
+  Tensor attn_norm_rstd;   // [Lc, N]
+  Tensor q;                // [Lc, N, H, D] queries (rotated when rotary)
+  Tensor k;                // [Lc, N, Hkv, D] keys (rotated when rotary)
+  Tensor v;                // [Lc, N, Hkv, D] values
+  Tensor attn;             // [Lc, N, H, D] attention output
+  Tensor attn_lse;         // [Lc, B, H, T] log-sum-exp of each attention row
+  Tensor mid;              // [Lc, N, C] residual after attention, m_i
+  Tensor mlp_norm;         // [Lc, N, C] mlp_norm(m_i)
+  Tensor mlp_norm_mean;    // [Lc, N]
+  Tensor mlp_norm_rstd;    // [Lc, N]
+  Tensor fc;               // [Lc, N, Fi] fc_in output (swiglu: [gate | up] per row)
+  Tensor act;              // [Lc, N, F] gelu(fc) or silu(gate) * up
   Tensor final_norm;       // [N, C] final_norm(x_L)
   Tensor final_norm_mean;  // [N]
   Tensor final_norm_rstd;  // [N]
   Tensor logits;           // [N, V]
   Tensor lse;              // [N] log-sum-exp of each logits row (cross-entropy)
 
-  // Gradients of the residual stream and the logits.
-  Tensor d_stream;  // [L+1, N, C] d loss / d x_i
+  // Gradients of the residual stream and the logits. Backward needs only the two boundaries
+  // of the block it is in, so boundary i lives in slot (i - first_layer) % 2.
+  Tensor d_stream;  // [min(L+1, 2), N, C] d loss / d x_i
   Tensor d_logits;  // [N, V]
 
   // Scratch shared by all layers.
@@ -114,13 +116,20 @@ struct Activations {
   // model by default): per-layer buffers stack only those, and the head's (final norm,
   // logits) exist only for a range with the head.
   int64_t first_layer = 0, last_layer = 0;
-  // Index of block `layer` in the per-layer buffers (checked to be held).
+  // Index of block `layer` among the blocks held (checked to be held): its MoE cache.
   int64_t slot(int64_t layer) const;
+  // Index of block `layer`'s cache in the per-layer forward-cache buffers.
+  int64_t cache_slot(int64_t layer) const;
 
   // Residual stream x_i at block boundary i in [first_layer, last_layer] and its gradient,
   // [B, T, C] views: boundary 0 is the embedding output, boundary L the last block's output.
+  // A gradient boundary shares its slot with every second boundary: residual_grad(i) holds
+  // d x_i from when backward (or the caller, for the last boundary) writes it until backward
+  // reaches block i - 2.
   Tensor residual(int64_t boundary) const;
   Tensor residual_grad(int64_t boundary) const;
+  // Bytes of all the tensors above (the MoE caches, which grow with the routing, not counted).
+  int64_t tensor_bytes = 0;
 
  private:
   Tensor boundary_view(const Tensor& stack, int64_t boundary) const;
@@ -200,10 +209,12 @@ class Gpt {
   // Buffers for one micro-batch of B sequences of T tokens (InputError when
   // T > max_seq), for the parts `range` names (the head's buffers only with `head`); by
   // default those this model holds.
-  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T) const {
-    return make_activations(B, T, range_);
+  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T,
+                                                Recompute recompute = Recompute::none) const {
+    return make_activations(B, T, range_, recompute);
   }
-  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, BlockRange range) const;
+  std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, BlockRange range,
+                                                Recompute recompute = Recompute::none) const;
 
   // Whole model: load_inputs, then every forward piece; returns the SUM of the
   // weighted token losses (0 without targets); the caller divides by its count.
@@ -250,7 +261,9 @@ class Gpt {
   attention::AttentionShape attention_shape(const Activations& acts) const {
     return {acts.B, acts.T, acts.T, H_, Hkv_, D_};
   }
-  void block_forward(Activations& acts, int64_t layer) const;
+  // `rebuild`: backward's recomputation of the block's cache (Recompute::blocks), which
+  // leaves the block's output in the stream as the forward wrote it.
+  void block_forward(Activations& acts, int64_t layer, bool rebuild = false) const;
   void block_backward(Activations& acts, int64_t layer);
   // An MoE block's parameter indices and their views.
   struct MlpParams {

@@ -13,6 +13,16 @@ enum class MlpType { gelu, swiglu };
 enum class NormType { layernorm, rmsnorm };
 enum class PositionType { learned, rotary };
 
+// Activation recomputation (train.recompute). `none`: forward keeps every block's cache for
+// backward. `blocks`: forward keeps only the residual stream at the block boundaries and one
+// block's cache, and backward runs each block's forward again, just before that block's
+// backward, to rebuild it. Same losses and gradients bitwise. Per token and block, the
+// activations fall from about 4 C + 2 (H + Hkv) D + Fi + F floats (stream and cache; C width,
+// H, Hkv heads of dim D, Fi, F the MLP's input and hidden widths) to C, for one more forward
+// of the blocks less their MLP output projection. An MoE block's routing and expert buffers
+// are freed after its forward and rebuilt too; its statistics stay.
+enum class Recompute { none, blocks };
+
 struct GptConfig {
   int64_t vocab = 50304;
   int64_t layers = 12;

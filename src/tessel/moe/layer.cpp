@@ -165,6 +165,12 @@ double row_lse(const float* row, int64_t E) {
 
 }  // namespace
 
+void LayerCache::release_buffers() {
+  auto release = [](auto&... v) { ((v.clear(), v.shrink_to_fit()), ...); };
+  release(logits, probs, choice, gate, position, lei_margin, qb_margin, order, expert_in, expert_fc,
+          expert_act, combined, shared_fc, shared_act);
+}
+
 MoeLayer::MoeLayer(const MoeConfig& config, const LayerShape& shape)
     : config_(config), shape_(shape) {
   validate(config_);

@@ -77,6 +77,10 @@ struct LayerCache {
   std::vector<int64_t> group_loads;  // [E] the ep group's assignments before drops
   int64_t dropped = 0;               // this rank's dropped assignments
   double balance_loss = 0;           // value of the aux, z and LEI terms (per-token means)
+
+  // Frees the buffers only backward reads (every [N, *] and [rows, *] one), keeping the
+  // statistics: activation recomputation runs the forward again before the backward.
+  void release_buffers();
 };
 
 // Per-step accumulators of the balancing methods that update beta once per optimizer step;

@@ -63,7 +63,7 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   free_.pop_back();
   auto& acts = slots_[slot];
   const model::ModelInputs& rows = in->inputs();
-  if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
+  if (!acts) acts = model_.make_activations(rows.B, rows.T, range(), config_.train.recompute);
   struct Restore {  // the stage's own weights come back even if the forward throws
     float* w;
     const std::vector<float>& saved;
@@ -88,7 +88,7 @@ StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> 
   const RankBatchInputs in(batch, config_, cp_group_);
   const model::ModelInputs& rows = in.inputs();
   auto& acts = eval_[{rows.B, rows.T}];
-  if (!acts) acts = model_.make_activations(rows.B, rows.T, range());
+  if (!acts) acts = model_.make_activations(rows.B, rows.T, range(), config_.train.recompute);
   const double loss = forward_stage(*acts, rows, input, output);
   return {loss, in.loss_weight_sum(), 1, acts.get()};
 }

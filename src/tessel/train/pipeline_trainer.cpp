@@ -93,6 +93,13 @@ void validate_pipeline(const Config& c) {
           "config key 'model.tied_head' = true is not available with pipeline.schedule = "
           "paci and parallel.pp > 1 (the first and last stage would have to sync the tied "
           "weight at every local step); set model.tied_head = false or use gpipe / 1f1b");
+    // A stale backward runs against newer weights than its forward did; only the stash puts
+    // the forward's weights back before it, so that a recomputed forward is the forward.
+    if (c.train.recompute != model::Recompute::none && c.parallel.pp > 1 && !c.pipeline.paci_stash)
+      input_error(
+          "config key 'train.recompute' = blocks with pipeline.schedule = paci needs "
+          "pipeline.paci_stash = true (without it a stale micro-batch's recomputed forward "
+          "would see newer weights than its forward did)");
     if (c.train.checkpoint_policy != "fixed")
       input_error("config key 'train.checkpoint_policy' = ", c.train.checkpoint_policy,
                   " is not available with pipeline.schedule = paci (its horizons end at "

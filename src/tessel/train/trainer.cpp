@@ -338,7 +338,7 @@ struct Trainer::State {
         targets[size_t(i)] = int32_t((i + 1) % config.model.vocab);
         positions[size_t(i)] = int32_t(i);
       }
-      auto a = model.make_activations(1, T);
+      auto a = model.make_activations(1, T, config.train.recompute);
       model.forward(*a, {1, T, tokens.data(), positions.data(), targets.data(), mask.data()});
       model.backward(*a, 1.0f);
     } catch (...) {
@@ -367,7 +367,7 @@ struct Trainer::State {
 
   model::Activations& activations(int64_t rows, int64_t T) {
     auto& a = acts[{rows, T}];
-    if (!a) a = model.make_activations(rows, T);
+    if (!a) a = model.make_activations(rows, T, config.train.recompute);
     return *a;
   }
 
@@ -737,12 +737,23 @@ TrainResult Trainer::run() {
                                   : " too long for seq_len left out (data.overlong)",
                               ", ", packed->untrained(), " without a trained token left out)")
              : "";
+  // A pipeline stage allocates its micro-batches' activations as its schedule needs them.
+  const int64_t activation_bytes =
+      s.pipeline ? 0
+                 : s.activations(c.train.micro_batch, c.train.seq_len / c.parallel.cp).tensor_bytes;
+  char activations[96] = "";
+  if (!s.pipeline)
+    std::snprintf(activations, sizeof activations,
+                  ", activations %.1f MiB per micro-batch (train.recompute = %s)",
+                  double(activation_bytes) / double(1 << 20),
+                  c.train.recompute == model::Recompute::none ? "none" : "blocks");
   s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +
         std::to_string(s.model.num_parameters()) + " on rank 0), " +
         std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
         " thread(s), dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) + ", " +
         (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft +
-        ", GEMM peak " + std::to_string(int(peak)) + " GFLOP/s per rank" +
+        std::string(activations) + ", GEMM peak " + std::to_string(int(peak)) +
+        " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : "") +
         (s.initialized_from.empty() ? "" : ", weights from " + s.initialized_from));
 
@@ -767,6 +778,7 @@ TrainResult Trainer::run() {
                           {"ranks", s.world.size()},
                           {"threads", num_threads()},
                           {"start_step", s.start_step}};
+  if (!s.pipeline) start["activation_bytes"] = activation_bytes;
   if (packed)
     start["sft"] = {{"samples", packed->samples()},
                     {"rows", packed->rows()},

@@ -1,0 +1,163 @@
+// Activation recomputation (Recompute::blocks) against keeping every block's cache: the same
+// losses, logits, gradients, MoE statistics and balancing updates, bit for bit, with a
+// fraction of the activation memory.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "tessel/model/gpt.hpp"
+#include "unit/model/model_test_util.hpp"
+
+using namespace tessel;
+using namespace tessel::model;
+using namespace tessel::model::testing;
+
+namespace {
+
+// What a model computes over two micro-batches, accumulated, then one balancing update.
+struct Result {
+  std::vector<double> losses;
+  Tensor logits, grads, d_input, params_after_update;
+  std::vector<moe::LayerCache> moe;  // the last micro-batch's MoE caches
+  bool moe_buffers_released = true;  // every MoE cache's routing and expert buffers freed
+};
+
+Result run(Gpt& gpt, Recompute recompute, const std::vector<Batch>& batches,
+           const std::vector<uint8_t>& padding) {
+  const Tensor start = gpt.flat_params().clone();
+  Result r;
+  auto acts = gpt.make_activations(batches[0].B, batches[0].T, recompute);
+  gpt.zero_grads();
+  for (const Batch& b : batches) {
+    ModelInputs in = b.inputs();
+    in.padding = padding.empty() ? nullptr : padding.data();
+    r.losses.push_back(gpt.forward(*acts, in));
+    r.logits = acts->logits.clone();
+    gpt.backward(*acts, 0.5f);
+  }
+  r.grads = gpt.flat_grads().clone();
+  r.d_input = acts->residual_grad(0).clone();
+  for (size_t l = 0; l < acts->moe.size(); ++l) {
+    if (!gpt.moe_blocks()[l]) continue;
+    r.moe.push_back(acts->moe[l]);
+    r.moe_buffers_released = r.moe_buffers_released && acts->moe[l].probs.capacity() == 0 &&
+                             acts->moe[l].expert_in.capacity() == 0;
+  }
+  gpt.update_balance();
+  r.params_after_update = gpt.flat_params().clone();
+  std::memcpy(gpt.flat_params().raw(), start.raw(), start.bytes());
+  return r;
+}
+
+void expect_same(const GptConfig& config, bool with_padding) {
+  SCOPED_TRACE(::testing::Message() << "moe_layers '" << config.moe_layers << "', balance "
+                                    << int(config.moe.balance) << ", padding " << with_padding);
+  Gpt gpt(config, 41);
+  randomize_parameters(gpt, 42, 0.3f);
+  const bool packed = config.positions == PositionType::rotary;
+  const std::vector<Batch> batches = {random_batch(config, 2, 6, 43, packed),
+                                      random_batch(config, 2, 6, 44, packed)};
+  std::vector<uint8_t> padding;
+  if (with_padding) {  // the last two positions of row 1
+    padding.assign(12, 0);
+    padding[10] = padding[11] = 1;
+  }
+  const Result kept = run(gpt, Recompute::none, batches, padding);
+  const Result recomputed = run(gpt, Recompute::blocks, batches, padding);
+  EXPECT_EQ(kept.losses, recomputed.losses);
+  EXPECT_TRUE(bitwise_equal(kept.logits, recomputed.logits));
+  EXPECT_TRUE(bitwise_equal(kept.grads, recomputed.grads));
+  EXPECT_TRUE(bitwise_equal(kept.d_input, recomputed.d_input));
+  EXPECT_TRUE(bitwise_equal(kept.params_after_update, recomputed.params_after_update));
+  ASSERT_EQ(kept.moe.size(), recomputed.moe.size());
+  for (size_t i = 0; i < kept.moe.size(); ++i) {
+    EXPECT_EQ(kept.moe[i].N, recomputed.moe[i].N);
+    EXPECT_EQ(kept.moe[i].loads, recomputed.moe[i].loads);
+    EXPECT_EQ(kept.moe[i].group_loads, recomputed.moe[i].group_loads);
+    EXPECT_EQ(kept.moe[i].dropped, recomputed.moe[i].dropped);
+    EXPECT_EQ(kept.moe[i].balance_loss, recomputed.moe[i].balance_loss);
+  }
+  if (!kept.moe.empty()) {
+    EXPECT_FALSE(kept.moe_buffers_released);  // the check sees buffers where they are kept
+    EXPECT_TRUE(recomputed.moe_buffers_released);
+  }
+}
+
+}  // namespace
+
+TEST(Recompute, DenseBlocksGiveTheSameLossesAndGradientsBitwise) {
+  for (GptConfig c : {gelu_config(), swiglu_config()}) {
+    c.layers = 3;
+    expect_same(c, false);
+  }
+}
+
+// MoE blocks: EQB (beta updated from what backward recorded), the aux loss and LEI (loss terms
+// with gradients), capacity drops (the swiglu config), and padding rows left out of the MoE.
+TEST(Recompute, MoeBlocksGiveTheSameLossesGradientsStatisticsAndBalanceBitwise) {
+  for (const GptConfig& base : {moe_config(gelu_config(), "1"), moe_config(swiglu_config(), "all")})
+    for (moe::Balance balance : {moe::Balance::eqb, moe::Balance::aux, moe::Balance::eqb_lei})
+      for (bool padding : {false, true}) {
+        GptConfig c = base;
+        c.layers = 3;
+        c.moe.balance = balance;
+        expect_same(c, padding);
+      }
+}
+
+// Pipeline stages recompute within their own block ranges and still compose the whole
+// model's gradients bit for bit.
+TEST(Recompute, StageRangesComposeTheWholeModel) {
+  GptConfig c = gelu_config();
+  c.layers = 3;
+  Gpt gpt(c, 51);
+  randomize_parameters(gpt, 52, 0.3f);
+  const Batch batch = random_batch(c, 2, 6, 53, false);
+  auto whole = gpt.make_activations(2, 6);
+  gpt.zero_grads();
+  const double loss = gpt.forward(*whole, batch.inputs());
+  gpt.backward(*whole, 1.0f);
+  const Tensor grads = gpt.flat_grads().clone();
+
+  const int64_t k = 1, L = c.layers;
+  auto stage0 = gpt.make_activations(2, 6, {0, k, true, false}, Recompute::blocks);
+  auto stage1 = gpt.make_activations(2, 6, {k, L, false, true}, Recompute::blocks);
+  gpt.load_inputs(*stage0, batch.inputs());
+  gpt.load_inputs(*stage1, batch.inputs());
+  gpt.forward_embedding(*stage0);
+  gpt.forward_blocks(*stage0, 0, k);
+  Tensor boundary = stage1->residual(k);
+  std::memcpy(boundary.raw(), stage0->residual(k).raw(), boundary.bytes());
+  gpt.forward_blocks(*stage1, k, L);
+  EXPECT_EQ(gpt.forward_head(*stage1), loss);
+  gpt.zero_grads();
+  gpt.backward_head(*stage1, 1.0f);
+  gpt.backward_blocks(*stage1, k, L);
+  Tensor boundary_grad = stage0->residual_grad(k);
+  std::memcpy(boundary_grad.raw(), stage1->residual_grad(k).raw(), boundary_grad.bytes());
+  gpt.backward_blocks(*stage0, 0, k);
+  gpt.backward_embedding(*stage0);
+  EXPECT_TRUE(bitwise_equal(gpt.flat_grads(), grads));
+}
+
+// The activations keep one block cache instead of L: the bytes saved are (L - 1) block caches,
+// counted here from the shapes in gpt.hpp. The stream keeps every boundary, its gradient two.
+TEST(Recompute, KeepsOneBlockCache) {
+  GptConfig c = gelu_config();  // layernorm: the norm means are cached too
+  c.layers = 4;
+  const Gpt gpt(c, 61);
+  const int64_t B = 2, T = 6, N = B * T, C = c.width, H = c.heads, Hkv = c.num_kv_heads();
+  const int64_t D = c.head_dim(), F = c.mlp_hidden_size(), Fi = F;  // gelu: Fi = F
+  // attn_norm, its mean and rstd, q, k, v, attention output, its lse, mid, mlp_norm, its mean
+  // and rstd, fc, act.
+  const int64_t block_floats = N * (C + 2 + H * D + 2 * Hkv * D + H * D + H + C + C + 2 + Fi + F);
+  const auto kept = gpt.make_activations(B, T, Recompute::none);
+  const auto recomputed = gpt.make_activations(B, T, Recompute::blocks);
+  EXPECT_EQ(kept->tensor_bytes - recomputed->tensor_bytes,
+            (c.layers - 1) * block_floats * int64_t(sizeof(float)));
+  EXPECT_EQ(recomputed->q.dim(0), 1);
+  EXPECT_EQ(recomputed->stream.dim(0), c.layers + 1);
+  EXPECT_EQ(recomputed->d_stream.dim(0), 2);
+  EXPECT_EQ(kept->d_stream.dim(0), 2);
+}
