@@ -260,6 +260,45 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
   }
 }
 
+// Activation recomputation (train.recompute = blocks) changes nothing over the layouts whose
+// forward communicates: dp = P, cp = 2 (the recomputed attention exchanges keys and values
+// again) and experts over every rank (the recomputed MoE layers exchange tokens again). The
+// same losses, norms, validation and MoE loads, bitwise.
+TEST(DataParallel, RecomputationEqualsKeepingTheCachesBitwise) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  const std::string data = fixture::shared_dataset(world);
+  train::Config dense = fixture::tiny_config(data, shared_temp_dir(world, "tessel-rc"));
+  dense.train.steps = 12;
+  dense.train.eval_every = 6;
+  train::Config cp = dense;
+  cp.parallel.cp = 2;
+  cp.data.attention_mask = train::AttentionMaskKind::causal_document;
+  train::Config ep = moe_config(world, "tessel-rc");
+  ep.parallel.ep = P;
+  ep.train.eval_every = 6;
+  for (train::Config c : {dense, cp, ep}) {
+    SCOPED_TRACE("cp = " + std::to_string(c.parallel.cp) +
+                 ", ep = " + std::to_string(c.parallel.ep));
+    c.run.dir = shared_temp_dir(world, "tessel-rc");
+    const auto kept = run_on(world, c);
+    const std::string kept_dir = c.run.dir;
+    c.train.recompute = model::Recompute::blocks;
+    c.run.dir = shared_temp_dir(world, "tessel-rc");
+    const auto recomputed = run_on(world, c);
+    ASSERT_EQ(kept.steps.size(), 12u);
+    ASSERT_EQ(recomputed.steps.size(), 12u);
+    for (size_t i = 0; i < kept.steps.size(); ++i) {
+      EXPECT_EQ(recomputed.steps[i].loss, kept.steps[i].loss) << "step " << i + 1;
+      EXPECT_EQ(recomputed.steps[i].grad_norm, kept.steps[i].grad_norm) << "step " << i + 1;
+    }
+    EXPECT_EQ(recomputed.validation, kept.validation);
+    if (world.rank() == 0) {
+      EXPECT_EQ(moe_loads(c.run.dir), moe_loads(kept_dir));
+    }
+  }
+}
+
 // SFT with MoE blocks, experts over every rank: each rank routes its rows without their padding
 // (unit_train's SftMoe tests show that it is left out), so the token exchange carries different
 // counts per rank, and the run follows one process accumulating the same global batch, EQB +

@@ -270,6 +270,33 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
     }
 }
 
+// Activation recomputation inside each stage (train.recompute = blocks) changes nothing: GPipe
+// and 1F1B, and PACI with the stash (K = P - 1, so that backwards are stale and recompute
+// against the stashed weights), give the same losses, norms, validation and weights bitwise.
+TEST(PipelineTrain, RecomputationEqualsKeepingTheCachesBitwise) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  for (const char* schedule : {"gpipe", "1f1b", "paci"}) {
+    SCOPED_TRACE(schedule);
+    train::Config c = pipeline_config(world, "tessel-pp-recompute");
+    c.parallel.pp = P;
+    c.pipeline.schedule = schedule;
+    if (std::string(schedule) == "paci") {
+      c.model.tied_head = false;
+      c.pipeline.paci_stash = true;
+      c.train.accum = P - 1;
+    }
+    const auto kept = run_on(world, c);
+    const auto kept_weights = fixture::final_weights(c.run.dir);
+    c.train.recompute = model::Recompute::blocks;
+    c.run.dir = shared_temp_dir(world, "tessel-pp-recompute");
+    const auto recomputed = run_on(world, c);
+    ASSERT_EQ(kept.steps.size(), size_t(c.train.steps));
+    fixture::expect_same_steps(recomputed, kept);
+    fixture::expect_same_weights(fixture::final_weights(c.run.dir), kept_weights);
+  }
+}
+
 // SFT over the stages: a 1F1B pipeline fine-tuned on packed samples from a single-process
 // checkpoint (train.init_from: each stage takes its own tensors) equals the single-process
 // fine-tuning bitwise.

@@ -109,6 +109,14 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
   fixture::expect_input_error(with({"parallel.pp=3", "model.layers=3", "pipeline.schedule=paci",
                                     "pipeline.paci_stash=true", "pipeline.paci_k=1"}),
                               {"pipeline.paci_stash", "parallel.pp - 1 = 2", "got 1"});
+  // A stale backward's recomputed forward would see newer weights unless the stash restores
+  // the forward's; with the stash (and under the flush schedules) recomputation is accepted.
+  fixture::expect_input_error(with({"parallel.pp=2", "pipeline.schedule=paci",
+                                    "model.tied_head=false", "train.recompute=blocks"}),
+                              {"train.recompute", "pipeline.paci_stash"});
+  EXPECT_NO_THROW(with({"parallel.pp=2", "pipeline.schedule=paci", "model.tied_head=false",
+                        "train.recompute=blocks", "pipeline.paci_stash=true"})());
+  EXPECT_NO_THROW(with({"parallel.pp=2", "pipeline.schedule=1f1b", "train.recompute=blocks"})());
 }
 
 TEST_F(PipelineTrainerTest, ParametersBelongToTheStageOfTheirPiece) {
