@@ -1,6 +1,7 @@
 #include "tessel/core/memory.hpp"
 
 #include <malloc.h>
+#include <sys/resource.h>
 
 #include <cstdlib>
 #include <string_view>
@@ -22,6 +23,12 @@ void retain_freed_memory() {
 
 void release_free_memory() {
   malloc_trim(0);
+}
+
+int64_t peak_resident_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return int64_t(usage.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
 }  // namespace tessel

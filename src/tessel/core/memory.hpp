@@ -12,6 +12,8 @@
 // Large blocks of threads other than the main one may still be mmap'd (their arenas hold
 // at most 64 MiB each). Numerics do not depend on the policy. TESSEL_RETAIN_FREED_MEMORY=0
 // (or false, off, no) in the environment keeps glibc's defaults (the benchmark's baseline).
+#include <cstdint>
+
 namespace tessel {
 
 // Applies the policy once per process (later calls do nothing). Storage (tensor.cpp) calls
@@ -21,5 +23,9 @@ void retain_freed_memory();
 // Hands the free heap memory back to the kernel now (malloc_trim): after a one-off peak
 // that later steps will not reach again, such as loading a checkpoint to resume.
 void release_free_memory();
+
+// The process's peak resident set size so far, in bytes (getrusage's high-water mark): under
+// the policy above, the most memory the process held at any time.
+int64_t peak_resident_bytes();
 
 }  // namespace tessel

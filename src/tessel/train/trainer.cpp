@@ -960,7 +960,11 @@ TrainResult Trainer::run() {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }
-  s.log("done in " + format_duration(run_timer.seconds()) +
+  int64_t peak_memory = peak_resident_bytes();
+  s.world.all_reduce(std::span<int64_t>(&peak_memory, 1), comm::ReduceOp::max);
+  result.peak_resident_bytes = peak_memory;
+  s.log("done in " + format_duration(run_timer.seconds()) + ", peak resident memory " +
+        std::to_string(peak_memory >> 20) + " MiB (the largest rank's)" +
         (metrics_log ? "; metrics in " + c.run.dir + "/metrics.jsonl" : ""));
   s.finished = true;
   return result;
