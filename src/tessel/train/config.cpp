@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "tessel/core/error.hpp"
@@ -41,12 +42,6 @@ bool parse_bool(const std::string& key, const std::string& text) {
   if (text == "true") return true;
   if (text == "false") return false;
   input_error("config key '", key, "': expected true or false, got '", text, "'");
-}
-
-std::string unquote(const std::string& text) {
-  if (text.size() >= 2 && text.front() == '"' && text.back() == '"')
-    return text.substr(1, text.size() - 2);
-  return text;
 }
 
 // A TOML string literal with every character that needs it escaped (toml++ does it).
@@ -86,7 +81,7 @@ ConfigKey bool_key(std::string name, std::string help, Get member) {
 template <class Get>
 ConfigKey string_key(std::string name, std::string help, Get member) {
   return {name, std::move(help), "string",
-          [member](Config& c, const std::string& t) { member(c) = unquote(t); },
+          [member](Config& c, const std::string& t) { member(c) = t; },
           [member](const Config& c) { return quote(member(const_cast<Config&>(c))); }};
 }
 // An enum stored as one of a fixed set of names.
@@ -97,13 +92,12 @@ ConfigKey choice_key(std::string name, std::string help,
   for (auto& [n, e] : choices) type += (type.empty() ? "" : "|") + n;
   return {name, std::move(help), type,
           [member, name, choices, type](Config& c, const std::string& t) {
-            std::string v = unquote(t);
             for (auto& [n, e] : choices)
-              if (n == v) {
+              if (n == t) {
                 member(c) = e;
                 return;
               }
-            input_error("config key '", name, "': expected one of ", type, ", got '", v, "'");
+            input_error("config key '", name, "': expected one of ", type, ", got '", t, "'");
           },
           [member, choices](const Config& c) {
             for (auto& [n, e] : choices)
@@ -463,7 +457,22 @@ void apply_override(Config& config, const std::string& assignment) {
   std::string name = assignment.substr(0, eq);
   const ConfigKey* key = find_key(name);
   if (!key) unknown_key("--set: ", name);
-  key->set(config, assignment.substr(eq + 1));
+  std::string value = assignment.substr(eq + 1);
+  // A value that starts with a quote is one TOML string, as in a config file ("..." with
+  // escapes such as \n, or '...' taken literally); any other value is taken as written.
+  if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
+    std::optional<std::string> parsed;
+    try {
+      parsed = toml::parse("v = " + value)["v"].value<std::string>();
+    } catch (const toml::parse_error&) {
+    }
+    if (!parsed)
+      input_error("--set ", name, ": ", value,
+                  " starts with a quote but is not one TOML string (\"...\" with escapes "
+                  "such as \\n, or '...')");
+    value = *parsed;
+  }
+  key->set(config, value);
 }
 
 namespace {
@@ -484,6 +493,8 @@ Config config_from(const toml::table& table, const std::string& source,
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   if (path.empty()) return config_from(toml::table{}, "", overrides);
+  if (std::filesystem::is_directory(path))
+    input_error(path, ": is a directory; --config takes a TOML file");
   if (!std::filesystem::is_regular_file(path)) input_error(path, ": config file not found");
   try {
     return config_from(toml::parse_file(path), path, overrides);

@@ -102,9 +102,33 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
       {"parallel.cp", "MoE"});
 }
 
+// --set takes a value that starts with a quote as one TOML string, as a config file would;
+// any other value as written.
+TEST(Config, QuotedOverridesAreTomlStrings) {
+  Config c = train::load_config("", {"run.dir='runs/q2'", "train.sample_stop=\"\\n\"",
+                                     "train.sample_prompt=\"a\\tb \\\"c\\\"\"",
+                                     "model.mlp=\"swiglu\""});
+  EXPECT_EQ(c.run.dir, "runs/q2");
+  EXPECT_EQ(c.train.sample_stop, "\n");
+  EXPECT_EQ(c.train.sample_prompt, "a\tb \"c\"");
+  EXPECT_EQ(c.model.mlp, model::MlpType::swiglu);
+  c = train::load_config("", {"train.sample_prompt=say \"hi\"", "run.dir=runs/it's"});
+  EXPECT_EQ(c.train.sample_prompt, "say \"hi\"");
+  EXPECT_EQ(c.run.dir, "runs/it's");
+  for (std::string bad : {"run.dir=\"runs/q3", "run.dir='runs/q3", "train.sample_prompt=\"x\" y",
+                          "run.dir=\"a\" \"b\""})
+    expect_input_error([&] { train::load_config("", {bad}); },
+                       {"--set " + bad.substr(0, bad.find('=')), "TOML string"});
+  // A config file's string is taken as it stands, quotes inside it included.
+  const std::string path = write_file("q.toml", "[train]\nsample_prompt = '\"quoted\"'\n");
+  EXPECT_EQ(train::load_config(path, {}).train.sample_prompt, "\"quoted\"");
+}
+
 TEST(Config, MissingAndMalformedFiles) {
   expect_input_error([&] { train::load_config("/nonexistent/x.toml", {}); },
                      {"/nonexistent/x.toml", "not found"});
+  const std::string dir = fixture::temp_dir("tessel-config-dir");
+  expect_input_error([&] { train::load_config(dir, {}); }, {dir, "is a directory"});
   std::string path = write_file("d.toml", "[model\nwidth = 3\n");
   expect_input_error([&] { train::load_config(path, {}); }, {path + ":1"});
 }
