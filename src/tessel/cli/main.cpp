@@ -69,16 +69,25 @@ int run_generate(const std::string& run_dir, const std::string& prompt, int64_t 
   const train::CheckpointContent& ckpt = loaded.content;
   train::Config config = train::parse_config(ckpt.state.at("config").get<std::string>(),
                                              *latest + "/manifest.json", {});
+  if (config.model.vocab != data::ByteTokenizer::kVocabSize)
+    input_error(*latest, ": generate needs the byte tokenizer (model.vocab = 256)");
   model::Gpt gpt(config.model, 0);
   for (const auto& p : gpt.parameters())
     train::restore_tensor(ckpt.model, p.name, p.value, *latest);
-  if (config.model.vocab != data::ByteTokenizer::kVocabSize)
-    input_error(*latest, ": generate needs the byte tokenizer (model.vocab = 256)");
   data::ByteTokenizer tok;
+  const int32_t stop_token = tok.single_token(stop, "--stop");
+  const std::vector<int32_t> ids = tok.encode(prompt);
+  // The prompt, then each token as it is drawn: every token costs a whole forward.
+  auto print = [&tok](std::span<const int32_t> part) {
+    const std::string text = tok.decode(part);
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+  };
+  print(ids);
   Rng rng{uint64_t(seed)};
-  auto ids = model::generate(gpt, tok.encode(prompt), tokens, float(temperature), top_k, rng,
-                             tok.single_token(stop, "--stop"));
-  std::printf("%s\n", tok.decode(ids).c_str());
+  model::generate(gpt, ids, tokens, float(temperature), top_k, rng, stop_token,
+                  [&print](int32_t token) { print(std::span<const int32_t>(&token, 1)); });
+  std::printf("\n");
   return 0;
 }
 

@@ -66,21 +66,23 @@ int32_t sample_token(const std::vector<float>& logits, float temperature, int64_
 
 std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
-                              int64_t top_k, Rng& rng, int32_t stop) {
+                              int64_t top_k, Rng& rng, int32_t stop, const OnToken& on_token) {
   if (new_tokens < 0) input_error("generate: new_tokens = ", new_tokens, " must be >= 0");
   if (prompt.empty()) input_error("generate: the prompt must hold at least one token");
   for (int64_t i = 0; i < new_tokens; ++i) {
     prompt.push_back(sample_token(next(last_window(prompt, max_seq)), temperature, top_k, rng));
+    if (on_token) on_token(prompt.back());
     if (prompt.back() == stop) break;
   }
   return prompt;
 }
 
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
-                              float temperature, int64_t top_k, Rng& rng, int32_t stop) {
+                              float temperature, int64_t top_k, Rng& rng, int32_t stop,
+                              const OnToken& on_token) {
   return generate([&gpt](std::span<const int32_t> w) { return whole_model_logits(gpt, w); },
                   gpt.config().max_seq, std::move(prompt), new_tokens, temperature, top_k, rng,
-                  stop);
+                  stop, on_token);
 }
 
 }  // namespace tessel::model

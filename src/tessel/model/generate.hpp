@@ -22,15 +22,20 @@ using NextTokenLogits = std::function<std::vector<float>(std::span<const int32_t
 // (top_k = 0: all). temperature = 0 is greedy: the largest logit, the lowest id on ties.
 int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng);
 
+// Called with each token as it is drawn (to print it at once: a step runs a whole forward).
+using OnToken = std::function<void(int32_t token)>;
+
 // prompt followed by new_tokens tokens, each drawn by sample_token from next() of the last
-// max_seq tokens; generation ends early after a drawn `stop` token (kept; -1 = no stop token).
-// InputError on an empty prompt, a negative temperature, top_k or new_tokens, or (from the
-// forward) a token id outside the vocabulary.
+// max_seq tokens and passed to on_token (when set); generation ends early after a drawn
+// `stop` token (kept; -1 = no stop token). InputError on an empty prompt, a negative
+// temperature, top_k or new_tokens, or (from the forward) a token id outside the vocabulary.
 std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
-                              int64_t top_k, Rng& rng, int32_t stop = -1);
+                              int64_t top_k, Rng& rng, int32_t stop = -1,
+                              const OnToken& on_token = nullptr);
 // The same through the whole model's forward.
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
-                              float temperature, int64_t top_k, Rng& rng, int32_t stop = -1);
+                              float temperature, int64_t top_k, Rng& rng, int32_t stop = -1,
+                              const OnToken& on_token = nullptr);
 
 }  // namespace tessel::model

@@ -29,7 +29,7 @@ struct TrainResult {
   std::vector<std::pair<int64_t, double>> validation;  // (step, loss in nats per token)
   std::string sample;                                  // final text sample (rank 0)
   double peak_gflops = 0;                              // per-rank MFU denominator
-  int64_t peak_resident_bytes = 0;  // the largest rank's peak resident set size
+  int64_t peak_resident_bytes = 0;                     // the largest rank's peak resident set size
 };
 
 // When the process started and when MPI was ready (monotonic_ns of ett.hpp; -1 = not

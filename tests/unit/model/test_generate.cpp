@@ -53,8 +53,11 @@ TEST(Generate, AStopTokenEndsGenerationAfterItsFirstDraw) {
   const auto full = generate(gpt, prompt, 12, 0.0f, 0, rng);
   const int32_t stop = full[6];  // the fourth new token
   const auto first = size_t(std::find(full.begin() + 3, full.end(), stop) - full.begin());
-  const auto stopped = generate(gpt, prompt, 12, 0.0f, 0, rng, stop);
+  std::vector<int32_t> streamed;  // what on_token saw, in order: the new tokens, the stop too
+  const auto stopped =
+      generate(gpt, prompt, 12, 0.0f, 0, rng, stop, [&](int32_t t) { streamed.push_back(t); });
   EXPECT_EQ(stopped, std::vector<int32_t>(full.begin(), full.begin() + int64_t(first) + 1));
+  EXPECT_EQ(streamed, std::vector<int32_t>(stopped.begin() + 3, stopped.end()));
   int32_t never = 0;
   while (std::find(full.begin() + 3, full.end(), never) != full.end()) ++never;
   EXPECT_EQ(generate(gpt, prompt, 12, 0.0f, 0, rng, never), full);

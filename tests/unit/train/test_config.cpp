@@ -105,9 +105,9 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
 // --set takes a value that starts with a quote as one TOML string, as a config file would;
 // any other value as written.
 TEST(Config, QuotedOverridesAreTomlStrings) {
-  Config c = train::load_config("", {"run.dir='runs/q2'", "train.sample_stop=\"\\n\"",
-                                     "train.sample_prompt=\"a\\tb \\\"c\\\"\"",
-                                     "model.mlp=\"swiglu\""});
+  Config c =
+      train::load_config("", {"run.dir='runs/q2'", "train.sample_stop=\"\\n\"",
+                              "train.sample_prompt=\"a\\tb \\\"c\\\"\"", "model.mlp=\"swiglu\""});
   EXPECT_EQ(c.run.dir, "runs/q2");
   EXPECT_EQ(c.train.sample_stop, "\n");
   EXPECT_EQ(c.train.sample_prompt, "a\tb \"c\"");
