@@ -47,16 +47,27 @@ namespace fs = std::filesystem;
 
 namespace tessel::train {
 
+namespace {
+
+// The job's ranks on this machine: Open MPI's local size, else the whole world.
+int local_ranks(int world_size) {
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    return std::max(1, std::atoi(env));
+  return world_size;
+}
+
+int machine_cores() {
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
 int auto_threads_per_rank(int world_size) {
   if (const char* env = std::getenv("OMP_NUM_THREADS")) {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
-  int local = world_size;
-  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
-    local = std::max(1, std::atoi(env));
-  int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / local);
+  return std::max(1, machine_cores() / local_ranks(world_size));
 }
 
 namespace {
@@ -644,7 +655,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   int threads =
       config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());
   set_num_threads(threads);
-  config.run.threads = threads;
+  config.run.threads = num_threads();  // what the pools run, after OpenBLAS's cap
   config.parallel.dp = shape.dp;
   attempt_ = std::make_unique<Attempt>(config.run.dir, world, times);
   try {
@@ -747,11 +758,19 @@ TrainResult Trainer::run() {
                   ", activations %.1f MiB per micro-batch (train.recompute = %s)",
                   double(activation_bytes) / double(1 << 20),
                   c.train.recompute == model::Recompute::none ? "none" : "blocks");
+  // More threads than cores make every rank wait on the others' threads: steps crawl.
+  const int here = local_ranks(s.world.size());
+  const std::string oversubscribed =
+      num_threads() * here > machine_cores()
+          ? detail::concat(" (warning: ", here, " rank(s) x ", num_threads(),
+                           " thread(s) on this machine's ", machine_cores(),
+                           " cores; expect slow steps, set run.threads)")
+          : "";
   s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +
         std::to_string(s.model.num_parameters()) + " on rank 0), " +
         std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
-        " thread(s), dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) + ", " +
-        (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft +
+        " thread(s)" + oversubscribed + ", dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) +
+        ", " + (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft +
         std::string(activations) + ", GEMM peak " + std::to_string(int(peak)) +
         " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : "") +

@@ -12,6 +12,7 @@
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
+#include "tessel/core/threading.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/checkpoint_interval.hpp"
 #include "tessel/train/trainer.hpp"
@@ -47,6 +48,23 @@ TEST_F(TrainerTest, LossFallsAndRunsRepeatBitwise) {
   for (size_t i = 0; i < a.steps.size(); ++i) EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << i;
   ASSERT_EQ(a.validation.size(), 1u);
   EXPECT_EQ(a.validation[0].second, b.validation[0].second);
+}
+
+// config.toml records the thread count the pools actually run (OpenBLAS caps a request at its
+// pool's size), and the result the peak resident memory.
+TEST_F(TrainerTest, TheResolvedConfigRecordsTheThreadsUsed) {
+  const int before = num_threads();
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 2;
+  c.optim.warmup_steps = 1;
+  c.run.threads = 100000;
+  const auto result = train_run(c);
+  const int used = num_threads();
+  set_num_threads(before);
+  const train::Config written = train::load_config(c.run.dir + "/config.toml", {});
+  EXPECT_EQ(written.run.threads, used);
+  EXPECT_LT(used, 100000);
+  EXPECT_GT(result.peak_resident_bytes, int64_t(1) << 20);
 }
 
 TEST_F(TrainerTest, ResumeContinuesBitwise) {
