@@ -274,6 +274,7 @@ int main(int argc, char** argv) {
   runc->add_option("--max-restarts", sup.max_restarts, "relaunches after a failure")
       ->capture_default_str();
   runc->add_option("--threads", sup.threads, "threads per rank; 0 = cores / ranks")
+      ->check(CLI::Range(0, 4096))
       ->capture_default_str();
   runc->add_option("--launcher", sup.launcher, "MPI launcher")->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train");

@@ -110,10 +110,10 @@ PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len, Overlon
   }
   samples_ = int64_t(kept.size());
   if (samples_ == 0)
-    input_error(tokens.path(), ": no sample left to train on at seq_len = ", seq_len, ": ",
-                overlong_, " of its ", tokens.num_documents(),
-                " samples are longer (data.overlong = \"", overlong_name(overlong), "\"), ",
-                untrained_, " have no trained token within seq_len tokens");
+    input_error(tokens.path(), ": no sample left to use at seq_len = ", seq_len, ": ", overlong_,
+                " of its ", tokens.num_documents(), " samples are longer (data.overlong = \"",
+                overlong_name(overlong), "\"), ", untrained_,
+                " have no trained token within seq_len tokens");
   rows_ = pack_best_fit(lengths, T_);
   // Rows in the order of their first samples: the first rows (validation's, or training's
   // unshuffled) hold the corpus's first samples, not its longest.

@@ -6,7 +6,6 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <iomanip>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -51,10 +50,10 @@ std::string quote(const std::string& s) {
   return os.str();
 }
 
+// The shortest text that reads back as v (0.003, not 0.0030000000000000001).
 std::string float_text(double v) {
-  std::ostringstream os;
-  os << std::setprecision(17) << v;
-  std::string s = os.str();
+  char buf[32];
+  std::string s(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // keep TOML float type
   return s;
 }

@@ -607,7 +607,6 @@ struct Trainer::State {
   // runs alone; with sharded experts each ep group generates together; a pipeline's windows
   // pass through its stages. The same prompt, seed and length everywhere.
   std::string sample() {
-    if (config.model.vocab != data::ByteTokenizer::kVocabSize) return "";
     data::ByteTokenizer tok;
     Rng rng(uint64_t(config.run.seed) + 1);
     const auto& t = config.train;
@@ -975,7 +974,12 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  if (c.train.sample_tokens > 0 && s.samples()) {
+  const bool byte_tokens = c.model.vocab == data::ByteTokenizer::kVocabSize;
+  if (c.train.sample_tokens > 0 && !byte_tokens)
+    s.log(
+        "no sample: train.sample_tokens needs the byte tokenizer (model.vocab = 256); set "
+        "train.sample_tokens = 0 to silence this");
+  if (c.train.sample_tokens > 0 && byte_tokens && s.samples()) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }

@@ -403,5 +403,5 @@ TEST_F(SftLoader, DamagedOrMismatchedLossMasksAreClearErrors) {
   auto cut = options(2);
   cut.overlong = Overlong::cut;
   expect_input_error([&] { DataLoader(dir_.file("train.tok"), cut); },
-                     {"train.tok", "no sample left to train on at seq_len = 2", "\"cut\""});
+                     {"train.tok", "no sample left to use at seq_len = 2", "\"cut\""});
 }
