@@ -511,6 +511,21 @@ Config parse_config(const std::string& text, const std::string& source,
   }
 }
 
+void check_run_dir(const std::string& dir) {
+  if (dir.empty()) input_error("config key 'run.dir' must not be empty");
+  for (std::filesystem::path p = dir; !p.empty(); p = p.parent_path()) {
+    std::error_code ec;
+    const auto status = std::filesystem::status(p, ec);
+    if (std::filesystem::exists(status)) {
+      if (!std::filesystem::is_directory(status))
+        input_error("config key 'run.dir' = \"", dir, "\": ", p.string(),
+                    " exists and is not a directory");
+      return;
+    }
+    if (p == p.parent_path()) return;
+  }
+}
+
 void validate(const Config& c) {
   auto positive = [](const char* name, int64_t v) {
     if (v < 1) input_error("config key '", name, "' must be at least 1, got ", v);

@@ -651,6 +651,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   comm::MeshShape shape{int(config.parallel.pp), int(config.parallel.dp), int(config.parallel.cp),
                         int(config.parallel.ep)};
   if (shape.dp == 0) shape.dp = std::max(1, world.size() / (shape.pp * shape.cp));
+  check_run_dir(config.run.dir);  // before the attempt's ETT log is created in it
   int threads =
       config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());
   set_num_threads(threads);

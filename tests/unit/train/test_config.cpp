@@ -124,6 +124,19 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
   EXPECT_EQ(train::load_config(path, {}).train.sample_prompt, "\"quoted\"");
 }
 
+// run.dir must be a directory or creatable as one: empty, a file, or below a file is an
+// input error naming the key and the file in the way.
+TEST(Config, RunDirectoryMustBeADirectory) {
+  expect_input_error([&] { train::check_run_dir(""); }, {"run.dir", "empty"});
+  const std::string file = write_file("not-a-dir", "x");
+  for (const std::string& dir : {file, file + "/runs/x"})
+    expect_input_error([&] { train::check_run_dir(dir); },
+                       {"run.dir", dir, file, "not a directory"});
+  const std::string fresh = fixture::temp_dir("tessel-config-run") + "/a/b";
+  EXPECT_NO_THROW(train::check_run_dir(fresh));  // created later, with its parents
+  EXPECT_NO_THROW(train::check_run_dir(fixture::temp_dir("tessel-config-run")));
+}
+
 TEST(Config, MissingAndMalformedFiles) {
   expect_input_error([&] { train::load_config("/nonexistent/x.toml", {}); },
                      {"/nonexistent/x.toml", "not found"});
