@@ -127,8 +127,8 @@ void apply_override(Config& config, const std::string& assignment);
 // Checks cross-field constraints (sequence vs model.max_seq, positive sizes...).
 void validate(const Config& config);
 // InputError naming run.dir when it is empty or it, or the nearest of its parents that
-// exists, is not a directory (so the run could not create its files there). Reads the filesystem, so not part
-// of validate: a checkpoint's stored config is validated on other machines too.
+// exists, is not a directory (so the run could not create its files there). Reads the filesystem,
+// so not part of validate: a checkpoint's stored config is validated on other machines too.
 void check_run_dir(const std::string& dir);
 // The resolved config as TOML text (every key, grouped by table).
 std::string to_toml(const Config& config);
