@@ -8,6 +8,7 @@
 //   export      consolidate a checkpoint into one safetensors file and its config
 //   simulate    GPipe, 1F1B and PACI simulated from a pipeline run's measured stage costs
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -216,8 +217,13 @@ int main(int argc, char** argv) {
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents (samples) held out")
       ->capture_default_str();
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")
-      ->check(CLI::Validator(  // an unsigned option would wrap -1 to 2^64 - 1
-          [](std::string& v) { return v.starts_with('-') ? "must not be negative" : ""; },
+      ->check(CLI::Validator(  // CLI11 would wrap -1 and clamp 2^64 to 2^64 - 1
+          [](std::string& v) -> std::string {
+            uint64_t seed = 0;
+            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), seed);
+            if (ec == std::errc() && end == v.data() + v.size()) return "";
+            return "must be an integer from 0 to 18446744073709551615";
+          },
           "UINT64"))
       ->capture_default_str();
 

@@ -155,6 +155,7 @@ std::string read_corpus_file(const std::string& path, const std::string& kind) {
   if (fs::is_directory(path))
     input_error(path, ": is a directory; corpus \"", kind, ":PATH\" takes one file");
   std::string text = read_file(path);
+  if (text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);
   if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
     input_error(path, ":", 1 + std::count(text.begin(), text.begin() + int64_t(bad), '\n'),
                 ": not valid UTF-8 text (at byte ", bad, " of the file)");

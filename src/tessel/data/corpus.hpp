@@ -35,8 +35,9 @@ void for_each_line(std::string_view text, F&& f) {
   }
 }
 
-// The text of the file a "KIND:PATH" corpus names ("file", "chat"): InputError for a missing
-// file, a directory or text that is not valid UTF-8.
+// The text of the file a "KIND:PATH" corpus names ("file", "chat"), without a leading UTF-8
+// byte-order mark (an editor's marker, not text): InputError for a missing file, a directory
+// or text that is not valid UTF-8.
 std::string read_corpus_file(const std::string& path, const std::string& kind);
 
 // The parsers behind load_corpus, for text already in memory. `source` names the text in

@@ -245,9 +245,13 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
   expect_one_line_error(run_tessel("prepare --corpus file:" + run + " --out " + temp_dir("p")),
                         {run, "is a directory"});
   // CLI11's own range checks: its message names the option.
-  const Outcome o = run_tessel("bench-gemm --seconds -1");
-  EXPECT_NE(o.exit_code, 0);
-  EXPECT_NE(o.err.find("--seconds"), std::string::npos) << o.err;
+  for (const std::string args : {"bench-gemm --seconds -1", "run --threads -5",
+                                 "prepare --seed 18446744073709551616", "prepare --seed -1"}) {
+    const Outcome o = run_tessel(args);
+    EXPECT_NE(o.exit_code, 0) << args;
+    const std::string option = args.substr(args.find("--"), args.rfind(' ') - args.find("--"));
+    EXPECT_NE(o.err.find(option), std::string::npos) << o.err;
+  }
 }
 
 TEST_F(CliTest, BadCorpusForPrepare) {

@@ -87,6 +87,11 @@ TEST(Corpus, FileParagraphs) {
   std::ofstream(path) << "\n\nFirst line\nsecond line\n \t\nÜber café\r\n\n\n\nlast";
   EXPECT_EQ(load_corpus("file:" + path),
             (std::vector<std::string>{"First line\nsecond line\n", "Über café\n", "last\n"}));
+  // A leading byte-order mark is not text; one further in is (a zero-width no-break space).
+  std::ofstream(path) << "\xEF\xBB\xBF"
+                         "First\n\nsecond \xEF\xBB\xBF\n";
+  EXPECT_EQ(load_corpus("file:" + path),
+            (std::vector<std::string>{"First\n", "second \xEF\xBB\xBF\n"}));
 }
 
 TEST(Corpus, Errors) {
