@@ -54,6 +54,13 @@ double GptStage::forward_stage(model::Activations& acts, const model::ModelInput
   return 0.0;
 }
 
+int64_t GptStage::activation_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& acts : slots_)
+    if (acts) bytes += acts->tensor_bytes;
+  return bytes;
+}
+
 void GptStage::forward(int64_t micro, std::span<const float> input, std::span<float> output) {
   TESSEL_CHECK(!free_.empty(), "stage ", stage_, ": more than ", slots_.size(),
                " micro-batches in flight");

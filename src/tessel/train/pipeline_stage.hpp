@@ -105,6 +105,9 @@ class GptStage final : public pipeline::StageWork {
   int64_t live() const { return int64_t(live_.size()); }
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == stages_ - 1; }
+  // Bytes of the training activations allocated so far (one set per micro-batch the schedule
+  // has had in flight at once), MoE caches not counted.
+  int64_t activation_bytes() const;
 
  private:
   struct Live {

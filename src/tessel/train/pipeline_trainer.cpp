@@ -356,7 +356,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
                run_windows_.size(), " steps in a run of ", windows);
 
   // Every stage's record: busy and waiting seconds, version gaps, live activations.
-  constexpr size_t kFields = 9;
+  constexpr size_t kFields = 10;
   std::vector<double> per_stage(kFields * size_t(stages_), 0.0);
   double* mine = per_stage.data() + kFields * size_t(stage_);
   const double own_step_seconds = stats.step_seconds - sync_seconds_;
@@ -369,6 +369,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   mine[6] = stats.backward_seconds;
   mine[7] = own_step_seconds;
   mine[8] = sync_seconds_;
+  mine[9] = double(work_.activation_bytes());
   // PACI: the last stage's loss sums, the first's token counts, each stage's norms.
   const size_t fields = 2 + size_t(stages_);
   std::vector<double> window_values(paci ? fields * size_t(windows) : 0, 0.0);
@@ -411,7 +412,8 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
                                  {"forward_seconds", r[5]},
                                  {"backward_seconds", r[6]},
                                  {"optimizer_seconds", r[7]},
-                                 {"sync_seconds", r[8]}});
+                                 {"sync_seconds", r[8]},
+                                 {"activation_bytes", int64_t(r[9])}});
   }
   const double seconds = timer.seconds();
   if (!paci) {

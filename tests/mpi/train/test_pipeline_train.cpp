@@ -288,12 +288,28 @@ TEST(PipelineTrain, RecomputationEqualsKeepingTheCachesBitwise) {
     }
     const auto kept = run_on(world, c);
     const auto kept_weights = fixture::final_weights(c.run.dir);
+    const std::string kept_dir = c.run.dir;
     c.train.recompute = model::Recompute::blocks;
     c.run.dir = shared_temp_dir(world, "tessel-pp-recompute");
     const auto recomputed = run_on(world, c);
     ASSERT_EQ(kept.steps.size(), size_t(c.train.steps));
     fixture::expect_same_steps(recomputed, kept);
     fixture::expect_same_weights(fixture::final_weights(c.run.dir), kept_weights);
+    if (world.rank() != 0) continue;
+    // Each stage reports its activation bytes: fewer with recomputation wherever a stage holds
+    // more than one block (2 of the 4 blocks each on 2 ranks; one each on 4 ranks).
+    const auto kept_records = pipeline_records(kept_dir);
+    const auto records = pipeline_records(c.run.dir);
+    ASSERT_EQ(records.size(), kept_records.size());
+    for (int s = 0; s < P; ++s) {
+      const auto before = kept_records.back()["stages"][s]["activation_bytes"].get<int64_t>();
+      const auto after = records.back()["stages"][s]["activation_bytes"].get<int64_t>();
+      EXPECT_GT(after, 0);
+      if (P == 2)
+        EXPECT_LT(after, before) << "stage " << s;
+      else
+        EXPECT_EQ(after, before) << "stage " << s;
+    }
   }
 }
 
