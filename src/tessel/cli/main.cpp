@@ -268,7 +268,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.01, 3600.0))
       ->capture_default_str();
   bench->add_option("--threads", gemm_threads, "threads; 0 = OMP_NUM_THREADS or all cores")
-      ->check(CLI::Range(0, 4096));
+      ->check(CLI::Range(int64_t(0), train::kMaxThreads));
   bench->add_flag("--json", gemm_json, "print JSON");
 
   train::SuperviseOptions sup;
@@ -280,7 +280,7 @@ int main(int argc, char** argv) {
   runc->add_option("--max-restarts", sup.max_restarts, "relaunches after a failure")
       ->capture_default_str();
   runc->add_option("--threads", sup.threads, "threads per rank; 0 = cores / ranks")
-      ->check(CLI::Range(0, 4096))
+      ->check(CLI::Range(int64_t(0), train::kMaxThreads))
       ->capture_default_str();
   runc->add_option("--launcher", sup.launcher, "MPI launcher")->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train");

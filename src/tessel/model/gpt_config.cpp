@@ -114,6 +114,9 @@ const char* to_string(NormType norm) {
 const char* to_string(PositionType positions) {
   return positions == PositionType::learned ? "learned" : "rotary";
 }
+const char* to_string(Recompute recompute) {
+  return recompute == Recompute::none ? "none" : "blocks";
+}
 
 MlpType parse_mlp_type(const std::string& name) {
   if (name == "gelu") return MlpType::gelu;

@@ -19,8 +19,9 @@ enum class PositionType { learned, rotary };
 // backward, to rebuild it. Same losses and gradients bitwise. Per token and block, the
 // activations fall from about 4 C + 2 (H + Hkv) D + Fi + F floats (stream and cache; C width,
 // H, Hkv heads of dim D, Fi, F the MLP's input and hidden widths) to C, for one more forward
-// of the blocks less their MLP output projection. An MoE block's routing and expert buffers
-// are freed after its forward and rebuilt too; its statistics stay.
+// of the blocks less a dense MLP's output projection. An MoE block reruns its whole layer
+// (token exchange included); its routing and expert buffers are freed after each forward and
+// backward, its statistics stay.
 enum class Recompute { none, blocks };
 
 struct GptConfig {
@@ -64,6 +65,7 @@ void validate(const GptConfig& config);
 const char* to_string(MlpType mlp);             // "gelu" | "swiglu"
 const char* to_string(NormType norm);           // "layernorm" | "rmsnorm"
 const char* to_string(PositionType positions);  // "learned" | "rotary"
+const char* to_string(Recompute recompute);     // "none" | "blocks" (train.recompute)
 MlpType parse_mlp_type(const std::string& name);
 NormType parse_norm_type(const std::string& name);
 PositionType parse_position_type(const std::string& name);

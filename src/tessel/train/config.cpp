@@ -225,8 +225,10 @@ std::vector<ConfigKey> build_schema() {
           "train.recompute",
           "activation recomputation: none, or blocks (keep only the residual stream between "
           "blocks and run each block's forward again in backward: far less activation memory "
-          "for about a third more block compute; same results bitwise)",
-          {{"none", model::Recompute::none}, {"blocks", model::Recompute::blocks}},
+          "for about a quarter more block compute, MoE blocks rerunning their whole layer; "
+          "same results bitwise)",
+          {{to_string(model::Recompute::none), model::Recompute::none},
+           {to_string(model::Recompute::blocks), model::Recompute::blocks}},
           FIELD(train.recompute)),
       int_key("train.log_every", "steps between progress lines", FIELD(train.log_every)),
       int_key("train.eval_every", "steps between validation; 0 = only at the end",
@@ -462,13 +464,15 @@ void apply_override(Config& config, const std::string& assignment) {
   if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
     std::optional<std::string> parsed;
     try {
-      parsed = toml::parse("v = " + value)["v"].value<std::string>();
+      const toml::table table = toml::parse("v = " + value);
+      if (table.size() == 1) parsed = table["v"].value<std::string>();
     } catch (const toml::parse_error&) {
     }
     if (!parsed)
-      input_error("--set ", name, ": ", value,
-                  " starts with a quote but is not one TOML string (\"...\" with escapes "
-                  "such as \\n, or '...')");
+      input_error(
+          "--set ", name,
+          ": the value starts with a quote but is not one TOML string (\"...\" with escapes "
+          "such as \\n, or '...')");
     value = *parsed;
   }
   key->set(config, value);
@@ -603,6 +607,8 @@ void validate(const Config& c) {
     input_error("config key 'train.mtbf_seconds' must be positive, got ", c.train.mtbf_seconds);
   validate(c.fault);
   non_negative("run.threads", double(c.run.threads));
+  if (c.run.threads > kMaxThreads)
+    input_error("config key 'run.threads' = ", c.run.threads, " is more than ", kMaxThreads);
   non_negative("mfu.peak_gflops", c.mfu.peak_gflops);
 }
 

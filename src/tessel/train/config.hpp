@@ -116,6 +116,9 @@ struct ConfigKey {
 };
 const std::vector<ConfigKey>& config_schema();
 
+// The most threads per rank a config (run.threads) or `tessel run --threads` may ask for.
+inline constexpr int64_t kMaxThreads = 4096;
+
 // Loads `path` (TOML; empty = defaults only), applies `overrides` ("key=value"),
 // validates the result. Errors name the file and key.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);

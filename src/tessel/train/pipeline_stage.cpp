@@ -107,7 +107,8 @@ std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,
   in.B = 1;
   in.T = int64_t(window.size());
   in.tokens = window.data();
-  auto acts = model_.make_activations(1, in.T, range());
+  // No backward: one block's cache, whatever train.recompute says.
+  auto acts = model_.make_activations(1, in.T, range(), model::Recompute::blocks);
   forward_stage(*acts, in, input, output);
   if (!last_stage()) return {};
   const int64_t V = model_.config().vocab;

@@ -49,11 +49,11 @@ namespace tessel::train {
 
 namespace {
 
-// The job's ranks on this machine: Open MPI's local size, else the whole world.
-int local_ranks(int world_size) {
+// The job's ranks on this machine: Open MPI's local size; 0 = not known (another launcher).
+int known_local_ranks(int world_size) {
   if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
     return std::max(1, std::atoi(env));
-  return world_size;
+  return world_size == 1 ? 1 : 0;
 }
 
 int machine_cores() {
@@ -67,7 +67,8 @@ int auto_threads_per_rank(int world_size) {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
-  return std::max(1, machine_cores() / local_ranks(world_size));
+  const int local = known_local_ranks(world_size);
+  return std::max(1, machine_cores() / (local > 0 ? local : world_size));
 }
 
 namespace {
@@ -756,12 +757,12 @@ TrainResult Trainer::run() {
   if (!s.pipeline)
     std::snprintf(activations, sizeof activations,
                   ", activations %.1f MiB per micro-batch (train.recompute = %s)",
-                  double(activation_bytes) / double(1 << 20),
-                  c.train.recompute == model::Recompute::none ? "none" : "blocks");
+                  double(activation_bytes) / double(1 << 20), to_string(c.train.recompute));
   // More threads than cores make every rank wait on the others' threads: steps crawl.
-  const int here = local_ranks(s.world.size());
+  // Said only where this machine's rank count is known.
+  const int here = known_local_ranks(s.world.size());
   const std::string oversubscribed =
-      num_threads() * here > machine_cores()
+      here > 0 && num_threads() * here > machine_cores()
           ? detail::concat(" (warning: ", here, " rank(s) x ", num_threads(),
                            " thread(s) on this machine's ", machine_cores(),
                            " cores; expect slow steps, set run.threads)")

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "tessel/attention/flash_attention.hpp"
 #include "tessel/model/gpt.hpp"
 #include "unit/model/model_test_util.hpp"
 
@@ -23,8 +24,28 @@ struct Result {
   bool moe_buffers_released = true;  // every MoE cache's routing and expert buffers freed
 };
 
+// An attention hook (as context parallelism installs) that runs the causal FlashMask kernel
+// and counts its calls.
+struct CountingHook final : attention::AttentionHook {
+  attention::AttentionShape shape;
+  attention::TiledMask mask;
+  int forwards = 0, backwards = 0;
+  CountingHook(const GptConfig& c, int64_t B, int64_t T)
+      : shape{B, T, T, c.heads, c.num_kv_heads(), c.head_dim()},
+        mask(attention::ColumnMask::causal_only(B, T, T)) {}
+  void forward(float* o, float* lse, const float* q, const float* k, const float* v) override {
+    ++forwards;
+    attention::flash_attention_forward(o, lse, q, k, v, shape, mask);
+  }
+  void backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                const float* v, const float* o, const float* lse) override {
+    ++backwards;
+    attention::flash_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, shape, mask);
+  }
+};
+
 Result run(Gpt& gpt, Recompute recompute, const std::vector<Batch>& batches,
-           const std::vector<uint8_t>& padding) {
+           const std::vector<uint8_t>& padding, attention::AttentionHook* hook = nullptr) {
   const Tensor start = gpt.flat_params().clone();
   Result r;
   auto acts = gpt.make_activations(batches[0].B, batches[0].T, recompute);
@@ -32,6 +53,7 @@ Result run(Gpt& gpt, Recompute recompute, const std::vector<Batch>& batches,
   for (const Batch& b : batches) {
     ModelInputs in = b.inputs();
     in.padding = padding.empty() ? nullptr : padding.data();
+    in.attention = hook;
     r.losses.push_back(gpt.forward(*acts, in));
     r.logits = acts->logits.clone();
     gpt.backward(*acts, 0.5f);
@@ -97,17 +119,39 @@ TEST(Recompute, DenseBlocksGiveTheSameLossesAndGradientsBitwise) {
 // with gradients), capacity drops (the swiglu config), and padding rows left out of the MoE.
 TEST(Recompute, MoeBlocksGiveTheSameLossesGradientsStatisticsAndBalanceBitwise) {
   for (const GptConfig& base : {moe_config(gelu_config(), "1"), moe_config(swiglu_config(), "all")})
-    for (moe::Balance balance : {moe::Balance::eqb, moe::Balance::aux, moe::Balance::eqb_lei})
+    for (moe::Balance balance :
+         {moe::Balance::eqb, moe::Balance::aux, moe::Balance::aux_global, moe::Balance::bias,
+          moe::Balance::qb_avg, moe::Balance::lei, moe::Balance::eqb_lei})
       for (bool padding : {false, true}) {
         GptConfig c = base;
         c.layers = 3;
         c.moe.balance = balance;
+        c.moe.z_coeff = 1e-2;  // the router z-loss adds its gradient too
         expect_same(c, padding);
       }
 }
 
+// Through an attention hook: the same results, and the hook sees each block's forward twice
+// (the forward and its rebuild) and its backward once, in pairs.
+TEST(Recompute, AnAttentionHookIsCalledAgainAndGivesTheSameResults) {
+  GptConfig c = swiglu_config();
+  c.layers = 3;
+  Gpt gpt(c, 71);
+  randomize_parameters(gpt, 72, 0.3f);
+  const std::vector<Batch> batches = {random_batch(c, 2, 6, 73, false)};
+  CountingHook kept_hook(c, 2, 6), recomputed_hook(c, 2, 6);
+  const Result kept = run(gpt, Recompute::none, batches, {}, &kept_hook);
+  const Result recomputed = run(gpt, Recompute::blocks, batches, {}, &recomputed_hook);
+  EXPECT_EQ(kept.losses, recomputed.losses);
+  EXPECT_TRUE(bitwise_equal(kept.grads, recomputed.grads));
+  EXPECT_EQ(kept_hook.forwards, 3);
+  EXPECT_EQ(recomputed_hook.forwards, 6);
+  EXPECT_EQ(kept_hook.backwards, 3);
+  EXPECT_EQ(recomputed_hook.backwards, 3);
+}
+
 // Pipeline stages recompute within their own block ranges and still compose the whole
-// model's gradients bit for bit.
+// model's gradients bit for bit: split after block 1, and a first stage with no block.
 TEST(Recompute, StageRangesComposeTheWholeModel) {
   GptConfig c = gelu_config();
   c.layers = 3;
@@ -120,25 +164,28 @@ TEST(Recompute, StageRangesComposeTheWholeModel) {
   gpt.backward(*whole, 1.0f);
   const Tensor grads = gpt.flat_grads().clone();
 
-  const int64_t k = 1, L = c.layers;
-  auto stage0 = gpt.make_activations(2, 6, {0, k, true, false}, Recompute::blocks);
-  auto stage1 = gpt.make_activations(2, 6, {k, L, false, true}, Recompute::blocks);
-  gpt.load_inputs(*stage0, batch.inputs());
-  gpt.load_inputs(*stage1, batch.inputs());
-  gpt.forward_embedding(*stage0);
-  gpt.forward_blocks(*stage0, 0, k);
-  Tensor boundary = stage1->residual(k);
-  std::memcpy(boundary.raw(), stage0->residual(k).raw(), boundary.bytes());
-  gpt.forward_blocks(*stage1, k, L);
-  EXPECT_EQ(gpt.forward_head(*stage1), loss);
-  gpt.zero_grads();
-  gpt.backward_head(*stage1, 1.0f);
-  gpt.backward_blocks(*stage1, k, L);
-  Tensor boundary_grad = stage0->residual_grad(k);
-  std::memcpy(boundary_grad.raw(), stage1->residual_grad(k).raw(), boundary_grad.bytes());
-  gpt.backward_blocks(*stage0, 0, k);
-  gpt.backward_embedding(*stage0);
-  EXPECT_TRUE(bitwise_equal(gpt.flat_grads(), grads));
+  const int64_t L = c.layers;
+  for (int64_t k : {int64_t(1), int64_t(0)}) {
+    SCOPED_TRACE(k);
+    auto stage0 = gpt.make_activations(2, 6, {0, k, true, false}, Recompute::blocks);
+    auto stage1 = gpt.make_activations(2, 6, {k, L, false, true}, Recompute::blocks);
+    gpt.load_inputs(*stage0, batch.inputs());
+    gpt.load_inputs(*stage1, batch.inputs());
+    gpt.forward_embedding(*stage0);
+    gpt.forward_blocks(*stage0, 0, k);
+    Tensor boundary = stage1->residual(k);
+    std::memcpy(boundary.raw(), stage0->residual(k).raw(), boundary.bytes());
+    gpt.forward_blocks(*stage1, k, L);
+    EXPECT_EQ(gpt.forward_head(*stage1), loss);
+    gpt.zero_grads();
+    gpt.backward_head(*stage1, 1.0f);
+    gpt.backward_blocks(*stage1, k, L);
+    Tensor boundary_grad = stage0->residual_grad(k);
+    std::memcpy(boundary_grad.raw(), stage1->residual_grad(k).raw(), boundary_grad.bytes());
+    gpt.backward_blocks(*stage0, 0, k);
+    gpt.backward_embedding(*stage0);
+    EXPECT_TRUE(bitwise_equal(gpt.flat_grads(), grads));
+  }
 }
 
 // The activations keep one block cache instead of L: the bytes saved are (L - 1) block caches,

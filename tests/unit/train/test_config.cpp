@@ -62,6 +62,8 @@ TEST(Config, WrongTypesAndValuesNameTheKey) {
                      {"train.micro_batch"});
   expect_input_error([&] { train::load_config("", {"train.keep_checkpoints=1"}); },
                      {"train.keep_checkpoints"});
+  expect_input_error([&] { train::load_config("", {"run.threads=5000"}); },
+                     {"run.threads", "4096"});
 }
 
 TEST(Config, SequenceLongerThanTheModelAllows) {
@@ -116,7 +118,7 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
   EXPECT_EQ(c.train.sample_prompt, "say \"hi\"");
   EXPECT_EQ(c.run.dir, "runs/it's");
   for (std::string bad : {"run.dir=\"runs/q3", "run.dir='runs/q3", "train.sample_prompt=\"x\" y",
-                          "run.dir=\"a\" \"b\""})
+                          "run.dir=\"a\" \"b\"", "run.dir=\"a\"\nother = 1"})
     expect_input_error([&] { train::load_config("", {bad}); },
                        {"--set " + bad.substr(0, bad.find('=')), "TOML string"});
   // A config file's string is taken as it stands, quotes inside it included.

@@ -57,13 +57,13 @@ TEST_F(TrainerTest, TheResolvedConfigRecordsTheThreadsUsed) {
   train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   c.train.steps = 2;
   c.optim.warmup_steps = 1;
-  c.run.threads = 100000;
+  c.run.threads = 200;  // Debian's OpenBLAS caps it at 64
   const auto result = train_run(c);
   const int used = num_threads();
   set_num_threads(before);
   const train::Config written = train::load_config(c.run.dir + "/config.toml", {});
   EXPECT_EQ(written.run.threads, used);
-  EXPECT_LT(used, 100000);
+  EXPECT_LE(used, 200);
   EXPECT_GT(result.peak_resident_bytes, int64_t(1) << 20);
 }
 
