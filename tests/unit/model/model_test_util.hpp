@@ -118,4 +118,28 @@ inline void randomize_parameters(Gpt& gpt, uint64_t seed, float stddev) {
   }
 }
 
+// Runs `batch` as two pipeline stages would: blocks [0, k) with the embedding on `stage0`,
+// [k, L) with the head on `stage1`, the residual stream and its gradient copied between them.
+// Returns the loss sum; the gradients (loss_scale 1) are left in gpt's, zeroed first.
+inline double run_as_two_stages(Gpt& gpt, Activations& stage0, Activations& stage1,
+                                const Batch& batch, int64_t k) {
+  const int64_t L = gpt.config().layers;
+  gpt.load_inputs(stage0, batch.inputs());
+  gpt.load_inputs(stage1, batch.inputs());
+  gpt.forward_embedding(stage0);
+  gpt.forward_blocks(stage0, 0, k);
+  Tensor boundary = stage1.residual(k);
+  std::memcpy(boundary.raw(), stage0.residual(k).raw(), boundary.bytes());
+  gpt.forward_blocks(stage1, k, L);
+  const double loss = gpt.forward_head(stage1);
+  gpt.zero_grads();
+  gpt.backward_head(stage1, 1.0f);
+  gpt.backward_blocks(stage1, k, L);
+  Tensor boundary_grad = stage0.residual_grad(k);
+  std::memcpy(boundary_grad.raw(), stage1.residual_grad(k).raw(), boundary_grad.bytes());
+  gpt.backward_blocks(stage0, 0, k);
+  gpt.backward_embedding(stage0);
+  return loss;
+}
+
 }  // namespace tessel::model::testing
