@@ -125,6 +125,25 @@ TEST(SftCorpus, JsonLinesInBothFormsAndErrorsNameTheLine) {
   expect_input_error([] { parse_chat_jsonl("{\"text\": \"x\"}", "c.jsonl"); },
                      {"c.jsonl:1", "neither \"messages\""});
   expect_input_error([] { parse_chat_jsonl("\n \n", "c.jsonl"); }, {"c.jsonl", "no conversations"});
+  // nlohmann keeps the last of two equal keys; the line is refused instead, at any depth. The
+  // same key in two objects is fine.
+  expect_input_error(
+      [] {
+        parse_chat_jsonl("{\"prompt\": \"a\", \"response\": \"r\", \"prompt\": \"b\"}", "c.jsonl");
+      },
+      {"c.jsonl:1", "\"prompt\" appears twice"});
+  expect_input_error(
+      [] {
+        parse_chat_jsonl(
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"a\", \"content\": \"b\"}]}",
+            "c.jsonl");
+      },
+      {"c.jsonl:1", "\"content\" appears twice"});
+  EXPECT_EQ(parse_chat_jsonl("{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": "
+                             "\"assistant\", \"content\": \"b\"}]}",
+                             "c.jsonl")
+                .size(),
+            1u);
   // nlohmann's parser alone would stop at the NUL and drop the rest of the line.
   expect_input_error(
       [] {
