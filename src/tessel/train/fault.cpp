@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
@@ -69,8 +70,12 @@ void FaultInjector::kill(const char* kind) {
     } catch (const std::exception&) {
     }
   }
-  std::fprintf(stderr, "tessel: fault injection: rank %d kills itself (%s, step %lld)\n", rank_,
-               kind, static_cast<long long>(completed_.load()));
+  // A kill in a checkpoint write happens while training runs on: name the checkpoint's step.
+  const std::string of = std::string(kind) == "kill_in_checkpoint_write"
+                             ? " of step " + std::to_string(kill_step_)
+                             : "";
+  std::fprintf(stderr, "tessel: fault injection: rank %d kills itself (%s%s, %lld steps done)\n",
+               rank_, kind, of.c_str(), static_cast<long long>(completed_.load()));
   std::fflush(stderr);
   std::raise(SIGKILL);
   std::abort();  // not reached
