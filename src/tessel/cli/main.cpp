@@ -104,6 +104,11 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
       "%.2f%%\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
       run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof, 100 * r.mfu,
       100 * r.goodput, run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
+  if (!r.attempts.empty() && r.attempts.back().open)
+    std::printf(
+        "attempt %d has no exit record: still running, or killed (counted up to its last "
+        "record; a later attempt counts it as failed)\n",
+        r.attempts.back().index);
   auto over = train::ttr_over_bound(r);
   for (int i : over)
     std::fprintf(stderr,

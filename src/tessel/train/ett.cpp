@@ -110,6 +110,7 @@ EttAttempt parse_attempt(const std::string& path, int index) {
       a.failed = r.value("status", 0) != 0;
     }
   }
+  a.exited = exit_t.has_value();
   if (exit_t) a.t1 = *exit_t;
   if (fault_t) a.failed = true;
   std::stable_sort(bounds.begin(), bounds.end(),
@@ -251,7 +252,9 @@ EttReport analyze_ett(const std::string& run_dir) {
   for (int i = 0; i < n; ++i) rep.attempts.push_back(parse_attempt(attempt_path(run_dir, i), i));
   for (int i = 0; i < n; ++i) {
     auto& a = rep.attempts[i];
-    if (!a.failed && i + 1 < n && a.t1 == a.t0) a.failed = true;  // empty log of a dead attempt
+    // No exit line: the attempt died before anyone could write one (killed, machine lost),
+    // which a later attempt proves; the last one may as well still be running.
+    if (!a.exited) (i + 1 < n ? a.failed : a.open) = true;
     a.durable_step = i + 1 < n ? rep.attempts[i + 1].resumed_from
                                : (a.failed ? latest_checkpoint_step(run_dir) : -1);
     finish_attempt(a);
@@ -315,6 +318,7 @@ nlohmann::json ett_json(const EttReport& r) {
     nlohmann::json aj = {{"attempt", a.index},
                          {"seconds", a.seconds()},
                          {"failed", a.failed},
+                         {"open", a.open},
                          {"injected", a.injected},
                          {"resumed_from", a.resumed_from},
                          {"leaves", leaves(a.leaf_ns, [](int64_t ns) { return sec(ns); })}};
@@ -398,7 +402,10 @@ std::string ett_html(const EttReport& r, const std::string& title) {
     const auto& a = r.attempts[i];
     int y = gap + int(i) * (bar + gap);
     h << "<text x=\"0\" y=\"" << y + bar * 0.7 << "\">attempt " << a.index
-      << (a.failed ? " \xe2\x9c\x97" : "") << "</text>\n";
+      << (a.failed ? " \xe2\x9c\x97"
+          : a.open ? " (open)"
+                   : "")
+      << "</text>\n";
     double x = left;
     for (int p = 0; p < kNumPhases; ++p) {
       double w = sec(a.leaf_ns[p]) / longest * W;

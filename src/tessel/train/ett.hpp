@@ -22,7 +22,11 @@
 // The analysis turns the logs into the spec's decomposition: steps of a failed attempt
 // after the checkpoint the next attempt resumed from are `wasted`, the time from a fault
 // to the attempt's exit is `failure_detection`; TTS, NoF, TTR per failure, ETT% and
-// goodput = MFU x ETT% follow.
+// goodput = MFU x ETT% follow. An attempt failed when it exited with a nonzero status, has
+// a fault line, or has no exit line and a later attempt exists (it died without writing
+// one: killed, machine lost). The last attempt without an exit line is `open`: still
+// running, or died with no later attempt yet; it counts up to its last line, not as a
+// failure.
 #include <array>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -103,7 +107,9 @@ struct EttAttempt {
   int64_t t0 = 0, t1 = 0;  // ns: first line, exit (or last line)
   std::vector<EttSegment> segments;
   std::array<int64_t, kNumPhases> leaf_ns{};
-  bool failed = false;
+  bool failed = false;         // nonzero exit status, a fault, or no exit line but a later attempt
+  bool exited = false;         // has its exit line
+  bool open = false;           // the last attempt, without an exit line: running, or killed
   bool injected = false;       // a fault line: the failure was injected
   int64_t resumed_from = 0;    // checkpoint step this attempt started from (0 = fresh)
   int64_t failure_step = -1;   // steps completed when it failed
