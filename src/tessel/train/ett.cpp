@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -213,8 +214,17 @@ std::string attempt_path(const std::string& run_dir, int attempt) {
 }
 
 int count_attempts(const std::string& run_dir) {
+  // One past the highest index, not the first gap: a new attempt that filled the gap a lost
+  // log left would sit before attempts that ran earlier.
   int n = 0;
-  while (fs::exists(attempt_path(run_dir, n))) ++n;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(ett_dir(run_dir), ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with("attempt-")) continue;
+    int k = -1;
+    std::from_chars(name.data() + 8, name.data() + name.size(), k);
+    if (k >= 0 && name == fs::path(attempt_path(run_dir, k)).filename()) n = std::max(n, k + 1);
+  }
   return n;
 }
 
@@ -249,7 +259,13 @@ void EttLedger::event(nlohmann::json record) {
 EttReport analyze_ett(const std::string& run_dir) {
   EttReport rep;
   int n = count_attempts(run_dir);
-  for (int i = 0; i < n; ++i) rep.attempts.push_back(parse_attempt(attempt_path(run_dir, i), i));
+  for (int i = 0; i < n; ++i) {
+    const std::string path = attempt_path(run_dir, i);
+    if (!fs::exists(path))
+      input_error(path, ": missing ETT attempt log (attempt ", i, " of ", n,
+                  "); the report would leave its time and failure out");
+    rep.attempts.push_back(parse_attempt(path, i));
+  }
   for (int i = 0; i < n; ++i) {
     auto& a = rep.attempts[i];
     // No exit line: the attempt died before anyone could write one (killed, machine lost),

@@ -67,7 +67,8 @@ void append_json_line(const std::string& path, const nlohmann::json& record);
 
 std::string ett_dir(const std::string& run_dir);
 std::string attempt_path(const std::string& run_dir, int attempt);
-// The number of attempt logs in the run directory (the next attempt's index).
+// One past the highest attempt log's index in the run directory: the next attempt's index
+// (the number of attempts, when none is missing).
 int count_attempts(const std::string& run_dir);
 // Whether the attempt log at `path` holds a {"event": "rejected"} line: the trainer refused
 // to start for bad input (a supervised attempt; `tessel run` then removes the log, since
@@ -137,7 +138,8 @@ struct EttReport {
 };
 
 // Reads <run_dir>/ett/*.jsonl (and metrics.jsonl for MFU). InputError naming the file
-// for a malformed log line other than a last line cut short by a crash.
+// for a missing attempt log (one before the highest index) and for a malformed log line
+// other than a last line cut short by a crash.
 EttReport analyze_ett(const std::string& run_dir);
 nlohmann::json ett_json(const EttReport& report);
 // Chrome trace (chrome://tracing, Perfetto): one row per attempt, one slice per segment.

@@ -165,6 +165,31 @@ TEST(EttLedger, AMalformedLineInsideALogNamesTheFile) {
   }
 }
 
+// A lost log would drop its attempt's time and failure from the report (and, before, every
+// attempt after it): the report refuses, naming the file, and the next attempt does not
+// take its place.
+TEST(EttLedger, AMissingAttemptLogIsAnErrorNamingIt) {
+  std::string run = two_attempt_run();
+  std::string a2 = attempt_path(run, 2);
+  line(a2, {{"event", "attempt"}, {"attempt", 2}, {"t", 2000 * ms}});
+  line(a2, {{"event", "exit"}, {"t", 2100 * ms}, {"status", 0}});
+  EXPECT_EQ(analyze_ett(run).attempts.size(), 3u);
+  fs::remove(attempt_path(run, 1));
+  EXPECT_EQ(count_attempts(run), 3);
+  try {
+    write_ett_report(run);
+    FAIL() << "no error";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(attempt_path(run, 1) + ": missing ETT attempt log"),
+              std::string::npos)
+        << e.what();
+  }
+  // Files that are not attempt logs do not count.
+  std::ofstream(ett_dir(run) + "/attempt-7.jsonl") << "";
+  std::ofstream(ett_dir(run) + "/attempt-0009.jsonl.tmp") << "";
+  EXPECT_EQ(count_attempts(run), 3);
+}
+
 TEST(EttLedger, TrainingRunsRecordEveryStepAndTheResume) {
   std::string data = fixture::make_dataset(fixture::temp_dir("tessel-ett-data"));
   std::string run = fixture::temp_dir("tessel-ett-run");
