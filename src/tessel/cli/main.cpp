@@ -342,7 +342,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*runc) {
-      if (world.size() > 1) input_error("tessel run starts its own MPI job; run it without mpirun");
+      // Its own mpirun, started from inside an MPI job (even of one rank), would fail.
+      if (comm::launched_by_mpi())
+        input_error("tessel run starts its own MPI job; run it without mpirun");
       sup.run_dir = train::load_config(sup_config, sup_overrides).run.dir;  // also validates
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();

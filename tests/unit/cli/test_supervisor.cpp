@@ -257,6 +257,20 @@ TEST_F(SupervisorTest, ARefusedStartLeavesNoAttempt) {
   EXPECT_NE(report.out.find("NoF 0"), std::string::npos) << report.out;
 }
 
+// Under an MPI launcher, even with one rank, `tessel run` would start its mpirun inside the
+// MPI job (every attempt failing with exit status 1): it refuses before touching run.dir.
+TEST_F(SupervisorTest, UnderAnMpiLauncherItIsRefused) {
+  for (int ranks : {1, 2}) {
+    const std::string run = fixture::temp_dir("tessel-sup-mpirun") + "/job";
+    const Outcome o = run_tessel(run_args(run), ranks);
+    EXPECT_EQ(o.exit_code, 2) << ranks << " rank(s): " << o.err;
+    EXPECT_NE(o.err.find("tessel: error: tessel run starts its own MPI job; run it without mpirun"),
+              std::string::npos)
+        << o.err;
+    EXPECT_FALSE(fs::exists(run)) << ranks << " rank(s)";
+  }
+}
+
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
   std::string run = fixture::temp_dir("tessel-sup-seconds");
   // Attempt 0 dies 1 ms after its process began: by the time the trainer arms the injector
