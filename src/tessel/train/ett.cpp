@@ -237,6 +237,12 @@ bool attempt_rejected(const std::string& path) {
   return false;
 }
 
+void remove_attempt(const std::string& path) {
+  std::error_code ec;
+  fs::remove(path, ec);
+  fs::remove(fs::path(path).parent_path(), ec);  // ett/, when now empty
+}
+
 EttLedger::EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0)
     : path_(attempt_path(run_dir, attempt)), attempt_(attempt) {
   fs::create_directories(ett_dir(run_dir));

@@ -74,6 +74,8 @@ int count_attempts(const std::string& run_dir);
 // to start for bad input (a supervised attempt; `tessel run` then removes the log, since
 // such a start is no attempt of the job).
 bool attempt_rejected(const std::string& path);
+// Removes the log of a start that is no attempt of the job, and ett/ when that empties it.
+void remove_attempt(const std::string& path);
 
 // Rank 0's writer of one attempt log; a default-constructed ledger records nothing
 // (the other ranks). Entering a leaf closes the previous one.

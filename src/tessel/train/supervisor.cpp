@@ -21,14 +21,19 @@ namespace tessel::train {
 
 namespace {
 
-// Starts `args` (searched on PATH) and returns its exit status (128 + signal if killed).
-int run_process(const std::vector<std::string>& args) {
+// Starts `args` (searched on PATH); InputError when it cannot.
+pid_t start_process(const std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   pid_t pid = 0;
   int rc = ::posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
   if (rc != 0) input_error("tessel run: cannot start ", args[0], ": ", std::strerror(rc));
+  return pid;
+}
+
+// Waits for `pid` to exit; its exit status (128 + signal if killed).
+int wait_process(pid_t pid) {
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) input_error("tessel run: waitpid failed: ", std::strerror(errno));
@@ -75,10 +80,16 @@ int supervise(const SuperviseOptions& o) {
                                      o.binary,
                                      "train"};
     args.insert(args.end(), o.train_args.begin(), o.train_args.end());
-    int status = run_process(args);
+    pid_t job = 0;
+    try {
+      job = start_process(args);
+    } catch (const InputError&) {
+      remove_attempt(log);  // nothing ran: no attempt of the job
+      throw;
+    }
+    int status = wait_process(job);
     if (status == 2 && attempt_rejected(log)) {  // refused for bad input: no attempt
-      std::error_code ec;
-      std::filesystem::remove(log, ec);
+      remove_attempt(log);
       return status;
     }
     int64_t ended = monotonic_ns();

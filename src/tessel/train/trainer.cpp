@@ -183,9 +183,7 @@ struct Trainer::Attempt {
       ledger.event({{"event", "rejected"}});
       return;
     }
-    std::error_code ec;
-    fs::remove(ledger.path(), ec);
-    fs::remove(fs::path(ledger.path()).parent_path(), ec);  // ett/, when now empty
+    remove_attempt(ledger.path());
     ledger = EttLedger();
   }
 };

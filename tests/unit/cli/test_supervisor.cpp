@@ -271,6 +271,21 @@ TEST_F(SupervisorTest, UnderAnMpiLauncherItIsRefused) {
   }
 }
 
+// A launcher that cannot start ran nothing: no attempt is left to count as a failure of the
+// job's later runs.
+TEST_F(SupervisorTest, ALauncherThatCannotStartLeavesNoAttempt) {
+  const std::string run = fixture::temp_dir("tessel-sup-launcher");
+  Outcome o = run_tessel(run_args(run, "", 3, "--launcher /nonexistent/mpirun"));
+  EXPECT_EQ(o.exit_code, 2) << o.err;
+  EXPECT_NE(o.err.find("cannot start /nonexistent/mpirun"), std::string::npos) << o.err;
+  EXPECT_FALSE(fs::exists(run + "/ett"));
+  o = run_tessel(run_args(run));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 0);
+  EXPECT_EQ(ett["attempts"].size(), 1u);
+}
+
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
   std::string run = fixture::temp_dir("tessel-sup-seconds");
   // Attempt 0 dies 1 ms after its process began: by the time the trainer arms the injector
