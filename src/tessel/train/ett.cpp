@@ -228,11 +228,11 @@ int count_attempts(const std::string& run_dir) {
   return n;
 }
 
-bool attempt_rejected(const std::string& path) {
+bool attempt_withdrawn(const std::string& path) {
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("event", "") == "rejected") return true;
+    if (j.is_object() && j.value("event", "") == "withdrawn") return true;
   }
   return false;
 }

@@ -70,10 +70,10 @@ std::string attempt_path(const std::string& run_dir, int attempt);
 // One past the highest attempt log's index in the run directory: the next attempt's index
 // (the number of attempts, when none is missing).
 int count_attempts(const std::string& run_dir);
-// Whether the attempt log at `path` holds a {"event": "rejected"} line: the trainer refused
-// to start for bad input (a supervised attempt; `tessel run` then removes the log, since
-// such a start is no attempt of the job).
-bool attempt_rejected(const std::string& path);
+// Whether the attempt log at `path` holds a {"event": "withdrawn"} line: the trainer found
+// the start to be no attempt of the job (refused for bad input, or nothing to train) in a
+// supervised attempt; `tessel run` then removes the log.
+bool attempt_withdrawn(const std::string& path);
 // Removes the log of a start that is no attempt of the job, and ett/ when that empties it.
 void remove_attempt(const std::string& path);
 

@@ -88,7 +88,7 @@ int supervise(const SuperviseOptions& o) {
       throw;
     }
     int status = wait_process(job);
-    if (status == 2 && attempt_rejected(log)) {  // refused for bad input: no attempt
+    if (attempt_withdrawn(log)) {  // bad input, or nothing to train: no attempt, no relaunch
       remove_attempt(log);
       return status;
     }

@@ -12,6 +12,7 @@
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/config.hpp"
+#include "tessel/train/ett.hpp"
 #include "unit/cli/cli_test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -284,6 +285,19 @@ TEST_F(SupervisorTest, ALauncherThatCannotStartLeavesNoAttempt) {
   auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
   EXPECT_EQ(ett["nof"], 0);
   EXPECT_EQ(ett["attempts"].size(), 1u);
+}
+
+// A finished run started again trains nothing: no attempt, so W and the attempt count stay.
+TEST_F(SupervisorTest, AFinishedRunStartedAgainAddsNoAttempt) {
+  const std::string run = fixture::temp_dir("tessel-sup-finished");
+  fs::copy(reference, run, fs::copy_options::recursive);
+  const auto before = nlohmann::json::parse(slurp(run + "/ett.json"));
+  const Outcome o = run_tessel(run_args(run));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_FALSE(fs::exists(train::attempt_path(run, 1))) << "the empty start left a log";
+  const auto after = nlohmann::json::parse(slurp(run + "/ett.json"));  // written again
+  EXPECT_EQ(after["attempts"].size(), 1u);
+  EXPECT_EQ(after["wall_seconds"], before["wall_seconds"]);
 }
 
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
