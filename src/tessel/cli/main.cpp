@@ -114,6 +114,11 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
       "%.2f%%\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
       run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof, 100 * r.mfu,
       100 * r.goodput, run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
+  if (!r.attempts.empty() && r.attempts.back().open)
+    std::printf(
+        "attempt %d has no exit record: still running, or killed (counted up to its last "
+        "record; a later attempt counts it as failed)\n",
+        r.attempts.back().index);
   auto over = train::ttr_over_bound(r);
   for (int i : over)
     std::fprintf(stderr,
@@ -353,7 +358,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*runc) {
-      if (world.size() > 1) input_error("tessel run starts its own MPI job; run it without mpirun");
+      // Its own mpirun, started from inside an MPI job (even of one rank), would fail.
+      if (comm::launched_by_mpi())
+        input_error("tessel run starts its own MPI job; run it without mpirun");
       sup.run_dir = train::load_config(sup_config, sup_overrides).run.dir;  // also validates
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();

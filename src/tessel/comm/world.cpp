@@ -13,13 +13,13 @@ namespace {
 std::unique_ptr<Communicator> g_world;
 bool g_finalize_mpi = false;  // init_communication called MPI_Init_thread
 
+}  // namespace
+
 bool launched_by_mpi() {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"})
     if (std::getenv(var) != nullptr) return true;
   return false;
 }
-
-}  // namespace
 
 CommGuard init_communication(int* argc, char*** argv) {
   TESSEL_CHECK(g_world == nullptr, "init_communication: the world communicator already exists");

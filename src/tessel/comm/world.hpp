@@ -40,4 +40,8 @@ class CommGuard {
 // The world communicator; throws tessel::Error outside the lifetime of a CommGuard.
 Communicator& world();
 
+// Whether this process was started by an MPI launcher (one of the variables above is set),
+// even as a job of one rank.
+bool launched_by_mpi();
+
 }  // namespace tessel::comm

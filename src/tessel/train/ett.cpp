@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -110,6 +111,7 @@ EttAttempt parse_attempt(const std::string& path, int index) {
       a.failed = r.value("status", 0) != 0;
     }
   }
+  a.exited = exit_t.has_value();
   if (exit_t) a.t1 = *exit_t;
   if (fault_t) a.failed = true;
   std::stable_sort(bounds.begin(), bounds.end(),
@@ -212,18 +214,33 @@ std::string attempt_path(const std::string& run_dir, int attempt) {
 }
 
 int count_attempts(const std::string& run_dir) {
+  // One past the highest index, not the first gap: a new attempt that filled the gap a lost
+  // log left would sit before attempts that ran earlier.
   int n = 0;
-  while (fs::exists(attempt_path(run_dir, n))) ++n;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(ett_dir(run_dir), ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with("attempt-")) continue;
+    int k = -1;
+    std::from_chars(name.data() + 8, name.data() + name.size(), k);
+    if (k >= 0 && name == fs::path(attempt_path(run_dir, k)).filename()) n = std::max(n, k + 1);
+  }
   return n;
 }
 
-bool attempt_rejected(const std::string& path) {
+bool attempt_withdrawn(const std::string& path) {
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("event", "") == "rejected") return true;
+    if (j.is_object() && j.value("event", "") == "withdrawn") return true;
   }
   return false;
+}
+
+void remove_attempt(const std::string& path) {
+  std::error_code ec;
+  fs::remove(path, ec);
+  fs::remove(fs::path(path).parent_path(), ec);  // ett/, when now empty
 }
 
 EttLedger::EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0)
@@ -248,10 +265,18 @@ void EttLedger::event(nlohmann::json record) {
 EttReport analyze_ett(const std::string& run_dir) {
   EttReport rep;
   int n = count_attempts(run_dir);
-  for (int i = 0; i < n; ++i) rep.attempts.push_back(parse_attempt(attempt_path(run_dir, i), i));
+  for (int i = 0; i < n; ++i) {
+    const std::string path = attempt_path(run_dir, i);
+    if (!fs::exists(path))
+      input_error(path, ": missing ETT attempt log (attempt ", i, " of ", n,
+                  "); the report would leave its time and failure out");
+    rep.attempts.push_back(parse_attempt(path, i));
+  }
   for (int i = 0; i < n; ++i) {
     auto& a = rep.attempts[i];
-    if (!a.failed && i + 1 < n && a.t1 == a.t0) a.failed = true;  // empty log of a dead attempt
+    // No exit line: the attempt died before anyone could write one (killed, machine lost),
+    // which a later attempt proves; the last one may as well still be running.
+    if (!a.exited) (i + 1 < n ? a.failed : a.open) = true;
     a.durable_step = i + 1 < n ? rep.attempts[i + 1].resumed_from
                                : (a.failed ? latest_checkpoint_step(run_dir) : -1);
     finish_attempt(a);
@@ -315,6 +340,7 @@ nlohmann::json ett_json(const EttReport& r) {
     nlohmann::json aj = {{"attempt", a.index},
                          {"seconds", a.seconds()},
                          {"failed", a.failed},
+                         {"open", a.open},
                          {"injected", a.injected},
                          {"resumed_from", a.resumed_from},
                          {"leaves", leaves(a.leaf_ns, [](int64_t ns) { return sec(ns); })}};
@@ -398,7 +424,10 @@ std::string ett_html(const EttReport& r, const std::string& title) {
     const auto& a = r.attempts[i];
     int y = gap + int(i) * (bar + gap);
     h << "<text x=\"0\" y=\"" << y + bar * 0.7 << "\">attempt " << a.index
-      << (a.failed ? " \xe2\x9c\x97" : "") << "</text>\n";
+      << (a.failed ? " \xe2\x9c\x97"
+          : a.open ? " (open)"
+                   : "")
+      << "</text>\n";
     double x = left;
     for (int p = 0; p < kNumPhases; ++p) {
       double w = sec(a.leaf_ns[p]) / longest * W;

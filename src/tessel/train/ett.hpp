@@ -22,7 +22,11 @@
 // The analysis turns the logs into the spec's decomposition: steps of a failed attempt
 // after the checkpoint the next attempt resumed from are `wasted`, the time from a fault
 // to the attempt's exit is `failure_detection`; TTS, NoF, TTR per failure, ETT% and
-// goodput = MFU x ETT% follow.
+// goodput = MFU x ETT% follow. An attempt failed when it exited with a nonzero status, has
+// a fault line, or has no exit line and a later attempt exists (it died without writing
+// one: killed, machine lost). The last attempt without an exit line is `open`: still
+// running, or died with no later attempt yet; it counts up to its last line, not as a
+// failure.
 #include <array>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -63,12 +67,15 @@ void append_json_line(const std::string& path, const nlohmann::json& record);
 
 std::string ett_dir(const std::string& run_dir);
 std::string attempt_path(const std::string& run_dir, int attempt);
-// The number of attempt logs in the run directory (the next attempt's index).
+// One past the highest attempt log's index in the run directory: the next attempt's index
+// (the number of attempts, when none is missing).
 int count_attempts(const std::string& run_dir);
-// Whether the attempt log at `path` holds a {"event": "rejected"} line: the trainer refused
-// to start for bad input (a supervised attempt; `tessel run` then removes the log, since
-// such a start is no attempt of the job).
-bool attempt_rejected(const std::string& path);
+// Whether the attempt log at `path` holds a {"event": "withdrawn"} line: the trainer found
+// the start to be no attempt of the job (refused for bad input, or nothing to train) in a
+// supervised attempt; `tessel run` then removes the log.
+bool attempt_withdrawn(const std::string& path);
+// Removes the log of a start that is no attempt of the job, and ett/ when that empties it.
+void remove_attempt(const std::string& path);
 
 // Rank 0's writer of one attempt log; a default-constructed ledger records nothing
 // (the other ranks). Entering a leaf closes the previous one.
@@ -103,7 +110,9 @@ struct EttAttempt {
   int64_t t0 = 0, t1 = 0;  // ns: first line, exit (or last line)
   std::vector<EttSegment> segments;
   std::array<int64_t, kNumPhases> leaf_ns{};
-  bool failed = false;
+  bool failed = false;         // nonzero exit status, a fault, or no exit line but a later attempt
+  bool exited = false;         // has its exit line
+  bool open = false;           // the last attempt, without an exit line: running, or killed
   bool injected = false;       // a fault line: the failure was injected
   int64_t resumed_from = 0;    // checkpoint step this attempt started from (0 = fresh)
   int64_t failure_step = -1;   // steps completed when it failed
@@ -131,7 +140,8 @@ struct EttReport {
 };
 
 // Reads <run_dir>/ett/*.jsonl (and metrics.jsonl for MFU). InputError naming the file
-// for a malformed log line other than a last line cut short by a crash.
+// for a missing attempt log (one before the highest index) and for a malformed log line
+// other than a last line cut short by a crash.
 EttReport analyze_ett(const std::string& run_dir);
 nlohmann::json ett_json(const EttReport& report);
 // Chrome trace (chrome://tracing, Perfetto): one row per attempt, one slice per segment.

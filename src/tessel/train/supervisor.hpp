@@ -6,7 +6,10 @@
 // begins when the supervisor starts it (for a relaunch: when it saw the previous attempt
 // end, so detection-to-relaunch time is the relaunch's `scheduling` leaf) and ends when
 // the job's processes have all exited. A job that stops with exit status 2 (bad input)
-// is not relaunched: the same input would fail again.
+// is not relaunched: the same input would fail again. SIGTERM, SIGINT or SIGHUP to the
+// supervisor stops the job: it is forwarded to the job (which runs in its own process
+// group, stdin /dev/null), the supervisor waits for it, writes the exit line, relaunches
+// nothing and returns 128 + the signal.
 #include <string>
 #include <vector>
 
@@ -23,8 +26,8 @@ struct SuperviseOptions {
   bool quiet = false;                   // no progress lines of the supervisor
 };
 
-// Runs the job to success or until the restarts are spent; returns the last attempt's
-// exit status (0 = success).
+// Runs the job to success, until the restarts are spent or until stopped by a signal;
+// returns the last attempt's exit status (0 = success), or 128 + the stop signal.
 int supervise(const SuperviseOptions& options);
 
 }  // namespace tessel::train

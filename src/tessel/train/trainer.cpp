@@ -185,19 +185,17 @@ struct Trainer::Attempt {
       }
   }
 
-  // A start refused for bad input is no attempt of the job: left in the ledger it would
-  // count as a failure (and move the observed MTBF and the fault injector's attempt count).
-  // Rank 0 removes its log; a supervised attempt's log belongs to `tessel run`, which removes
-  // it when it finds this mark (attempt_rejected, ett.hpp).
-  void reject() {
+  // A start refused for bad input, or one with nothing to train, is no attempt of the job:
+  // left in the ledger it would count as a failure or add its time to W (and move the
+  // observed MTBF and the fault injector's attempt count). Rank 0 removes its log; a
+  // supervised attempt's log belongs to `tessel run`, which removes it when it finds this
+  // mark (attempt_withdrawn, ett.hpp). Nothing more is recorded either way.
+  void withdraw(const char* reason) {
     if (!ledger.active()) return;
-    if (supervised) {
-      ledger.event({{"event", "rejected"}});
-      return;
-    }
-    std::error_code ec;
-    fs::remove(ledger.path(), ec);
-    fs::remove(fs::path(ledger.path()).parent_path(), ec);  // ett/, when now empty
+    if (supervised)
+      ledger.event({{"event", "withdrawn"}, {"reason", reason}});
+    else
+      remove_attempt(ledger.path());
     ledger = EttLedger();
   }
 };
@@ -683,9 +681,11 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
     // much.
     if (s.resumed_from >= 0 || !s.initialized_from.empty()) release_free_memory();
     s.ledger.enter(Phase::other);
+    const bool trains = s.start_step < s.config.train.steps;
+    if (!trains) attempt_->withdraw("nothing to train");
     // Written only once the run is accepted, so a rejected run leaves the directory as it
     // was, and only when it trains: a run with nothing to train keeps the config that trained.
-    if (s.is_root && s.start_step < s.config.train.steps) {
+    if (s.is_root && trains) {
       fs::create_directories(s.config.run.dir);
       write_file_atomically(s.config.run.dir + "/config.toml", to_toml(s.config));
       if (!s.initialized_from.empty())
@@ -694,7 +694,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
     world.barrier();
   } catch (const InputError&) {
     s_.reset();
-    attempt_->reject();
+    attempt_->withdraw("bad input");
     throw;
   }
 }

@@ -44,8 +44,8 @@ class Trainer {
   // Builds the mesh (InputError when the world does not match parallel.*), the model,
   // optimizer and data, and resumes from the run directory's latest checkpoint when
   // train.resume is set. Collective over `world`. Rank 0 records the attempt in
-  // <run.dir>/ett/ (ett.hpp); a start rejected for bad input (InputError) removes its record
-  // again, since it is no attempt of the job.
+  // <run.dir>/ett/ (ett.hpp); a start rejected for bad input (InputError) or with nothing to
+  // train removes its record again, since it is no attempt of the job.
   Trainer(Config config, comm::Communicator& world, ProcessTimes times = {});
   ~Trainer();
   TrainResult run();

@@ -188,7 +188,7 @@ TEST_F(CliTest, MissingCheckpoint) {
 
 // A start rejected for bad input is no attempt of the job: it leaves no ETT record (which
 // would count as a failure), and a run with nothing to train rewrites neither config.toml nor
-// metrics.jsonl.
+// metrics.jsonl, nor adds an attempt (its start-up would grow W on every call).
 TEST_F(CliTest, RejectedAndEmptyStartsLeaveTheRunAsItWas) {
   std::string run = temp_dir("tessel-cli-run");
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
@@ -208,6 +208,7 @@ TEST_F(CliTest, RejectedAndEmptyStartsLeaveTheRunAsItWas) {
   ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_EQ(slurp(run + "/config.toml"), config);
   EXPECT_EQ(slurp(run + "/metrics.jsonl"), metrics);
+  EXPECT_FALSE(fs::exists(run + "/ett/attempt-0001.jsonl")) << "an empty start was recorded";
   // A fresh directory rejected at once keeps no ett/ either.
   const std::string fresh = temp_dir("tessel-cli-run");
   expect_one_line_error(run_tessel(train_args(fresh) + " --set data.path=/nonexistent/data"),

@@ -1,17 +1,26 @@
 // `tessel run` on 2 MPI ranks with injected failures: relaunches, the ETT ledger, bitwise
 // recovery, a kill inside the checkpoint writer; `tessel export` read back independently.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "support/train_fixture.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/config.hpp"
+#include "tessel/train/ett.hpp"
 #include "unit/cli/cli_test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -255,6 +264,102 @@ TEST_F(SupervisorTest, ARefusedStartLeavesNoAttempt) {
   const Outcome report = run_tessel("ett-report " + run);
   ASSERT_EQ(report.exit_code, 0) << report.err;
   EXPECT_NE(report.out.find("NoF 0"), std::string::npos) << report.out;
+}
+
+// Under an MPI launcher, even with one rank, `tessel run` would start its mpirun inside the
+// MPI job (every attempt failing with exit status 1): it refuses before touching run.dir.
+TEST_F(SupervisorTest, UnderAnMpiLauncherItIsRefused) {
+  for (int ranks : {1, 2}) {
+    const std::string run = fixture::temp_dir("tessel-sup-mpirun") + "/job";
+    const Outcome o = run_tessel(run_args(run), ranks);
+    EXPECT_EQ(o.exit_code, 2) << ranks << " rank(s): " << o.err;
+    EXPECT_NE(o.err.find("tessel: error: tessel run starts its own MPI job; run it without mpirun"),
+              std::string::npos)
+        << o.err;
+    EXPECT_FALSE(fs::exists(run)) << ranks << " rank(s)";
+  }
+}
+
+// A launcher that cannot start ran nothing: no attempt is left to count as a failure of the
+// job's later runs.
+TEST_F(SupervisorTest, ALauncherThatCannotStartLeavesNoAttempt) {
+  const std::string run = fixture::temp_dir("tessel-sup-launcher");
+  Outcome o = run_tessel(run_args(run, "", 3, "--launcher /nonexistent/mpirun"));
+  EXPECT_EQ(o.exit_code, 2) << o.err;
+  EXPECT_NE(o.err.find("cannot start /nonexistent/mpirun"), std::string::npos) << o.err;
+  EXPECT_FALSE(fs::exists(run + "/ett"));
+  o = run_tessel(run_args(run));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 0);
+  EXPECT_EQ(ett["attempts"].size(), 1u);
+}
+
+// A finished run started again trains nothing: no attempt, so W and the attempt count stay.
+TEST_F(SupervisorTest, AFinishedRunStartedAgainAddsNoAttempt) {
+  const std::string run = fixture::temp_dir("tessel-sup-finished");
+  fs::copy(reference, run, fs::copy_options::recursive);
+  const auto before = nlohmann::json::parse(slurp(run + "/ett.json"));
+  const Outcome o = run_tessel(run_args(run));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_FALSE(fs::exists(train::attempt_path(run, 1))) << "the empty start left a log";
+  const auto after = nlohmann::json::parse(slurp(run + "/ett.json"));  // written again
+  EXPECT_EQ(after["attempts"].size(), 1u);
+  EXPECT_EQ(after["wall_seconds"], before["wall_seconds"]);
+}
+
+// Stopping `tessel run` stops its job: SIGTERM (a scheduler's) to the supervisor alone, and
+// SIGINT to its whole process group, as a Ctrl-C at a terminal sends it (mpirun must see it
+// once: a second SIGINT makes it exit at once and leave its ranks running). The supervisor
+// forwards it, waits for the job, records the attempt's end and relaunches nothing.
+TEST_F(SupervisorTest, AStopSignalEndsTheJobAndIsRecorded) {
+  for (int sig : {SIGTERM, SIGINT}) {
+    SCOPED_TRACE(::strsignal(sig));
+    const std::string run = fixture::temp_dir("tessel-sup-stop");
+    // Long enough to be stopped during training; short enough that a job left running
+    // (without the forwarding) ends by itself (2000 steps: about 25 s here).
+    const std::string cmd = "exec " + std::string(TESSEL_BINARY) + " " +
+                            run_args(run, " --set train.steps=2000") + " >" + run + "/out 2>" +
+                            run + "/err";
+    const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
+    posix_spawnattr_t attr;
+    ::posix_spawnattr_init(&attr);
+    ::posix_spawnattr_setpgroup(&attr, 0);  // its own group, as a shell's foreground job
+    sigset_t defaults;
+    ::sigemptyset(&defaults);
+    ::sigaddset(&defaults, SIGINT);
+    ::sigaddset(&defaults, SIGTERM);
+    ::posix_spawnattr_setsigdefault(&attr, &defaults);
+    ::posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
+    pid_t pid = 0;
+    ASSERT_EQ(::posix_spawn(&pid, argv[0], nullptr, &attr, const_cast<char**>(argv), environ), 0);
+    ::posix_spawnattr_destroy(&attr);
+    const std::string log = train::attempt_path(run, 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (slurp(log).find("\"phase\":\"productive\"") == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_NE(slurp(log).find("\"phase\":\"productive\""), std::string::npos)
+        << slurp(run + "/err");
+    ASSERT_EQ(::kill(sig == SIGINT ? -pid : pid, sig), 0);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status)) << "the supervisor died of the signal";
+    EXPECT_EQ(WEXITSTATUS(status), 128 + sig);
+    EXPECT_NE(slurp(run + "/err").find("not relaunching"), std::string::npos)
+        << slurp(run + "/err");
+    // The job is gone: rank 0 no longer holds the run directory's lock.
+    const int fd = ::open((run + "/lock").c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    EXPECT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0) << "a rank of the job still runs";
+    ::close(fd);
+    // Its end is the log's last line, and no attempt followed.
+    auto lines = jsonl(log);
+    ASSERT_FALSE(lines.empty());
+    EXPECT_EQ(lines.back().value("event", ""), "exit");
+    EXPECT_NE(lines.back().value("status", 0), 0);
+    EXPECT_FALSE(fs::exists(train::attempt_path(run, 1)));
+  }
 }
 
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {

@@ -72,6 +72,30 @@ std::string two_attempt_run() {
   return run;
 }
 
+// Attempt 0 (a plain `tessel train`) checkpoints after step 2 and is killed in step 5:
+// no fault line, no exit line. With `relaunched`, attempt 1 resumes from step 2 and finishes.
+std::string killed_run(bool relaunched) {
+  std::string run = fixture::temp_dir("tessel-ett-killed");
+  fs::create_directories(ett_dir(run));
+  std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1);
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  phase(a0, "productive", 100 * ms, 1);
+  phase(a0, "productive", 200 * ms, 2);
+  phase(a0, "checkpoint_blocking", 300 * ms);
+  phase(a0, "productive", 320 * ms, 3);
+  phase(a0, "productive", 420 * ms, 4);
+  phase(a0, "productive", 520 * ms, 5);
+  if (relaunched) {
+    line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
+    line(a1, {{"event", "resume"}, {"t", 1100 * ms}, {"step", 2}});
+    phase(a1, "productive", 1200 * ms, 3);
+    phase(a1, "productive", 1300 * ms, 4);
+    phase(a1, "productive", 1400 * ms, 5);
+    line(a1, {{"event", "exit"}, {"t", 1500 * ms}, {"status", 0}});
+  }
+  return run;
+}
+
 }  // namespace
 
 TEST(EttLedger, HandWrittenRunHasTheExpectedLeavesAndMetrics) {
@@ -141,6 +165,31 @@ TEST(EttLedger, AMalformedLineInsideALogNamesTheFile) {
   }
 }
 
+// A lost log would drop its attempt's time and failure from the report (and, before, every
+// attempt after it): the report refuses, naming the file, and the next attempt does not
+// take its place.
+TEST(EttLedger, AMissingAttemptLogIsAnErrorNamingIt) {
+  std::string run = two_attempt_run();
+  std::string a2 = attempt_path(run, 2);
+  line(a2, {{"event", "attempt"}, {"attempt", 2}, {"t", 2000 * ms}});
+  line(a2, {{"event", "exit"}, {"t", 2100 * ms}, {"status", 0}});
+  EXPECT_EQ(analyze_ett(run).attempts.size(), 3u);
+  fs::remove(attempt_path(run, 1));
+  EXPECT_EQ(count_attempts(run), 3);
+  try {
+    write_ett_report(run);
+    FAIL() << "no error";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(attempt_path(run, 1) + ": missing ETT attempt log"),
+              std::string::npos)
+        << e.what();
+  }
+  // Files that are not attempt logs do not count.
+  std::ofstream(ett_dir(run) + "/attempt-7.jsonl") << "";
+  std::ofstream(ett_dir(run) + "/attempt-0009.jsonl.tmp") << "";
+  EXPECT_EQ(count_attempts(run), 3);
+}
+
 TEST(EttLedger, TrainingRunsRecordEveryStepAndTheResume) {
   std::string data = fixture::make_dataset(fixture::temp_dir("tessel-ett-data"));
   std::string run = fixture::temp_dir("tessel-ett-run");
@@ -176,4 +225,45 @@ TEST(EttLedger, TrainingRunsRecordEveryStepAndTheResume) {
   EXPECT_EQ(steps[1], (std::set<int64_t>{5, 6, 7, 8, 9, 10, 11, 12}));
   EXPECT_GT(r.ett, 0.0);
   EXPECT_LE(r.ett, 1.0);
+}
+
+// A killed attempt writes no exit line; the next attempt shows it died. Its steps after the
+// checkpoint the next attempt resumed from are wasted, like an injected failure's.
+TEST(EttLedger, AnAttemptWithoutExitLineThatALaterOneFollowsFailed) {
+  EttReport r = analyze_ett(killed_run(true));
+  ASSERT_EQ(r.attempts.size(), 2u);
+  const EttAttempt& a = r.attempts[0];
+  EXPECT_TRUE(a.failed);
+  EXPECT_FALSE(a.open);
+  EXPECT_FALSE(a.injected);
+  EXPECT_EQ(a.failure_step, 4);  // the last step it completed: step 5 began at its last line
+  EXPECT_EQ(a.durable_step, 2);
+  EXPECT_EQ(a.wasted_steps, 2);
+  EXPECT_DOUBLE_EQ(a.seconds(), 0.52);                // up to its last line
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::productive), 0.2);  // steps 1 and 2
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::wasted), 0.2);      // steps 3 and 4
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::checkpoint_blocking), 0.02);
+  EXPECT_FALSE(r.attempts[1].failed);
+  EXPECT_EQ(r.nof, 1);
+  EXPECT_EQ(r.injected, 0);
+  ASSERT_EQ(r.ttr.size(), 1u);
+  EXPECT_NEAR(r.ttr[0], 0.2 + 0.2, 1e-12);  // wasted + attempt 1's start until its first step
+  EXPECT_DOUBLE_EQ(r.wall, 0.52 + 0.5);
+  EXPECT_DOUBLE_EQ(r.productive, 0.2 + 0.3);
+}
+
+// Without a later attempt the report cannot tell a killed attempt from a running one: it
+// is open, counted up to its last line, and neither a failure nor a success.
+TEST(EttLedger, TheLastAttemptWithoutExitLineIsOpen) {
+  EttReport r = analyze_ett(killed_run(false));
+  ASSERT_EQ(r.attempts.size(), 1u);
+  const EttAttempt& a = r.attempts[0];
+  EXPECT_TRUE(a.open);
+  EXPECT_FALSE(a.failed);
+  EXPECT_EQ(r.nof, 0);
+  EXPECT_DOUBLE_EQ(r.wall, 0.52);
+  EXPECT_DOUBLE_EQ(r.productive, 0.4);  // steps 1-4
+  EXPECT_EQ(ett_json(r)["attempts"][0]["open"], true);
+  // An attempt that exited is not open.
+  EXPECT_FALSE(analyze_ett(two_attempt_run()).attempts[1].open);
 }
