@@ -362,6 +362,7 @@ int main(int argc, char** argv) {
       if (comm::launched_by_mpi())
         input_error("tessel run starts its own MPI job; run it without mpirun");
       sup.run_dir = train::load_config(sup_config, sup_overrides).run.dir;  // also validates
+      train::check_run_dir(sup.run_dir);  // before the supervisor writes its ETT log there
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
       int status = train::supervise(sup);

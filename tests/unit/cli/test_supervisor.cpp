@@ -280,6 +280,19 @@ TEST_F(SupervisorTest, UnderAnMpiLauncherItIsRefused) {
   }
 }
 
+// A run.dir that is a file, or below one, is refused with the key named, as `tessel train`
+// refuses it, before the supervisor writes anything.
+TEST_F(SupervisorTest, ARunDirectoryThatIsAFileIsRefused) {
+  const std::string file = fixture::temp_dir("tessel-sup-file") + "/file";
+  std::ofstream(file) << "x";
+  for (const std::string& run : {file, file + "/job"}) {
+    const Outcome o = run_tessel(run_args(run));
+    EXPECT_EQ(o.exit_code, 2) << o.err;
+    EXPECT_NE(o.err.find("run.dir"), std::string::npos) << o.err;
+    EXPECT_NE(o.err.find("not a directory"), std::string::npos) << o.err;
+  }
+}
+
 // A launcher that cannot start ran nothing: no attempt is left to count as a failure of the
 // job's later runs.
 TEST_F(SupervisorTest, ALauncherThatCannotStartLeavesNoAttempt) {
