@@ -366,7 +366,14 @@ int main(int argc, char** argv) {
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
       int status = train::supervise(sup);
-      return status == 0 ? run_ett_report(sup.run_dir, max_ttr) : status;
+      if (status != 0) return status;
+      // A finished run started again trained nothing and recorded no attempt: with no
+      // earlier log there is nothing to report.
+      if (train::count_attempts(sup.run_dir) == 0) {
+        std::printf("%s: no ETT attempt recorded; no report\n", sup.run_dir.c_str());
+        return 0;
+      }
+      return run_ett_report(sup.run_dir, max_ttr);
     }
     if (*report) return world.rank() == 0 ? run_ett_report(report_dir, max_ttr) : 0;
     if (*exportc) return world.rank() == 0 ? run_export(export_from, export_to) : 0;

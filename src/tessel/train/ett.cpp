@@ -270,13 +270,18 @@ EttReport analyze_ett(const std::string& run_dir) {
     if (!fs::exists(path))
       input_error(path, ": missing ETT attempt log (attempt ", i, " of ", n,
                   "); the report would leave its time and failure out");
+    // A withdrawn start whose supervisor died before removing its log is no attempt either.
+    if (attempt_withdrawn(path)) continue;
     rep.attempts.push_back(parse_attempt(path, i));
   }
+  n = int(rep.attempts.size());
   for (int i = 0; i < n; ++i) {
     auto& a = rep.attempts[i];
     // No exit line: the attempt died before anyone could write one (killed, machine lost),
-    // which a later attempt proves; the last one may as well still be running.
-    if (!a.exited) (i + 1 < n ? a.failed : a.open) = true;
+    // which a later attempt proves; the last one may as well still be running, unless its
+    // own fault record says how it ended.
+    if (!a.exited && i + 1 < n) a.failed = true;
+    a.open = !a.exited && i + 1 == n && !a.failed;
     a.durable_step = i + 1 < n ? rep.attempts[i + 1].resumed_from
                                : (a.failed ? latest_checkpoint_step(run_dir) : -1);
     finish_attempt(a);

@@ -25,25 +25,44 @@ namespace tessel::train {
 
 namespace {
 
-// A SIGTERM, SIGINT or SIGHUP to the supervisor stops the job, not just the supervisor: the
-// first one is forwarded to the running job (mpirun, which tears the ranks down), and the
+// A SIGTERM, SIGINT, SIGHUP or SIGQUIT to the supervisor stops the job, not just the supervisor:
+// the first one is forwarded to the running job (mpirun, which tears the ranks down), and the
 // supervisor waits for the job, records its end and relaunches nothing. The job runs in a
 // process group of its own, so that a Ctrl-C at the terminal reaches it once, through the
 // supervisor: mpirun takes a second SIGINT as "terminate now" and leaves its ranks behind.
 // Lock-free atomics, so the handler (on whichever thread) may use them.
-constexpr int kStopSignals[] = {SIGTERM, SIGINT, SIGHUP};
+constexpr int kStopSignals[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
 std::atomic<pid_t> g_job{0};           // the running job; 0 = none
 std::atomic<int> g_stop{0};            // the first stop signal received; 0 = none
 std::atomic<bool> g_forwarded{false};  // g_stop was sent to the job
 static_assert(std::atomic<pid_t>::is_always_lock_free && std::atomic<int>::is_always_lock_free &&
               std::atomic<bool>::is_always_lock_free);
 
-// Sends g_stop to the job once: from the handler, or from the supervisor when the stop came
-// while the job was being started.
+// Sends g_stop to the job's process group once (a launcher that is a wrapper script passes
+// it on to mpirun too; mpirun alone in its group still gets it once).
 void forward_stop() {
   const pid_t job = g_job;
-  if (g_stop && job > 0 && !g_forwarded.exchange(true)) ::kill(job, g_stop);
+  if (g_stop && job > 0 && !g_forwarded.exchange(true)) ::kill(-job, g_stop);
 }
+
+// Blocks the stop signals while in scope (restoring the previous mask after): the supervisor
+// checks for a stop, starts the job and records its pid as one step, so a stop either comes
+// before (no job is started) or is forwarded to the job.
+class StopSignalsBlocked {
+ public:
+  StopSignalsBlocked() {
+    sigset_t stops;
+    ::sigemptyset(&stops);
+    for (int sig : kStopSignals) ::sigaddset(&stops, sig);
+    ::sigprocmask(SIG_BLOCK, &stops, &previous_);
+  }
+  ~StopSignalsBlocked() { ::sigprocmask(SIG_SETMASK, &previous_, nullptr); }
+  StopSignalsBlocked(const StopSignalsBlocked&) = delete;
+  StopSignalsBlocked& operator=(const StopSignalsBlocked&) = delete;
+
+ private:
+  sigset_t previous_;
+};
 
 extern "C" void on_stop(int sig) {
   int none = 0;
@@ -60,6 +79,7 @@ class StopForwarding {
     g_forwarded = false;
     struct sigaction sa {};
     sa.sa_handler = on_stop;
+    sa.sa_flags = SA_RESTART;  // the supervisor's own file writes go on
     ::sigemptyset(&sa.sa_mask);
     for (size_t i = 0; i < std::size(kStopSignals); ++i) {
       ::sigaction(kStopSignals[i], nullptr, &previous_[i]);
@@ -86,7 +106,10 @@ pid_t start_job(const std::vector<std::string>& args) {
   posix_spawnattr_t attr;
   ::posix_spawnattr_init(&attr);
   ::posix_spawnattr_setpgroup(&attr, 0);
-  ::posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  sigset_t none;  // the job starts with no signal blocked (the supervisor blocks its stops here)
+  ::sigemptyset(&none);
+  ::posix_spawnattr_setsigmask(&attr, &none);
+  ::posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK);
   posix_spawn_file_actions_t files;
   ::posix_spawn_file_actions_init(&files);
   ::posix_spawn_file_actions_addopen(&files, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
@@ -154,13 +177,19 @@ int supervise(const SuperviseOptions& o) {
                            {"supervisor", int(::getpid())}});
     append_json_line(log, {{"phase", phase_name(Phase::scheduling)}, {"t", begins}});
     ::setenv("TESSEL_ETT_ATTEMPT", std::to_string(attempt).c_str(), 1);
-    try {
-      g_job = start_job(args);
-    } catch (const InputError&) {
-      remove_attempt(log);  // nothing ran: no attempt of the job
-      throw;
+    {
+      const StopSignalsBlocked blocked;  // a stop now is forwarded once the pid is known
+      if (g_stop) {                      // stopped while the log was opened: nothing ran
+        remove_attempt(log);
+        break;
+      }
+      try {
+        g_job = start_job(args);
+      } catch (const InputError&) {
+        remove_attempt(log);  // nothing ran: no attempt of the job
+        throw;
+      }
     }
-    forward_stop();  // one that came since the check above
     const int status = wait_job();
     if (attempt_withdrawn(log)) {  // bad input, or nothing to train: no attempt, no relaunch
       remove_attempt(log);

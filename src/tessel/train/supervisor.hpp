@@ -6,8 +6,8 @@
 // begins when the supervisor starts it (for a relaunch: when it saw the previous attempt
 // end, so detection-to-relaunch time is the relaunch's `scheduling` leaf) and ends when
 // the job's processes have all exited. A job that stops with exit status 2 (bad input)
-// is not relaunched: the same input would fail again. SIGTERM, SIGINT or SIGHUP to the
-// supervisor stops the job: it is forwarded to the job (which runs in its own process
+// is not relaunched: the same input would fail again. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
+// the supervisor stops the job: it is forwarded to the job (which runs in its own process
 // group, stdin /dev/null), the supervisor waits for it, writes the exit line, relaunches
 // nothing and returns 128 + the signal.
 #include <string>

@@ -133,6 +133,23 @@ int agree_attempt(comm::Communicator& world, const std::string& run_dir) {
   return int(attempt);
 }
 
+// Marks a supervised start's ETT log as withdrawn (no attempt of the job): `tessel run`, which
+// opened the log, removes it when it finds the mark (attempt_withdrawn, ett.hpp).
+void mark_withdrawn(const std::string& log, const char* reason) {
+  append_json_line(log, {{"event", "withdrawn"}, {"t", monotonic_ns()}, {"reason", reason}});
+}
+
+// A supervised start refused before its Attempt existed (another run holds the directory's
+// lock): rank 0 marks the log `tessel run` opened for it.
+void withdraw_supervised_start(const std::string& run_dir, int rank, const char* reason) {
+  const char* index = std::getenv("TESSEL_ETT_ATTEMPT");
+  if (rank != 0 || !index) return;
+  try {
+    mark_withdrawn(attempt_path(run_dir, std::atoi(index)), reason);
+  } catch (const std::exception&) {  // the refusal itself is the error to report
+  }
+}
+
 // Marks, between two members of Trainer::State, where one start-up leaf ends and the next
 // begins (members are built in declaration order).
 struct PhaseMark {
@@ -193,7 +210,7 @@ struct Trainer::Attempt {
   void withdraw(const char* reason) {
     if (!ledger.active()) return;
     if (supervised)
-      ledger.event({{"event", "withdrawn"}, {"reason", reason}});
+      mark_withdrawn(ledger.path(), reason);
     else
       remove_attempt(ledger.path());
     ledger = EttLedger();
@@ -656,7 +673,12 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   set_num_threads(threads);
   config.run.threads = num_threads();  // what the pools run, after OpenBLAS's cap
   config.parallel.dp = shape.dp;
-  attempt_ = std::make_unique<Attempt>(config.run.dir, world, times);
+  try {
+    attempt_ = std::make_unique<Attempt>(config.run.dir, world, times);
+  } catch (const InputError&) {  // the run directory is locked by a run in progress
+    withdraw_supervised_start(config.run.dir, world.rank(), "bad input");
+    throw;
+  }
   try {
     s_ = std::make_unique<State>(std::move(config), world, shape, times, *attempt_);
     State& s = *s_;
@@ -811,8 +833,13 @@ TrainResult Trainer::run() {
   const bool adaptive = c.train.checkpoint_policy != "fixed";
   double mtbf = c.train.mtbf_seconds;
   if (adaptive && s.is_root) {
-    EttReport seen = analyze_ett(c.run.dir);
-    if (seen.nof > 0) mtbf = seen.wall / seen.nof;  // observed
+    try {
+      EttReport seen = analyze_ett(c.run.dir);
+      if (seen.nof > 0) mtbf = seen.wall / seen.nof;  // observed
+    } catch (const InputError& e) {                   // a damaged ledger must not stop the training
+      s.log(detail::concat("warning: no observed MTBF (", e.what(),
+                           "); the checkpoint interval uses train.mtbf_seconds"));
+    }
   }
   int64_t next_save = -1, decide_at = -1;  // adaptive: the next save; the step deciding it
   if (adaptive) next_save = s.start_step + c.train.checkpoint_every;

@@ -321,6 +321,33 @@ TEST_F(SupervisorTest, AFinishedRunStartedAgainAddsNoAttempt) {
   EXPECT_EQ(after["wall_seconds"], before["wall_seconds"]);
 }
 
+// Without an ETT log (only the checkpoints copied), a finished run started again reports
+// that nothing was recorded instead of failing on a missing ledger.
+TEST_F(SupervisorTest, AFinishedRunWithoutLogsExitsCleanly) {
+  const std::string run = fixture::temp_dir("tessel-sup-nologs");
+  fs::copy(reference, run, fs::copy_options::recursive);
+  fs::remove_all(train::ett_dir(run));
+  const Outcome o = run_tessel(run_args(run));
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("no ETT attempt recorded"), std::string::npos) << o.out;
+  EXPECT_FALSE(fs::exists(train::ett_dir(run)));
+}
+
+// A run directory locked by a run in progress refuses the start (exit 2, not relaunched), and
+// the refused start leaves no attempt that a report would count as a failure.
+TEST_F(SupervisorTest, ALockedRunDirectoryLeavesNoAttempt) {
+  const std::string run = fixture::temp_dir("tessel-sup-locked");
+  fs::copy(reference, run, fs::copy_options::recursive);
+  const int fd = ::open((run + "/lock").c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);  // as a run in progress holds it
+  const Outcome o = run_tessel(run_args(run, " --set train.steps=20"));
+  ::close(fd);
+  EXPECT_EQ(o.exit_code, 2) << o.err;
+  EXPECT_NE(o.err.find("in use by another tessel run"), std::string::npos) << o.err;
+  EXPECT_FALSE(fs::exists(train::attempt_path(run, 1))) << "the refused start left a log";
+}
+
 // Stopping `tessel run` stops its job: SIGTERM (a scheduler's) to the supervisor alone, and
 // SIGINT to its whole process group, as a Ctrl-C at a terminal sends it (mpirun must see it
 // once: a second SIGINT makes it exit at once and leave its ranks running). The supervisor

@@ -266,4 +266,27 @@ TEST(EttLedger, TheLastAttemptWithoutExitLineIsOpen) {
   EXPECT_EQ(ett_json(r)["attempts"][0]["open"], true);
   // An attempt that exited is not open.
   EXPECT_FALSE(analyze_ett(two_attempt_run()).attempts[1].open);
+  // The last attempt's own fault record says how it ended: failed, not open.
+  const std::string faulted = killed_run(false);
+  line(attempt_path(faulted, 0),
+       {{"event", "fault"}, {"t", 530 * ms}, {"rank", 0}, {"step", 5}, {"kind", "kill_at_step"}});
+  r = analyze_ett(faulted);
+  EXPECT_TRUE(r.attempts[0].failed);
+  EXPECT_FALSE(r.attempts[0].open);
+  EXPECT_EQ(r.nof, 1);
+}
+
+// A withdrawn start whose log `tessel run` did not get to remove (it died first) is no
+// attempt: the report is that of the run without it.
+TEST(EttLedger, AWithdrawnLogLeftBehindIsNoAttempt) {
+  const std::string run = killed_run(true);
+  const EttReport before = analyze_ett(run);
+  const std::string log = attempt_path(run, 2);
+  line(log, {{"event", "attempt"}, {"attempt", 2}, {"t", 2000 * ms}});
+  line(log, {{"event", "withdrawn"}, {"t", 2100 * ms}, {"reason", "nothing to train"}});
+  const EttReport r = analyze_ett(run);
+  ASSERT_EQ(r.attempts.size(), 2u);
+  EXPECT_EQ(r.nof, before.nof);
+  EXPECT_DOUBLE_EQ(r.wall, before.wall);
+  EXPECT_FALSE(r.attempts[1].failed);
 }

@@ -15,6 +15,7 @@
 #include "tessel/core/threading.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/checkpoint_interval.hpp"
+#include "tessel/train/ett.hpp"
 #include "tessel/train/trainer.hpp"
 
 using namespace tessel;
@@ -65,6 +66,22 @@ TEST_F(TrainerTest, TheResolvedConfigRecordsTheThreadsUsed) {
   EXPECT_EQ(written.run.threads, used);
   EXPECT_LE(used, 200);
   EXPECT_GT(result.peak_resident_bytes, int64_t(1) << 20);
+}
+
+// The adaptive checkpoint interval estimates the MTBF from the run's ETT ledger; a damaged
+// ledger (a missing attempt log) falls back to train.mtbf_seconds instead of stopping the run.
+TEST_F(TrainerTest, ADamagedLedgerDoesNotStopAnAdaptiveCheckpointRun) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 6;
+  c.optim.warmup_steps = 1;
+  c.train.checkpoint_policy = "young";
+  c.train.checkpoint_every = 2;
+  fs::create_directories(train::ett_dir(c.run.dir));
+  std::ofstream(train::attempt_path(c.run.dir, 1)) << R"({"event":"attempt","attempt":1,"t":0})"
+                                                   << "\n";
+  EXPECT_ANY_THROW(train::analyze_ett(c.run.dir));  // attempt 0's log is missing
+  const auto result = train_run(c);
+  EXPECT_EQ(result.steps.size(), 6u);
 }
 
 TEST_F(TrainerTest, ResumeContinuesBitwise) {
