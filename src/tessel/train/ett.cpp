@@ -116,6 +116,7 @@ EttAttempt parse_attempt(const std::string& path, int index) {
   if (fault_t) a.failed = true;
   std::stable_sort(bounds.begin(), bounds.end(),
                    [](const Boundary& x, const Boundary& y) { return x.t < y.t; });
+  if (!bounds.empty()) a.step_in_progress = bounds.back().step;
   const int64_t cut = fault_t ? std::min(*fault_t, a.t1) : a.t1;
   auto add = [&](Phase p, int64_t t0, int64_t t1, int64_t step) {
     if (t1 > t0) a.segments.push_back({p, t0, t1, step});
@@ -139,7 +140,10 @@ void finish_attempt(EttAttempt& a) {
         max_step = std::max(max_step, s.step);
         if (s.step > a.durable_step) s.phase = Phase::wasted;
       }
-    if (a.failure_step < 0) a.failure_step = max_step;
+    // A step split by a checkpoint wait has a first part even if it never completed.
+    if (a.failure_step < 0)
+      a.failure_step =
+          max_step == a.step_in_progress ? std::max(a.durable_step, max_step - 1) : max_step;
     a.wasted_steps = std::max<int64_t>(0, a.failure_step - a.durable_step);
   }
   a.leaf_ns.fill(0);

@@ -10,6 +10,8 @@
 //   {"phase": "comm_init", "t": ns}                 leaf `comm_init` begins at t; the
 //                                                   previous leaf ends there
 //   {"phase": "productive", "t": ns, "step": s}     training step s (1-based) begins
+//   {"phase": "checkpoint_blocking", "t": ns, "step": s}   step s waits for a checkpoint's
+//                                                   staging copy (untagged: a save between steps)
 //   {"event": "resume", "step": c, "t": ns}         the attempt continues from checkpoint c
 //   {"event": "fault", "t": ns, "rank": r, "step": s, "kind": "..."}   injected failure
 //   {"event": "exit", "t": ns, "status": code}      the attempt ended (last line)
@@ -102,7 +104,7 @@ class EttLedger {
 struct EttSegment {
   Phase phase;
   int64_t t0, t1;     // ns
-  int64_t step = -1;  // training step, for productive and wasted segments
+  int64_t step = -1;  // training step, for productive and wasted segments (and a mid-step wait)
 };
 
 struct EttAttempt {
@@ -119,6 +121,10 @@ struct EttAttempt {
   int64_t durable_step = -1;   // checkpoint the next attempt resumed from
   int64_t wasted_steps = 0;    // failure_step - durable_step
   int64_t first_step_ns = -1;  // when its first training step began
+  // The step its last boundary began or paused inside (a productive one, or a checkpoint wait
+  // within a step); -1 when that boundary came between steps. Without a later line the step
+  // did not complete.
+  int64_t step_in_progress = -1;
   double seconds() const { return double(t1 - t0) * 1e-9; }
 };
 

@@ -878,7 +878,7 @@ TrainResult Trainer::run() {
     const double lr = s.schedule.lr(step + 1);
     auto wait_staged = [&] {
       if (!s.checkpointer.staging()) return;  // the snapshot must not see this update
-      s.ledger.enter(Phase::checkpoint_blocking);
+      s.ledger.enter(Phase::checkpoint_blocking, step + 1);  // inside the step: tagged with it
       block_on([&] { s.checkpointer.wait_staged(); });
       s.ledger.enter(Phase::productive, step + 1);
     };

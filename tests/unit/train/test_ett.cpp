@@ -276,6 +276,31 @@ TEST(EttLedger, TheLastAttemptWithoutExitLineIsOpen) {
   EXPECT_EQ(r.nof, 1);
 }
 
+// A kill inside a step's checkpoint wait (the staging copy the step waits for before its
+// update, a checkpoint_blocking boundary tagged with the step): the step never completed,
+// though its first part has a productive segment.
+TEST(EttLedger, AKillInsideAStepsCheckpointWaitLeavesTheStepIncomplete) {
+  const std::string run = fixture::temp_dir("tessel-ett-midstep");
+  fs::create_directories(ett_dir(run));
+  const std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1);
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  phase(a0, "productive", 100 * ms, 1);
+  phase(a0, "productive", 200 * ms, 2);
+  phase(a0, "checkpoint_blocking", 300 * ms);  // saving step 2, between steps
+  phase(a0, "productive", 320 * ms, 3);
+  phase(a0, "checkpoint_blocking", 350 * ms, 3);  // step 3 waits for the staging copy: killed
+  line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
+  line(a1, {{"event", "resume"}, {"t", 1100 * ms}, {"step", 2}});
+  phase(a1, "productive", 1200 * ms, 3);
+  line(a1, {{"event", "exit"}, {"t", 1300 * ms}, {"status", 0}});
+  const EttAttempt a = analyze_ett(run).attempts[0];
+  EXPECT_TRUE(a.failed);
+  EXPECT_EQ(a.failure_step, 2);  // not 3
+  EXPECT_EQ(a.durable_step, 2);
+  EXPECT_EQ(a.wasted_steps, 0);
+  EXPECT_DOUBLE_EQ(leaf(a, Phase::wasted), 0.03);  // step 3's first part
+}
+
 // A withdrawn start whose log `tessel run` did not get to remove (it died first) is no
 // attempt: the report is that of the run without it.
 TEST(EttLedger, AWithdrawnLogLeftBehindIsNoAttempt) {
