@@ -1,7 +1,7 @@
 // One micro-batch's forward and backward through the GPT, keeping every block's cache
 // (train.recompute = none) against recomputing the blocks in backward (blocks). Counters:
 // tokens/s and the activation MiB of the micro-batch.
-//   build/release/bench/bench_model --benchmark_repetitions=5 \
+//   build/release/bench/bench_model --benchmark_repetitions=5
 //     --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true
 // Shape: width 256, 8 blocks of 8 heads, GELU, micro-batch 8 x 512 tokens (the deeper,
 // longer-sequence variant of the README demo in docs/benchmarks.md); threads: OMP_NUM_THREADS.

@@ -14,6 +14,10 @@ const char* axis_name(Axis axis) {
       return "ep";
     case Axis::edp:
       return "edp";
+    case Axis::dp_cp:
+      return "dp_cp";
+    case Axis::edp_cp:
+      return "edp_cp";
   }
   TESSEL_CHECK(false, "unknown Axis ", int(axis));
 }
@@ -43,6 +47,10 @@ int Mesh::size(Axis axis) const {
       return shape_.ep;
     case Axis::edp:
       return shape_.dp / shape_.ep;
+    case Axis::dp_cp:
+      return shape_.dp * shape_.cp;
+    case Axis::edp_cp:
+      return shape_.dp / shape_.ep * shape_.cp;
   }
   TESSEL_CHECK(false, "unknown Axis ", int(axis));
 }
@@ -65,6 +73,8 @@ Mesh Mesh::build(Communicator& world, MeshShape shape) {
       {Axis::cp, p * shape.dp + d, c},
       {Axis::ep, (p * shape.cp + c) * blocks + b, e},
       {Axis::edp, (p * shape.cp + c) * shape.ep + e, b},
+      {Axis::dp_cp, p, d * shape.cp + c},
+      {Axis::edp_cp, p * shape.ep + e, b * shape.cp + c},
   };
   for (const Split& s : splits) {
     mesh.groups_[size_t(s.axis)] = world.split(s.color, s.coordinate);

@@ -1,8 +1,8 @@
 #pragma once
 // What an MoE layer needs from the processes around it, and nothing more: the token
 // exchange over the expert-parallel (ep) group and the sums over the balancing group
-// (every rank that trains the layer on its own data: the dp group, which contains the ep
-// group). The model stays free of parallelism: the trainer hands it an implementation.
+// (every rank that trains the layer on its own tokens: the dp x cp group, which contains the
+// ep group). The model stays free of parallelism: the trainer hands it an implementation.
 //   - LocalExpertComm (here): one process, every expert local; exchanges are copies and
 //     sums are the identity.
 //   - parallel::ExpertParallelComm (parallel/expert_parallel.hpp): backed by the
@@ -29,6 +29,11 @@ class ExpertComm {
   // In place, element-wise sums over the balancing group.
   virtual void sum_counters(int32_t* data, size_t n) = 0;
   virtual void sum_values(double* data, size_t n) = 0;
+  // In place, element-wise sums over the micro-batch group: the ranks that hold parts of
+  // this rank's micro-batch (the cp group under context parallelism; else this rank alone).
+  // The balancing terms defined per micro-batch (aux, LEI, z-loss, qb_avg) use them.
+  virtual void sum_micro_batch_counters(int32_t* data, size_t n) = 0;
+  virtual void sum_micro_batch_values(double* data, size_t n) = 0;
 };
 
 class LocalExpertComm final : public ExpertComm {
@@ -40,6 +45,8 @@ class LocalExpertComm final : public ExpertComm {
                      std::span<const size_t> recv_counts) override;
   void sum_counters(int32_t*, size_t) override {}
   void sum_values(double*, size_t) override {}
+  void sum_micro_batch_counters(int32_t*, size_t) override {}
+  void sum_micro_batch_values(double*, size_t) override {}
 };
 
 }  // namespace tessel::moe

@@ -312,26 +312,39 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
     for (int64_t i = 0; i < C; ++i) y[n * C + i] += g * row[i];
   });
 
-  // The balancing losses' values (per-token means), for the metrics; 0 without tokens (a
-  // micro-batch of padding alone).
+  // The balancing terms defined per micro-batch (aux's and LEI's load fractions f_e, the
+  // z-loss mean, qb_avg's quantile) count the whole micro-batch: under context parallelism
+  // its tokens are spread over the cp ranks, whose sums [loads | P sums | z sum | N] join
+  // here. Their values (per-token means) go to the metrics; 0 without tokens (a micro-batch
+  // of padding alone).
+  const bool aux = config_.balance == Balance::aux || config_.balance == Balance::aux_global;
+  c.batch_f.clear();
+  c.batch_tokens = 0;
   double loss = 0;
-  const double Tk = double(N * k);
-  if (N > 0 && (config_.balance == Balance::aux || config_.balance == Balance::aux_global)) {
-    for (int64_t e = 0; e < E; ++e) {
-      double P = 0;
-      for (int64_t n = 0; n < N; ++n) P += c.probs[size_t(n * E + e)];
-      loss += config_.aux_coeff * double(E) * (double(c.loads[size_t(e)]) / Tk) * (P / double(N));
+  if (aux || lei || config_.z_coeff > 0 || config_.balance == Balance::qb_avg) {
+    std::vector<double> sums(size_t(2 * E + 2), 0.0);
+    for (int64_t e = 0; e < E; ++e) sums[size_t(e)] = double(c.loads[size_t(e)]);
+    if (aux)
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t n = 0; n < N; ++n) sums[size_t(E + e)] += c.probs[size_t(n * E + e)];
+    if (config_.z_coeff > 0)
+      for (int64_t n = 0; n < N; ++n)
+        sums[size_t(2 * E)] += std::pow(row_lse(c.logits.data() + n * E, E), 2);
+    sums[size_t(2 * E + 1)] = double(N);
+    comm.sum_micro_batch_values(sums.data(), sums.size());
+    const double Nb = sums[size_t(2 * E + 1)], Tk = Nb * double(k);
+    c.batch_tokens = int64_t(Nb);
+    c.batch_f.resize(size_t(E));
+    for (int64_t e = 0; e < E; ++e) c.batch_f[size_t(e)] = Nb > 0 ? sums[size_t(e)] / Tk : 0.0;
+    if (Nb > 0 && aux)
+      for (int64_t e = 0; e < E; ++e)
+        loss += config_.aux_coeff * double(E) * c.batch_f[size_t(e)] * (sums[size_t(E + e)] / Nb);
+    if (Nb > 0 && config_.z_coeff > 0) loss += config_.z_coeff * sums[size_t(2 * E)] / Nb;
+    if (Nb > 0 && lei) {
+      double sq = 0;
+      for (int64_t e = 0; e < E; ++e) sq += std::pow(c.batch_f[size_t(e)] - 1.0 / E, 2);
+      loss += config_.lei_coeff * (1.0 + double(E) * sq);
     }
-  }
-  if (N > 0 && config_.z_coeff > 0) {
-    double z = 0;
-    for (int64_t n = 0; n < N; ++n) z += std::pow(row_lse(c.logits.data() + n * E, E), 2);
-    loss += config_.z_coeff * z / double(N);
-  }
-  if (N > 0 && lei) {
-    double sq = 0;
-    for (int64_t e = 0; e < E; ++e) sq += std::pow(double(c.loads[size_t(e)]) / Tk - 1.0 / E, 2);
-    loss += config_.lei_coeff * (1.0 + double(E) * sq);
   }
   c.balance_loss = loss;
 }
@@ -410,11 +423,10 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
     for (int64_t j = 0; j < k; ++j) dot += dg[j] * c.gate[size_t(n * k + j)];
     for (int64_t j = 0; j < k; ++j) d[ch[j]] += (dg[j] - dot) / sum;
   }
-  const double Tk = double(N * k), s = loss_scale;
+  const double s = loss_scale;
   if (config_.balance == Balance::aux || config_.balance == Balance::aux_global) {
     // L = alpha E sum_i f_i P_i: dL/dp[n, i] = alpha E f_i / N; times N (a per-token mean).
-    std::vector<double> f(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) f[size_t(e)] = double(c.loads[size_t(e)]) / Tk;
+    std::vector<double> f = c.batch_f;  // the micro-batch's
     if (config_.balance == Balance::aux_global) {
       // f over the whole balancing group and every micro-batch of the step so far.
       std::vector<int32_t> counts(c.loads.begin(), c.loads.end());
@@ -432,7 +444,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
     // L = coeff [1 + E sum_e (f_e - 1/E)^2] with f_e by straight-through:
     // dL/ds[n, e] = coeff 2E/(N k) (f_e - 1/E) phi'(m[n, e]); times N.
     for (int64_t e = 0; e < E; ++e) {
-      const double err = double(c.loads[size_t(e)]) / Tk - 1.0 / double(E);
+      const double err = c.batch_f[size_t(e)] - 1.0 / double(E);
       const double a = s * config_.lei_coeff * 2.0 * double(E) / double(k) * err;
       for (int64_t n = 0; n < N; ++n) {
         if (config_.lei_kernel == LeiKernel::identity)
@@ -474,11 +486,11 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
     for (int64_t n = 0; n < N; ++n)
       for (int64_t e = 0; e < E; ++e)
         keys[size_t(e * N + n)] = bf16_order_key(c.qb_margin[size_t(n * E + e)]);
-    if (config_.balance == Balance::qb_avg && N > 0) {
+    if (config_.balance == Balance::qb_avg && c.batch_tokens > 0) {
       // The biased baseline: this micro-batch's own quantile, averaged at the step's end.
-      LocalExpertComm local;
       const auto q = global_kth_smallest(
-          keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); }, local);
+          keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); },
+          [&comm](int32_t* d, size_t n) { comm.sum_micro_batch_counters(d, n); });
       state.beta_sum.resize(size_t(E), 0.0);
       for (int64_t e = 0; e < E; ++e) state.beta_sum[size_t(e)] += value_of_order_key(q[size_t(e)]);
       ++state.micro_batches;

@@ -77,6 +77,9 @@ struct LayerCache {
   std::vector<int64_t> group_loads;  // [E] the ep group's assignments before drops
   int64_t dropped = 0;               // this rank's dropped assignments
   double balance_loss = 0;           // value of the aux, z and LEI terms (per-token means)
+  // The whole micro-batch's (over the micro-batch group; aux, LEI, z-loss or qb_avg only):
+  std::vector<double> batch_f;  // [E] load fractions f_e = assignments / (tokens k)
+  int64_t batch_tokens = 0;     // tokens
 
   // Frees the buffers only backward reads (every [N, *] and [rows, *] one), keeping the
   // statistics: activation recomputation runs the forward again before the backward.

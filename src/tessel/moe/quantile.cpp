@@ -43,7 +43,7 @@ int select_bin(const int32_t* h, int64_t& r) {
 
 std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_t columns,
                                           std::span<const uint8_t> valid, const RankOf& rank_of,
-                                          ExpertComm& comm) {
+                                          const SumCounters& sum_counters) {
   TESSEL_CHECK(columns > 0 && int64_t(keys.size()) % columns == 0, "keys of ", keys.size(), " for ",
                columns, " columns");
   const int64_t rows = int64_t(keys.size()) / columns;
@@ -57,7 +57,7 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
     for (int64_t t = 0; t < rows; ++t)
       if (is_valid(t)) ++hc[col[t] >> 8];
   }
-  comm.sum_counters(h.data(), h.size());
+  sum_counters(h.data(), h.size());
   std::vector<int64_t> rank(static_cast<size_t>(columns));
   std::vector<int> high(static_cast<size_t>(columns));
   for (int64_t c = 0; c < columns; ++c) {
@@ -78,7 +78,7 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
     for (int64_t t = 0; t < rows; ++t)
       if (is_valid(t) && (col[t] >> 8) == b1) ++hc[col[t] & 0xFF];
   }
-  comm.sum_counters(h.data(), h.size());
+  sum_counters(h.data(), h.size());
   std::vector<uint16_t> out(static_cast<size_t>(columns));
   for (int64_t c = 0; c < columns; ++c) {
     int64_t r = rank[size_t(c)];
@@ -86,6 +86,13 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
     out[size_t(c)] = uint16_t((high[size_t(c)] << 8) | low);
   }
   return out;
+}
+
+std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_t columns,
+                                          std::span<const uint8_t> valid, const RankOf& rank_of,
+                                          ExpertComm& comm) {
+  return global_kth_smallest(keys, columns, valid, rank_of,
+                             [&comm](int32_t* data, size_t n) { comm.sum_counters(data, n); });
 }
 
 }  // namespace tessel::moe

@@ -30,11 +30,18 @@ float value_of_order_key(uint16_t key);            // the bf16 value of a key, a
 // The rank to take among n pooled values, 1-based (1 = smallest).
 using RankOf = std::function<int64_t(int64_t n)>;
 
+// In place, element-wise sums of int32 counters over a group of ranks.
+using SumCounters = std::function<void(int32_t* data, size_t n)>;
+
 // keys: [columns][rows] (column-major: column c is keys[c * rows .. (c + 1) * rows)),
 // this rank's share; valid: [rows] or empty (all valid). For each column c, the
 // rank_of(n)-th smallest of the valid keys of all ranks together (n counted over all
-// ranks, after masking), as a key. Exactly two comm.sum_counters calls of columns * 256
+// ranks, after masking), as a key. Exactly two sum_counters calls of columns * 256
 // int32 each. TESSEL_CHECK: every column has n >= 1 and 1 <= rank_of(n) <= n.
+std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_t columns,
+                                          std::span<const uint8_t> valid, const RankOf& rank_of,
+                                          const SumCounters& sum_counters);
+// The same over the balancing group (comm.sum_counters).
 std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_t columns,
                                           std::span<const uint8_t> valid, const RankOf& rank_of,
                                           ExpertComm& comm);

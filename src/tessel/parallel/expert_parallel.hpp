@@ -1,8 +1,9 @@
 #pragma once
 // Expert parallelism: the MoE layer's ExpertComm backed by comm::Communicator. Tokens are
 // exchanged over the mesh's ep group (all_to_all of counts, then all_to_allv of rows);
-// balancing sums (EQB histograms, global loads) run over the dp group, which holds every
-// rank that trains the layer on its own data (the ep group is folded inside it).
+// balancing sums (EQB histograms, global loads) run over the dp x cp group, which holds
+// every rank that trains the layer on its own tokens (the ep group is folded inside it);
+// the per-micro-batch sums over the cp group, whose ranks hold the parts of one micro-batch.
 #include "tessel/comm/communicator.hpp"
 #include "tessel/moe/expert_comm.hpp"
 
@@ -10,9 +11,11 @@ namespace tessel::parallel {
 
 class ExpertParallelComm final : public moe::ExpertComm {
  public:
-  // Both communicators must outlive this object.
-  ExpertParallelComm(comm::Communicator& ep_group, comm::Communicator& balance_group)
-      : ep_(ep_group), balance_(balance_group) {}
+  // The communicators must outlive this object. micro_batch_group null: this rank holds
+  // whole micro-batches (generation, where every cp rank runs the same forwards).
+  ExpertParallelComm(comm::Communicator& ep_group, comm::Communicator& balance_group,
+                     comm::Communicator* micro_batch_group)
+      : ep_(ep_group), balance_(balance_group), micro_batch_(micro_batch_group) {}
   int ep_size() const override { return ep_.size(); }
   int ep_rank() const override { return ep_.rank(); }
   void exchange_counts(const int64_t* send, int64_t* recv, size_t n) override;
@@ -20,10 +23,13 @@ class ExpertParallelComm final : public moe::ExpertComm {
                      std::span<const size_t> recv_counts) override;
   void sum_counters(int32_t* data, size_t n) override;
   void sum_values(double* data, size_t n) override;
+  void sum_micro_batch_counters(int32_t* data, size_t n) override;
+  void sum_micro_batch_values(double* data, size_t n) override;
 
  private:
   comm::Communicator& ep_;
   comm::Communicator& balance_;
+  comm::Communicator* micro_batch_;
 };
 
 }  // namespace tessel::parallel

@@ -99,6 +99,7 @@ CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_gro
   targets_ = attention::take_chunk_rows(in.targets, B, 1, layout, mine);
   loss_weight_ = attention::take_chunk_rows(in.loss_weight, B, 1, layout, mine);
   positions_ = attention::take_chunk_rows(in.positions, B, 1, layout, mine);
+  if (in.padding) padding_ = attention::take_chunk_rows(in.padding, B, 1, layout, mine);
   attention_.emplace(cp_group, mask, layout, model.heads, model.num_kv_heads(), model.head_dim());
   inputs_ = {B,
              attention_->local_rows(),
@@ -108,6 +109,7 @@ CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_gro
              loss_weight_.data(),
              nullptr,
              &*attention_};
+  if (in.padding) inputs_.padding = padding_.data();  // MoE routes only the other rows
 }
 
 double CpBatchInputs::loss_weight_sum() const {

@@ -589,11 +589,6 @@ void validate(const Config& c) {
         " needs train.seq_len divisible by cp_chunks * cp, got seq_len = ", c.train.seq_len);
   const std::vector<bool> moe_blocks = c.model.moe_mask();
   const bool moe = std::find(moe_blocks.begin(), moe_blocks.end(), true) != moe_blocks.end();
-  // The MoE balancing sums run over dp only; cp ranks would update their copies differently.
-  // (Lifting this also needs CpBatchInputs to pass each chunk's SFT padding marks.)
-  if (moe && c.parallel.cp > 1)
-    input_error("config key 'parallel.cp' = ", c.parallel.cp,
-                " is not available with MoE blocks yet (model.moe_*); use cp = 1");
   if (moe && c.model.moe.experts % c.parallel.ep != 0)
     input_error("config key 'parallel.ep' = ", c.parallel.ep,
                 " must divide model.moe_experts = ", c.model.moe.experts);

@@ -189,12 +189,11 @@ std::unique_ptr<parallel::ExpertShardedOptimizer> make_stage_optimizer(
 
 PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, model::Gpt& model,
                                  data::DataLoader& loader, optim::Optimizer& optimizer,
-                                 const optim::LrSchedule& schedule, comm::Communicator& grad_group)
+                                 const optim::LrSchedule& schedule)
     : config_(config),
       pp_(mesh.group(comm::Axis::pp)),
-      dp_(mesh.group(comm::Axis::dp)),
       ep_(mesh.group(comm::Axis::ep)),
-      grad_group_(grad_group),
+      grad_group_(mesh.group(comm::Axis::dp_cp)),
       model_(model),
       optimizer_(optimizer),
       schedule_(schedule),
@@ -225,9 +224,9 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
                "the model holds other parts than stage ", stage_, "'s");
   const auto [begin, end] = own_range_;
   const auto bucket_bytes = int64_t(config.parallel.bucket_mb * 1024 * 1024);
-  reducer_.emplace(grad_group, model.flat_grads().view(begin, {end - begin}), bucket_bytes);
-  if (!own_experts_.empty())  // every expert held is this stage's: summed over edp
-    expert_reducer_.emplace(mesh.group(comm::Axis::edp), model.expert_grads(), bucket_bytes);
+  reducer_.emplace(grad_group_, model.flat_grads().view(begin, {end - begin}), bucket_bytes);
+  if (!own_experts_.empty())  // every expert held is this stage's: summed over edp x cp
+    expert_reducer_.emplace(mesh.group(comm::Axis::edp_cp), model.expert_grads(), bucket_bytes);
 }
 
 StaleWeights PipelineTrainer::own_stale_weights(const Config& config) const {
@@ -380,7 +379,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
     v[2 + size_t(stage_)] = run_windows_[size_t(j)].grad_norm;
   }
   per_stage.insert(per_stage.end(), window_values.begin(), window_values.end());
-  // MoE: each window's statistics of this stage's blocks over dp; the sum over pp below
+  // MoE: each window's statistics of this stage's blocks over dp x cp; the sum over pp below
   // joins the stages' blocks (and their all-to-all bytes).
   std::vector<double> moe_values;
   for (MoeMetrics& m : run_moe_) {
@@ -388,7 +387,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
                            double(windows));
     moe_values.insert(moe_values.end(), m.values().begin(), m.values().end());
   }
-  if (!moe_values.empty()) dp_.all_reduce(std::span<double>(moe_values));
+  if (!moe_values.empty()) grad_group_.all_reduce(std::span<double>(moe_values));
   const size_t moe_at = per_stage.size();
   per_stage.insert(per_stage.end(), moe_values.begin(), moe_values.end());
   pp_.all_reduce(std::span<double>(per_stage));
@@ -463,8 +462,8 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
     if (i < int64_t(batches.size())) moe.add(*r.activations);
   }
   pp_.all_reduce(std::span<double>(sums, 2));  // the last stage's sums; + 0 is exact
-  if (!moe.empty()) {  // each stage's blocks over dp, then the stages' joined
-    dp_.all_reduce(moe.values());
+  if (!moe.empty()) {  // each stage's blocks over dp x cp, then the stages' joined
+    grad_group_.all_reduce(moe.values());
     pp_.all_reduce(moe.values());
   }
   return {sums[0], sums[1]};

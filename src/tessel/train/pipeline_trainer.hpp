@@ -21,9 +21,10 @@
 // (pipeline_block_range), so weights, gradients, optimizer state and activations are the
 // stage's alone (a tied embedding also on the last stage, for the head). Validation runs
 // through the stages (validation_sums); checkpoints write each stage's dense parameters from
-// its lead (own_dense_parameters) and its experts from each ep index's first edp rank; the
+// its lead (own_dense_parameters) and its experts from each ep index's first edp x cp rank; the
 // sample's forwards run through the stages too (next_token_logits). MoE blocks: the stage's
-// experts sharded over ep as without pipeline (dense gradients over dp, experts over edp).
+// experts sharded over ep as without pipeline (dense gradients over dp x cp, experts over
+// edp x cp).
 #include <array>
 #include <cstdint>
 #include <deque>
@@ -85,7 +86,7 @@ struct PipelineStep {
   double grad_norm = 0;    // pre-clip norm over all stages (PACI: of the stages' own norms)
   double seconds = 0;      // wall time (PACI: the horizon's, shared by its windows)
   nlohmann::json metrics;  // schedule, per-stage busy / wait time, version gaps, ...
-  // MoE models: every MoE block's statistics over the global batch (summed over dp, each
+  // MoE models: every MoE block's statistics over the global batch (summed over dp x cp, each
   // block from its stage); PACI: the all-to-all bytes are the horizon's mean per window.
   std::optional<MoeMetrics> moe;
 };
@@ -96,7 +97,7 @@ class PipelineTrainer {
   // comes from make_stage_optimizer.
   PipelineTrainer(const Config& config, const comm::Mesh& mesh, model::Gpt& model,
                   data::DataLoader& loader, optim::Optimizer& optimizer,
-                  const optim::LrSchedule& schedule, comm::Communicator& grad_group);
+                  const optim::LrSchedule& schedule);
   // Trainer step `step` (0-based, consecutive): flush schedules run it; PACI returns its
   // window, running the horizon that starts there first. `before_update` runs before every
   // optimizer step (the trainer waits for a checkpoint's staging copy there).
@@ -130,9 +131,8 @@ class PipelineTrainer {
 
   const Config& config_;
   comm::Communicator& pp_;
-  comm::Communicator& dp_;
   comm::Communicator& ep_;
-  comm::Communicator& grad_group_;
+  comm::Communicator& grad_group_;  // dp x cp: the ranks holding this stage
   model::Gpt& model_;
   optim::Optimizer& optimizer_;
   const optim::LrSchedule& schedule_;
@@ -147,7 +147,7 @@ class PipelineTrainer {
   // Tied: the first and the last stage (ranks 0 and 1 in it), which share the embedding.
   std::unique_ptr<comm::Communicator> ends_;
   std::optional<parallel::GradientReducer> reducer_;  // this stage's dense range, over dp (x cp)
-  std::optional<parallel::GradientReducer> expert_reducer_;  // its experts, over edp
+  std::optional<parallel::GradientReducer> expert_reducer_;  // its experts, over edp x cp
   GptStage work_;
   pipeline::StageExecutor executor_;
   // The run in progress: its first trainer step, the executor version then, the hook.

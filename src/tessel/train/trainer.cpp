@@ -228,12 +228,14 @@ struct Trainer::State {
   PhaseMark build_mark;
   comm::Mesh mesh;
   comm::Communicator& dp;
-  // With context parallelism the cp ranks of a dp rank split each sequence: the loss and the
-  // gradients sum over dp x cp (the ranks with this pipeline stage).
-  std::unique_ptr<comm::Communicator> dp_cp;
+  // With context parallelism the cp ranks of a dp rank split each sequence: the loss, the
+  // gradients, the MoE balancing sums and metrics sum over dp x cp (the ranks with this
+  // pipeline stage); expert gradients over edp x cp.
   comm::Communicator& grad_group;
   model::Gpt model;
-  parallel::ExpertParallelComm experts;  // MoE token exchange (ep group), balancing sums (dp)
+  // MoE token exchange (ep group), balancing sums (dp x cp), micro-batch sums (cp); the
+  // sample's: every cp rank generates whole sequences.
+  parallel::ExpertParallelComm experts, sample_experts;
   MoeMetrics moe_step, moe_val;
   // Dense over dp and experts over edp: the whole model's, or a pipeline stage's
   // (pipeline_trainer.hpp).
@@ -267,11 +269,11 @@ struct Trainer::State {
         build_mark(mark_start(times)),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
-        dp_cp(shape.cp > 1 ? w.split(mesh.coordinate(comm::Axis::pp), w.rank()) : nullptr),
-        grad_group(dp_cp ? *dp_cp : dp),
+        grad_group(mesh.group(comm::Axis::dp_cp)),
         model(config.model, uint64_t(config.run.seed), parallel::expert_shard(mesh),
               pipeline_block_range(config, mesh)),
-        experts(mesh.group(comm::Axis::ep), dp),
+        experts(mesh.group(comm::Axis::ep), grad_group, &mesh.group(comm::Axis::cp)),
+        sample_experts(mesh.group(comm::Axis::ep), grad_group, nullptr),
         moe_step(model),
         moe_val(model),
         optimizer(pipeline_enabled(config)
@@ -281,7 +283,7 @@ struct Trainer::State {
                             mesh.group(comm::Axis::edp), qkv_blocks())),
         schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
                  config.train.steps),
-        grads(model, grad_group, mesh.group(comm::Axis::edp), mesh.group(comm::Axis::ep),
+        grads(model, grad_group, mesh.group(comm::Axis::edp_cp), mesh.group(comm::Axis::ep),
               int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
                                        : std::jthread()),
@@ -291,10 +293,9 @@ struct Trainer::State {
                                    micro_batches_per_step(config), mesh.coordinate(comm::Axis::dp),
                                    mesh.size(comm::Axis::dp), uint64_t(config.run.seed),
                                    config.data.shuffle, config.data.overlong}),
-        pipeline(pipeline_enabled(config)
-                     ? std::make_unique<PipelineTrainer>(config, mesh, model, loader, *optimizer,
-                                                         schedule, grad_group)
-                     : nullptr),
+        pipeline(pipeline_enabled(config) ? std::make_unique<PipelineTrainer>(
+                                                config, mesh, model, loader, *optimizer, schedule)
+                                          : nullptr),
         val_batches(data::validation_batches(config.data.path + "/val.tok", config.train.seq_len,
                                              config.train.micro_batch, config.train.eval_sequences,
                                              mesh.coordinate(comm::Axis::dp),
@@ -428,11 +429,11 @@ struct Trainer::State {
   void save(int64_t step) {
     CheckpointContent content;
     content.step = step;
-    // Each expert once: the first edp rank of each ep index writes the ep rank's experts (and
+    // Each expert once: the first edp x cp rank of each ep index writes the ep rank's experts (and
     // their optimizer state). A pipeline stage's dense parameters and optimizer state (held
     // by its ranks alone) once: the stage's lead writes them; its experts likewise by the
-    // stage's first edp rank of each ep index (cp is 1 with experts).
-    const bool writes_experts = mesh.coordinate(comm::Axis::edp) == 0;
+    // stage's first edp x cp rank of each ep index.
+    const bool writes_experts = mesh.coordinate(comm::Axis::edp_cp) == 0;
     auto state = optimizer->split_state();  // collective on every rank
     if (!pipeline) {
       for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
@@ -615,7 +616,7 @@ struct Trainer::State {
       }
     }
     grad_group.all_reduce(std::span<double>(stats, 2));
-    if (!moe_val.empty() && !pipeline) dp.all_reduce(moe_val.values());  // pipeline: done
+    if (!moe_val.empty() && !pipeline) grad_group.all_reduce(moe_val.values());  // pipeline: done
     return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
   }
 
@@ -628,7 +629,7 @@ struct Trainer::State {
     const auto& t = config.train;
     const auto prompt = tok.encode(t.sample_prompt);
     const int32_t stop = tok.single_token(t.sample_stop, "train.sample_stop");
-    if (!sharded_experts()) model.set_expert_comm(nullptr);
+    model.set_expert_comm(sharded_experts() ? &sample_experts : nullptr);
     const auto ids =
         pipeline
             ? model::generate(
@@ -905,7 +906,7 @@ TrainResult Trainer::run() {
       if (!s.moe_step.empty()) {
         s.moe_step.add_all_to_all_bytes(
             double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
-        s.dp.all_reduce(s.moe_step.values());
+        s.grad_group.all_reduce(s.moe_step.values());
       }
       TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
       s.grads.reduce(float(1.0 / stats[1]));

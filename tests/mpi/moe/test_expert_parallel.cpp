@@ -41,7 +41,10 @@ struct Out {
   VecF y, dx, grads;
 };
 
-Out run(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, moe::ExpertComm& c) {
+// One forward and backward; with `balance_loss` / `beta_after` also the balancing loss's
+// value and the selection bias after the step's update.
+Out run(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, moe::ExpertComm& c,
+        double* balance_loss = nullptr, VecF* beta_after = nullptr) {
   const int64_t N = int64_t(x.size()) / l.shape.C;
   moe::MoeLayer layer(l.config, l.shape);
   Out o{VecF(x.size()), VecF(x.size(), 0.0f), VecF(params.size(), 0.0f)};
@@ -52,6 +55,11 @@ Out run(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, moe:
   moe::BalanceState state;
   layer.forward(cache, o.y.data(), x.data(), N, w, beta.data(), c);
   layer.backward(cache, o.dx.data(), g, dy.data(), x.data(), w, 0.5f, state, c);
+  if (balance_loss) *balance_loss = cache.balance_loss;
+  if (beta_after) {
+    *beta_after = beta;
+    layer.update(state, beta_after->data(), c);
+  }
   return o;
 }
 
@@ -70,7 +78,7 @@ TEST(ExpertParallel, ForwardBackwardEqualsAllExpertsLocal) {
     const int64_t N = 5 + 3 * world.rank();  // uneven token counts
     const VecF x = kernels::test::randn(rng, size_t(N * l.shape.C));
     const VecF dy = kernels::test::randn(rng, x.size());
-    parallel::ExpertParallelComm ep(world, world);
+    parallel::ExpertParallelComm ep(world, world, nullptr);
     moe::LocalExpertComm local;
     Out a = run(l, params, x, dy, ep), b = run(l, params, x, dy, local);
     // Outputs and input gradients per rank; parameter gradients summed over ranks (each
@@ -81,6 +89,53 @@ TEST(ExpertParallel, ForwardBackwardEqualsAllExpertsLocal) {
     world.all_reduce(a.grads);
     world.all_reduce(b.grads);
     EXPECT_LT(kernels::test::rel_error(a.grads, kernels::test::to_f64(b.grads)), 1e-6);
+  }
+}
+
+// Context parallelism splits one micro-batch over the cp ranks: each routes its own tokens,
+// and the terms defined per micro-batch (aux's and LEI's load fractions, the z-loss mean,
+// qb_avg's quantile) sum over the micro-batch group. A micro-batch cut unevenly over the
+// world (as that group; each rank with every expert) equals the whole micro-batch on one
+// rank: outputs and input gradients row by row, parameter gradients summed, the balancing
+// loss's value, and the selection bias after the step's update (aux_global, bias and EQB
+// need only the balancing group, as with data parallelism). Dropless: capacity counts a
+// rank's own tokens.
+TEST(ExpertParallel, AMicroBatchSplitOverRanksEqualsTheWholeMicroBatch) {
+  comm::Communicator& world = comm::world();
+  auto self = world.split(world.rank(), 0);
+  using moe::Balance;
+  for (Balance balance : {Balance::aux, Balance::aux_global, Balance::lei, Balance::qb_avg,
+                          Balance::bias, Balance::eqb_lei}) {
+    SCOPED_TRACE(moe::to_string(balance));
+    const Layout l = ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::softmax, 5, 0, balance);
+    const VecF params = moe::testing::random_params(l, 91);
+    Rng rng(555);  // the same micro-batch on every rank
+    const int64_t N = 29, C = l.shape.C;
+    const VecF x = kernels::test::randn(rng, size_t(N * C));
+    const VecF dy = kernels::test::randn(rng, x.size());
+    // Rank r's rows [lo, hi): shares ~ r + 1, so every group size cuts unevenly.
+    const int P = world.size(), r = world.rank();
+    const int64_t lo = N * (int64_t(r) * (r + 1) / 2) / (int64_t(P) * (P + 1) / 2);
+    const int64_t hi = N * (int64_t(r + 1) * (r + 2) / 2) / (int64_t(P) * (P + 1) / 2);
+    const VecF x_part(x.begin() + lo * C, x.begin() + hi * C);
+    const VecF dy_part(dy.begin() + lo * C, dy.begin() + hi * C);
+    parallel::ExpertParallelComm split(*self, world, &world);
+    moe::LocalExpertComm local;
+    double loss_split = 0, loss_whole = 0;
+    VecF beta_split, beta_whole;
+    Out a = run(l, params, x_part, dy_part, split, &loss_split, &beta_split);
+    Out b = run(l, params, x, dy, local, &loss_whole, &beta_whole);
+    const VecF y_rows(b.y.begin() + lo * C, b.y.begin() + hi * C);
+    const VecF dx_rows(b.dx.begin() + lo * C, b.dx.begin() + hi * C);
+    // 1e-6 relative: the same f32 arithmetic per row, up to GEMM blocking over different row
+    // counts (the router's logits) and the order of the sums.
+    EXPECT_LT(kernels::test::rel_error(a.y, kernels::test::to_f64(y_rows)), 1e-6);
+    EXPECT_LT(kernels::test::rel_error(a.dx, kernels::test::to_f64(dx_rows)), 1e-6);
+    world.all_reduce(a.grads);
+    EXPECT_LT(kernels::test::rel_error(a.grads, kernels::test::to_f64(b.grads)), 1e-6);
+    EXPECT_NEAR(loss_split, loss_whole, 1e-6 * std::abs(loss_whole));
+    for (size_t e = 0; e < beta_whole.size(); ++e)
+      EXPECT_NEAR(beta_split[e], beta_whole[e], 1e-6f) << "expert " << e;
   }
 }
 
@@ -141,7 +196,7 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
     auto sub = world.split(world.rank() < g ? 0 : -1, world.rank());
     if (!sub) continue;
     SCOPED_TRACE("group of " + std::to_string(g));
-    parallel::ExpertParallelComm comm(*sub, *sub);
+    parallel::ExpertParallelComm comm(*sub, *sub, nullptr);
     auto rank_of = [](int64_t n) { return moe::qb_rank(n, 2, 8); };
     std::vector<std::vector<uint16_t>> results;
     for (uint64_t sharding = 0; sharding < 3; ++sharding) {
@@ -231,7 +286,7 @@ TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
         for (int64_t e = 0; e < E; ++e)
           for (int64_t id : ids)
             state.keys[size_t(e)].push_back(moe::bf16_order_key(margins[size_t(id * E + e)]));
-        parallel::ExpertParallelComm comm(*self, *sub);
+        parallel::ExpertParallelComm comm(*self, *sub, nullptr);
         VecF beta = beta0;
         layer.update(state, beta.data(), comm);
         results.push_back(beta);

@@ -260,6 +260,48 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
   }
 }
 
+// Context parallelism with MoE blocks: each cp rank routes the tokens of its chunks, the
+// balancing sums run over dp x cp and the per-micro-batch terms over cp, expert gradients sum
+// over edp x cp. So cp = 2 (dp = P / 2; with 4 ranks also ep = 2: experts sharded inside each
+// cp coordinate) follows one process accumulating the same global batch: losses, gradient
+// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss and qb_avg.
+TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  for (const char* balance : {"eqb_lei", "aux", "qb_avg"}) {
+    SCOPED_TRACE(balance);
+    train::Config c = moe_config(world, "tessel-cp-moe");
+    train::apply_override(c, std::string("model.moe_balance=") + balance);
+    c.model.moe.z_coeff = 0.001;
+    c.data.attention_mask = train::AttentionMaskKind::causal_document;
+    c.train.eval_every = 6;
+    train::Config one = c;
+    one.train.accum *= P / 2;
+    one.run.dir = fixture::temp_dir("tessel-cp-moe-ref");
+    comm::SingleCommunicator self;
+    const auto ref = run_on(self, one);
+    ASSERT_EQ(ref.steps.size(), 12u);
+    EXPECT_LT(ref.steps.back().loss, ref.steps.front().loss - 0.5);
+    std::vector<int> ep_sizes = {1};
+    if (P == 4) ep_sizes.push_back(2);
+    for (int ep : ep_sizes) {
+      SCOPED_TRACE("ep = " + std::to_string(ep));
+      train::Config cp = c;
+      cp.parallel.cp = 2;
+      cp.parallel.ep = ep;
+      cp.run.dir = shared_temp_dir(world, "tessel-cp-moe");
+      const auto a = run_on(world, cp);
+      expect_losses_near(a, ref);
+      for (size_t i = 0; i < a.steps.size(); ++i)
+        EXPECT_NEAR(a.steps[i].grad_norm, ref.steps[i].grad_norm, 1e-5 * ref.steps[i].grad_norm)
+            << "step " << i + 1;
+      if (world.rank() == 0) {
+        EXPECT_EQ(moe_loads(cp.run.dir), moe_loads(one.run.dir));
+      }
+    }
+  }
+}
+
 // Activation recomputation (train.recompute = blocks) changes nothing over the layouts whose
 // forward communicates: dp = P, cp = 2 (the recomputed attention exchanges keys and values
 // again) and experts over every rank (the recomputed MoE layers exchange tokens again). The
@@ -302,7 +344,8 @@ TEST(DataParallel, RecomputationEqualsKeepingTheCachesBitwise) {
 // SFT with MoE blocks, experts over every rank: each rank routes its rows without their padding
 // (unit_train's SftMoe tests show that it is left out), so the token exchange carries different
 // counts per rank, and the run follows one process accumulating the same global batch, EQB +
-// LEI balancing included.
+// LEI balancing included. Also with cp = 2 (experts over the dp ranks of each cp coordinate),
+// where a rank's chunks may hold only padding.
 TEST(Sft, ExpertParallelMoeFollowsSingleRank) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
@@ -311,8 +354,15 @@ TEST(Sft, ExpertParallelMoeFollowsSingleRank) {
   c.model.max_seq = c.train.seq_len = 128;
   c.train.eval_every = 6;
   const auto ref = run_on_one_process(c, P);
-  c.parallel.ep = P;
-  expect_losses_near(run_on(world, c), ref);
+  for (const int cp : {1, 2}) {
+    SCOPED_TRACE("cp = " + std::to_string(cp));
+    train::Config dist = c;
+    dist.parallel.cp = cp;
+    dist.parallel.ep = P / cp;
+    dist.train.accum = cp;  // dp = P / cp ranks of cp micro-batches: the same global batch
+    dist.run.dir = shared_temp_dir(world, "tessel-sft-ep");
+    expect_losses_near(run_on(world, dist), ref);
+  }
 }
 
 // With sharded experts a resumed run repeats the uninterrupted one bitwise.

@@ -61,6 +61,8 @@ class CountingComm final : public ExpertComm {
   }
   void sum_counters(int32_t*, size_t n) override { calls.push_back(n); }
   void sum_values(double*, size_t) override { FAIL(); }
+  void sum_micro_batch_counters(int32_t*, size_t) override { FAIL(); }
+  void sum_micro_batch_values(double*, size_t) override { FAIL(); }
   std::vector<size_t> calls;
 };
 

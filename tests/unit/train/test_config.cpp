@@ -97,11 +97,11 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
                      {"parallel.cp_chunks"});
   expect_input_error([&] { train::load_config("", {"parallel.cp_layout=spiral"}); },
                      {"parallel.cp_layout", "spiral"});
-  expect_input_error(
-      [&] {
-        train::load_config("", {"parallel.cp=2", "train.seq_len=64", "model.moe_layers=all"});
-      },
-      {"parallel.cp", "MoE"});
+  // MoE blocks compose with cp (and ep inside dp).
+  EXPECT_EQ(train::load_config("", {"parallel.cp=2", "train.seq_len=64", "model.moe_layers=all",
+                                    "parallel.ep=2", "parallel.dp=2"})
+                .parallel.cp,
+            2);
 }
 
 // --set takes a value that starts with a quote as one TOML string, as a config file would;
