@@ -123,7 +123,7 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
   for (int i : over)
     std::fprintf(stderr,
                  "tessel: TTR of failure %d (attempt %d) was %.3f s, over --max-ttr %.3f s\n",
-                 i + 1, i, r.ttr[size_t(i)], max_ttr);
+                 i + 1, r.failed_attempts[size_t(i)], r.ttr[size_t(i)], max_ttr);
   return over.empty() ? 0 : 3;
 }
 

@@ -305,6 +305,7 @@ EttReport analyze_ett(const std::string& run_dir) {
         ttr += sec((b.first_step_ns >= 0 ? b.first_step_ns : b.t1) - b.t0);
       }
       rep.ttr.push_back(ttr);
+      rep.failed_attempts.push_back(a.index);
     }
   }
   if (n > 0) {

@@ -138,6 +138,7 @@ struct EttReport {
   int nof = 0;                              // failed attempts
   int injected = 0;                         // of which injected
   std::vector<double> ttr;                  // per failure: wasted + detection + next start-up
+  std::vector<int> failed_attempts;         // per failure: the index of its attempt log
   double ttr_bound = 0;                     // seconds; 0 = no bound
   std::vector<double> ckpt_block;           // each checkpoint_blocking segment, seconds
   double mfu = 0;                           // mean step MFU of metrics.jsonl

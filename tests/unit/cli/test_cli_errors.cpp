@@ -216,6 +216,30 @@ TEST_F(CliTest, RejectedAndEmptyStartsLeaveTheRunAsItWas) {
   EXPECT_FALSE(fs::exists(fresh + "/ett"));
 }
 
+// --max-ttr names each failure over the bound by the index of its attempt: the first failure
+// here is attempt 1, after a successful attempt 0 (TTR: its 0.1 s step, wasted, and the 0.5 s
+// attempt 2 took to its first step).
+TEST_F(CliTest, MaxTtrNamesTheAttemptOfEachFailure) {
+  const std::string run = temp_dir("tessel-cli-ttr");
+  fs::create_directories(run + "/ett");
+  auto log = [&](const char* name, std::initializer_list<const char*> lines) {
+    std::ofstream out(run + "/ett/" + name);
+    for (const char* l : lines) out << l << "\n";
+  };
+  log("attempt-0000.jsonl", {R"({"event":"attempt","attempt":0,"t":0})",
+                             R"({"phase":"productive","t":100000000,"step":1})",
+                             R"({"event":"exit","t":200000000,"status":0})"});
+  log("attempt-0001.jsonl", {R"({"event":"attempt","attempt":1,"t":1000000000})",
+                             R"({"phase":"productive","t":1100000000,"step":2})",
+                             R"({"event":"exit","t":1200000000,"status":137})"});
+  log("attempt-0002.jsonl", {R"({"event":"attempt","attempt":2,"t":2000000000})",
+                             R"({"phase":"productive","t":2500000000,"step":2})",
+                             R"({"event":"exit","t":2600000000,"status":0})"});
+  const Outcome o = run_tessel("ett-report --max-ttr 0.1 " + run);
+  EXPECT_EQ(o.exit_code, 3);
+  EXPECT_EQ(o.err, "tessel: TTR of failure 1 (attempt 1) was 0.600 s, over --max-ttr 0.100 s\n");
+}
+
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=2"),
                         {"parallel.dp", "world has 1"});

@@ -315,3 +315,26 @@ TEST(EttLedger, AWithdrawnLogLeftBehindIsNoAttempt) {
   EXPECT_DOUBLE_EQ(r.wall, before.wall);
   EXPECT_FALSE(r.attempts[1].failed);
 }
+
+// Failures are numbered among the failures, attempts by their logs: after a successful
+// attempt and a withdrawn start, the first failure is attempt 2.
+TEST(EttLedger, EachFailureKnowsItsAttempt) {
+  const std::string run = fixture::temp_dir("tessel-ett-failures");
+  fs::create_directories(ett_dir(run));
+  const std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1), a2 = attempt_path(run, 2),
+                    a3 = attempt_path(run, 3);
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  phase(a0, "productive", 100 * ms, 1);
+  line(a0, {{"event", "exit"}, {"t", 200 * ms}, {"status", 0}});
+  line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
+  line(a1, {{"event", "withdrawn"}, {"t", 1100 * ms}, {"reason", "bad input"}});
+  line(a2, {{"event", "attempt"}, {"attempt", 2}, {"t", 2000 * ms}});
+  phase(a2, "productive", 2100 * ms, 2);
+  line(a2, {{"event", "exit"}, {"t", 2200 * ms}, {"status", 137}});
+  line(a3, {{"event", "attempt"}, {"attempt", 3}, {"t", 3000 * ms}});
+  phase(a3, "productive", 3100 * ms, 2);
+  line(a3, {{"event", "exit"}, {"t", 3200 * ms}, {"status", 0}});
+  const EttReport r = analyze_ett(run);
+  ASSERT_EQ(r.ttr.size(), 1u);
+  EXPECT_EQ(r.failed_attempts, std::vector<int>{2});
+}
