@@ -179,6 +179,17 @@ std::vector<EttSegment> merged(const std::vector<EttSegment>& segs) {
   return out;
 }
 
+// InputError naming <run.dir>/ett, which the ledger cannot use as its directory: `ec` is what
+// listing or creating it reported.
+[[noreturn]] void unusable_ett_dir(const std::string& dir, const std::error_code& ec) {
+  std::error_code ignored;
+  const auto status = fs::status(dir, ignored);
+  if (fs::exists(status) && !fs::is_directory(status))
+    input_error(dir, ": not a directory; the ETT ledger keeps its attempt logs there (move ", dir,
+                " away)");
+  input_error(dir, ": cannot use it as the ETT ledger's directory: ", ec.message());
+}
+
 }  // namespace
 
 const char* phase_name(Phase phase) {
@@ -211,6 +222,13 @@ std::string ett_dir(const std::string& run_dir) {
   return run_dir + "/ett";
 }
 
+void create_ett_dir(const std::string& run_dir) {
+  const std::string dir = ett_dir(run_dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) unusable_ett_dir(dir, ec);
+}
+
 std::string attempt_path(const std::string& run_dir, int attempt) {
   char name[32];
   std::snprintf(name, sizeof name, "/attempt-%04d.jsonl", attempt);
@@ -220,9 +238,13 @@ std::string attempt_path(const std::string& run_dir, int attempt) {
 int count_attempts(const std::string& run_dir) {
   // One past the highest index, not the first gap: a new attempt that filled the gap a lost
   // log left would sit before attempts that ran earlier.
-  int n = 0;
+  const std::string dir = ett_dir(run_dir);
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(ett_dir(run_dir), ec)) {
+  if (!fs::exists(fs::symlink_status(dir, ec))) return 0;  // no attempt yet
+  fs::directory_iterator entries(dir, ec);
+  if (ec) unusable_ett_dir(dir, ec);
+  int n = 0;
+  for (const auto& e : entries) {
     const std::string name = e.path().filename().string();
     if (!name.starts_with("attempt-")) continue;
     int k = -1;
@@ -249,7 +271,7 @@ void remove_attempt(const std::string& path) {
 
 EttLedger::EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0)
     : path_(attempt_path(run_dir, attempt)), attempt_(attempt) {
-  fs::create_directories(ett_dir(run_dir));
+  create_ett_dir(run_dir);
   if (begin) event({{"event", "attempt"}, {"attempt", attempt}, {"t", t0}});
 }
 

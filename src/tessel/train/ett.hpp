@@ -68,9 +68,13 @@ int64_t monotonic_ns();
 void append_json_line(const std::string& path, const nlohmann::json& record);
 
 std::string ett_dir(const std::string& run_dir);
+// Creates <run.dir>/ett when missing. InputError naming it when it is no directory (a file
+// in its place) or cannot be created.
+void create_ett_dir(const std::string& run_dir);
 std::string attempt_path(const std::string& run_dir, int attempt);
 // One past the highest attempt log's index in the run directory: the next attempt's index
-// (the number of attempts, when none is missing).
+// (the number of attempts, when none is missing); 0 without <run.dir>/ett. InputError naming
+// <run.dir>/ett when it exists but cannot be listed (a file in its place).
 int count_attempts(const std::string& run_dir);
 // Whether the attempt log at `path` holds a {"event": "withdrawn"} line: the trainer found
 // the start to be no attempt of the job (refused for bad input, or nothing to train) in a

@@ -675,7 +675,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   config.parallel.dp = shape.dp;
   try {
     attempt_ = std::make_unique<Attempt>(config.run.dir, world, times);
-  } catch (const InputError&) {  // the run directory is locked by a run in progress
+  } catch (const InputError&) {  // the run directory is locked, or its ett/ is unusable
     withdraw_supervised_start(config.run.dir, world.rank(), "bad input");
     throw;
   }

@@ -338,3 +338,23 @@ TEST(EttLedger, EachFailureKnowsItsAttempt) {
   ASSERT_EQ(r.ttr.size(), 1u);
   EXPECT_EQ(r.failed_attempts, std::vector<int>{2});
 }
+
+// A file where the ledger's directory belongs is an InputError naming it, for the writers
+// (tessel train, tessel run) and for the report alike.
+TEST(EttLedger, AnEttPathThatIsNoDirectoryIsAnErrorNamingIt) {
+  const std::string run = fixture::temp_dir("tessel-ett-file");
+  std::ofstream(ett_dir(run)) << "x";
+  const std::string want = ett_dir(run) + ": not a directory";
+  auto expect_refused = [&](const char* what, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  expect_refused("count_attempts", [&] { count_attempts(run); });
+  expect_refused("create_ett_dir", [&] { create_ett_dir(run); });
+  expect_refused("write_ett_report", [&] { write_ett_report(run); });
+  EXPECT_TRUE(fs::is_regular_file(ett_dir(run)));
+}
