@@ -1,6 +1,7 @@
 #include "tessel/train/ett.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -267,6 +268,22 @@ void remove_attempt(const std::string& path) {
   std::error_code ec;
   fs::remove(path, ec);
   fs::remove(fs::path(path).parent_path(), ec);  // ett/, when now empty
+}
+
+RunDirLock::RunDirLock(const std::string& run_dir, const char* name) {
+  fs::create_directories(run_dir);
+  const std::string path = run_dir + "/" + name;
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) input_error(path, ": cannot open: ", std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd_);
+    input_error(run_dir, ": in use by another tessel run (", path,
+                " is locked); wait for it or choose another run.dir");
+  }
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 EttLedger::EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0)

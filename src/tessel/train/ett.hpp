@@ -83,6 +83,32 @@ bool attempt_withdrawn(const std::string& path);
 // Removes the log of a start that is no attempt of the job, and ett/ when that empties it.
 void remove_attempt(const std::string& path);
 
+// The run directory's locks, each an exclusive flock(2) on a file of it that is never removed.
+// The kernel releases one when its holder dies, and O_CLOEXEC keeps the processes the holder
+// starts from holding it on after that.
+//   supervisor.lock  whoever picks attempt indices and writes the attempts' first and exit
+//                    lines: `tessel run` for its whole life (its job's trainer does not take
+//                    it), or rank 0 of a plain `tessel train`
+//   lock             rank 0 of the training job, supervised or not (also one that runs on
+//                    after its supervisor was killed)
+// A plain `tessel train` takes supervisor.lock first, so a start it refuses never held the
+// job's lock that the running job's trainer could have needed.
+constexpr const char* kSupervisorLock = "supervisor.lock";
+constexpr const char* kJobLock = "lock";
+class RunDirLock {
+ public:
+  RunDirLock() = default;  // holds nothing (the ranks other than 0)
+  // Creates `run_dir` and takes <run_dir>/<name> without waiting: InputError naming the
+  // directory when another process holds it.
+  RunDirLock(const std::string& run_dir, const char* name);
+  ~RunDirLock();
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 // Rank 0's writer of one attempt log; a default-constructed ledger records nothing
 // (the other ranks). Entering a leaf closes the previous one.
 class EttLedger {

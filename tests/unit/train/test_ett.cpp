@@ -1,6 +1,9 @@
 // The ETT ledger: hand-written attempt logs with known leaves, and the log a real training
 // run writes.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,6 +17,8 @@
 using namespace tessel;
 using namespace tessel::train;
 namespace fs = std::filesystem;
+
+extern char** environ;
 
 namespace {
 
@@ -357,4 +362,56 @@ TEST(EttLedger, AnEttPathThatIsNoDirectoryIsAnErrorNamingIt) {
   expect_refused("create_ett_dir", [&] { create_ett_dir(run); });
   expect_refused("write_ett_report", [&] { write_ett_report(run); });
   EXPECT_TRUE(fs::is_regular_file(ett_dir(run)));
+}
+
+TEST(RunDirLock, ASecondHolderIsRefusedNamingTheDirectory) {
+  const std::string run = fixture::temp_dir("tessel-lock") + "/run";
+  {
+    const RunDirLock held(run, kSupervisorLock);
+    try {
+      RunDirLock second(run, kSupervisorLock);
+      FAIL() << "taken twice";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(run + ": in use by another tessel run (" + run +
+                                           "/supervisor.lock is locked)"),
+                std::string::npos)
+          << e.what();
+    }
+    const RunDirLock job(run, kJobLock);  // the other lock is another file
+  }
+  const RunDirLock again(run, kSupervisorLock);  // released with its holder
+}
+
+// A process that the holder starts (the supervisor's mpirun) does not inherit the lock, so it
+// does not keep the directory locked after the holder is gone.
+TEST(RunDirLock, AProcessItsHolderStartsDoesNotKeepIt) {
+  const std::string run = fixture::temp_dir("tessel-lock");
+  pid_t child = 0;
+  {
+    const RunDirLock held(run, kSupervisorLock);
+    const char* argv[] = {"sleep", "60", nullptr};
+    ASSERT_EQ(::posix_spawnp(&child, argv[0], nullptr, nullptr, const_cast<char**>(argv), environ),
+              0);
+  }
+  EXPECT_NO_THROW(RunDirLock(run, kSupervisorLock)) << "the child holds it";
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+}
+
+// A plain `tessel train` on a directory that `tessel run` supervises is refused before it
+// touches the ledger or the job's lock.
+TEST(RunDirLock, APlainTrainingRunOnASupervisedDirectoryIsRefused) {
+  const std::string data = fixture::make_dataset(fixture::temp_dir("tessel-lock-data"));
+  const std::string run = fixture::temp_dir("tessel-lock-run");
+  const RunDirLock supervisor(run, kSupervisorLock);
+  comm::SingleCommunicator world;
+  try {
+    Trainer(fixture::tiny_config(data, run), world);
+    FAIL() << "not refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(run + "/supervisor.lock is locked"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(ett_dir(run)));
+  EXPECT_NO_THROW(RunDirLock(run, kJobLock)) << "the refused run kept the job's lock";
 }
