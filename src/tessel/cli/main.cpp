@@ -123,7 +123,7 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
   for (int i : over)
     std::fprintf(stderr,
                  "tessel: TTR of failure %d (attempt %d) was %.3f s, over --max-ttr %.3f s\n",
-                 i + 1, i, r.ttr[size_t(i)], max_ttr);
+                 i + 1, r.failed_attempts[size_t(i)], r.ttr[size_t(i)], max_ttr);
   return over.empty() ? 0 : 3;
 }
 
@@ -363,6 +363,9 @@ int main(int argc, char** argv) {
         input_error("tessel run starts its own MPI job; run it without mpirun");
       sup.run_dir = train::load_config(sup_config, sup_overrides).run.dir;  // also validates
       train::check_run_dir(sup.run_dir);  // before the supervisor writes its ETT log there
+      // Held until the report is written: a second `tessel run` or a plain `tessel train` on
+      // this directory is refused at once, before it picks an attempt index.
+      const train::RunDirLock supervising(sup.run_dir, train::kSupervisorLock);
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
       int status = train::supervise(sup);

@@ -1,6 +1,7 @@
 #include "tessel/train/ett.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -179,6 +180,17 @@ std::vector<EttSegment> merged(const std::vector<EttSegment>& segs) {
   return out;
 }
 
+// InputError naming <run.dir>/ett, which the ledger cannot use as its directory: `ec` is what
+// listing or creating it reported.
+[[noreturn]] void unusable_ett_dir(const std::string& dir, const std::error_code& ec) {
+  std::error_code ignored;
+  const auto status = fs::status(dir, ignored);
+  if (fs::exists(status) && !fs::is_directory(status))
+    input_error(dir, ": not a directory; the ETT ledger keeps its attempt logs there (move ", dir,
+                " away)");
+  input_error(dir, ": cannot use it as the ETT ledger's directory: ", ec.message());
+}
+
 }  // namespace
 
 const char* phase_name(Phase phase) {
@@ -211,6 +223,13 @@ std::string ett_dir(const std::string& run_dir) {
   return run_dir + "/ett";
 }
 
+void create_ett_dir(const std::string& run_dir) {
+  const std::string dir = ett_dir(run_dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) unusable_ett_dir(dir, ec);
+}
+
 std::string attempt_path(const std::string& run_dir, int attempt) {
   char name[32];
   std::snprintf(name, sizeof name, "/attempt-%04d.jsonl", attempt);
@@ -220,9 +239,13 @@ std::string attempt_path(const std::string& run_dir, int attempt) {
 int count_attempts(const std::string& run_dir) {
   // One past the highest index, not the first gap: a new attempt that filled the gap a lost
   // log left would sit before attempts that ran earlier.
-  int n = 0;
+  const std::string dir = ett_dir(run_dir);
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(ett_dir(run_dir), ec)) {
+  if (!fs::exists(fs::symlink_status(dir, ec))) return 0;  // no attempt yet
+  fs::directory_iterator entries(dir, ec);
+  if (ec) unusable_ett_dir(dir, ec);
+  int n = 0;
+  for (const auto& e : entries) {
     const std::string name = e.path().filename().string();
     if (!name.starts_with("attempt-")) continue;
     int k = -1;
@@ -247,9 +270,25 @@ void remove_attempt(const std::string& path) {
   fs::remove(fs::path(path).parent_path(), ec);  // ett/, when now empty
 }
 
+RunDirLock::RunDirLock(const std::string& run_dir, const char* name) {
+  fs::create_directories(run_dir);
+  const std::string path = run_dir + "/" + name;
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) input_error(path, ": cannot open: ", std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd_);
+    input_error(run_dir, ": in use by another tessel run (", path,
+                " is locked); wait for it or choose another run.dir");
+  }
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
 EttLedger::EttLedger(const std::string& run_dir, int attempt, bool begin, int64_t t0)
     : path_(attempt_path(run_dir, attempt)), attempt_(attempt) {
-  fs::create_directories(ett_dir(run_dir));
+  create_ett_dir(run_dir);
   if (begin) event({{"event", "attempt"}, {"attempt", attempt}, {"t", t0}});
 }
 
@@ -305,6 +344,7 @@ EttReport analyze_ett(const std::string& run_dir) {
         ttr += sec((b.first_step_ns >= 0 ? b.first_step_ns : b.t1) - b.t0);
       }
       rep.ttr.push_back(ttr);
+      rep.failed_attempts.push_back(a.index);
     }
   }
   if (n > 0) {

@@ -68,9 +68,13 @@ int64_t monotonic_ns();
 void append_json_line(const std::string& path, const nlohmann::json& record);
 
 std::string ett_dir(const std::string& run_dir);
+// Creates <run.dir>/ett when missing. InputError naming it when it is no directory (a file
+// in its place) or cannot be created.
+void create_ett_dir(const std::string& run_dir);
 std::string attempt_path(const std::string& run_dir, int attempt);
 // One past the highest attempt log's index in the run directory: the next attempt's index
-// (the number of attempts, when none is missing).
+// (the number of attempts, when none is missing); 0 without <run.dir>/ett. InputError naming
+// <run.dir>/ett when it exists but cannot be listed (a file in its place).
 int count_attempts(const std::string& run_dir);
 // Whether the attempt log at `path` holds a {"event": "withdrawn"} line: the trainer found
 // the start to be no attempt of the job (refused for bad input, or nothing to train) in a
@@ -78,6 +82,32 @@ int count_attempts(const std::string& run_dir);
 bool attempt_withdrawn(const std::string& path);
 // Removes the log of a start that is no attempt of the job, and ett/ when that empties it.
 void remove_attempt(const std::string& path);
+
+// The run directory's locks, each an exclusive flock(2) on a file of it that is never removed.
+// The kernel releases one when its holder dies, and O_CLOEXEC keeps the processes the holder
+// starts from holding it on after that.
+//   supervisor.lock  whoever picks attempt indices and writes the attempts' first and exit
+//                    lines: `tessel run` for its whole life (its job's trainer does not take
+//                    it), or rank 0 of a plain `tessel train`
+//   lock             rank 0 of the training job, supervised or not (also one that runs on
+//                    after its supervisor was killed)
+// A plain `tessel train` takes supervisor.lock first, so a start it refuses never held the
+// job's lock that the running job's trainer could have needed.
+constexpr const char* kSupervisorLock = "supervisor.lock";
+constexpr const char* kJobLock = "lock";
+class RunDirLock {
+ public:
+  RunDirLock() = default;  // holds nothing (the ranks other than 0)
+  // Creates `run_dir` and takes <run_dir>/<name> without waiting: InputError naming the
+  // directory when another process holds it.
+  RunDirLock(const std::string& run_dir, const char* name);
+  ~RunDirLock();
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 // Rank 0's writer of one attempt log; a default-constructed ledger records nothing
 // (the other ranks). Entering a leaf closes the previous one.
@@ -138,6 +168,7 @@ struct EttReport {
   int nof = 0;                              // failed attempts
   int injected = 0;                         // of which injected
   std::vector<double> ttr;                  // per failure: wasted + detection + next start-up
+  std::vector<int> failed_attempts;         // per failure: the index of its attempt log
   double ttr_bound = 0;                     // seconds; 0 = no bound
   std::vector<double> ckpt_block;           // each checkpoint_blocking segment, seconds
   double mfu = 0;                           // mean step MFU of metrics.jsonl

@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iterator>
 #include <thread>
 
@@ -163,7 +162,7 @@ int supervise(const SuperviseOptions& o) {
                                    o.binary,
                                    "train"};
   args.insert(args.end(), o.train_args.begin(), o.train_args.end());
-  std::filesystem::create_directories(ett_dir(o.run_dir));
+  create_ett_dir(o.run_dir);
   StopForwarding forwarding;
   int64_t begins = monotonic_ns();  // the first attempt's scheduling begins now
   for (int restart = 0;; ++restart) {

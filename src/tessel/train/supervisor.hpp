@@ -9,7 +9,10 @@
 // is not relaunched: the same input would fail again. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
 // the supervisor stops the job: it is forwarded to the job (which runs in its own process
 // group, stdin /dev/null), the supervisor waits for it, writes the exit line, relaunches
-// nothing and returns 128 + the signal.
+// nothing and returns 128 + the signal. The caller holds the run directory's supervisor.lock
+// (RunDirLock, ett.hpp) while it runs, so that no other `tessel run` or plain `tessel train`
+// picks an attempt index there; the job's trainer, started with TESSEL_ETT_ATTEMPT, does not
+// take that lock.
 #include <string>
 #include <vector>
 

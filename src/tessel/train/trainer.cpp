@@ -1,16 +1,10 @@
 #include "tessel/train/trainer.hpp"
 
-#include <fcntl.h>
-#include <sys/file.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -98,29 +92,6 @@ std::string broadcast_text(comm::Communicator& group, const std::string& text) {
   return std::string(bytes.begin(), bytes.end());
 }
 
-// Two runs writing one run directory would interleave checkpoints and metrics: rank 0
-// holds an exclusive lock on <dir>/lock for the run (released by the kernel if it dies).
-struct RunDirLock {
-  int fd = -1;
-  explicit RunDirLock(const std::string& dir, bool take) {
-    if (!take) return;
-    fs::create_directories(dir);
-    std::string path = dir + "/lock";
-    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) input_error(path, ": cannot open: ", std::strerror(errno));
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      ::close(fd);
-      input_error(dir, ": in use by another tessel run (", path,
-                  " is locked); wait for it or choose another run.dir");
-    }
-  }
-  ~RunDirLock() {
-    if (fd >= 0) ::close(fd);
-  }
-  RunDirLock(const RunDirLock&) = delete;
-  RunDirLock& operator=(const RunDirLock&) = delete;
-};
-
 // This attempt's index, the same on every rank: `tessel run` passes it in
 // TESSEL_ETT_ATTEMPT; otherwise rank 0 counts the run directory's attempt logs.
 int agree_attempt(comm::Communicator& world, const std::string& run_dir) {
@@ -181,15 +152,21 @@ bool init_may_differ(const std::string& key, const model::GptConfig& model) {
 
 struct Trainer::Attempt {
   bool supervised = std::getenv("TESSEL_ETT_ATTEMPT") != nullptr;  // by `tessel run`
-  int64_t t0;       // when this attempt began (process start, or the trainer's construction)
-  RunDirLock lock;  // rank 0's exclusive lock on <run.dir>/lock, held for the run
+  int64_t t0;  // when this attempt began (process start, or the trainer's construction)
+  // Rank 0's locks of the run directory (ett.hpp), held for the run: two runs writing one
+  // directory would interleave checkpoints, metrics and attempt logs. Under `tessel run` the
+  // supervisor holds supervisor.lock; a plain run takes it first, before the job's lock.
+  RunDirLock supervisor_lock;
+  RunDirLock lock;
   int index;
   EttLedger ledger;       // rank 0 writes the attempt's ETT log
   bool finished = false;  // run() completed: exit status 0 (else 1)
 
   Attempt(const std::string& run_dir, comm::Communicator& w, const ProcessTimes& times)
       : t0(times.started_ns >= 0 ? times.started_ns : monotonic_ns()),
-        lock(run_dir, w.rank() == 0),
+        supervisor_lock(w.rank() == 0 && !supervised ? RunDirLock(run_dir, kSupervisorLock)
+                                                     : RunDirLock()),
+        lock(w.rank() == 0 ? RunDirLock(run_dir, kJobLock) : RunDirLock()),
         index(agree_attempt(w, run_dir)),
         ledger(w.rank() == 0 ? EttLedger(run_dir, index, !supervised, t0) : EttLedger()) {}
 
@@ -676,7 +653,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   config.parallel.dp = shape.dp;
   try {
     attempt_ = std::make_unique<Attempt>(config.run.dir, world, times);
-  } catch (const InputError&) {  // the run directory is locked by a run in progress
+  } catch (const InputError&) {  // the run directory is locked, or its ett/ is unusable
     withdraw_supervised_start(config.run.dir, world.rank(), "bad input");
     throw;
   }

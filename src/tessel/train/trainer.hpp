@@ -51,7 +51,7 @@ class Trainer {
   TrainResult run();
 
  private:
-  struct Attempt;  // the run directory's lock and this attempt's ETT log
+  struct Attempt;  // the run directory's locks and this attempt's ETT log
   struct State;
   std::unique_ptr<Attempt> attempt_;
   std::unique_ptr<State> s_;  // destroyed before the attempt, which writes the exit line

@@ -31,8 +31,10 @@ struct CliTest : ::testing::Test {
     data = tessel::fixture::make_dataset(temp_dir("tessel-cli-data"));
   }
   // A tiny training run over the fixture data into `run`.
-  static std::string train_args(const std::string& run) {
-    return "train --set data.path=" + data + " --set run.dir=" + run +
+  static std::string train_args(const std::string& run) { return "train" + settings(run); }
+  // Its --set options (`tessel run` passes them on to its job).
+  static std::string settings(const std::string& run) {
+    return " --set data.path=" + data + " --set run.dir=" + run +
            " --set run.quiet=true --set model.layers=1 --set model.width=32 --set model.heads=2"
            " --set model.max_seq=16 --set train.seq_len=16 --set train.micro_batch=2"
            " --set train.steps=4 --set optim.warmup_steps=1 --set train.sample_tokens=0"
@@ -214,6 +216,45 @@ TEST_F(CliTest, RejectedAndEmptyStartsLeaveTheRunAsItWas) {
   expect_one_line_error(run_tessel(train_args(fresh) + " --set data.path=/nonexistent/data"),
                         {"/nonexistent/data/train.tok"});
   EXPECT_FALSE(fs::exists(fresh + "/ett"));
+}
+
+// A file where the run's ETT ledger belongs is bad input, not an internal error: each command
+// that reads or writes the ledger names it.
+TEST_F(CliTest, AnEttPathThatIsAFileIsNamed) {
+  const std::string run = temp_dir("tessel-cli-ettfile");
+  std::ofstream(run + "/ett") << "x";
+  for (const std::string& args :
+       {train_args(run), "run --np 1 --threads 1" + settings(run), "ett-report " + run}) {
+    SCOPED_TRACE(args.substr(0, args.find(' ')));
+    const Outcome o = run_tessel(args);
+    EXPECT_EQ(o.exit_code, 2);
+    expect_one_line_error(o, {run + "/ett: not a directory"});
+  }
+  EXPECT_EQ(slurp(run + "/ett"), "x");
+}
+
+// --max-ttr names each failure over the bound by the index of its attempt: the first failure
+// here is attempt 1, after a successful attempt 0 (TTR: its 0.1 s step, wasted, and the 0.5 s
+// attempt 2 took to its first step).
+TEST_F(CliTest, MaxTtrNamesTheAttemptOfEachFailure) {
+  const std::string run = temp_dir("tessel-cli-ttr");
+  fs::create_directories(run + "/ett");
+  auto log = [&](const char* name, std::initializer_list<const char*> lines) {
+    std::ofstream out(run + "/ett/" + name);
+    for (const char* l : lines) out << l << "\n";
+  };
+  log("attempt-0000.jsonl", {R"({"event":"attempt","attempt":0,"t":0})",
+                             R"({"phase":"productive","t":100000000,"step":1})",
+                             R"({"event":"exit","t":200000000,"status":0})"});
+  log("attempt-0001.jsonl", {R"({"event":"attempt","attempt":1,"t":1000000000})",
+                             R"({"phase":"productive","t":1100000000,"step":2})",
+                             R"({"event":"exit","t":1200000000,"status":137})"});
+  log("attempt-0002.jsonl", {R"({"event":"attempt","attempt":2,"t":2000000000})",
+                             R"({"phase":"productive","t":2500000000,"step":2})",
+                             R"({"event":"exit","t":2600000000,"status":0})"});
+  const Outcome o = run_tessel("ett-report --max-ttr 0.1 " + run);
+  EXPECT_EQ(o.exit_code, 3);
+  EXPECT_EQ(o.err, "tessel: TTR of failure 1 (attempt 1) was 0.600 s, over --max-ttr 0.100 s\n");
 }
 
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {

@@ -102,6 +102,65 @@ std::map<int64_t, double> loss_curve(const std::string& run) {
 
 constexpr int kSteps = 16;
 
+// `tessel <args>` started in the background in a process group of its own, as a shell's
+// foreground job, with stdout and stderr in <dir>/out and <dir>/err. If it still runs at the
+// end of the test, SIGTERM (which a supervisor forwards to its job) ends it.
+class BackgroundTessel {
+ public:
+  BackgroundTessel(const std::string& dir, const std::string& args) {
+    const std::string cmd =
+        "exec " + std::string(TESSEL_BINARY) + " " + args + " >" + dir + "/out 2>" + dir + "/err";
+    const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
+    posix_spawnattr_t attr;
+    ::posix_spawnattr_init(&attr);
+    ::posix_spawnattr_setpgroup(&attr, 0);
+    sigset_t defaults;
+    ::sigemptyset(&defaults);
+    ::sigaddset(&defaults, SIGINT);
+    ::sigaddset(&defaults, SIGTERM);
+    ::posix_spawnattr_setsigdefault(&attr, &defaults);
+    ::posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
+    EXPECT_EQ(::posix_spawn(&pid_, argv[0], nullptr, &attr, const_cast<char**>(argv), environ), 0);
+    ::posix_spawnattr_destroy(&attr);
+  }
+  ~BackgroundTessel() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  BackgroundTessel(const BackgroundTessel&) = delete;
+  BackgroundTessel& operator=(const BackgroundTessel&) = delete;
+  pid_t pid() const { return pid_; }
+  // Waits for it to exit; its wait status.
+  int wait() {
+    int status = 0;
+    EXPECT_EQ(::waitpid(pid_, &status, 0), pid_);
+    pid_ = 0;
+    return status;
+  }
+
+ private:
+  pid_t pid_ = 0;
+};
+
+// Whether the attempt log `log` reaches a training step within 120 s.
+bool reaches_training(const std::string& log) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (slurp(log).find("\"phase\":\"productive\"") == std::string::npos) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return true;
+}
+
+// Whether no process holds the lock file `path`.
+bool unlocked(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  const bool free = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+  if (fd >= 0) ::close(fd);
+  return free;
+}
+
 struct SupervisorTest : ::testing::Test {
   static void SetUpTestSuite() {
     data = fixture::make_dataset(fixture::temp_dir("tessel-sup-data"));
@@ -114,7 +173,11 @@ struct SupervisorTest : ::testing::Test {
   static std::string run_args(const std::string& run, const std::string& extra = "",
                               int restarts = 3, const std::string& options = "") {
     return "run " + options + " --np 2 --threads 1 --max-restarts " + std::to_string(restarts) +
-           " --set data.path=" + data + " --set run.dir=" + run +
+           settings(run, extra);
+  }
+  // The job's --set options, as `tessel train` takes them too.
+  static std::string settings(const std::string& run, const std::string& extra = "") {
+    return " --set data.path=" + data + " --set run.dir=" + run +
            " --set run.quiet=true --set model.layers=1 --set model.width=32 --set model.heads=2"
            " --set model.max_seq=16 --set train.seq_len=16 --set train.micro_batch=2"
            " --set train.steps=" +
@@ -348,6 +411,37 @@ TEST_F(SupervisorTest, ALockedRunDirectoryLeavesNoAttempt) {
   EXPECT_FALSE(fs::exists(train::attempt_path(run, 1))) << "the refused start left a log";
 }
 
+// While `tessel run` supervises a directory, a second `tessel run` on it and a plain `tessel
+// train` are refused at once (exit 2, one line naming the directory and the supervisor's
+// lock): neither picks an attempt index, so the running attempt's log stays as it was. The
+// lock goes with the supervisor.
+TEST_F(SupervisorTest, ASupervisedRunDirectoryRefusesASecondRunAndAPlainTrain) {
+  const std::string run = fixture::temp_dir("tessel-sup-busy");
+  // Far more steps than the checks below take; ended by SIGTERM once they are done.
+  const std::string steps = " --set train.steps=50000";
+  BackgroundTessel supervisor(run, run_args(run, steps));
+  const std::string log = train::attempt_path(run, 0);
+  ASSERT_TRUE(reaches_training(log)) << slurp(run + "/err");
+  const std::string refusal =
+      "tessel: error: " + run + ": in use by another tessel run (" + run +
+      "/supervisor.lock is locked); wait for it or choose another run.dir\n";
+  for (const std::string& args : {run_args(run, steps), "train" + settings(run, steps)}) {
+    SCOPED_TRACE(args.substr(0, args.find(' ')));
+    const Outcome o = run_tessel(args);
+    EXPECT_EQ(o.exit_code, 2);
+    EXPECT_EQ(o.err, refusal);
+  }
+  EXPECT_EQ(train::count_attempts(run), 1);
+  EXPECT_FALSE(train::attempt_withdrawn(log));
+  EXPECT_EQ(jsonl(log).front()["supervisor"], supervisor.pid());  // the first one's log
+
+  ASSERT_EQ(::kill(supervisor.pid(), SIGTERM), 0);
+  const int status = supervisor.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << slurp(run + "/err");
+  EXPECT_TRUE(unlocked(run + "/supervisor.lock"));
+  EXPECT_EQ(jsonl(log).back().value("event", ""), "exit");
+}
+
 // Stopping `tessel run` stops its job: SIGTERM (a scheduler's) to the supervisor alone, and
 // SIGINT to its whole process group, as a Ctrl-C at a terminal sends it (mpirun must see it
 // once: a second SIGINT makes it exit at once and leave its ranks running). The supervisor
@@ -358,41 +452,18 @@ TEST_F(SupervisorTest, AStopSignalEndsTheJobAndIsRecorded) {
     const std::string run = fixture::temp_dir("tessel-sup-stop");
     // Long enough to be stopped during training; short enough that a job left running
     // (without the forwarding) ends by itself (2000 steps: about 25 s here).
-    const std::string cmd = "exec " + std::string(TESSEL_BINARY) + " " +
-                            run_args(run, " --set train.steps=2000") + " >" + run + "/out 2>" +
-                            run + "/err";
-    const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
-    posix_spawnattr_t attr;
-    ::posix_spawnattr_init(&attr);
-    ::posix_spawnattr_setpgroup(&attr, 0);  // its own group, as a shell's foreground job
-    sigset_t defaults;
-    ::sigemptyset(&defaults);
-    ::sigaddset(&defaults, SIGINT);
-    ::sigaddset(&defaults, SIGTERM);
-    ::posix_spawnattr_setsigdefault(&attr, &defaults);
-    ::posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
-    pid_t pid = 0;
-    ASSERT_EQ(::posix_spawn(&pid, argv[0], nullptr, &attr, const_cast<char**>(argv), environ), 0);
-    ::posix_spawnattr_destroy(&attr);
+    BackgroundTessel supervisor(run, run_args(run, " --set train.steps=2000"));
     const std::string log = train::attempt_path(run, 0);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    while (slurp(log).find("\"phase\":\"productive\"") == std::string::npos &&
-           std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    ASSERT_NE(slurp(log).find("\"phase\":\"productive\""), std::string::npos)
-        << slurp(run + "/err");
+    ASSERT_TRUE(reaches_training(log)) << slurp(run + "/err");
+    const pid_t pid = supervisor.pid();
     ASSERT_EQ(::kill(sig == SIGINT ? -pid : pid, sig), 0);
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    const int status = supervisor.wait();
     ASSERT_TRUE(WIFEXITED(status)) << "the supervisor died of the signal";
     EXPECT_EQ(WEXITSTATUS(status), 128 + sig);
     EXPECT_NE(slurp(run + "/err").find("not relaunching"), std::string::npos)
         << slurp(run + "/err");
     // The job is gone: rank 0 no longer holds the run directory's lock.
-    const int fd = ::open((run + "/lock").c_str(), O_RDWR | O_CLOEXEC);
-    ASSERT_GE(fd, 0);
-    EXPECT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0) << "a rank of the job still runs";
-    ::close(fd);
+    EXPECT_TRUE(unlocked(run + "/lock")) << "a rank of the job still runs";
     // Its end is the log's last line, and no attempt followed.
     auto lines = jsonl(log);
     ASSERT_FALSE(lines.empty());

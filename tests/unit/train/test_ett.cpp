@@ -1,6 +1,9 @@
 // The ETT ledger: hand-written attempt logs with known leaves, and the log a real training
 // run writes.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,6 +17,8 @@
 using namespace tessel;
 using namespace tessel::train;
 namespace fs = std::filesystem;
+
+extern char** environ;
 
 namespace {
 
@@ -314,4 +319,99 @@ TEST(EttLedger, AWithdrawnLogLeftBehindIsNoAttempt) {
   EXPECT_EQ(r.nof, before.nof);
   EXPECT_DOUBLE_EQ(r.wall, before.wall);
   EXPECT_FALSE(r.attempts[1].failed);
+}
+
+// Failures are numbered among the failures, attempts by their logs: after a successful
+// attempt and a withdrawn start, the first failure is attempt 2.
+TEST(EttLedger, EachFailureKnowsItsAttempt) {
+  const std::string run = fixture::temp_dir("tessel-ett-failures");
+  fs::create_directories(ett_dir(run));
+  const std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1), a2 = attempt_path(run, 2),
+                    a3 = attempt_path(run, 3);
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  phase(a0, "productive", 100 * ms, 1);
+  line(a0, {{"event", "exit"}, {"t", 200 * ms}, {"status", 0}});
+  line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
+  line(a1, {{"event", "withdrawn"}, {"t", 1100 * ms}, {"reason", "bad input"}});
+  line(a2, {{"event", "attempt"}, {"attempt", 2}, {"t", 2000 * ms}});
+  phase(a2, "productive", 2100 * ms, 2);
+  line(a2, {{"event", "exit"}, {"t", 2200 * ms}, {"status", 137}});
+  line(a3, {{"event", "attempt"}, {"attempt", 3}, {"t", 3000 * ms}});
+  phase(a3, "productive", 3100 * ms, 2);
+  line(a3, {{"event", "exit"}, {"t", 3200 * ms}, {"status", 0}});
+  const EttReport r = analyze_ett(run);
+  ASSERT_EQ(r.ttr.size(), 1u);
+  EXPECT_EQ(r.failed_attempts, std::vector<int>{2});
+}
+
+// A file where the ledger's directory belongs is an InputError naming it, for the writers
+// (tessel train, tessel run) and for the report alike.
+TEST(EttLedger, AnEttPathThatIsNoDirectoryIsAnErrorNamingIt) {
+  const std::string run = fixture::temp_dir("tessel-ett-file");
+  std::ofstream(ett_dir(run)) << "x";
+  const std::string want = ett_dir(run) + ": not a directory";
+  auto expect_refused = [&](const char* what, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  expect_refused("count_attempts", [&] { count_attempts(run); });
+  expect_refused("create_ett_dir", [&] { create_ett_dir(run); });
+  expect_refused("write_ett_report", [&] { write_ett_report(run); });
+  EXPECT_TRUE(fs::is_regular_file(ett_dir(run)));
+}
+
+TEST(RunDirLock, ASecondHolderIsRefusedNamingTheDirectory) {
+  const std::string run = fixture::temp_dir("tessel-lock") + "/run";
+  {
+    const RunDirLock held(run, kSupervisorLock);
+    try {
+      RunDirLock second(run, kSupervisorLock);
+      FAIL() << "taken twice";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(run + ": in use by another tessel run (" + run +
+                                           "/supervisor.lock is locked)"),
+                std::string::npos)
+          << e.what();
+    }
+    const RunDirLock job(run, kJobLock);  // the other lock is another file
+  }
+  const RunDirLock again(run, kSupervisorLock);  // released with its holder
+}
+
+// A process that the holder starts (the supervisor's mpirun) does not inherit the lock, so it
+// does not keep the directory locked after the holder is gone.
+TEST(RunDirLock, AProcessItsHolderStartsDoesNotKeepIt) {
+  const std::string run = fixture::temp_dir("tessel-lock");
+  pid_t child = 0;
+  {
+    const RunDirLock held(run, kSupervisorLock);
+    const char* argv[] = {"sleep", "60", nullptr};
+    ASSERT_EQ(::posix_spawnp(&child, argv[0], nullptr, nullptr, const_cast<char**>(argv), environ),
+              0);
+  }
+  EXPECT_NO_THROW(RunDirLock(run, kSupervisorLock)) << "the child holds it";
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+}
+
+// A plain `tessel train` on a directory that `tessel run` supervises is refused before it
+// touches the ledger or the job's lock.
+TEST(RunDirLock, APlainTrainingRunOnASupervisedDirectoryIsRefused) {
+  const std::string data = fixture::make_dataset(fixture::temp_dir("tessel-lock-data"));
+  const std::string run = fixture::temp_dir("tessel-lock-run");
+  const RunDirLock supervisor(run, kSupervisorLock);
+  comm::SingleCommunicator world;
+  try {
+    Trainer(fixture::tiny_config(data, run), world);
+    FAIL() << "not refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(run + "/supervisor.lock is locked"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(ett_dir(run)));
+  EXPECT_NO_THROW(RunDirLock(run, kJobLock)) << "the refused run kept the job's lock";
 }
