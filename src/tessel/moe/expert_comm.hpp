@@ -6,7 +6,7 @@
 //   - LocalExpertComm (here): one process, every expert local; exchanges are copies and
 //     sums are the identity.
 //   - parallel::ExpertParallelComm (parallel/expert_parallel.hpp): backed by the
-//     comm::Communicator of the mesh's ep and dp groups.
+//     comm::Communicator of the mesh's ep, dp x cp and cp groups.
 // Every call is collective over its group: all ranks make the same calls in the same order.
 #include <cstddef>
 #include <cstdint>

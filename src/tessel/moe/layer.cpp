@@ -269,12 +269,11 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
   }
   comm.exchange_counts(send_c.data(), recv_c.data(), size_t(El + E));
   c.recv_counts.resize(size_t(ep * El));
-  c.group_loads.assign(size_t(E), 0);
+  std::vector<int64_t> group_loads(static_cast<size_t>(E), 0);  // the ep group's
   for (int64_t s = 0; s < ep; ++s) {
     for (int64_t l = 0; l < El; ++l)
       c.recv_counts[size_t(s * El + l)] = recv_c[size_t(s * (El + E) + l)];
-    for (int64_t e = 0; e < E; ++e)
-      c.group_loads[size_t(e)] += recv_c[size_t(s * (El + E) + El + e)];
+    for (int64_t e = 0; e < E; ++e) group_loads[size_t(e)] += recv_c[size_t(s * (El + E) + El + e)];
   }
 
   // Rows out, experts, rows back.
@@ -312,39 +311,40 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
     for (int64_t i = 0; i < C; ++i) y[n * C + i] += g * row[i];
   });
 
-  // The balancing terms defined per micro-batch (aux's and LEI's load fractions f_e, the
-  // z-loss mean, qb_avg's quantile) count the whole micro-batch: under context parallelism
-  // its tokens are spread over the cp ranks, whose sums [loads | P sums | z sum | N] join
-  // here. Their values (per-token means) go to the metrics; 0 without tokens (a micro-batch
-  // of padding alone).
+  // The balancing terms and metrics defined per micro-batch (aux's and LEI's load fractions
+  // f_e, the z-loss mean, qb_avg's quantile, the micro-batch MaxVio and drops at cf 1) count
+  // the whole micro-batch: under context parallelism its tokens are spread over the cp ranks,
+  // whose sums [loads | ep group's loads | P sums | z sum | N] join here. The balancing value
+  // (per-token means) goes to the metrics; 0 without tokens (a micro-batch of padding alone).
   const bool aux = config_.balance == Balance::aux || config_.balance == Balance::aux_global;
-  c.batch_f.clear();
-  c.batch_tokens = 0;
+  std::vector<double> sums(size_t(3 * E + 2), 0.0);
+  for (int64_t e = 0; e < E; ++e) {
+    sums[size_t(e)] = double(c.loads[size_t(e)]);
+    sums[size_t(E + e)] = double(group_loads[size_t(e)]);
+  }
+  if (aux)
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t n = 0; n < N; ++n) sums[size_t(2 * E + e)] += c.probs[size_t(n * E + e)];
+  if (config_.z_coeff > 0)
+    for (int64_t n = 0; n < N; ++n)
+      sums[size_t(3 * E)] += std::pow(row_lse(c.logits.data() + n * E, E), 2);
+  sums[size_t(3 * E + 1)] = double(N);
+  comm.sum_micro_batch_values(sums.data(), sums.size());
+  const double Nb = sums[size_t(3 * E + 1)], Tk = Nb * double(k);
+  c.batch_tokens = int64_t(Nb);
+  c.batch_loads.assign(sums.begin(), sums.begin() + E);
+  c.batch_group_loads.assign(sums.begin() + E, sums.begin() + 2 * E);
+  c.batch_f.resize(size_t(E));
+  for (int64_t e = 0; e < E; ++e) c.batch_f[size_t(e)] = Nb > 0 ? sums[size_t(e)] / Tk : 0.0;
   double loss = 0;
-  if (aux || lei || config_.z_coeff > 0 || config_.balance == Balance::qb_avg) {
-    std::vector<double> sums(size_t(2 * E + 2), 0.0);
-    for (int64_t e = 0; e < E; ++e) sums[size_t(e)] = double(c.loads[size_t(e)]);
-    if (aux)
-      for (int64_t e = 0; e < E; ++e)
-        for (int64_t n = 0; n < N; ++n) sums[size_t(E + e)] += c.probs[size_t(n * E + e)];
-    if (config_.z_coeff > 0)
-      for (int64_t n = 0; n < N; ++n)
-        sums[size_t(2 * E)] += std::pow(row_lse(c.logits.data() + n * E, E), 2);
-    sums[size_t(2 * E + 1)] = double(N);
-    comm.sum_micro_batch_values(sums.data(), sums.size());
-    const double Nb = sums[size_t(2 * E + 1)], Tk = Nb * double(k);
-    c.batch_tokens = int64_t(Nb);
-    c.batch_f.resize(size_t(E));
-    for (int64_t e = 0; e < E; ++e) c.batch_f[size_t(e)] = Nb > 0 ? sums[size_t(e)] / Tk : 0.0;
-    if (Nb > 0 && aux)
-      for (int64_t e = 0; e < E; ++e)
-        loss += config_.aux_coeff * double(E) * c.batch_f[size_t(e)] * (sums[size_t(E + e)] / Nb);
-    if (Nb > 0 && config_.z_coeff > 0) loss += config_.z_coeff * sums[size_t(2 * E)] / Nb;
-    if (Nb > 0 && lei) {
-      double sq = 0;
-      for (int64_t e = 0; e < E; ++e) sq += std::pow(c.batch_f[size_t(e)] - 1.0 / E, 2);
-      loss += config_.lei_coeff * (1.0 + double(E) * sq);
-    }
+  if (Nb > 0 && aux)
+    for (int64_t e = 0; e < E; ++e)
+      loss += config_.aux_coeff * double(E) * c.batch_f[size_t(e)] * (sums[size_t(2 * E + e)] / Nb);
+  if (Nb > 0 && config_.z_coeff > 0) loss += config_.z_coeff * sums[size_t(3 * E)] / Nb;
+  if (Nb > 0 && lei) {
+    double sq = 0;
+    for (int64_t e = 0; e < E; ++e) sq += std::pow(c.batch_f[size_t(e)] - 1.0 / E, 2);
+    loss += config_.lei_coeff * (1.0 + double(E) * sq);
   }
   c.balance_loss = loss;
 }

@@ -73,13 +73,14 @@ struct LayerCache {
   std::vector<float> combined;               // [A, C] expert outputs in the permuted order
   std::vector<float> shared_fc, shared_act;  // [N, Fsi], [N, Fs]
   // Statistics.
-  std::vector<int64_t> loads;        // [E] this rank's assignments before drops
-  std::vector<int64_t> group_loads;  // [E] the ep group's assignments before drops
-  int64_t dropped = 0;               // this rank's dropped assignments
-  double balance_loss = 0;           // value of the aux, z and LEI terms (per-token means)
-  // The whole micro-batch's (over the micro-batch group; aux, LEI, z-loss or qb_avg only):
-  std::vector<double> batch_f;  // [E] load fractions f_e = assignments / (tokens k)
-  int64_t batch_tokens = 0;     // tokens
+  std::vector<int64_t> loads;  // [E] this rank's assignments before drops
+  int64_t dropped = 0;         // this rank's dropped assignments
+  double balance_loss = 0;     // value of the aux, z and LEI terms (per-token means)
+  // The whole micro-batch's (summed over the micro-batch group):
+  std::vector<double> batch_loads;        // [E] assignments before drops
+  std::vector<double> batch_group_loads;  // [E] the ep groups' assignments before drops
+  std::vector<double> batch_f;            // [E] load fractions f_e = assignments / (tokens k)
+  int64_t batch_tokens = 0;               // tokens
 
   // Frees the buffers only backward reads (every [N, *] and [rows, *] one), keeping the
   // statistics: activation recomputation runs the forward again before the backward.
@@ -102,11 +103,15 @@ class MoeLayer {
   const MoeConfig& config() const { return config_; }
   const LayerShape& shape() const { return shape_; }
 
-  // x [N, C] -> y [N, C] (overwritten). beta [E] is the selection bias.
+  // x [N, C] -> y [N, C] (overwritten). beta [E] is the selection bias. Collective over the
+  // ep group (the token exchange) and the micro-batch group (one sum of the micro-batch's
+  // statistics), also with N = 0.
   void forward(LayerCache& cache, float* y, const float* x, int64_t N, const LayerWeights& w,
                const float* beta, ExpertComm& comm) const;
   // Adds d(loss)/d(x) into dx [N, C] and the parameter gradients into g; dy [N, C]. Records
-  // this micro-batch into `state`.
+  // this micro-batch into `state`. Collective over the ep group, over the balancing group
+  // with aux_global and over the micro-batch group with qb_avg (unless the whole micro-batch
+  // has no token).
   void backward(LayerCache& cache, float* dx, LayerGrads& g, const float* dy, const float* x,
                 const LayerWeights& w, float loss_scale, BalanceState& state,
                 ExpertComm& comm) const;

@@ -2,8 +2,8 @@
 // Expert-sharded training: the placement of a Gpt's experts on the mesh and the update that
 // goes with it. Each rank of an ep group holds E / ep experts of every MoE block (the model
 // allocates only those: model::ExpertShard); the dense parameters are replicated over dp.
-//   - gradients: the dense range of the flat buffer is summed over the dp group, the
-//     experts' range over the edp group (the ranks holding the same experts);
+//   - gradients: the dense range of the flat buffer is summed over the dp (x cp) group, the
+//     experts' range over the edp (x cp) group (the ranks holding the same experts);
 //   - clipping: global norm^2 = dense norm^2 (the same on every rank) + the expert norm^2 of
 //     each ep rank, added in ep-rank order, so every rank scales by the same bits;
 //   - optimizer: the configured optimizer over the dense parameters and dp, and a second one
@@ -33,7 +33,7 @@ double expert_sharded_grad_norm(const ParameterList& dense, const ParameterList&
                                 comm::Communicator& ep_group);
 
 // The gradient all-reduces and the clipping of a model placed by expert_shard. The groups
-// must outlive it; dense_group is dp (or dp x cp), expert_group edp.
+// must outlive it; dense_group is dp x cp, expert_group edp x cp (Axis::dp_cp, edp_cp).
 class ExpertShardedGradients {
  public:
   ExpertShardedGradients(const model::Gpt& model, comm::Communicator& dense_group,

@@ -35,18 +35,20 @@ void MoeMetrics::add(const model::Activations& acts) {
     if (blocks_[b] < acts.first_layer || blocks_[b] >= acts.last_layer) continue;
     const moe::LayerCache& c = acts.moe[size_t(acts.slot(blocks_[b]))];
     double* v = values_.data() + b * size_t(E_ + kSlots);
-    const int64_t cap = (k_ * c.N + E_ - 1) / E_;  // ceil(k N / E): capacity factor 1.0
+    // Drops at capacity factor 1.0 and MaxVio are the whole micro-batch's (under context
+    // parallelism summed over its cp ranks); this rank counts its share of the drops.
+    const double cap = double((k_ * c.batch_tokens + E_ - 1) / E_);  // ceil(k N / E)
     double over = 0;
     for (int64_t e = 0; e < E_; ++e) {
       v[e] += double(c.loads[size_t(e)]);
-      over += double(std::max<int64_t>(0, c.loads[size_t(e)] - cap));
+      over += std::max(0.0, c.batch_loads[size_t(e)] - cap);
     }
     double* s = v + E_;
     s[kAssigned] += double(c.N * k_);
     s[kDropped] += double(c.dropped);
+    if (c.N < c.batch_tokens) over *= double(c.N) / double(c.batch_tokens);
     s[kDroppedCf1] += over;
-    const std::vector<double> group(c.group_loads.begin(), c.group_loads.end());
-    s[kMaxvioMicro] += max_violation(group);
+    s[kMaxvioMicro] += max_violation(c.batch_group_loads);
     s[kForwards] += 1;
     s[kBalanceLoss] += c.balance_loss;
   }

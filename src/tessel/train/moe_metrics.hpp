@@ -1,6 +1,6 @@
 #pragma once
 // The MoE blocks' balance statistics for metrics.jsonl, summed over forwards on this rank;
-// the trainer sums values() over the dp group (one all-reduce) before reading them. Every
+// the trainer sums values() over the dp x cp group (one all-reduce) before reading them. Every
 // MoE block of the whole model has its slots; add() fills those of the blocks the
 // activations hold, so a pipeline's stages fill disjoint slots and a sum over pp joins them.
 //   per MoE block: expert loads (assignments before drops), MaxVio of those loads, the mean

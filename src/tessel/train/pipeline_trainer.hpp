@@ -106,8 +106,8 @@ class PipelineTrainer {
   // blocks on what the previous one sent, the last computes the loss. [loss sum, loss tokens]
   // over `batches` (this dp rank's), summed in batch order as one process sums them, on every
   // rank of the pp group. MoE models: `moe` gets every batch's forward of the stage's blocks,
-  // summed over dp and joined over pp. Collective over pp, ep and dp; call between steps (no
-  // message in flight).
+  // summed over dp x cp and joined over pp. Collective over pp, ep, cp and dp x cp; call
+  // between steps (no message in flight).
   std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches, MoeMetrics& moe);
   // Logits [V] of the token after `window` (one sequence, all of it on every cp rank), its
   // forward run through the stages and the last stage's logits broadcast, so every rank of

@@ -194,18 +194,23 @@ train::Config moe_config(comm::Communicator& world, const std::string& stem) {
   return c;
 }
 
-// Every "moe" record of a run's metrics.jsonl (steps and validations): each block's loads.
-std::vector<nlohmann::json> moe_loads(const std::string& run_dir) {
+// Every "moe" record of a run's metrics.jsonl (steps and validations): each block's `field`
+// (records without it: null).
+std::vector<nlohmann::json> moe_field(const std::string& run_dir, const char* field) {
   std::ifstream in(run_dir + "/metrics.jsonl");
   std::vector<nlohmann::json> out;
   for (std::string line; std::getline(in, line);) {
     const auto j = nlohmann::json::parse(line);
     if (!j.contains("moe")) continue;
-    nlohmann::json loads = nlohmann::json::array();
-    for (const auto& block : j["moe"]) loads.push_back(block["loads"]);
-    out.push_back({{"step", j["step"]}, {"validation", j.contains("val_loss")}, {"loads", loads}});
+    nlohmann::json values = nlohmann::json::array();
+    for (const auto& block : j["moe"]) values.push_back(block.value(field, nlohmann::json()));
+    out.push_back({{"step", j["step"]}, {"validation", j.contains("val_loss")}, {field, values}});
   }
   return out;
+}
+
+std::vector<nlohmann::json> moe_loads(const std::string& run_dir) {
+  return moe_field(run_dir, "loads");
 }
 
 }  // namespace
@@ -275,6 +280,10 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
     c.model.moe.z_coeff = 0.001;
     c.data.attention_mask = train::AttentionMaskKind::causal_document;
     c.train.eval_every = 6;
+    // Uneven: dp rank 0 holds one validation batch more; with ep = 2 its ep peer (and that
+    // peer's cp partner) runs one without loss tokens.
+    c.train.eval_sequences = 2 * P + 1;
+    c.train.sample_tokens = 8;  // with ep = 2 every rank generates, each ep group together
     train::Config one = c;
     one.train.accum *= P / 2;
     one.run.dir = fixture::temp_dir("tessel-cp-moe-ref");
@@ -292,11 +301,20 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
       cp.run.dir = shared_temp_dir(world, "tessel-cp-moe");
       const auto a = run_on(world, cp);
       expect_losses_near(a, ref);
+      if (world.rank() == 0) {
+        EXPECT_EQ(a.sample, ref.sample);
+      }
       for (size_t i = 0; i < a.steps.size(); ++i)
         EXPECT_NEAR(a.steps[i].grad_norm, ref.steps[i].grad_norm, 1e-5 * ref.steps[i].grad_norm)
             << "step " << i + 1;
       if (world.rank() == 0) {
         EXPECT_EQ(moe_loads(cp.run.dir), moe_loads(one.run.dir));
+        // Per-micro-batch statistics count the whole micro-batch (its cp parts summed). With
+        // ep = 2 MaxVio pools the ep group's micro-batches, unlike the one process.
+        if (ep == 1) {
+          EXPECT_EQ(moe_field(cp.run.dir, "maxvio_micro"), moe_field(one.run.dir, "maxvio_micro"));
+          EXPECT_EQ(moe_field(cp.run.dir, "dropped_cf1"), moe_field(one.run.dir, "dropped_cf1"));
+        }
       }
     }
   }
@@ -304,7 +322,8 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
 
 // Activation recomputation (train.recompute = blocks) changes nothing over the layouts whose
 // forward communicates: dp = P, cp = 2 (the recomputed attention exchanges keys and values
-// again) and experts over every rank (the recomputed MoE layers exchange tokens again). The
+// again), experts over every rank (the recomputed MoE layers exchange tokens again) and both
+// (cp = 2 with MoE blocks, experts over the dp ranks of each cp coordinate). The
 // same losses, norms, validation and MoE loads, bitwise.
 TEST(DataParallel, RecomputationEqualsKeepingTheCachesBitwise) {
   comm::Communicator& world = comm::world();
@@ -319,7 +338,10 @@ TEST(DataParallel, RecomputationEqualsKeepingTheCachesBitwise) {
   train::Config ep = moe_config(world, "tessel-rc");
   ep.parallel.ep = P;
   ep.train.eval_every = 6;
-  for (train::Config c : {dense, cp, ep}) {
+  train::Config cp_moe = ep;  // the recomputed MoE layers sum over the cp ranks again
+  cp_moe.parallel.cp = 2;
+  cp_moe.parallel.ep = P / 2;
+  for (train::Config c : {dense, cp, ep, cp_moe}) {
     SCOPED_TRACE("cp = " + std::to_string(c.parallel.cp) +
                  ", ep = " + std::to_string(c.parallel.ep));
     c.run.dir = shared_temp_dir(world, "tessel-rc");
@@ -365,15 +387,20 @@ TEST(Sft, ExpertParallelMoeFollowsSingleRank) {
   }
 }
 
-// With sharded experts a resumed run repeats the uninterrupted one bitwise.
+// With sharded experts a resumed run repeats the uninterrupted one bitwise; also under cp = 2
+// (each expert written once, by the first of its edp x cp ranks).
 TEST(DataParallel, ExpertShardedMoeResumesBitwise) {
   comm::Communicator& world = comm::world();
-  train::Config c = moe_config(world, "tessel-ep-resume");
-  c.parallel.ep = world.size();
-  c.train.steps = 20;
-  c.train.checkpoint_every = 10;
-  expect_resume_continues_bitwise(
-      world, c, 10, [&] { fs::remove_all(c.run.dir + "/checkpoints/step-00000020"); });
+  for (const int cp : {1, 2}) {
+    SCOPED_TRACE("cp = " + std::to_string(cp));
+    train::Config c = moe_config(world, "tessel-ep-resume");
+    c.parallel.cp = cp;
+    c.parallel.ep = world.size() / cp;
+    c.train.steps = 20;
+    c.train.checkpoint_every = 10;
+    expect_resume_continues_bitwise(
+        world, c, 10, [&] { fs::remove_all(c.run.dir + "/checkpoints/step-00000020"); });
+  }
 }
 
 // A checkpoint of ep = P ranks holds every expert (and its optimizer state) exactly once under

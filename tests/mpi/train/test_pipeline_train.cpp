@@ -393,8 +393,9 @@ TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
 // micro-batch, so GPipe and 1F1B over the stages equal the plain cp run bitwise (losses,
 // norms, validation through the stages, weights), with the causal mask and zigzag chunks and
 // with the causal-document mask and the per-micro-batch balanced layout, and with MoE blocks
-// (EQB + LEI and the z-loss: their sums over dp x cp and cp); PACI drained after every window
-// equals it too. np 2: pp 1 (schedule set) x cp 2; np 4: pp 2 x cp 2.
+// (EQB + LEI and the z-loss: their sums over dp x cp and cp; gradient norms to 1e-12, and the
+// MoE records of GPipe and 1F1B equal); PACI drained after every window equals it too. np 2: pp 1
+// (schedule set) x cp 2; np 4: pp 2 x cp 2.
 TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
   comm::Communicator& world = comm::world();
   auto pair = world.split(world.rank() / 2, world.rank());  // the plain cp runs: 2 ranks each
@@ -438,6 +439,9 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
       if (world.rank() == 0) {
         EXPECT_FALSE(ref.sample.empty());
         EXPECT_EQ(piped.sample, ref.sample);
+        if (moe && flush) {  // the balance statistics, summed over the cp ranks too
+          EXPECT_EQ(moe_records(c.run.dir), moe_records(plain.run.dir));
+        }
       }
     }
   }

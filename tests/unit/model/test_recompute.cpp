@@ -96,7 +96,8 @@ void expect_same(const GptConfig& config, bool with_padding) {
   for (size_t i = 0; i < kept.moe.size(); ++i) {
     EXPECT_EQ(kept.moe[i].N, recomputed.moe[i].N);
     EXPECT_EQ(kept.moe[i].loads, recomputed.moe[i].loads);
-    EXPECT_EQ(kept.moe[i].group_loads, recomputed.moe[i].group_loads);
+    EXPECT_EQ(kept.moe[i].batch_group_loads, recomputed.moe[i].batch_group_loads);
+    EXPECT_EQ(kept.moe[i].batch_f, recomputed.moe[i].batch_f);
     EXPECT_EQ(kept.moe[i].dropped, recomputed.moe[i].dropped);
     EXPECT_EQ(kept.moe[i].balance_loss, recomputed.moe[i].balance_loss);
   }
