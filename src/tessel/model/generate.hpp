@@ -1,6 +1,10 @@
 #pragma once
-// Text generation without a KV cache: every step runs the whole forward over the
-// last model.max_seq tokens (simple and exactly the training forward).
+// Text generation: each step draws the token after the last model.max_seq tokens. Through the
+// whole model, positions already run are kept in a KV cache (kv_cache.hpp), so a step runs
+// the new token's forward alone until the context exceeds max_seq; from then on the window
+// slides, every position shifts, and each step runs the whole window (as next_token_logits
+// does). Models whose MoE blocks have an expert capacity always run the whole window: capacity
+// counts a forward's tokens.
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -33,7 +37,7 @@ std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
                               int64_t top_k, Rng& rng, int32_t stop = -1,
                               const OnToken& on_token = nullptr);
-// The same through the whole model's forward.
+// The same through the whole model's forward, with a KV cache (see the top of the file).
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
                               float temperature, int64_t top_k, Rng& rng, int32_t stop = -1,
                               const OnToken& on_token = nullptr);

@@ -5,6 +5,7 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/model/generate.hpp"
+#include "tessel/model/kv_cache.hpp"
 #include "unit/model/model_test_util.hpp"
 
 using namespace tessel;
@@ -89,6 +90,62 @@ TEST(Generate, SamplingFollowsTopKSoftmax) {
   EXPECT_NEAR(high / 8000.0, std::sqrt(3.0) / (1.0 + std::sqrt(3.0)), 0.02);
   // Ties go to the lower id when greedy.
   EXPECT_EQ(sample_token({1.0f, 2.0f, 2.0f}, 0.0f, 0, rng), 1);
+}
+
+namespace {
+
+// The last position's logits of `tokens` at positions first, first + 1, ..., through `cache`
+// (null: the whole sequence's own forward).
+std::vector<float> last_logits(const Gpt& gpt, const std::vector<int32_t>& tokens, int32_t first,
+                               KvCache* cache) {
+  const auto T = int64_t(tokens.size());
+  auto acts = gpt.make_activations(1, T, Recompute::blocks);
+  std::vector<int32_t> positions(tokens.size());
+  for (int64_t t = 0; t < T; ++t) positions[size_t(t)] = first + int32_t(t);
+  ModelInputs in{1, T, tokens.data(), positions.data()};
+  in.attention = cache;
+  if (cache) cache->begin(T);
+  gpt.forward(*acts, in);
+  const int64_t V = gpt.config().vocab;
+  return std::vector<float>(acts->logits.f32() + (T - 1) * V, acts->logits.f32() + T * V);
+}
+
+}  // namespace
+
+// A KV cache filled by a 3-token prefill, a 2-token chunk (bottom-right causal over cached and
+// new keys) and single tokens up to max_seq gives the logits of the whole prefix's forward,
+// within 1e-5 relative (the attention's tiles split the keys differently): GELU / layernorm /
+// learned positions, SwiGLU / rmsnorm / rotary / GQA, and MoE blocks (dropless). Past max_seq
+// the cache refuses more positions; cleared, it starts over.
+TEST(Generate, AKvCacheGivesTheWholePrefixsLogits) {
+  GptConfig moe = moe_config(gelu_config(), "1");
+  for (const GptConfig& c : {gelu_config(), swiglu_config(), moe}) {
+    SCOPED_TRACE(c.moe_layers.empty() ? "dense" : "moe");
+    Gpt gpt(c, 11);
+    randomize_parameters(gpt, 12, 0.5f);
+    const std::vector<int32_t> sequence = {4, 1, 7, 7, 0, 12, 3, 9};  // max_seq = 8
+    KvCache cache(gpt);
+    size_t cached = 0;
+    for (size_t rows : {3, 2, 1, 1, 1}) {
+      const std::vector<int32_t> fresh(sequence.begin() + int64_t(cached),
+                                       sequence.begin() + int64_t(cached + rows));
+      const auto got = last_logits(gpt, fresh, int32_t(cached), &cache);
+      cached += rows;
+      EXPECT_EQ(cache.length(), int64_t(cached));
+      const std::vector<int32_t> prefix(sequence.begin(), sequence.begin() + int64_t(cached));
+      const auto want = last_logits(gpt, prefix, 0, nullptr);
+      double scale = 0, diff = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        scale = std::max(scale, double(std::abs(want[i])));
+        diff = std::max(diff, double(std::abs(got[i] - want[i])));
+      }
+      EXPECT_LE(diff, 1e-5 * scale) << "after " << cached << " positions";
+    }
+    EXPECT_THROW(cache.begin(1), Error);  // 8 cached: a ninth position exceeds max_seq
+    cache.clear();
+    EXPECT_EQ(last_logits(gpt, {sequence[0]}, 0, &cache),
+              last_logits(gpt, {sequence[0]}, 0, nullptr));
+  }
 }
 
 TEST(Generate, BadArgumentsAreInputErrors) {

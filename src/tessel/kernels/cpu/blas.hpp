@@ -7,7 +7,8 @@
 
 namespace tessel::kernels::detail {
 
-// Row-major cblas_sgemm (see gemm.hpp for the argument convention); sizes must be > 0.
+// Row-major cblas_sgemm (see gemm.hpp for the argument convention); sizes must be > 0. One row
+// (M = 1) runs as cblas_sgemv.
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
            int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

@@ -2,6 +2,8 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+
 #include "tessel/core/error.hpp"
 #include "tessel/kernels/cpu/blas.hpp"
 #include "tessel/kernels/cpu/column_sums.hpp"
@@ -12,6 +14,20 @@ namespace detail {
 
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
            int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 1) {
+    // One row (a decoding step's linear layers): a matrix-vector product. sgemm would first
+    // pack all of B, which costs more than the product itself. C is zeroed for beta = 0 so
+    // that no NaN in it survives (BLAS need not skip reading y then).
+    if (beta == 0.0f) std::fill(C, C + N, 0.0f);
+    const int64_t inc_a = trans_a ? lda : 1;
+    if (trans_b)  // C = alpha B a + beta C, B [N, K]
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, int(N), int(K), alpha, B, int(ldb), A, int(inc_a),
+                  beta, C, 1);
+    else  // C = alpha B^T a + beta C, B [K, N]
+      cblas_sgemv(CblasRowMajor, CblasTrans, int(K), int(N), alpha, B, int(ldb), A, int(inc_a),
+                  beta, C, 1);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A, int(lda), B,
               int(ldb), beta, C, int(ldc));

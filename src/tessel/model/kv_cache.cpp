@@ -1,0 +1,48 @@
+#include "tessel/model/kv_cache.hpp"
+
+#include <algorithm>
+
+#include "tessel/attention/flash_attention.hpp"
+#include "tessel/core/error.hpp"
+
+namespace tessel::model {
+
+KvCache::KvCache(const Gpt& gpt)
+    : blocks_(gpt.block_range().last - gpt.block_range().first),
+      capacity_(gpt.config().max_seq),
+      Hq_(gpt.config().heads),
+      Hk_(gpt.config().num_kv_heads()),
+      D_(gpt.config().head_dim()),
+      k_(size_t(blocks_), std::vector<float>(size_t(capacity_ * Hk_ * D_))),
+      v_(k_) {}
+
+void KvCache::begin(int64_t rows) {
+  TESSEL_CHECK(rows >= 1 && length_ + rows <= capacity_, rows, " new positions after ", length_,
+               " cached exceed max_seq = ", capacity_);
+  TESSEL_CHECK(block_ == 0, "a forward through the KV cache did not reach every block");
+  rows_ = rows;
+}
+
+void KvCache::forward(float* o, float* lse, const float* q, const float* k, const float* v) {
+  TESSEL_CHECK(rows_ > 0, "KvCache::begin was not called before the forward");
+  const int64_t row = Hk_ * D_, keys = length_ + rows_;
+  float* kc = k_[size_t(block_)].data();
+  float* vc = v_[size_t(block_)].data();
+  std::copy(k, k + rows_ * row, kc + length_ * row);
+  std::copy(v, v + rows_ * row, vc + length_ * row);
+  // Bottom-right causal: new row i (position length_ + i) sees keys 0 .. length_ + i.
+  const attention::TiledMask mask(attention::ColumnMask::causal_only(1, rows_, keys));
+  attention::flash_attention_forward(o, lse, q, kc, vc, {1, rows_, keys, Hq_, Hk_, D_}, mask);
+  if (++block_ == blocks_) {  // the forward's last block: the new positions are cached
+    block_ = 0;
+    length_ = keys;
+    rows_ = 0;
+  }
+}
+
+void KvCache::backward(float*, float*, float*, const float*, const float*, const float*,
+                       const float*, const float*, const float*) {
+  TESSEL_CHECK(false, "the KV cache serves inference only: no backward");
+}
+
+}  // namespace tessel::model
