@@ -78,7 +78,7 @@ int run_generate(const std::string& run_dir, const std::string& prompt, int64_t 
   data::ByteTokenizer tok;
   const int32_t stop_token = tok.single_token(stop, "--stop");
   const std::vector<int32_t> ids = tok.encode(prompt);
-  // The prompt, then each token as it is drawn: every token costs a whole forward.
+  // The prompt, then each token as it is drawn.
   auto print = [&tok](std::span<const int32_t> part) {
     const std::string text = tok.decode(part);
     std::fwrite(text.data(), 1, text.size(), stdout);

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
 #include <numeric>
 
 #include "tessel/core/error.hpp"
@@ -19,28 +18,8 @@ std::span<const int32_t> last_window(const std::vector<int32_t>& context, int64_
   return std::span<const int32_t>(context).last(T);
 }
 
-// The logits after the last of `tokens`, at positions first_position, first_position + 1, ...,
-// with `attention` (null: the FlashMask kernel over `tokens` alone).
-std::vector<float> forward_logits(const Gpt& gpt, std::span<const int32_t> tokens,
-                                  int32_t first_position, attention::AttentionHook* attention) {
-  const auto T = int64_t(tokens.size());
-  auto acts = gpt.make_activations(1, T, Recompute::blocks);  // no backward: one block's cache
-  std::vector<int32_t> positions(tokens.size());
-  std::iota(positions.begin(), positions.end(), first_position);
-  ModelInputs in;
-  in.B = 1;
-  in.T = T;
-  in.tokens = tokens.data();
-  in.positions = positions.data();
-  in.attention = attention;
-  gpt.forward(*acts, in);
-  const int64_t V = gpt.config().vocab;
-  const float* last = acts->logits.f32() + (T - 1) * V;
-  return std::vector<float>(last, last + V);
-}
-
 std::vector<float> whole_model_logits(const Gpt& gpt, std::span<const int32_t> window) {
-  return forward_logits(gpt, window, 0, nullptr);
+  return last_position_logits(gpt, window, 0, nullptr);
 }
 
 // The whole model's next-token logits through a KV cache: a window that extends the cached
@@ -56,8 +35,7 @@ class CachedLogits {
       cached_.clear();
     }
     const auto fresh = window.subspan(cached_.size());
-    cache_.begin(int64_t(fresh.size()));
-    auto logits = forward_logits(gpt_, fresh, int32_t(cached_.size()), &cache_);
+    auto logits = last_position_logits(gpt_, fresh, int32_t(cached_.size()), &cache_);
     cached_.insert(cached_.end(), fresh.begin(), fresh.end());
     return logits;
   }
@@ -68,14 +46,31 @@ class CachedLogits {
   std::vector<int32_t> cached_;  // the tokens whose keys and values the cache holds
 };
 
-// Expert capacity counts the tokens of one forward, so a forward of the new positions alone
-// would drop other assignments than the whole window's: such models generate without cache.
-bool caches_exactly(const GptConfig& c) {
-  const std::vector<bool> moe = c.moe_mask();
-  return c.moe.capacity <= 0 || std::find(moe.begin(), moe.end(), true) == moe.end();
+}  // namespace
+
+std::vector<float> last_position_logits(const Gpt& gpt, std::span<const int32_t> tokens,
+                                        int32_t first_position, KvCache* cache) {
+  const auto T = int64_t(tokens.size());
+  auto acts = gpt.make_activations(1, T, Recompute::blocks);  // no backward: one block's cache
+  std::vector<int32_t> positions(tokens.size());
+  std::iota(positions.begin(), positions.end(), first_position);
+  ModelInputs in;
+  in.B = 1;
+  in.T = T;
+  in.tokens = tokens.data();
+  in.positions = positions.data();
+  in.attention = cache;
+  if (cache) cache->begin(T);
+  gpt.forward(*acts, in);
+  const int64_t V = gpt.config().vocab;
+  const float* last = acts->logits.f32() + (T - 1) * V;
+  return std::vector<float>(last, last + V);
 }
 
-}  // namespace
+bool kv_cache_applies(const GptConfig& config) {
+  const std::vector<bool> moe = config.moe_mask();
+  return config.moe.capacity <= 0 || std::find(moe.begin(), moe.end(), true) == moe.end();
+}
 
 std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context) {
   return whole_model_logits(gpt, last_window(context, gpt.config().max_seq));
@@ -125,13 +120,13 @@ std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
                               float temperature, int64_t top_k, Rng& rng, int32_t stop,
                               const OnToken& on_token) {
-  NextTokenLogits next = [&gpt](std::span<const int32_t> w) { return whole_model_logits(gpt, w); };
-  if (caches_exactly(gpt.config())) {
-    auto cached = std::make_shared<CachedLogits>(gpt);
-    next = [cached](std::span<const int32_t> w) { return (*cached)(w); };
-  }
-  return generate(next, gpt.config().max_seq, std::move(prompt), new_tokens, temperature, top_k,
-                  rng, stop, on_token);
+  if (!kv_cache_applies(gpt.config()))
+    return generate([&gpt](std::span<const int32_t> w) { return whole_model_logits(gpt, w); },
+                    gpt.config().max_seq, std::move(prompt), new_tokens, temperature, top_k, rng,
+                    stop, on_token);
+  CachedLogits cached(gpt);
+  return generate([&cached](std::span<const int32_t> w) { return cached(w); }, gpt.config().max_seq,
+                  std::move(prompt), new_tokens, temperature, top_k, rng, stop, on_token);
 }
 
 }  // namespace tessel::model

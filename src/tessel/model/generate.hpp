@@ -12,11 +12,24 @@
 
 #include "tessel/core/rng.hpp"
 #include "tessel/model/gpt.hpp"
+#include "tessel/model/kv_cache.hpp"
 
 namespace tessel::model {
 
-// Logits [V] of the token after `context` (its last model.max_seq tokens are used).
+// Logits [V] of the token after `context` (its last model.max_seq tokens are used), from the
+// forward of that whole window.
 std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context);
+
+// Logits [V] after the last of `tokens` (one sequence) at positions first_position,
+// first_position + 1, ...: through `cache`, which first takes their keys and values (it holds
+// exactly the positions before first_position), or with null over `tokens` alone.
+std::vector<float> last_position_logits(const Gpt& gpt, std::span<const int32_t> tokens,
+                                        int32_t first_position, KvCache* cache);
+
+// Whether generate() through the whole model uses the KV cache: not for MoE blocks with an
+// expert capacity, which counts the tokens of one forward (a forward of the new positions
+// alone would drop other assignments than the whole window's).
+bool kv_cache_applies(const GptConfig& config);
 
 // Logits [V] of the token after `window` (1 to max_seq tokens), from some forward: the whole
 // model's, or a pipeline's through its stages.
@@ -26,7 +39,7 @@ using NextTokenLogits = std::function<std::vector<float>(std::span<const int32_t
 // (top_k = 0: all). temperature = 0 is greedy: the largest logit, the lowest id on ties.
 int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng);
 
-// Called with each token as it is drawn (to print it at once: a step runs a whole forward).
+// Called with each token as it is drawn (to print it at once).
 using OnToken = std::function<void(int32_t token)>;
 
 // prompt followed by new_tokens tokens, each drawn by sample_token from next() of the last

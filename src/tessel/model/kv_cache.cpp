@@ -13,14 +13,23 @@ KvCache::KvCache(const Gpt& gpt)
       Hq_(gpt.config().heads),
       Hk_(gpt.config().num_kv_heads()),
       D_(gpt.config().head_dim()),
-      k_(size_t(blocks_), std::vector<float>(size_t(capacity_ * Hk_ * D_))),
-      v_(k_) {}
+      k_(size_t(blocks_)),
+      v_(size_t(blocks_)) {}
+
+void KvCache::clear() {
+  length_ = rows_ = block_ = 0;
+}
 
 void KvCache::begin(int64_t rows) {
-  TESSEL_CHECK(rows >= 1 && length_ + rows <= capacity_, rows, " new positions after ", length_,
+  TESSEL_CHECK(rows >= 1, "a forward through the KV cache needs new positions");
+  TESSEL_CHECK(length_ + rows <= capacity_, rows, " new positions after ", length_,
                " cached exceed max_seq = ", capacity_);
   TESSEL_CHECK(block_ == 0, "a forward through the KV cache did not reach every block");
   rows_ = rows;
+  // Bottom-right causal: new row i (position length_ + i) sees keys 0 .. length_ + i.
+  mask_ = attention::TiledMask(attention::ColumnMask::causal_only(1, rows, length_ + rows));
+  const auto size = size_t((length_ + rows) * Hk_ * D_);
+  for (int64_t b = 0; b < blocks_; ++b) k_[size_t(b)].resize(size), v_[size_t(b)].resize(size);
 }
 
 void KvCache::forward(float* o, float* lse, const float* q, const float* k, const float* v) {
@@ -30,9 +39,7 @@ void KvCache::forward(float* o, float* lse, const float* q, const float* k, cons
   float* vc = v_[size_t(block_)].data();
   std::copy(k, k + rows_ * row, kc + length_ * row);
   std::copy(v, v + rows_ * row, vc + length_ * row);
-  // Bottom-right causal: new row i (position length_ + i) sees keys 0 .. length_ + i.
-  const attention::TiledMask mask(attention::ColumnMask::causal_only(1, rows_, keys));
-  attention::flash_attention_forward(o, lse, q, kc, vc, {1, rows_, keys, Hq_, Hk_, D_}, mask);
+  attention::flash_attention_forward(o, lse, q, kc, vc, {1, rows_, keys, Hq_, Hk_, D_}, mask_);
   if (++block_ == blocks_) {  // the forward's last block: the new positions are cached
     block_ = 0;
     length_ = keys;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tessel/attention/attention_hook.hpp"
+#include "tessel/attention/tiled_mask.hpp"
 #include "tessel/model/gpt.hpp"
 
 namespace tessel::model {
@@ -20,9 +21,10 @@ class KvCache final : public attention::AttentionHook {
   explicit KvCache(const Gpt& gpt);
 
   int64_t length() const { return length_; }  // positions cached
-  void clear() { length_ = 0; }
-  // Announces a forward over `rows` new positions (length() .. length() + rows - 1): call
-  // before each forward the cache is the hook of. TESSEL_CHECK: they fit in max_seq.
+  void clear();
+  // Announces a forward of one sequence over `rows` >= 1 new positions (length() ..
+  // length() + rows - 1): call before each forward the cache is the hook of.
+  // TESSEL_CHECK: they fit in max_seq.
   void begin(int64_t rows);
 
   void forward(float* o, float* lse, const float* q, const float* k, const float* v) override;
@@ -32,7 +34,8 @@ class KvCache final : public attention::AttentionHook {
  private:
   int64_t blocks_, capacity_, Hq_, Hk_, D_;
   int64_t length_ = 0, rows_ = 0, block_ = 0;  // block_: the next call's block
-  std::vector<std::vector<float>> k_, v_;      // per block [capacity, Hk, D]
+  attention::TiledMask mask_;                  // of the forward announced by begin()
+  std::vector<std::vector<float>> k_, v_;      // per block [positions, Hk, D], grown as needed
 };
 
 }  // namespace tessel::model

@@ -63,6 +63,7 @@ TEST(Gemm, AllTransposeCasesWithLeadingDimensions) {
       for (const GemmCase& c : with_random({{ta, tb, 7, 5, 9, 0.7f, 0.3f},
                                             {ta, tb, 1, 13, 4, 1.0f, 0.0f},
                                             {ta, tb, 1, 768, 256, -0.5f, 0.3f},  // gemv
+                                            {ta, tb, 1, 8, 4096, 1.0f, 0.0f},    // long sums
                                             {ta, tb, 33, 1, 17, -1.5f, 1.0f},
                                             {ta, tb, 64, 48, 70, 1.0f, 0.0f},
                                             {ta, tb, 97, 130, 66, 0.5f, 1.0f},

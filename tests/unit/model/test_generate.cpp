@@ -92,31 +92,22 @@ TEST(Generate, SamplingFollowsTopKSoftmax) {
   EXPECT_EQ(sample_token({1.0f, 2.0f, 2.0f}, 0.0f, 0, rng), 1);
 }
 
-namespace {
-
-// The last position's logits of `tokens` at positions first, first + 1, ..., through `cache`
-// (null: the whole sequence's own forward).
-std::vector<float> last_logits(const Gpt& gpt, const std::vector<int32_t>& tokens, int32_t first,
-                               KvCache* cache) {
-  const auto T = int64_t(tokens.size());
-  auto acts = gpt.make_activations(1, T, Recompute::blocks);
-  std::vector<int32_t> positions(tokens.size());
-  for (int64_t t = 0; t < T; ++t) positions[size_t(t)] = first + int32_t(t);
-  ModelInputs in{1, T, tokens.data(), positions.data()};
-  in.attention = cache;
-  if (cache) cache->begin(T);
-  gpt.forward(*acts, in);
-  const int64_t V = gpt.config().vocab;
-  return std::vector<float>(acts->logits.f32() + (T - 1) * V, acts->logits.f32() + T * V);
+// max |got - want| <= 1e-5 max |want|: the cached and the whole forward differ only in the
+// attention's and the GEMMs' row counts (and so their blocking).
+void expect_logits_near(const std::vector<float>& got, const std::vector<float>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  double scale = 0, diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    scale = std::max(scale, double(std::abs(want[i])));
+    diff = std::max(diff, double(std::abs(got[i] - want[i])));
+  }
+  EXPECT_LE(diff, 1e-5 * scale);
 }
 
-}  // namespace
-
 // A KV cache filled by a 3-token prefill, a 2-token chunk (bottom-right causal over cached and
-// new keys) and single tokens up to max_seq gives the logits of the whole prefix's forward,
-// within 1e-5 relative (the attention's tiles split the keys differently): GELU / layernorm /
-// learned positions, SwiGLU / rmsnorm / rotary / GQA, and MoE blocks (dropless). Past max_seq
-// the cache refuses more positions; cleared, it starts over.
+// new keys) and single tokens up to max_seq gives the logits of the whole prefix's forward:
+// GELU / layernorm / learned positions, SwiGLU / rmsnorm / rotary / GQA, and MoE blocks
+// (dropless). Past max_seq the cache refuses more positions; cleared, it starts over.
 TEST(Generate, AKvCacheGivesTheWholePrefixsLogits) {
   GptConfig moe = moe_config(gelu_config(), "1");
   for (const GptConfig& c : {gelu_config(), swiglu_config(), moe}) {
@@ -124,27 +115,64 @@ TEST(Generate, AKvCacheGivesTheWholePrefixsLogits) {
     Gpt gpt(c, 11);
     randomize_parameters(gpt, 12, 0.5f);
     const std::vector<int32_t> sequence = {4, 1, 7, 7, 0, 12, 3, 9};  // max_seq = 8
+    const std::span<const int32_t> all(sequence);
     KvCache cache(gpt);
     size_t cached = 0;
     for (size_t rows : {3, 2, 1, 1, 1}) {
-      const std::vector<int32_t> fresh(sequence.begin() + int64_t(cached),
-                                       sequence.begin() + int64_t(cached + rows));
-      const auto got = last_logits(gpt, fresh, int32_t(cached), &cache);
+      const auto got =
+          last_position_logits(gpt, all.subspan(cached, rows), int32_t(cached), &cache);
       cached += rows;
+      SCOPED_TRACE("after " + std::to_string(cached) + " positions");
       EXPECT_EQ(cache.length(), int64_t(cached));
-      const std::vector<int32_t> prefix(sequence.begin(), sequence.begin() + int64_t(cached));
-      const auto want = last_logits(gpt, prefix, 0, nullptr);
-      double scale = 0, diff = 0;
-      for (size_t i = 0; i < want.size(); ++i) {
-        scale = std::max(scale, double(std::abs(want[i])));
-        diff = std::max(diff, double(std::abs(got[i] - want[i])));
-      }
-      EXPECT_LE(diff, 1e-5 * scale) << "after " << cached << " positions";
+      expect_logits_near(got, last_position_logits(gpt, all.first(cached), 0, nullptr));
     }
     EXPECT_THROW(cache.begin(1), Error);  // 8 cached: a ninth position exceeds max_seq
     cache.clear();
-    EXPECT_EQ(last_logits(gpt, {sequence[0]}, 0, &cache),
-              last_logits(gpt, {sequence[0]}, 0, nullptr));
+    EXPECT_EQ(last_position_logits(gpt, all.first(1), 0, &cache),
+              last_position_logits(gpt, all.first(1), 0, nullptr));
+  }
+}
+
+// Decoding one position at a time across the attention's key tiles (64 keys) and query tiles
+// (128) and past its longest GEMM run (512 keys) still gives the whole prefix's logits.
+TEST(Generate, AKvCacheAcrossTilesGivesTheWholePrefixsLogits) {
+  GptConfig c = swiglu_config();
+  c.max_seq = 600;
+  Gpt gpt(c, 21);
+  randomize_parameters(gpt, 22, 0.5f);
+  Rng rng(23);
+  std::vector<int32_t> sequence(size_t(c.max_seq));
+  for (auto& t : sequence) t = int32_t(rng.below(uint64_t(c.vocab)));
+  const std::span<const int32_t> all(sequence);
+  KvCache cache(gpt);
+  last_position_logits(gpt, all.first(60), 0, &cache);
+  for (size_t n = 60; n < sequence.size(); ++n) {
+    const auto got = last_position_logits(gpt, all.subspan(n, 1), int32_t(n), &cache);
+    if (n % 64 > 1 && n != 511 && n != 512 && n + 1 != sequence.size()) continue;
+    SCOPED_TRACE("position " + std::to_string(n));
+    expect_logits_near(got, last_position_logits(gpt, all.first(n + 1), 0, nullptr));
+  }
+}
+
+// generate() caches unless MoE blocks have an expert capacity, and then still draws the
+// tokens of the whole windows' logits (greedy: their argmax).
+TEST(Generate, MoeWithCapacityRunsTheWholeWindow) {
+  const GptConfig dropless = moe_config(gelu_config(), "1");
+  const GptConfig capacity = moe_config(swiglu_config(), "all");  // capacity factor 1
+  EXPECT_TRUE(kv_cache_applies(gelu_config()));
+  EXPECT_TRUE(kv_cache_applies(dropless));
+  EXPECT_FALSE(kv_cache_applies(capacity));
+  for (const GptConfig& c : {dropless, capacity}) {
+    Gpt gpt(c, 31);
+    randomize_parameters(gpt, 32, 0.5f);
+    Rng rng(1);
+    const std::vector<int32_t> prompt = {1, 2, 3};
+    const auto a = generate(gpt, prompt, 10, 0.0f, 0, rng);
+    std::vector<int32_t> context = prompt;
+    for (size_t i = prompt.size(); i < a.size(); ++i) {
+      EXPECT_EQ(a[i], argmax(next_token_logits(gpt, context))) << "token " << i;
+      context.push_back(a[i]);
+    }
   }
 }
 
