@@ -289,7 +289,8 @@ float* Gpt::grad(int index) {
 }
 
 std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRange range,
-                                                   Recompute recompute) const {
+                                                   Recompute recompute,
+                                                   const Activations* scratch_from) const {
   if (B <= 0 || T <= 0)
     input_error("micro-batch of ", B, " x ", T, " tokens: sizes must be positive");
   if (T > config_.max_seq)
@@ -309,48 +310,62 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRa
   a->first_layer = first;
   a->last_layer = last;
   a->recompute = recompute;
+  TESSEL_CHECK(
+      !scratch_from ||
+          (scratch_from->B == B && scratch_from->T == T && scratch_from->first_layer == first &&
+           scratch_from->last_layer == last && scratch_from->logits.defined() == (V > 0) &&
+           scratch_from->recompute == recompute),
+      "scratch shared between activations of different shapes");
   // Every tensor is allocated here, so that tensor_bytes counts them all.
   auto make = [&a](Shape shape, DType dtype = DType::f32) {
     Tensor t(std::move(shape), dtype);
     a->tensor_bytes += int64_t(t.bytes());
     return t;
   };
+  // A buffer `scratch_from` may lend: its own (the same storage), else a new one.
+  auto lend = [&](Tensor Activations::*field, bool shareable, Shape shape) {
+    return scratch_from && shareable ? scratch_from->*field : make(std::move(shape));
+  };
+  const bool rebuilt = recompute == Recompute::blocks;  // the block cache
   a->tokens = make({N}, DType::i32);
   a->positions = make({N}, DType::i32);
   a->targets = make({N}, DType::i32);
   a->loss_weight = make({N});
-  auto mean = [&](int64_t layers) { return layernorm ? make({layers, N}) : Tensor(); };
+  using A = Activations;
+  auto cache = [&](Tensor A::*field, Shape shape) { return lend(field, rebuilt, shape); };
+  auto mean = [&](Tensor A::*field) { return layernorm ? cache(field, {Lc, N}) : Tensor(); };
   a->stream = make({L + 1, N, C});
-  a->attn_norm = make({Lc, N, C});
-  a->attn_norm_mean = mean(Lc);
-  a->attn_norm_rstd = make({Lc, N});
-  a->q = make({Lc, N, H_, D_});
-  a->k = make({Lc, N, Hkv_, D_});
-  a->v = make({Lc, N, Hkv_, D_});
-  a->attn = make({Lc, N, H_, D_});
-  a->attn_lse = make({Lc, B, H_, T});
-  a->mid = make({Lc, N, C});
-  a->mlp_norm = make({Lc, N, C});
-  a->mlp_norm_mean = mean(Lc);
-  a->mlp_norm_rstd = make({Lc, N});
-  a->fc = make({Lc, N, Fi_});
-  a->act = make({Lc, N, F_});
+  a->attn_norm = cache(&A::attn_norm, {Lc, N, C});
+  a->attn_norm_mean = mean(&A::attn_norm_mean);
+  a->attn_norm_rstd = cache(&A::attn_norm_rstd, {Lc, N});
+  a->q = cache(&A::q, {Lc, N, H_, D_});
+  a->k = cache(&A::k, {Lc, N, Hkv_, D_});
+  a->v = cache(&A::v, {Lc, N, Hkv_, D_});
+  a->attn = cache(&A::attn, {Lc, N, H_, D_});
+  a->attn_lse = cache(&A::attn_lse, {Lc, B, H_, T});
+  a->mid = cache(&A::mid, {Lc, N, C});
+  a->mlp_norm = cache(&A::mlp_norm, {Lc, N, C});
+  a->mlp_norm_mean = mean(&A::mlp_norm_mean);
+  a->mlp_norm_rstd = cache(&A::mlp_norm_rstd, {Lc, N});
+  a->fc = cache(&A::fc, {Lc, N, Fi_});
+  a->act = cache(&A::act, {Lc, N, F_});
   if (V > 0) {
     a->final_norm = make({N, C});
     a->final_norm_mean = layernorm ? make({N}) : Tensor();
     a->final_norm_rstd = make({N});
     a->logits = make({N, V});
     a->lse = make({N});
-    a->d_logits = make({N, V});
+    a->d_logits = lend(&A::d_logits, true, {N, V});
   }
-  a->d_stream = make({std::min<int64_t>(L + 1, 2), N, C});
-  a->qkv = make({N, QKV_});
-  a->d_split = make({N * QKV_});
-  if (config_.positions == PositionType::rotary) a->d_unrot = make({N * (H_ + Hkv_) * D_});
-  a->d_attn = make({N, H_ * D_});
-  a->d_norm = make({N, C});
-  a->d_act = make({N, F_});
-  a->d_fc = make({N, Fi_});
+  a->d_stream = lend(&A::d_stream, true, {std::min<int64_t>(L + 1, 2), N, C});
+  a->qkv = lend(&A::qkv, true, {N, QKV_});
+  a->d_split = lend(&A::d_split, true, {N * QKV_});
+  if (config_.positions == PositionType::rotary)
+    a->d_unrot = lend(&A::d_unrot, true, {N * (H_ + Hkv_) * D_});
+  a->d_attn = lend(&A::d_attn, true, {N, H_ * D_});
+  a->d_norm = lend(&A::d_norm, true, {N, C});
+  a->d_act = lend(&A::d_act, true, {N, F_});
+  a->d_fc = lend(&A::d_fc, true, {N, Fi_});
   a->moe.resize(size_t(L));
   return a;
 }

@@ -70,7 +70,14 @@ void GptStage::forward(int64_t micro, std::span<const float> input, std::span<fl
   free_.pop_back();
   auto& acts = slots_[slot];
   const model::ModelInputs& rows = in->inputs();
-  if (!acts) acts = model_.make_activations(rows.B, rows.T, range(), config_.train.recompute);
+  if (!acts) {
+    // The micro-batches in flight share what no forward leaves for its backward (one op runs
+    // whole before the next): the scratch, and under recomputation the block cache.
+    const model::Activations* lender = nullptr;
+    for (const auto& other : slots_)
+      if (other && other->B == rows.B && other->T == rows.T) lender = other.get();
+    acts = model_.make_activations(rows.B, rows.T, range(), config_.train.recompute, lender);
+  }
   struct Restore {  // the stage's own weights come back even if the forward throws
     float* w;
     const std::vector<float>& saved;

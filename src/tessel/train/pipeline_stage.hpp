@@ -106,7 +106,8 @@ class GptStage final : public pipeline::StageWork {
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == stages_ - 1; }
   // Bytes of the training activations allocated so far (one set per micro-batch the schedule
-  // has had in flight at once), MoE caches not counted.
+  // has had in flight at once; the scratch, and under recomputation the block cache, once for
+  // all of them), MoE caches not counted.
   int64_t activation_bytes() const;
 
  private:

@@ -227,7 +227,9 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   train::Config c = pipeline_config(world, "tessel-pp-run");
-  c.train.sample_tokens = 12;  // rank 0 samples from the model gathered from the stages
+  // The sample runs its windows through the stages; the single process through its KV
+  // cache: logits equal to rounding, so the same tokens unless a draw sits on a near-tie.
+  c.train.sample_tokens = 12;
   const Reference ref = single_process(c);
   ASSERT_FALSE(ref.result.sample.empty());
   bool clipped = false;
@@ -304,7 +306,8 @@ TEST(PipelineTrain, RecomputationEqualsKeepingTheCachesBitwise) {
     fixture::expect_same_weights(fixture::final_weights(c.run.dir), kept_weights);
     if (world.rank() != 0) continue;
     // Each stage reports its activation bytes: fewer with recomputation wherever a stage holds
-    // more than one block (2 of the 4 blocks each on 2 ranks; one each on 4 ranks).
+    // more than one block (2 of the 4 blocks each on 2 ranks; one each on 4 ranks) or has had
+    // more than one micro-batch in flight (they share the one block cache).
     const auto kept_records = pipeline_records(kept_dir);
     const auto records = pipeline_records(c.run.dir);
     ASSERT_EQ(records.size(), kept_records.size());
@@ -314,10 +317,11 @@ TEST(PipelineTrain, RecomputationEqualsKeepingTheCachesBitwise) {
     EXPECT_EQ(max_gap, paci ? 1 : 0);  // PACI's first stage ran stale backwards
     if (!layout.empty()) continue;
     for (int s = 0; s < P; ++s) {
+      const auto& stage = records.back()["stages"][s];
       const auto before = kept_records.back()["stages"][s]["activation_bytes"].get<int64_t>();
-      const auto after = records.back()["stages"][s]["activation_bytes"].get<int64_t>();
+      const auto after = stage["activation_bytes"].get<int64_t>();
       EXPECT_GT(after, 0);
-      if (P == 2)
+      if (P == 2 || stage["peak_live_activations"].get<int64_t>() > 1)
         EXPECT_LT(after, before) << "stage " << s;
       else
         EXPECT_EQ(after, before) << "stage " << s;
@@ -449,7 +453,8 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
 
 // MoE blocks in the stages, their experts sharded over ep as without pipeline (dense
 // gradients over dp, experts over edp): GPipe, 1F1B and PACI drained after every window give
-// the plain run's losses, validation losses, weights and sample bitwise, and its gradient
+// the plain run's losses, validation losses and weights bitwise, its sample (the plain run's
+// through the KV cache, equal to rounding), and its gradient
 // norms to 1e-12 (the pipeline adds per-parameter sums in registry order, the plain run the
 // dense ones, then the experts'). Uneven validation batches over dp keep each ep group in step
 // (idle rounds). np 2: pp 2 against one process; np 4: pp 2 x dp 2 with ep 2 against the plain

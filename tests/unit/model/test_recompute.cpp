@@ -195,3 +195,58 @@ TEST(Recompute, KeepsOneBlockCache) {
   EXPECT_EQ(recomputed->d_stream.dim(0), 2);
   EXPECT_EQ(kept->d_stream.dim(0), 2);
 }
+
+// Micro-batches in flight at once (a pipeline stage's) may share their scratch, and under
+// recomputation their block cache: forwards and backwards interleaved as GPipe and 1F1B run
+// them give the losses and gradients of separate activations bitwise, and the sharing
+// activations own only what a backward reads (with the block cache rebuilt, just the inputs,
+// the residual stream and the head's buffers).
+TEST(Recompute, MicroBatchesInFlightShareTheirScratch) {
+  for (const GptConfig& c : {gelu_config(), moe_config(swiglu_config(), "1")}) {
+    for (Recompute recompute : {Recompute::none, Recompute::blocks}) {
+      SCOPED_TRACE(std::string(to_string(recompute)) + (c.moe_layers.empty() ? "" : ", MoE"));
+      Gpt gpt(c, 71);
+      randomize_parameters(gpt, 72, 0.5f);
+      const std::vector<Batch> batches = {random_batch(c, 2, 6, 73, false),
+                                          random_batch(c, 2, 6, 74, true),
+                                          random_batch(c, 2, 6, 75, false)};
+      // F0 F1 B0 F2 B1 B2: micro-batch 0's backward after micro-batch 1's forward.
+      auto interleaved = [&](bool share) {
+        std::vector<std::unique_ptr<Activations>> acts;
+        for (size_t i = 0; i < batches.size(); ++i)
+          acts.push_back(gpt.make_activations(2, 6, gpt.block_range(), recompute,
+                                              share && i > 0 ? acts[0].get() : nullptr));
+        std::vector<double> losses;
+        gpt.zero_grads();
+        for (int op : {0, 1, -1, 2, -2, -3}) {
+          if (op >= 0) {
+            losses.push_back(gpt.forward(*acts[size_t(op)], batches[size_t(op)].inputs()));
+          } else {
+            gpt.backward(*acts[size_t(-op - 1)], 0.5f);
+          }
+        }
+        return std::make_tuple(losses, gpt.flat_grads().clone(), std::move(acts));
+      };
+      const auto [separate_losses, separate_grads, separate] = interleaved(false);
+      const auto [shared_losses, shared_grads, shared] = interleaved(true);
+      EXPECT_EQ(shared_losses, separate_losses);
+      EXPECT_TRUE(bitwise_equal(shared_grads, separate_grads));
+      const Activations& lender = *shared[0];
+      const Activations& sharer = *shared[1];
+      EXPECT_TRUE(sharer.qkv.shares_storage(lender.qkv));
+      EXPECT_TRUE(sharer.d_stream.shares_storage(lender.d_stream));
+      EXPECT_FALSE(sharer.stream.shares_storage(lender.stream));
+      EXPECT_FALSE(sharer.logits.shares_storage(lender.logits));
+      EXPECT_EQ(sharer.q.shares_storage(lender.q), recompute == Recompute::blocks);
+      EXPECT_LT(sharer.tensor_bytes, lender.tensor_bytes);
+      if (recompute == Recompute::blocks) {
+        const int64_t N = 12, C = c.width, V = c.vocab;
+        const bool ln = c.norm == NormType::layernorm;
+        // tokens, positions, targets, loss weights; the stream; final norm (mean), rstd,
+        // logits, lse.
+        const int64_t floats = 4 * N + (c.layers + 1) * N * C + N * (C + (ln ? 1 : 0) + 1 + V + 1);
+        EXPECT_EQ(sharer.tensor_bytes, floats * int64_t(sizeof(float)));
+      }
+    }
+  }
+}
