@@ -316,7 +316,7 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRa
            scratch_from->last_layer == last && scratch_from->logits.defined() == (V > 0) &&
            scratch_from->recompute == recompute),
       "scratch shared between activations of different shapes");
-  // Every tensor is allocated here, so that tensor_bytes counts them all.
+  // Every tensor this set owns is allocated here, so that tensor_bytes counts them all.
   auto make = [&a](Shape shape, DType dtype = DType::f32) {
     Tensor t(std::move(shape), dtype);
     a->tensor_bytes += int64_t(t.bytes());
@@ -324,7 +324,10 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRa
   };
   // A buffer `scratch_from` may lend: its own (the same storage), else a new one.
   auto lend = [&](Tensor Activations::*field, bool shareable, Shape shape) {
-    return scratch_from && shareable ? scratch_from->*field : make(std::move(shape));
+    if (!scratch_from || !shareable) return make(std::move(shape));
+    const Tensor& lent = scratch_from->*field;
+    TESSEL_CHECK(lent.shape() == shape, "scratch lent by activations of another model");
+    return lent;
   };
   const bool rebuilt = recompute == Recompute::blocks;  // the block cache
   a->tokens = make({N}, DType::i32);

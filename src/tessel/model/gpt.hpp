@@ -125,10 +125,12 @@ struct Activations {
   // [B, T, C] views: boundary 0 is the embedding output, boundary L the last block's output.
   // A gradient boundary shares its slot with every second boundary: residual_grad(i) holds
   // d x_i from when backward (or the caller, for the last boundary) writes it until backward
-  // reaches block i - 2.
+  // reaches block i - 2, and activations sharing their scratch (make_activations'
+  // scratch_from) hold it only until the next backward of any of them.
   Tensor residual(int64_t boundary) const;
   Tensor residual_grad(int64_t boundary) const;
-  // Bytes of all the tensors above (the MoE caches, which grow with the routing, not counted).
+  // Bytes of the tensors above this set owns (not those lent by make_activations'
+  // scratch_from; the MoE caches, which grow with the routing, not counted).
   int64_t tensor_bytes = 0;
 
  private:
@@ -213,7 +215,8 @@ class Gpt {
                                                 Recompute recompute = Recompute::none) const {
     return make_activations(B, T, range_, recompute);
   }
-  // With `scratch_from` (activations of the same B, T, range and recompute), the new ones
+  // With `scratch_from` (activations of this model with the same B, T, range and recompute),
+  // the new ones
   // share its buffers that no forward leaves for a backward to read: the scratch and the
   // residual-stream gradients, and under Recompute::blocks also the block cache (a backward
   // rebuilds it). A pipeline stage's micro-batches in flight share them: each forward or

@@ -102,7 +102,8 @@ StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> 
   const RankBatchInputs in(batch, config_, cp_group_);
   const model::ModelInputs& rows = in.inputs();
   auto& acts = eval_[{rows.B, rows.T}];
-  if (!acts) acts = model_.make_activations(rows.B, rows.T, range(), config_.train.recompute);
+  // No backward: one block's cache, whatever train.recompute says.
+  if (!acts) acts = model_.make_activations(rows.B, rows.T, range(), model::Recompute::blocks);
   const double loss = forward_stage(*acts, rows, input, output);
   return {loss, in.loss_weight_sum(), 1, acts.get()};
 }

@@ -460,18 +460,23 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
 // (idle rounds). np 2: pp 2 against one process; np 4: pp 2 x dp 2 with ep 2 against the plain
 // dp 2 x ep 2 run; the step and validation records' MoE statistics are the plain run's.
 // Also with MoE in the last stage only (1F1B), on SFT data (1F1B: each stage leaves the
-// padding out of its MoE blocks), and undrained PACI's per-window statistics.
+// padding out of its MoE blocks), with activation recomputation (GPipe and 1F1B: the
+// micro-batches in flight share the one block cache, rebuilt through the token exchange),
+// and undrained PACI's per-window statistics.
 TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
   comm::Communicator& world = comm::world();
   struct Case {
     const char* moe_layers;  // "3": only the last stage has MoE blocks; all ranks still sample
     std::vector<const char*> schedules;
-    bool sft;
+    bool sft, recompute;
   };
-  const Case cases[] = {
-      {"all", {"gpipe", "1f1b", "paci"}, false}, {"3", {"1f1b"}, false}, {"all", {"1f1b"}, true}};
-  for (const auto& [moe_layers, schedules, sft] : cases) {
-    SCOPED_TRACE(std::string("moe_layers = ") + moe_layers + (sft ? ", SFT" : ""));
+  const Case cases[] = {{"all", {"gpipe", "1f1b", "paci"}, false, false},
+                        {"3", {"1f1b"}, false, false},
+                        {"all", {"1f1b"}, true, false},
+                        {"all", {"gpipe", "1f1b"}, false, true}};
+  for (const auto& [moe_layers, schedules, sft, recompute] : cases) {
+    SCOPED_TRACE(std::string("moe_layers = ") + moe_layers + (sft ? ", SFT" : "") +
+                 (recompute ? ", recompute" : ""));
     train::Config c = pipeline_config(world, "tessel-ppmoe-run");
     if (sft) {
       c.data.path = fixture::shared_sft_dataset(world);
@@ -481,6 +486,7 @@ TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
                           "model.moe_balance=eqb_lei"})
       train::apply_override(c, s);
     c.model.moe_layers = moe_layers;
+    if (recompute) c.train.recompute = model::Recompute::blocks;  // in the plain run too
     c.parallel.ep = world.size() / 2;
     c.train.grad_clip = 0;                      // PACI clips per stage: compare without clipping
     c.train.eval_every = 1;                     // PACI drains at every validation

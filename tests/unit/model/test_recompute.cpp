@@ -197,56 +197,74 @@ TEST(Recompute, KeepsOneBlockCache) {
 }
 
 // Micro-batches in flight at once (a pipeline stage's) may share their scratch, and under
-// recomputation their block cache: forwards and backwards interleaved as GPipe and 1F1B run
-// them give the losses and gradients of separate activations bitwise, and the sharing
-// activations own only what a backward reads (with the block cache rebuilt, just the inputs,
-// the residual stream and the head's buffers).
+// recomputation their block cache: forwards and backwards interleaved as 1F1B (F0 F1 B0 F2 B1
+// B2) and GPipe (F0 F1 F2 B0 B1 B2) run them give the losses and gradients of separate
+// activations bitwise, with MoE padding rows in one micro-batch and an attention hook in
+// another. The sharing activations own only what a backward reads: without recomputation all
+// but the scratch, with it just the inputs, the residual stream and the head's buffers.
 TEST(Recompute, MicroBatchesInFlightShareTheirScratch) {
   for (const GptConfig& c : {gelu_config(), moe_config(swiglu_config(), "1")}) {
-    for (Recompute recompute : {Recompute::none, Recompute::blocks}) {
-      SCOPED_TRACE(std::string(to_string(recompute)) + (c.moe_layers.empty() ? "" : ", MoE"));
-      Gpt gpt(c, 71);
-      randomize_parameters(gpt, 72, 0.5f);
-      const std::vector<Batch> batches = {random_batch(c, 2, 6, 73, false),
-                                          random_batch(c, 2, 6, 74, true),
-                                          random_batch(c, 2, 6, 75, false)};
-      // F0 F1 B0 F2 B1 B2: micro-batch 0's backward after micro-batch 1's forward.
-      auto interleaved = [&](bool share) {
-        std::vector<std::unique_ptr<Activations>> acts;
-        for (size_t i = 0; i < batches.size(); ++i)
-          acts.push_back(gpt.make_activations(2, 6, gpt.block_range(), recompute,
-                                              share && i > 0 ? acts[0].get() : nullptr));
-        std::vector<double> losses;
-        gpt.zero_grads();
-        for (int op : {0, 1, -1, 2, -2, -3}) {
-          if (op >= 0) {
-            losses.push_back(gpt.forward(*acts[size_t(op)], batches[size_t(op)].inputs()));
-          } else {
-            gpt.backward(*acts[size_t(-op - 1)], 0.5f);
+    const int64_t B = 2, T = 6, N = B * T, C = c.width, V = c.vocab, H = c.heads;
+    const int64_t Hkv = c.num_kv_heads(), D = c.head_dim(), F = c.mlp_hidden_size();
+    const int64_t Fi = c.mlp == MlpType::swiglu ? 2 * F : F, QKV = (H + 2 * Hkv) * D;
+    const bool rotary = c.positions == PositionType::rotary;
+    const bool ln = c.norm == NormType::layernorm;
+    for (Recompute recompute : {Recompute::none, Recompute::blocks})
+      for (const std::vector<int>& order :
+           {std::vector<int>{0, 1, -1, 2, -2, -3}, std::vector<int>{0, 1, 2, -1, -2, -3}}) {
+        SCOPED_TRACE(std::string(to_string(recompute)) + (c.moe_layers.empty() ? "" : ", MoE") +
+                     (order[2] < 0 ? ", 1F1B" : ", GPipe"));
+        Gpt gpt(c, 71);
+        randomize_parameters(gpt, 72, 0.5f);
+        const std::vector<Batch> batches = {random_batch(c, B, T, 73, false),
+                                            random_batch(c, B, T, 74, true),
+                                            random_batch(c, B, T, 75, false)};
+        std::vector<uint8_t> padding(size_t(N), 0);
+        padding[size_t(T - 2)] = padding[size_t(T - 1)] = 1;  // row 0's tail
+        CountingHook hook(c, B, T);
+        auto interleaved = [&](bool share) {
+          std::vector<std::unique_ptr<Activations>> acts;
+          for (size_t i = 0; i < batches.size(); ++i)
+            acts.push_back(gpt.make_activations(B, T, gpt.block_range(), recompute,
+                                                share && i > 0 ? acts[0].get() : nullptr));
+          std::vector<double> losses;
+          gpt.zero_grads();
+          for (int op : order) {
+            if (op >= 0) {
+              ModelInputs in = batches[size_t(op)].inputs();
+              if (op == 1) in.padding = padding.data();
+              if (op == 2) in.attention = &hook;
+              losses.push_back(gpt.forward(*acts[size_t(op)], in));
+            } else {
+              gpt.backward(*acts[size_t(-op - 1)], 0.5f);
+            }
           }
+          return std::make_tuple(losses, gpt.flat_grads().clone(), std::move(acts));
+        };
+        const auto [separate_losses, separate_grads, separate] = interleaved(false);
+        const auto [shared_losses, shared_grads, shared] = interleaved(true);
+        EXPECT_EQ(shared_losses, separate_losses);
+        EXPECT_TRUE(bitwise_equal(shared_grads, separate_grads));
+        const Activations& lender = *shared[0];
+        const Activations& sharer = *shared[1];
+        EXPECT_TRUE(sharer.qkv.shares_storage(lender.qkv));
+        EXPECT_TRUE(sharer.d_stream.shares_storage(lender.d_stream));
+        EXPECT_FALSE(sharer.stream.shares_storage(lender.stream));
+        EXPECT_FALSE(sharer.logits.shares_storage(lender.logits));
+        EXPECT_EQ(sharer.q.shares_storage(lender.q), recompute == Recompute::blocks);
+        if (recompute == Recompute::none) {
+          // qkv and its gradient, the unrotated gradient (rotary), d_attn, d_norm, d_act,
+          // d_fc, the two stream-gradient slots, d_logits.
+          const int64_t scratch = 2 * N * QKV + (rotary ? N * (H + Hkv) * D : 0) + N * H * D +
+                                  N * C + N * F + N * Fi + 2 * N * C + N * V;
+          EXPECT_EQ(lender.tensor_bytes - sharer.tensor_bytes, scratch * int64_t(sizeof(float)));
+        } else {
+          // tokens, positions, targets, loss weights; the stream; final norm (mean), rstd,
+          // logits, lse.
+          const int64_t floats =
+              4 * N + (c.layers + 1) * N * C + N * (C + (ln ? 1 : 0) + 1 + V + 1);
+          EXPECT_EQ(sharer.tensor_bytes, floats * int64_t(sizeof(float)));
         }
-        return std::make_tuple(losses, gpt.flat_grads().clone(), std::move(acts));
-      };
-      const auto [separate_losses, separate_grads, separate] = interleaved(false);
-      const auto [shared_losses, shared_grads, shared] = interleaved(true);
-      EXPECT_EQ(shared_losses, separate_losses);
-      EXPECT_TRUE(bitwise_equal(shared_grads, separate_grads));
-      const Activations& lender = *shared[0];
-      const Activations& sharer = *shared[1];
-      EXPECT_TRUE(sharer.qkv.shares_storage(lender.qkv));
-      EXPECT_TRUE(sharer.d_stream.shares_storage(lender.d_stream));
-      EXPECT_FALSE(sharer.stream.shares_storage(lender.stream));
-      EXPECT_FALSE(sharer.logits.shares_storage(lender.logits));
-      EXPECT_EQ(sharer.q.shares_storage(lender.q), recompute == Recompute::blocks);
-      EXPECT_LT(sharer.tensor_bytes, lender.tensor_bytes);
-      if (recompute == Recompute::blocks) {
-        const int64_t N = 12, C = c.width, V = c.vocab;
-        const bool ln = c.norm == NormType::layernorm;
-        // tokens, positions, targets, loss weights; the stream; final norm (mean), rstd,
-        // logits, lse.
-        const int64_t floats = 4 * N + (c.layers + 1) * N * C + N * (C + (ln ? 1 : 0) + 1 + V + 1);
-        EXPECT_EQ(sharer.tensor_bytes, floats * int64_t(sizeof(float)));
       }
-    }
   }
 }
