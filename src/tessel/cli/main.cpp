@@ -65,6 +65,7 @@ int run_prepare(const data::PrepareOptions& opts) {
 
 int run_generate(const std::string& run_dir, const std::string& prompt, int64_t tokens,
                  double temperature, int64_t top_k, int64_t seed, const std::string& stop) {
+  model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const auto loaded = train::load_run_checkpoint(run_dir);
   const std::string* latest = &loaded.dir;
   const train::CheckpointContent& ckpt = loaded.content;

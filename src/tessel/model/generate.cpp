@@ -76,9 +76,13 @@ std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>&
   return whole_model_logits(gpt, last_window(context, gpt.config().max_seq));
 }
 
-int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng) {
+void check_sampling(float temperature, int64_t top_k) {
   if (!(temperature >= 0.0f)) input_error("generate: temperature = ", temperature, " must be >= 0");
   if (top_k < 0) input_error("generate: top_k = ", top_k, " must be >= 0 (0 = all tokens)");
+}
+
+int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng) {
+  check_sampling(temperature, top_k);
   const int64_t V = int64_t(logits.size());
   TESSEL_CHECK(V > 0, "sampling from empty logits");
   // Candidates by decreasing logit, ties to the lower id.
@@ -108,6 +112,7 @@ std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
                               int64_t top_k, Rng& rng, int32_t stop, const OnToken& on_token) {
   if (new_tokens < 0) input_error("generate: new_tokens = ", new_tokens, " must be >= 0");
+  check_sampling(temperature, top_k);
   if (prompt.empty()) input_error("generate: the prompt must hold at least one token");
   for (int64_t i = 0; i < new_tokens; ++i) {
     prompt.push_back(sample_token(next(last_window(prompt, max_seq)), temperature, top_k, rng));

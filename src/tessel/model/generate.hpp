@@ -35,6 +35,9 @@ bool kv_cache_applies(const GptConfig& config);
 // model's, or a pipeline's through its stages.
 using NextTokenLogits = std::function<std::vector<float>(std::span<const int32_t> window)>;
 
+// InputError unless temperature >= 0 and top_k >= 0 (what sample_token accepts).
+void check_sampling(float temperature, int64_t top_k);
+
 // A token drawn from softmax(logits / temperature) over the top_k largest logits
 // (top_k = 0: all). temperature = 0 is greedy: the largest logit, the lowest id on ties.
 int32_t sample_token(const std::vector<float>& logits, float temperature, int64_t top_k, Rng& rng);

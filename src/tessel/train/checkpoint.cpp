@@ -414,6 +414,7 @@ void warn_on_stderr(const std::string& why) {
 
 CheckpointStore::Loaded load_run_checkpoint(const std::string& path) {
   if (!fs::is_directory(fs::path(path) / "checkpoints")) {
+    if (!fs::exists(path)) input_error(path, ": no such run directory or checkpoint");
     if (!fs::exists(fs::path(path) / kManifest))
       input_error(path, ": neither a run directory (no checkpoints/) nor a checkpoint (no ",
                   kManifest, ")");

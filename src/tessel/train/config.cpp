@@ -607,6 +607,19 @@ void validate(const Config& c) {
   non_negative("mfu.peak_gflops", c.mfu.peak_gflops);
 }
 
+bool same_config_text(const std::string& key, const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  const auto& schema = config_schema();
+  const auto k =
+      std::find_if(schema.begin(), schema.end(), [&](const ConfigKey& c) { return c.name == key; });
+  if (k == schema.end() || k->type != "float") return false;
+  double x = 0, y = 0;
+  const auto [xe, xc] = std::from_chars(a.data(), a.data() + a.size(), x);
+  const auto [ye, yc] = std::from_chars(b.data(), b.data() + b.size(), y);
+  return xc == std::errc() && yc == std::errc() && xe == a.data() + a.size() &&
+         ye == b.data() + b.size() && x == y;
+}
+
 std::string to_toml(const Config& config) {
   std::ostringstream os;
   os << "# resolved tessel configuration: every key, with defaults filled in\n";

@@ -82,6 +82,22 @@ std::string json_text(const nlohmann::json& v) {
   return v.is_string() ? v.get<std::string>() : v.dump();
 }
 
+// The process mesh for the start line: dp always, the other degrees where above 1.
+std::string mesh_text(const comm::MeshShape& m) {
+  std::string text = "dp=" + std::to_string(m.dp);
+  for (auto [name, degree] : {std::pair{"pp", m.pp}, {"cp", m.cp}, {"ep", m.ep}})
+    if (degree > 1) text += detail::concat(", ", name, "=", degree);
+  return text;
+}
+
+// Whether a checkpoint's compatibility record holds this run's value of `key` (config keys
+// compared as same_config_text does: floats by value).
+bool same_setting(const std::string& key, const nlohmann::json& have, const nlohmann::json& want) {
+  return have.is_string() && want.is_string()
+             ? same_config_text(key, have.get<std::string>(), want.get<std::string>())
+             : have == want;
+}
+
 // Rank 0's `text` on every rank.
 std::string broadcast_text(comm::Communicator& group, const std::string& text) {
   int64_t n = int64_t(text.size());
@@ -485,7 +501,7 @@ struct Trainer::State {
       if (!have.contains(key))
         input_error(chosen, ": checkpoint has no ", key,
                     " in its compatibility record (written by an older tessel); use a new run.dir");
-      else if (have[key] != value)
+      else if (!same_setting(key, have[key], value))
         input_error(chosen, ": checkpoint has ", key, " = ", json_text(have[key]),
                     " but this run has ", json_text(value),
                     key == kGlobalBatchKey
@@ -554,7 +570,7 @@ struct Trainer::State {
       if (!have.contains(key))
         input_error("train.init_from: ", dir, " has no ", key,
                     " in its compatibility record (written by an older tessel)");
-      if (have[key] != value)
+      if (!same_setting(key, have[key], value))
         differences += detail::concat(differences.empty() ? "" : ", ", key, " = ",
                                       json_text(have[key]), " (this run: ", json_text(value), ")");
     }
@@ -770,8 +786,8 @@ TrainResult Trainer::run() {
   s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +
         std::to_string(s.model.num_parameters()) + " on rank 0), " +
         std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
-        " thread(s)" + oversubscribed + ", dp=" + std::to_string(s.mesh.size(comm::Axis::dp)) +
-        ", " + (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft +
+        " thread(s)" + oversubscribed + ", " + mesh_text(s.mesh.shape()) + ", " +
+        (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft +
         std::string(activations) + ", GEMM peak " + std::to_string(int(peak)) +
         " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : "") +
@@ -830,6 +846,7 @@ TrainResult Trainer::run() {
 
   Timer run_timer;
   double train_seconds = 0;
+  bool mfu_warned = false;
   auto log_step = [&](int64_t step) {
     return step % c.train.log_every == 0 || step == c.train.steps || step == s.start_step + 1;
   };
@@ -908,6 +925,16 @@ TrainResult Trainer::run() {
     rec.grad_norm = grad_norm;
     rec.tokens_per_s = double(step_tokens(rec.step)) / dt;
     rec.mfu = rec.tokens_per_s / s.world.size() * flops_tok / (peak * 1e9);
+    if (rec.mfu > 1.0 && !mfu_warned) {  // said once: the denominator is wrong, not the run
+      mfu_warned = true;
+      s.log(detail::concat(
+          "tessel: warning: step ", rec.step, ": MFU ", int(100 * rec.mfu),
+          "% is above 100%: the GEMM peak of ", int(peak), " GFLOP/s per rank is too low (",
+          c.mfu.peak_gflops > 0 ? "mfu.peak_gflops"
+                                : "measured while the machine was busy? fast start keeps it in " +
+                                      c.run.dir + "/gemm_peak.json for restarts",
+          "); set mfu.peak_gflops, or remove gemm_peak.json to measure again"));
+    }
     result.steps.push_back(rec);
     nlohmann::json record = {{"step", rec.step},
                              {"loss", rec.loss},

@@ -78,6 +78,38 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
   EXPECT_EQ(o.out.size(), 2u + 5u + 1u) << o.out;  // prompt, 5 new bytes, newline
 }
 
+// Bad sampling options and a missing run are refused before anything is printed to stdout.
+TEST_F(CliTest, GenerateRefusesBadInputBeforePrinting) {
+  std::string run = temp_dir("tessel-cli-gen");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  for (const char* bad : {"--temperature -1", "--temperature nan", "--top-k -5"}) {
+    SCOPED_TRACE(bad);
+    const Outcome o = run_tessel("generate --run " + run + " --prompt ab " + bad);
+    EXPECT_EQ(o.out, "");
+    expect_one_line_error(o, {"generate:"});
+  }
+  const Outcome o = run_tessel("generate --run " + run + "/nowhere --prompt ab");
+  EXPECT_EQ(o.out, "");
+  expect_one_line_error(o, {run + "/nowhere: no such run directory or checkpoint"});
+}
+
+// An MFU above 100 % means the GEMM peak is too low: said once, on the first such step; a
+// plausible peak says nothing.
+TEST_F(CliTest, AnMfuAboveOneHundredPercentIsWarnedOnce) {
+  std::string run = temp_dir("tessel-cli-mfu");
+  Outcome o = run_tessel(train_args(run) + " --set run.quiet=false");  // peak 1 GFLOP/s
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const std::string warning = "% is above 100%: the GEMM peak of 1 GFLOP/s per rank is too low";
+  const size_t at = o.out.find(warning);
+  ASSERT_NE(at, std::string::npos) << o.out;
+  EXPECT_EQ(o.out.find(warning, at + 1), std::string::npos) << o.out;
+  EXPECT_NE(o.out.find("warning: step 1: MFU"), std::string::npos) << o.out;
+  o = run_tessel(train_args(temp_dir("tessel-cli-mfu")) +
+                 " --set run.quiet=false --set mfu.peak_gflops=1e9");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(o.out.find("above 100%"), std::string::npos) << o.out;
+}
+
 // Experts sharded over 2 ranks (ep = 2): the end-of-run sample runs through the ep exchange,
 // and `generate` on one process loads the checkpoint (each expert saved once) and, greedy,
 // produces the same text as the sample.

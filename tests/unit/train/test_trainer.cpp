@@ -135,6 +135,40 @@ TEST_F(TrainerTest, ResumeRejectsAnIncompatibleCheckpoint) {
   fixture::expect_input_error([&] { train_run(c); }, {"model.width = 32 but this run has 64"});
 }
 
+// An older tessel wrote floats in another form (model.norm_eps = 1.0000000000000001e-05 where
+// it now writes 1e-05): its checkpoints still resume and still initialize a fine-tuning run;
+// a different value is still refused.
+TEST_F(TrainerTest, ResumeComparesFloatSettingsByValue) {
+  std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = fixture::tiny_config(data_dir, run);
+  c.train.steps = 10;
+  c.optim.warmup_steps = 2;
+  train_run(c);
+  // Sets model.norm_eps in the compatibility record of the checkpoint of `step`.
+  auto rewrite_norm_eps = [&](int step, const std::string& text) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/checkpoints/step-%08d/manifest.json", step);
+    nlohmann::json m = nlohmann::json::parse(std::ifstream(run + name));
+    ASSERT_EQ(m["state"]["compatibility"]["model.norm_eps"], "1e-05");
+    m["state"]["compatibility"]["model.norm_eps"] = text;
+    std::ofstream(run + name) << m.dump();
+  };
+  rewrite_norm_eps(10, "1.0000000000000001e-05");
+  train::Config fine = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  fine.train.steps = 4;
+  fine.optim.warmup_steps = 1;
+  fine.train.init_from = run;
+  EXPECT_EQ(train_run(fine).steps.size(), 4u);
+  c.train.steps = 12;
+  const auto resumed = train_run(c);
+  EXPECT_EQ(resumed.resumed_from, 10);
+  EXPECT_EQ(resumed.steps.size(), 2u);
+  rewrite_norm_eps(12, "1.1e-05");
+  c.train.steps = 14;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"model.norm_eps = 1.1e-05 but this run has 1e-05"});
+}
+
 TEST_F(TrainerTest, MissingDatasetNamesTheFile) {
   train::Config c = fixture::tiny_config("/nonexistent/data", fixture::temp_dir("tessel-run"));
   fixture::expect_input_error([&] { train_run(c); }, {"/nonexistent/data/train.tok"});
