@@ -388,6 +388,14 @@ void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
     for (int64_t n = 0; n < N; ++n)
       if (!in.padding[n]) acts.routed.push_back(n);
   acts.routed_all = int64_t(acts.routed.size()) == N || !in.padding;
+  acts.routed_index.reset();
+  if (in.token_index) {
+    acts.routed_index.emplace();
+    if (acts.routed_all)
+      acts.routed_index->assign(in.token_index, in.token_index + N);
+    else
+      for (int64_t n : acts.routed) acts.routed_index->push_back(in.token_index[n]);
+  }
   acts.has_tokens = in.tokens != nullptr;
   acts.has_targets = in.targets != nullptr;
   int32_t* tokens = acts.tokens.i32();
@@ -514,13 +522,15 @@ void Gpt::block_forward(Activations& acts, int64_t l, bool rebuild) const {
                  expert_comm_->ep_size(), ": set the expert comm of its ep group");
     const MoeParams& mp = moe_params_[size_t(l)];
     const auto w = moe_views<const float>(mp, [this](int i) { return value(i); });
+    std::optional<std::span<const int32_t>> index;
+    if (acts.routed_index) index = *acts.routed_index;
     if (acts.routed_all) {
-      moe_->forward(acts.moe[size_t(s)], y, ln2, N, w, value(mp.beta), *expert_comm_);
+      moe_->forward(acts.moe[size_t(s)], y, ln2, N, w, value(mp.beta), *expert_comm_, index);
     } else {  // padding rows are not routed: their MoE output is 0
       gather_rows(acts.moe_x, ln2, acts.routed, C);
       acts.moe_y.resize(acts.moe_x.size());
       moe_->forward(acts.moe[size_t(s)], acts.moe_y.data(), acts.moe_x.data(),
-                    int64_t(acts.routed.size()), w, value(mp.beta), *expert_comm_);
+                    int64_t(acts.routed.size()), w, value(mp.beta), *expert_comm_, index);
       std::fill_n(y, N * C, 0.0f);
       scatter_rows(y, acts.moe_y, acts.routed, C);
     }

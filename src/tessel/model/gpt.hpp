@@ -44,6 +44,10 @@ struct ModelInputs {
   // layers leave them out: they are not routed, take no expert capacity, count in no load or
   // balancing loss, and their MoE output is 0.
   const uint8_t* padding = nullptr;
+  // Index of each row in its whole micro-batch [B*T] when these rows are a part of it
+  // (context parallelism: one cp rank's chunks); null = the whole micro-batch, in order. MoE
+  // expert capacity counts the whole micro-batch's assignments in that order.
+  const int32_t* token_index = nullptr;
 };
 
 // Everything one micro-batch's forward keeps for its backward, plus backward
@@ -110,6 +114,8 @@ struct Activations {
   // their inputs, outputs and input gradients gathered ([routed, C]). routed_all: no padding.
   bool routed_all = true;
   std::vector<int64_t> routed;
+  // ModelInputs::token_index of the routed rows (with it, also when no row is routed).
+  std::optional<std::vector<int32_t>> routed_index;
   std::vector<float> moe_x, moe_y, moe_dx;
 
   // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole

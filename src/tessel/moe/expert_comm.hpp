@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace tessel::moe {
 
@@ -34,6 +35,9 @@ class ExpertComm {
   // The balancing terms defined per micro-batch (aux, LEI, z-loss, qb_avg) use them.
   virtual void sum_micro_batch_counters(int32_t* data, size_t n) = 0;
   virtual void sum_micro_batch_values(double* data, size_t n) = 0;
+  // The micro-batch group's `send`s concatenated in group rank order (expert capacity over a
+  // micro-batch split by context parallelism); `send` alone without such a group.
+  virtual std::vector<int32_t> gather_micro_batch(std::span<const int32_t> send) = 0;
 };
 
 class LocalExpertComm final : public ExpertComm {
@@ -47,6 +51,9 @@ class LocalExpertComm final : public ExpertComm {
   void sum_values(double*, size_t) override {}
   void sum_micro_batch_counters(int32_t*, size_t) override {}
   void sum_micro_batch_values(double*, size_t) override {}
+  std::vector<int32_t> gather_micro_batch(std::span<const int32_t> send) override {
+    return {send.begin(), send.end()};
+  }
 };
 
 }  // namespace tessel::moe

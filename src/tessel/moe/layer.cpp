@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 
@@ -194,8 +195,51 @@ void MoeLayer::run_experts(LayerCache& c, float* out, const LayerWeights& w,
   });
 }
 
+int64_t MoeLayer::micro_batch_capacity(const LayerCache& c, std::span<const int32_t> token_index,
+                                       ExpertComm& comm, uint8_t* kept) const {
+  TESSEL_CHECK(int64_t(token_index.size()) == c.N, token_index.size(), " token indices for ", c.N,
+               " tokens");
+  // Per token: its index, then its k choices and the bits of its k gates.
+  const int64_t N = c.N, k = config_.top_k, row = 1 + 2 * k;
+  std::vector<int32_t> mine(size_t(N * row));
+  for (int64_t n = 0; n < N; ++n) {
+    int32_t* r = mine.data() + n * row;
+    r[0] = token_index[n];
+    std::copy_n(c.choice.data() + n * k, k, r + 1);
+    std::memcpy(r + 1 + k, c.gate.data() + n * k, size_t(k) * sizeof(float));
+  }
+  const std::vector<int32_t> all = comm.gather_micro_batch(mine);
+  // The whole micro-batch's assignments in its token order, as one rank holding it sees them.
+  const int64_t Nb = int64_t(all.size()) / row;
+  std::vector<int64_t> order(static_cast<size_t>(Nb));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return all[size_t(a * row)] < all[size_t(b * row)]; });
+  std::vector<int32_t> choice(size_t(Nb * k));
+  std::vector<float> gate(size_t(Nb * k));
+  std::vector<int64_t> place;  // the sorted place of each token index
+  for (int64_t i = 0; i < Nb; ++i) {
+    const int32_t* r = all.data() + order[size_t(i)] * row;
+    std::copy_n(r + 1, k, choice.data() + i * k);
+    std::memcpy(gate.data() + i * k, r + 1 + k, size_t(k) * sizeof(float));
+    if (size_t(r[0]) >= place.size()) place.resize(size_t(r[0]) + 1, -1);
+    place[size_t(r[0])] = i;
+  }
+  std::vector<uint8_t> kept_all(size_t(Nb * k), 1);
+  apply_capacity(choice.data(), gate.data(), Nb, k, config_.experts, config_.capacity, config_.drop,
+                 kept_all.data());
+  int64_t dropped = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      kept[n * k + j] = kept_all[size_t(place[size_t(token_index[n])] * k + j)];
+      dropped += kept[n * k + j] == 0;
+    }
+  return dropped;
+}
+
 void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const LayerWeights& w,
-                       const float* beta, ExpertComm& comm) const {
+                       const float* beta, ExpertComm& comm,
+                       std::optional<std::span<const int32_t>> token_index) const {
   const int64_t E = config_.experts, k = config_.top_k, C = shape_.C;
   const int64_t ep = comm.ep_size();
   TESSEL_CHECK(E % ep == 0, "model.moe_experts = ", E, " must be divisible by parallel.ep = ", ep);
@@ -241,9 +285,12 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
   c.loads.assign(size_t(E), 0);
   for (int32_t e : c.choice) ++c.loads[size_t(e)];
   std::vector<uint8_t> kept(size_t(N * k), 1);
-  c.dropped = config_.capacity > 0 ? apply_capacity(c.choice.data(), c.gate.data(), N, k, E,
-                                                    config_.capacity, config_.drop, kept.data())
-                                   : 0;
+  if (config_.capacity > 0)
+    c.dropped = token_index ? micro_batch_capacity(c, *token_index, comm, kept.data())
+                            : apply_capacity(c.choice.data(), c.gate.data(), N, k, E,
+                                             config_.capacity, config_.drop, kept.data());
+  else
+    c.dropped = 0;
   // Permute: kept slots by expert, then by token (a counting sort).
   c.counts.assign(size_t(E), 0);
   for (int64_t s = 0; s < N * k; ++s)

@@ -6,7 +6,7 @@
 //   selection: the top-k experts of logits - beta per token (ties: lowest expert); beta
 //              never enters a gate
 //   gates g_j = p[e_j] (divided by sum_j p[e_j] when normalize_gates)
-//   capacity (cf > 0): each expert keeps ceil(k N cf / E) of this rank's assignments, by
+//   capacity (cf > 0): each expert keeps ceil(k N cf / E) of the micro-batch's assignments, by
 //              gate or by token position; the rest are dropped (gate 0, no renormalization)
 //   y[n] = sum over kept j of g_j * expert_{e_j}(x[n])  (+ shared(x[n]))
 //
@@ -20,6 +20,8 @@
 // Balancing gradients are added in backward, scaled by loss_scale * N (the layer's losses
 // are per-token means and the model's loss is a sum over tokens); see Balance.
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "tessel/moe/config.hpp"
@@ -106,8 +108,14 @@ class MoeLayer {
   // x [N, C] -> y [N, C] (overwritten). beta [E] is the selection bias. Collective over the
   // ep group (the token exchange) and the micro-batch group (one sum of the micro-batch's
   // statistics), also with N = 0.
+  // token_index [N]: each token's index in its whole micro-batch when this rank holds only a
+  // part of it (context parallelism; also when that part has no token), so that expert
+  // capacity counts the whole micro-batch's assignments in its token order (one more
+  // micro-batch-group collective, with capacity only); none: these tokens are the micro-batch,
+  // in order.
   void forward(LayerCache& cache, float* y, const float* x, int64_t N, const LayerWeights& w,
-               const float* beta, ExpertComm& comm) const;
+               const float* beta, ExpertComm& comm,
+               std::optional<std::span<const int32_t>> token_index = std::nullopt) const;
   // Adds d(loss)/d(x) into dx [N, C] and the parameter gradients into g; dy [N, C]. Records
   // this micro-batch into `state`. Collective over the ep group, over the balancing group
   // with aux_global and over the micro-batch group with qb_avg (unless the whole micro-batch
@@ -120,6 +128,10 @@ class MoeLayer {
   void update(BalanceState& state, float* beta, ExpertComm& comm) const;
 
  private:
+  // Capacity over the whole micro-batch (forward's token_index): marks kept[N * k]; returns
+  // this rank's dropped assignments.
+  int64_t micro_batch_capacity(const LayerCache& c, std::span<const int32_t> token_index,
+                               ExpertComm& comm, uint8_t* kept) const;
   // Runs local expert l (global first + l) on rows [off[l], off[l+1]) of c.expert_in into out.
   void run_experts(LayerCache& c, float* out, const LayerWeights& w,
                    const std::vector<int64_t>& off, int64_t first) const;

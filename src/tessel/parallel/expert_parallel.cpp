@@ -1,5 +1,7 @@
 #include "tessel/parallel/expert_parallel.hpp"
 
+#include <numeric>
+
 namespace tessel::parallel {
 
 void ExpertParallelComm::exchange_counts(const int64_t* send, int64_t* recv, size_t n) {
@@ -30,6 +32,17 @@ void ExpertParallelComm::sum_micro_batch_counters(int32_t* data, size_t n) {
 void ExpertParallelComm::sum_micro_batch_values(double* data, size_t n) {
   if (micro_batch_ && micro_batch_->size() > 1)
     micro_batch_->all_reduce(data, n, comm::ElemType::f64, comm::ReduceOp::sum);
+}
+
+std::vector<int32_t> ExpertParallelComm::gather_micro_batch(std::span<const int32_t> send) {
+  if (!micro_batch_ || micro_batch_->size() == 1) return {send.begin(), send.end()};
+  const int64_t mine = int64_t(send.size());
+  std::vector<int64_t> sizes(size_t(micro_batch_->size()));
+  micro_batch_->all_gather(std::span<const int64_t>(&mine, 1), sizes);
+  const std::vector<size_t> counts(sizes.begin(), sizes.end());
+  std::vector<int32_t> all(std::accumulate(counts.begin(), counts.end(), size_t(0)));
+  micro_batch_->all_gatherv(send.data(), all.data(), counts, comm::ElemType::i32);
+  return all;
 }
 
 }  // namespace tessel::parallel

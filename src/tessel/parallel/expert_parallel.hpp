@@ -25,6 +25,7 @@ class ExpertParallelComm final : public moe::ExpertComm {
   void sum_values(double* data, size_t n) override;
   void sum_micro_batch_counters(int32_t* data, size_t n) override;
   void sum_micro_batch_values(double* data, size_t n) override;
+  std::vector<int32_t> gather_micro_batch(std::span<const int32_t> send) override;
 
  private:
   comm::Communicator& ep_;

@@ -1,5 +1,7 @@
 #include "tessel/train/batch_inputs.hpp"
 
+#include <numeric>
+
 #include "tessel/attention/cp_layout.hpp"
 #include "tessel/attention/mask_builders.hpp"
 #include "tessel/core/error.hpp"
@@ -100,6 +102,9 @@ CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_gro
   loss_weight_ = attention::take_chunk_rows(in.loss_weight, B, 1, layout, mine);
   positions_ = attention::take_chunk_rows(in.positions, B, 1, layout, mine);
   if (in.padding) padding_ = attention::take_chunk_rows(in.padding, B, 1, layout, mine);
+  std::vector<int32_t> index(size_t(B * in.T));
+  std::iota(index.begin(), index.end(), 0);
+  token_index_ = attention::take_chunk_rows(index.data(), B, 1, layout, mine);
   attention_.emplace(cp_group, mask, layout, model.heads, model.num_kv_heads(), model.head_dim());
   inputs_ = {B,
              attention_->local_rows(),
@@ -110,6 +115,7 @@ CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_gro
              nullptr,
              &*attention_};
   if (in.padding) inputs_.padding = padding_.data();  // MoE routes only the other rows
+  inputs_.token_index = token_index_.data();          // MoE capacity counts the whole micro-batch
 }
 
 double CpBatchInputs::loss_weight_sum() const {

@@ -63,7 +63,8 @@ class CpBatchInputs {
  private:
   std::vector<int32_t> tokens_, positions_, targets_;
   std::vector<float> loss_weight_;
-  std::vector<uint8_t> padding_;  // SFT rows' padding marks, when the batch has them
+  std::vector<uint8_t> padding_;      // SFT rows' padding marks, when the batch has them
+  std::vector<int32_t> token_index_;  // each row's index in the whole micro-batch
   std::optional<parallel::ContextParallelAttention> attention_;
   double imbalance_ = 1;
   model::ModelInputs inputs_;

@@ -177,7 +177,7 @@ std::vector<ConfigKey> build_schema() {
                           FIELD(model.moe.score)),
       bool_key("model.moe_normalize_gates", "a token's k gates are divided by their sum",
                FIELD(model.moe.normalize_gates)),
-      float_key("model.moe_capacity", "capacity factor per expert and rank; 0 = dropless",
+      float_key("model.moe_capacity", "capacity factor per expert and micro-batch; 0 = dropless",
                 FIELD(model.moe.capacity)),
       choice_key<DropPolicy>(
           "model.moe_drop", "over capacity, drop the lowest gates or the latest tokens",

@@ -37,29 +37,33 @@ Layout ep_layout(moe::ExpertMlp mlp, moe::ScoreFn score, int64_t Fs, double cf,
   return l;
 }
 
-struct Out {
+// One forward (tokens `token_index` of their micro-batch; null: the micro-batch), backward and
+// balancing update.
+struct Outcome {
   VecF y, dx, grads;
+  double balance_loss = 0;
+  int64_t dropped = 0;
+  VecF beta;  // after the update
 };
 
-// One forward and backward; with `balance_loss` / `beta_after` also the balancing loss's
-// value and the selection bias after the step's update.
-Out run(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, moe::ExpertComm& c,
-        double* balance_loss = nullptr, VecF* beta_after = nullptr) {
+Outcome run(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, moe::ExpertComm& c,
+            std::optional<std::span<const int32_t>> token_index = std::nullopt) {
   const int64_t N = int64_t(x.size()) / l.shape.C;
   moe::MoeLayer layer(l.config, l.shape);
-  Out o{VecF(x.size()), VecF(x.size(), 0.0f), VecF(params.size(), 0.0f)};
-  const VecF beta(static_cast<size_t>(l.config.experts), 0.1f);
+  Outcome o;
+  o.y.resize(x.size());
+  o.dx.assign(x.size(), 0.0f);
+  o.grads.assign(params.size(), 0.0f);
+  o.beta.assign(size_t(l.config.experts), 0.1f);
   auto w = bind<const float>(params.data(), l);
   auto g = bind<float>(o.grads.data(), l);
   moe::LayerCache cache;
   moe::BalanceState state;
-  layer.forward(cache, o.y.data(), x.data(), N, w, beta.data(), c);
+  layer.forward(cache, o.y.data(), x.data(), N, w, o.beta.data(), c, token_index);
   layer.backward(cache, o.dx.data(), g, dy.data(), x.data(), w, 0.5f, state, c);
-  if (balance_loss) *balance_loss = cache.balance_loss;
-  if (beta_after) {
-    *beta_after = beta;
-    layer.update(state, beta_after->data(), c);
-  }
+  o.balance_loss = cache.balance_loss;
+  o.dropped = cache.dropped;
+  layer.update(state, o.beta.data(), c);
   return o;
 }
 
@@ -80,7 +84,7 @@ TEST(ExpertParallel, ForwardBackwardEqualsAllExpertsLocal) {
     const VecF dy = kernels::test::randn(rng, x.size());
     parallel::ExpertParallelComm ep(world, world, nullptr);
     moe::LocalExpertComm local;
-    Out a = run(l, params, x, dy, ep), b = run(l, params, x, dy, local);
+    Outcome a = run(l, params, x, dy, ep), b = run(l, params, x, dy, local);
     // Outputs and input gradients per rank; parameter gradients summed over ranks (each
     // rank holds only its experts' share). 1e-6 relative: the same f32 arithmetic per row,
     // up to GEMM blocking over different row counts.
@@ -94,38 +98,57 @@ TEST(ExpertParallel, ForwardBackwardEqualsAllExpertsLocal) {
 
 // Context parallelism splits one micro-batch over the cp ranks: each routes its own tokens,
 // and the terms defined per micro-batch (aux's and LEI's load fractions, the z-loss mean,
-// qb_avg's quantile) sum over the micro-batch group. A micro-batch cut unevenly over the
-// world (as that group; each rank with every expert; one rank without tokens) equals the whole
-// micro-batch on one rank: outputs and input gradients row by row, parameter gradients summed, the
-// balancing loss's value, and the selection bias after the step's update (aux_global, bias and EQB
-// need only the balancing group, as with data parallelism). Dropless: capacity counts a
-// rank's own tokens.
+// qb_avg's quantile) sum over the micro-batch group, and expert capacity counts the whole
+// micro-batch's assignments in its token order (gathered over that group). A micro-batch cut
+// unevenly over the world (as that group; each rank with every expert; one rank without
+// tokens; the rows in reverse rank order) equals the whole micro-batch on one rank: outputs and
+// input gradients row by row, parameter gradients summed, the balancing loss's value, the drops
+// and the selection bias after the step's update (aux_global, bias and EQB need only the
+// balancing group, as with data parallelism). Capacity 1 drops by position and by gate.
 TEST(ExpertParallel, AMicroBatchSplitOverRanksEqualsTheWholeMicroBatch) {
   comm::Communicator& world = comm::world();
   auto self = world.split(world.rank(), 0);
   using moe::Balance;
-  for (Balance balance : {Balance::aux, Balance::aux_global, Balance::lei, Balance::qb_avg,
-                          Balance::bias, Balance::eqb_lei}) {
-    SCOPED_TRACE(moe::to_string(balance));
-    const Layout l = ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::softmax, 5, 0, balance);
+  struct Case {
+    Balance balance;
+    double capacity;
+    moe::DropPolicy drop;
+  };
+  const Case cases[] = {{Balance::aux, 0, moe::DropPolicy::position},
+                        {Balance::aux_global, 0, moe::DropPolicy::position},
+                        {Balance::lei, 0, moe::DropPolicy::position},
+                        {Balance::qb_avg, 0, moe::DropPolicy::position},
+                        {Balance::bias, 0, moe::DropPolicy::position},
+                        {Balance::eqb_lei, 0, moe::DropPolicy::position},
+                        {Balance::eqb_lei, 1.0, moe::DropPolicy::position},
+                        {Balance::aux, 1.0, moe::DropPolicy::probability}};
+  for (const auto& [balance, capacity, drop] : cases) {
+    SCOPED_TRACE(std::string(moe::to_string(balance)) + ", capacity " + std::to_string(capacity));
+    Layout l = ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::softmax, 5, capacity, balance);
+    l.config.drop = drop;
     const VecF params = moe::testing::random_params(l, 91);
     Rng rng(555);  // the same micro-batch on every rank
     const int64_t N = 29, C = l.shape.C;
     const VecF x = kernels::test::randn(rng, size_t(N * C));
     const VecF dy = kernels::test::randn(rng, x.size());
-    // Rank r's rows [lo, hi): shares ~ r, so every group size cuts unevenly and rank 0 holds
-    // no token (as a cp rank whose chunks are padding alone).
-    const int P = world.size(), r = world.rank();
-    const int64_t lo = N * (int64_t(r) * (r - 1) / 2) / (int64_t(P) * (P - 1) / 2);
-    const int64_t hi = N * (int64_t(r + 1) * r / 2) / (int64_t(P) * (P - 1) / 2);
+    // Rank r's rows [lo, hi), the rank order not the token order: shares ~ P - r on 2 ranks
+    // (both hold tokens), ~ P - 1 - r on more (the last holds none, as a cp rank whose chunks
+    // are padding alone). Every group size cuts unevenly.
+    const int P = world.size(), r = P - 1 - world.rank(), shift = P == 2 ? 1 : 0;
+    auto cut = [&](int64_t q) {  // rows before share q
+      const int64_t before = (q + shift) * (q + shift - 1) / 2 - shift * (shift - 1) / 2;
+      const int64_t all = (P + shift) * (P + shift - 1) / 2 - shift * (shift - 1) / 2;
+      return N * before / all;
+    };
+    const int64_t lo = cut(r), hi = cut(r + 1);
     const VecF x_part(x.begin() + lo * C, x.begin() + hi * C);
     const VecF dy_part(dy.begin() + lo * C, dy.begin() + hi * C);
+    std::vector<int32_t> index(size_t(hi - lo));
+    std::iota(index.begin(), index.end(), int32_t(lo));
     parallel::ExpertParallelComm split(*self, world, &world);
     moe::LocalExpertComm local;
-    double loss_split = 0, loss_whole = 0;
-    VecF beta_split, beta_whole;
-    Out a = run(l, params, x_part, dy_part, split, &loss_split, &beta_split);
-    Out b = run(l, params, x, dy, local, &loss_whole, &beta_whole);
+    Outcome a = run(l, params, x_part, dy_part, split, index);
+    Outcome b = run(l, params, x, dy, local);
     const VecF y_rows(b.y.begin() + lo * C, b.y.begin() + hi * C);
     const VecF dx_rows(b.dx.begin() + lo * C, b.dx.begin() + hi * C);
     // 1e-6 relative: the same f32 arithmetic per row, up to GEMM blocking over different row
@@ -136,9 +159,15 @@ TEST(ExpertParallel, AMicroBatchSplitOverRanksEqualsTheWholeMicroBatch) {
     }
     world.all_reduce(a.grads);
     EXPECT_LT(kernels::test::rel_error(a.grads, kernels::test::to_f64(b.grads)), 1e-6);
-    EXPECT_NEAR(loss_split, loss_whole, 1e-6 * std::abs(loss_whole));
-    for (size_t e = 0; e < beta_whole.size(); ++e)
-      EXPECT_NEAR(beta_split[e], beta_whole[e], 1e-6f) << "expert " << e;
+    EXPECT_NEAR(a.balance_loss, b.balance_loss, 1e-6 * std::abs(b.balance_loss));
+    std::vector<int64_t> dropped = {a.dropped};
+    world.all_reduce(dropped);
+    EXPECT_EQ(dropped[0], b.dropped);
+    if (capacity > 0) {
+      EXPECT_GT(b.dropped, 0);  // capacity 1 binds here
+    }
+    for (size_t e = 0; e < b.beta.size(); ++e)
+      EXPECT_NEAR(a.beta[e], b.beta[e], 1e-6f) << "expert " << e;
   }
 }
 

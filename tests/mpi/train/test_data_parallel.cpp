@@ -269,14 +269,20 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
 // balancing sums run over dp x cp and the per-micro-batch terms over cp, expert gradients sum
 // over edp x cp. So cp = 2 (dp = P / 2; with 4 ranks also ep = 2: experts sharded inside each
 // cp coordinate) follows one process accumulating the same global batch: losses, gradient
-// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss and qb_avg.
+// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss and qb_avg, and with
+// expert capacity 1 (dropped by position over the whole micro-batch: the same drops).
 TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
-  for (const char* balance : {"eqb_lei", "aux", "qb_avg"}) {
-    SCOPED_TRACE(balance);
+  for (const auto& [balance, capacity] : {std::pair<const char*, const char*>{"eqb_lei", "0"},
+                                          {"aux", "0"},
+                                          {"qb_avg", "0"},
+                                          {"eqb_lei", "1"}}) {
+    SCOPED_TRACE(std::string(balance) + ", capacity " + capacity);
     train::Config c = moe_config(world, "tessel-cp-moe");
     train::apply_override(c, std::string("model.moe_balance=") + balance);
+    train::apply_override(c, std::string("model.moe_capacity=") + capacity);
+    train::apply_override(c, "model.moe_drop=position");
     c.model.moe.z_coeff = 0.001;
     c.data.attention_mask = train::AttentionMaskKind::causal_document;
     c.train.eval_every = 6;
@@ -284,6 +290,9 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
     // peer's cp partner) runs one without loss tokens.
     c.train.eval_sequences = 2 * P + 1;
     c.train.sample_tokens = 8;  // with ep = 2 every rank generates, each ep group together
+    // Capacity counts per forward: the validation batches must group the sequences as one
+    // process's do (whole micro-batches per dp rank, no idle forward).
+    if (std::string(capacity) != "0") c.train.eval_sequences = 4 * c.train.micro_batch;
     train::Config one = c;
     one.train.accum *= P / 2;
     one.run.dir = fixture::temp_dir("tessel-cp-moe-ref");
@@ -315,6 +324,7 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
           EXPECT_EQ(moe_field(cp.run.dir, "maxvio_micro"), moe_field(one.run.dir, "maxvio_micro"));
           EXPECT_EQ(moe_field(cp.run.dir, "dropped_cf1"), moe_field(one.run.dir, "dropped_cf1"));
         }
+        EXPECT_EQ(moe_field(cp.run.dir, "dropped"), moe_field(one.run.dir, "dropped"));
       }
     }
   }

@@ -63,6 +63,10 @@ class CountingComm final : public ExpertComm {
   void sum_values(double*, size_t) override { FAIL(); }
   void sum_micro_batch_counters(int32_t*, size_t) override { FAIL(); }
   void sum_micro_batch_values(double*, size_t) override { FAIL(); }
+  std::vector<int32_t> gather_micro_batch(std::span<const int32_t>) override {
+    ADD_FAILURE();
+    return {};
+  }
   std::vector<size_t> calls;
 };
 
