@@ -220,6 +220,8 @@ int64_t MoeLayer::micro_batch_capacity(const LayerCache& c, std::span<const int3
   std::vector<int64_t> place;  // the sorted place of each token index
   for (int64_t i = 0; i < Nb; ++i) {
     const int32_t* r = all.data() + order[size_t(i)] * row;
+    TESSEL_CHECK(r[0] >= 0 && (i == 0 || r[0] > all[size_t(order[size_t(i - 1)] * row)]),
+                 "token indices of a micro-batch must be distinct and non-negative");
     std::copy_n(r + 1, k, choice.data() + i * k);
     std::memcpy(gate.data() + i * k, r + 1 + k, size_t(k) * sizeof(float));
     if (size_t(r[0]) >= place.size()) place.resize(size_t(r[0]) + 1, -1);

@@ -325,6 +325,12 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
           EXPECT_EQ(moe_field(cp.run.dir, "dropped_cf1"), moe_field(one.run.dir, "dropped_cf1"));
         }
         EXPECT_EQ(moe_field(cp.run.dir, "dropped"), moe_field(one.run.dir, "dropped"));
+        if (std::string(capacity) != "0") {  // capacity 1 binds: some step drops
+          bool drops = false;
+          for (const auto& r : moe_field(one.run.dir, "dropped"))
+            for (const auto& block : r["dropped"]) drops = drops || block.get<double>() > 0;
+          EXPECT_TRUE(drops);
+        }
       }
     }
   }
@@ -348,9 +354,10 @@ TEST(DataParallel, RecomputationEqualsKeepingTheCachesBitwise) {
   train::Config ep = moe_config(world, "tessel-rc");
   ep.parallel.ep = P;
   ep.train.eval_every = 6;
-  train::Config cp_moe = ep;  // the recomputed MoE layers sum over the cp ranks again
+  train::Config cp_moe = ep;  // the recomputed MoE layers sum and gather over the cp ranks again
   cp_moe.parallel.cp = 2;
   cp_moe.parallel.ep = P / 2;
+  cp_moe.model.moe.capacity = 1.0;
   for (train::Config c : {dense, cp, ep, cp_moe}) {
     SCOPED_TRACE("cp = " + std::to_string(c.parallel.cp) +
                  ", ep = " + std::to_string(c.parallel.ep));
