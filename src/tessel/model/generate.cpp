@@ -18,10 +18,6 @@ std::span<const int32_t> last_window(const std::vector<int32_t>& context, int64_
   return std::span<const int32_t>(context).last(T);
 }
 
-std::vector<float> whole_model_logits(const Gpt& gpt, std::span<const int32_t> window) {
-  return last_position_logits(gpt, window, 0, nullptr);
-}
-
 // The whole model's next-token logits through a KV cache: a window that extends the cached
 // tokens runs only its new positions; any other (the first, or one that slid past max_seq,
 // where every position shifts) clears the cache and runs whole.
@@ -73,7 +69,7 @@ bool kv_cache_applies(const GptConfig& config) {
 }
 
 std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context) {
-  return whole_model_logits(gpt, last_window(context, gpt.config().max_seq));
+  return last_position_logits(gpt, last_window(context, gpt.config().max_seq), 0, nullptr);
 }
 
 void check_sampling(float temperature, int64_t top_k) {
@@ -126,9 +122,10 @@ std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64
                               float temperature, int64_t top_k, Rng& rng, int32_t stop,
                               const OnToken& on_token) {
   if (!kv_cache_applies(gpt.config()))
-    return generate([&gpt](std::span<const int32_t> w) { return whole_model_logits(gpt, w); },
-                    gpt.config().max_seq, std::move(prompt), new_tokens, temperature, top_k, rng,
-                    stop, on_token);
+    return generate(
+        [&gpt](std::span<const int32_t> w) { return last_position_logits(gpt, w, 0, nullptr); },
+        gpt.config().max_seq, std::move(prompt), new_tokens, temperature, top_k, rng, stop,
+        on_token);
   CachedLogits cached(gpt);
   return generate([&cached](std::span<const int32_t> w) { return cached(w); }, gpt.config().max_seq,
                   std::move(prompt), new_tokens, temperature, top_k, rng, stop, on_token);

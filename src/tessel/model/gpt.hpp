@@ -222,10 +222,9 @@ class Gpt {
     return make_activations(B, T, range_, recompute);
   }
   // With `scratch_from` (activations of this model with the same B, T, range and recompute),
-  // the new ones
-  // share its buffers that no forward leaves for a backward to read: the scratch and the
-  // residual-stream gradients, and under Recompute::blocks also the block cache (a backward
-  // rebuilds it). A pipeline stage's micro-batches in flight share them: each forward or
+  // the new ones share its buffers that no forward leaves for a backward to read: the scratch
+  // and the residual-stream gradients, and under Recompute::blocks also the block cache (a
+  // backward rebuilds it). A pipeline stage's micro-batches in flight share them: each forward or
   // backward runs whole before the next starts. tensor_bytes counts only its own buffers.
   std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, BlockRange range,
                                                 Recompute recompute = Recompute::none,

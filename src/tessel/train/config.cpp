@@ -609,10 +609,8 @@ void validate(const Config& c) {
 
 bool same_config_text(const std::string& key, const std::string& a, const std::string& b) {
   if (a == b) return true;
-  const auto& schema = config_schema();
-  const auto k =
-      std::find_if(schema.begin(), schema.end(), [&](const ConfigKey& c) { return c.name == key; });
-  if (k == schema.end() || k->type != "float") return false;
+  const ConfigKey* k = find_key(key);
+  if (!k || k->type != "float") return false;
   double x = 0, y = 0;
   const auto [xe, xc] = std::from_chars(a.data(), a.data() + a.size(), x);
   const auto [ye, yc] = std::from_chars(b.data(), b.data() + b.size(), y);

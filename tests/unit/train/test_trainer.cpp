@@ -125,12 +125,19 @@ TEST_F(TrainerTest, ADamagedNewestCheckpointResumesFromThePreviousOne) {
     EXPECT_EQ(resumed.steps[i].loss, full.steps[40 + i].loss) << "step " << 41 + i;
 }
 
-TEST_F(TrainerTest, ResumeRejectsAnIncompatibleCheckpoint) {
-  std::string run = fixture::temp_dir("tessel-run");
+namespace {
+// A 10-step run into `run` (its last checkpoint: step 10), and its config.
+train::Config ten_steps(const std::string& data_dir, const std::string& run) {
   train::Config c = fixture::tiny_config(data_dir, run);
   c.train.steps = 10;
   c.optim.warmup_steps = 2;
   train_run(c);
+  return c;
+}
+}  // namespace
+
+TEST_F(TrainerTest, ResumeRejectsAnIncompatibleCheckpoint) {
+  train::Config c = ten_steps(data_dir, fixture::temp_dir("tessel-run"));
   c.model.width = 64;
   fixture::expect_input_error([&] { train_run(c); }, {"model.width = 32 but this run has 64"});
 }
@@ -139,21 +146,17 @@ TEST_F(TrainerTest, ResumeRejectsAnIncompatibleCheckpoint) {
 // it now writes 1e-05): its checkpoints still resume and still initialize a fine-tuning run;
 // a different value is still refused.
 TEST_F(TrainerTest, ResumeComparesFloatSettingsByValue) {
-  std::string run = fixture::temp_dir("tessel-run");
-  train::Config c = fixture::tiny_config(data_dir, run);
-  c.train.steps = 10;
-  c.optim.warmup_steps = 2;
-  train_run(c);
-  // Sets model.norm_eps in the compatibility record of the checkpoint of `step`.
-  auto rewrite_norm_eps = [&](int step, const std::string& text) {
-    char name[64];
-    std::snprintf(name, sizeof name, "/checkpoints/step-%08d/manifest.json", step);
-    nlohmann::json m = nlohmann::json::parse(std::ifstream(run + name));
+  const std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = ten_steps(data_dir, run);
+  // Sets model.norm_eps in the compatibility record of checkpoint `step_dir`.
+  auto rewrite_norm_eps = [&](const std::string& step_dir, const std::string& text) {
+    const std::string manifest = run + "/checkpoints/" + step_dir + "/manifest.json";
+    nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
     ASSERT_EQ(m["state"]["compatibility"]["model.norm_eps"], "1e-05");
     m["state"]["compatibility"]["model.norm_eps"] = text;
-    std::ofstream(run + name) << m.dump();
+    std::ofstream(manifest) << m.dump();
   };
-  rewrite_norm_eps(10, "1.0000000000000001e-05");
+  rewrite_norm_eps("step-00000010", "1.0000000000000001e-05");
   train::Config fine = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   fine.train.steps = 4;
   fine.optim.warmup_steps = 1;
@@ -163,7 +166,7 @@ TEST_F(TrainerTest, ResumeComparesFloatSettingsByValue) {
   const auto resumed = train_run(c);
   EXPECT_EQ(resumed.resumed_from, 10);
   EXPECT_EQ(resumed.steps.size(), 2u);
-  rewrite_norm_eps(12, "1.1e-05");
+  rewrite_norm_eps("step-00000012", "1.1e-05");
   c.train.steps = 14;
   fixture::expect_input_error([&] { train_run(c); },
                               {"model.norm_eps = 1.1e-05 but this run has 1e-05"});
