@@ -929,7 +929,7 @@ TrainResult Trainer::run() {
       mfu_warned = true;
       s.log(detail::concat(
           "tessel: warning: step ", rec.step, ": MFU ", int(100 * rec.mfu),
-          "% is above 100%: the GEMM peak of ", int(peak), " GFLOP/s per rank is too low (",
+          "% is above 100%: the GEMM peak of ", peak, " GFLOP/s per rank is too low (",
           c.mfu.peak_gflops > 0 ? "mfu.peak_gflops"
                                 : "measured while the machine was busy? fast start keeps it in " +
                                       c.run.dir + "/gemm_peak.json for restarts",
