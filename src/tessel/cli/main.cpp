@@ -107,7 +107,8 @@ int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
   return 0;
 }
 
-// Exit status 3 when a failure's TTR exceeded `max_ttr` (the report is written anyway).
+// Exit status kExitTtrOverBound when a failure's TTR exceeded `max_ttr` (the report is
+// written anyway).
 int run_ett_report(const std::string& run_dir, double max_ttr) {
   train::EttReport r = train::write_ett_report(run_dir, max_ttr);
   std::printf(
@@ -125,7 +126,7 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
     std::fprintf(stderr,
                  "tessel: TTR of failure %d (attempt %d) was %.3f s, over --max-ttr %.3f s\n",
                  i + 1, r.failed_attempts[size_t(i)], r.ttr[size_t(i)], max_ttr);
-  return over.empty() ? 0 : 3;
+  return over.empty() ? 0 : kExitTtrOverBound;
 }
 
 int run_export(const std::string& checkpoint, const std::string& out) {
@@ -338,7 +339,7 @@ int main(int argc, char** argv) {
     if (world.rank() == 0)
       std::cerr << "tessel: error: unknown subcommand '" << argv[1]
                 << "' (tessel --help lists them)\n";
-    return 2;
+    return kExitInputError;
   }
   try {
     app.parse(argc, argv);
@@ -389,15 +390,18 @@ int main(int argc, char** argv) {
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {
     // One line naming the file or field, and a non-zero exit.
-    const int code = dynamic_cast<const InputError*>(&e) ? 2 : 1;
+    const int code = dynamic_cast<const InputError*>(&e)        ? kExitInputError
+                     : dynamic_cast<const DivergenceError*>(&e) ? kExitDiverged
+                                                                : 1;
     if (world.size() == 1) {
       std::fprintf(stderr, "tessel: error: %s\n", e.what());
       return code;
     }
     // Several ranks usually fail alike (same config, same files): rank 0 speaks for all
     // and aborts the job, so peers never wait in a collective. A rank that fails alone
-    // gives rank 0 a moment to do so first, then reports itself.
-    if (world.rank() != 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+    // gives rank 0 a moment to do so first (10 s: on a loaded machine the abort can take
+    // seconds to reach its peers), then reports itself.
+    if (world.rank() != 0) std::this_thread::sleep_for(std::chrono::seconds(10));
     if (world.rank() == 0)
       std::fprintf(stderr, "tessel: error: %s\n", e.what());
     else

@@ -1,9 +1,11 @@
 #pragma once
-// Errors. Two kinds:
+// Errors. Three kinds, each with its exit status:
 //  - tessel::Error: an internal invariant broke (a bug); TESSEL_CHECK names file and line.
 //  - tessel::InputError: the user gave bad input (file, config field, world size);
-//    the message names the file or field and the expected value. The CLI prints it
-//    as one line and exits non-zero.
+//    the message names the file or field and the expected value.
+//  - tessel::DivergenceError: training produced a non-finite gradient norm. A resume from
+//    the last checkpoint would repeat it bit for bit, so `tessel run` does not relaunch.
+// The CLI prints the message as one line and exits with the kind's status.
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -19,6 +21,16 @@ class InputError : public Error {
  public:
   using Error::Error;
 };
+
+class DivergenceError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Exit statuses of the `tessel` executable (1: an internal error, an Error).
+inline constexpr int kExitInputError = 2;
+inline constexpr int kExitTtrOverBound = 3;  // ett-report / run: a failure's TTR over --max-ttr
+inline constexpr int kExitDiverged = 4;
 
 namespace detail {
 template <class... Args>

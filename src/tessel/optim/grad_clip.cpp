@@ -4,6 +4,8 @@
 #include <cmath>
 #include <vector>
 
+#include "tessel/core/error.hpp"
+
 namespace tessel::optim {
 
 namespace {
@@ -60,6 +62,12 @@ void scale_to_max_norm(ParameterList& params, double norm, double max_norm) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
     for (int64_t i = 0; i < n; ++i) g[i] *= s;
   }
+}
+
+void check_finite_grad_norm(double norm, const std::string& where, const std::string& hint) {
+  if (std::isfinite(norm)) return;
+  throw DivergenceError(where + "'s gradient norm is " + (std::isnan(norm) ? "NaN" : "inf") +
+                        "; stopping before the update" + hint);
 }
 
 namespace naive {

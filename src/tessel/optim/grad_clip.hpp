@@ -8,6 +8,7 @@
 // them: the local sums are all-reduced, and the result is the norm of the concatenation.
 // With replicated gradients pass nullptr.
 #include <cstdint>
+#include <string>
 
 #include "tessel/comm/communicator.hpp"
 #include "tessel/core/parameter.hpp"
@@ -28,6 +29,9 @@ double global_grad_norm(const ParameterList& params, comm::Communicator* shard_g
 // the gradients unscaled; the caller decides whether to skip the step.
 double clip_grad_norm(ParameterList& params, double max_norm,
                       comm::Communicator* shard_group = nullptr);
+// Throws DivergenceError ("<where>'s gradient norm is NaN|inf; stopping before the update<hint>")
+// unless `norm` is finite.
+void check_finite_grad_norm(double norm, const std::string& where, const std::string& hint);
 // The scaling half of clip_grad_norm, for a norm computed elsewhere (pipeline stages sum
 // theirs over the pp group; expert-sharded gradients, parallel/expert_sharding.hpp).
 void scale_to_max_norm(ParameterList& params, double norm, double max_norm);

@@ -38,16 +38,19 @@ FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::s
   in_write_ = c.kill_in == "checkpoint_write";
   if (kill_step_ == 0) kill_step_ = -1;
   armed_ = kill_step_ > 0 || kill_seconds_ >= 0;
-  if (kill_seconds_ >= 0)
-    timer_ = std::thread([this, t0_ns] {
-      int64_t deadline = t0_ns + int64_t(kill_seconds_ * 1e9);
-      std::unique_lock lock(mu_);
-      while (!stop_) {
-        int64_t left = deadline - monotonic_ns();
-        if (left <= 0) kill("kill_after_seconds");
-        cv_.wait_for(lock, std::chrono::nanoseconds(left));
-      }
-    });
+  if (kill_seconds_ < 0) return;
+  const int64_t deadline = t0_ns + int64_t(kill_seconds_ * 1e9);
+  // Passed during start-up: kill now, not when a loaded machine first schedules the timer
+  // thread (a short attempt may end before that).
+  if (monotonic_ns() >= deadline) kill("kill_after_seconds");
+  timer_ = std::thread([this, deadline] {
+    std::unique_lock lock(mu_);
+    while (!stop_) {
+      int64_t left = deadline - monotonic_ns();
+      if (left <= 0) kill("kill_after_seconds");
+      cv_.wait_for(lock, std::chrono::nanoseconds(left));
+    }
+  });
 }
 
 FaultInjector::~FaultInjector() {

@@ -302,9 +302,8 @@ void PipelineTrainer::on_step(int64_t version) {
       window_timer_.reset();
     }
   }
-  if (!std::isfinite(norm))
-    throw Error("step " + std::to_string(update) + ": stage " + std::to_string(stage_) +
-                "'s gradient norm is " + std::to_string(norm) + "; stopping before the update");
+  optim::check_finite_grad_norm(
+      norm, "step " + std::to_string(update) + ": stage " + std::to_string(stage_), "");
   optim::scale_to_max_norm(own_params_, norm, config_.train.grad_clip);
   before_update_();
   optimizer_.step(schedule_.scale(update));

@@ -196,7 +196,14 @@ int supervise(const SuperviseOptions& o) {
     }
     const int64_t ended = monotonic_ns();
     append_json_line(log, {{"event", "exit"}, {"t", ended}, {"status", status}});
-    if (status == 0 || status == 2) return status;
+    if (status == 0 || status == kExitInputError) return status;
+    if (status == kExitDiverged) {
+      std::fprintf(stderr,
+                   "tessel run: attempt %d diverged (a non-finite gradient norm); not "
+                   "relaunching: a resume would repeat it\n",
+                   attempt);
+      return status;
+    }
     if (g_stop) break;
     if (restart == o.max_restarts) {
       std::fprintf(stderr, "tessel run: attempt %d failed (exit status %d); no restarts left\n",

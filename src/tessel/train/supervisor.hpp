@@ -5,14 +5,14 @@
 // It writes each attempt's first and last lines of the ETT log (ett.hpp): the attempt
 // begins when the supervisor starts it (for a relaunch: when it saw the previous attempt
 // end, so detection-to-relaunch time is the relaunch's `scheduling` leaf) and ends when
-// the job's processes have all exited. A job that stops with exit status 2 (bad input)
-// is not relaunched: the same input would fail again. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
-// the supervisor stops the job: it is forwarded to the job (which runs in its own process
-// group, stdin /dev/null), the supervisor waits for it, writes the exit line, relaunches
-// nothing and returns 128 + the signal. The caller holds the run directory's supervisor.lock
-// (RunDirLock, ett.hpp) while it runs, so that no other `tessel run` or plain `tessel train`
-// picks an attempt index there; the job's trainer, started with TESSEL_ETT_ATTEMPT, does not
-// take that lock.
+// the job's processes have all exited. A job that stops with exit status 2 (bad input) or
+// 4 (diverged: a non-finite gradient norm) is not relaunched: a relaunch would fail again. SIGTERM,
+// SIGINT, SIGHUP or SIGQUIT to the supervisor stops the job: it is forwarded to the job (which runs
+// in its own process group, stdin /dev/null), the supervisor waits for it, writes the exit line,
+// relaunches nothing and returns 128 + the signal. The caller holds the run directory's
+// supervisor.lock (RunDirLock, ett.hpp) while it runs, so that no other `tessel run` or plain
+// `tessel train` picks an attempt index there; the job's trainer, started with TESSEL_ETT_ATTEMPT,
+// does not take that lock.
 #include <string>
 #include <vector>
 

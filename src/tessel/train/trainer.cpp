@@ -25,6 +25,7 @@
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/model/gpt.hpp"
+#include "tessel/optim/grad_clip.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/parallel/expert_parallel.hpp"
 #include "tessel/parallel/expert_sharding.hpp"
@@ -905,10 +906,10 @@ TrainResult Trainer::run() {
       TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
       s.grads.reduce(float(1.0 / stats[1]));
       grad_norm = s.grads.clip(c.train.grad_clip);
-      if (!std::isfinite(grad_norm))
-        throw Error("step " + std::to_string(step + 1) + ": gradient norm is " +
-                    std::to_string(grad_norm) + "; stopping before the update (" +
-                    s.store.latest().value_or("no checkpoint yet") + ")");
+      optim::check_finite_grad_norm(
+          grad_norm, "step " + std::to_string(step + 1),
+          " (newest checkpoint: " + s.store.latest().value_or("none") +
+              "; a lower optim.lr or a tighter train.grad_clip may avoid it)");
       wait_staged();
       s.optimizer->step(s.schedule.scale(step + 1));
       s.model.update_balance();  // MoE balancing: beta from this step's micro-batches

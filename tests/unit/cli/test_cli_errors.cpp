@@ -10,9 +10,12 @@
 #include <nlohmann/json.hpp>
 
 #include "support/train_fixture.hpp"
+#include "tessel/core/error.hpp"
 #include "unit/cli/cli_test_util.hpp"
 
 namespace fs = std::filesystem;
+using tessel::kExitDiverged;
+using tessel::kExitTtrOverBound;
 using tessel::fixture::temp_dir;
 using namespace tessel::cli_test;
 
@@ -286,7 +289,7 @@ TEST_F(CliTest, MaxTtrNamesTheAttemptOfEachFailure) {
                              R"({"phase":"productive","t":2500000000,"step":2})",
                              R"({"event":"exit","t":2600000000,"status":0})"});
   const Outcome o = run_tessel("ett-report --max-ttr 0.1 " + run);
-  EXPECT_EQ(o.exit_code, 3);
+  EXPECT_EQ(o.exit_code, kExitTtrOverBound);
   EXPECT_EQ(o.err, "tessel: TTR of failure 1 (attempt 1) was 0.600 s, over --max-ttr 0.100 s\n");
 }
 
@@ -298,6 +301,23 @@ TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
 TEST_F(CliTest, BadInputOnSeveralRanksIsStillOneLine) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=3", 2),
                         {"parallel.dp", "world has 2"});
+}
+
+// A learning rate of 1e30 makes step 2's gradient NaN: training stops before the update with
+// exit status 4 (which `tessel run` does not relaunch) and one line naming the step, on one
+// process, with data parallelism and with a pipeline (whose stages share one norm).
+TEST_F(CliTest, ADivergedRunStopsWithItsOwnExitStatus) {
+  const std::string diverge = " --set optim.lr=1e30 --set optim.weight_decay=0";
+  for (const auto& [ranks, extra, where] :
+       {std::tuple{1, "", "step 2's gradient norm is NaN"},
+        std::tuple{2, "", "step 2's gradient norm is NaN"},
+        std::tuple{2, " --set parallel.pp=2 --set model.layers=2",
+                   "step 2: stage 0's gradient norm is NaN"}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s)" + extra);
+    const Outcome o = run_tessel(train_args(temp_dir("r")) + diverge + extra, ranks);
+    EXPECT_EQ(o.exit_code, kExitDiverged);
+    expect_one_line_error(o, {where, "stopping before the update"});
+  }
 }
 
 TEST_F(CliTest, SequenceLongerThanTheModelAllows) {

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "support/train_fixture.hpp"
+#include "tessel/core/error.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/config.hpp"
@@ -489,44 +490,48 @@ TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
   EXPECT_EQ(loss_curve(run), loss_curve(reference));
 }
 
+// A non-finite gradient norm (here from a learning rate of 1e30: step 2's gradient is NaN)
+// stops the job with exit status 4, and the supervisor does not relaunch it: a resume from the
+// last checkpoint would repeat the same steps bit for bit.
+TEST_F(SupervisorTest, ADivergedJobIsNotRelaunched) {
+  std::string run = fixture::temp_dir("tessel-sup-diverged");
+  const Outcome o = run_tessel(run_args(run, " --set optim.lr=1e30 --set optim.weight_decay=0"));
+  EXPECT_EQ(o.exit_code, kExitDiverged) << o.err;
+  EXPECT_NE(o.err.find("step 2's gradient norm is NaN"), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("tessel run: attempt 0 diverged"), std::string::npos) << o.err;
+  EXPECT_EQ(o.err.find("relaunching ("), std::string::npos) << o.err;
+  EXPECT_EQ(train::count_attempts(run), 1);
+}
+
 // Spec: "adding a synthetic δ to init grows W by (1 + NoF)·δ" — a restart repeats the cold
 // path. Two failures, so every second of start-up costs three; and each TTR is measured
 // (it contains the next attempt's start-up, so at least δ) and checked against a bound.
+// W is the sum of the attempts, and each attempt's leaves sum to its time (checked in
+// TwoInjectedFailures...), so δ counted once in every attempt's model_build is δ counted
+// (1 + NoF) times in W. Checked within the one run: a comparison of two runs' wall times
+// measures the machine's load as much as δ (CI's slower machines differed by seconds).
 TEST_F(SupervisorTest, AStartUpDelayGrowsWallTimeOncePerAttemptAndTtrIsBounded) {
-  // Large against the machine's noise in a job's wall time: at load 4-8 on 2 cores the two
-  // jobs' undelayed parts differed by up to 1.3 s (0.55 s in model_build alone).
   const double delta = 5.0;
-  const std::string faults = " --set fault.kill_rank=1 --set fault.kill_steps=6,11";
-  std::string base = fixture::temp_dir("tessel-sup-base"),
-              slow = fixture::temp_dir("tessel-sup-slow");
-  Outcome o = run_tessel(run_args(base, faults));
+  std::string slow = fixture::temp_dir("tessel-sup-slow");
+  Outcome o = run_tessel(run_args(slow,
+                                  " --set fault.kill_rank=1 --set fault.kill_steps=6,11"
+                                  " --set fault.init_delay_seconds=" +
+                                      std::to_string(delta),
+                                  3, "--max-ttr 600"));
   ASSERT_EQ(o.exit_code, 0) << o.err;
-  o = run_tessel(run_args(slow, faults + " --set fault.init_delay_seconds=" + std::to_string(delta),
-                          3, "--max-ttr 600"));
-  ASSERT_EQ(o.exit_code, 0) << o.err;
-  auto a = nlohmann::json::parse(slurp(base + "/ett.json"));
   auto b = nlohmann::json::parse(slurp(slow + "/ett.json"));
-  ASSERT_EQ(a["nof"], 2);
   ASSERT_EQ(b["nof"], 2);
-  const double grow = (1 + 2) * delta;
-  auto leaf = [](const nlohmann::json& r, const char* k) { return r["leaves"][k].get<double>(); };
-  // The leaf that holds the delay grows by it once per attempt; the rest of that leaf (the
-  // real model build, three times per job) varies by up to about a second under load, so
-  // ±(δ/2 − 0.1) still separates (1 + NoF)·δ from NoF·δ and (2 + NoF)·δ.
-  const double build = leaf(b, "model_build") - leaf(a, "model_build");
-  EXPECT_NEAR(build, grow, delta / 2 - 0.1);
-  // W: the rest of the two jobs differs by machine noise, and by mpirun's teardown after a
-  // rank dies (charged to failure_detection), which takes 0 or about 1 s per failure on this
-  // machine. Without that leaf, ±(δ/2 − 0.1) separates (1 + NoF)·δ = 15 s from NoF·δ or
-  // (2 + NoF)·δ; a loaded machine moves a job's wall time by over 1 s.
-  const double wall = b["wall_seconds"].get<double>() - a["wall_seconds"].get<double>();
-  const double detection = leaf(b, "failure_detection") - leaf(a, "failure_detection");
-  std::printf(
-      "W grew by %.3f s (failure detection by %.3f s), model_build by %.3f s; "
-      "(1 + NoF)·δ = %.3f s\n",
-      wall, detection, build, grow);
-  EXPECT_NEAR(wall - detection, grow, delta / 2 - 0.1);
-  EXPECT_NEAR(wall, grow, delta / 2 - 0.1 + 1.1 * 2);
+  ASSERT_EQ(b["attempts"].size(), 3u);  // 1 + NoF cold starts
+  // Each attempt's model_build holds δ once: at least δ, and the real build (under a second
+  // here, a few on a loaded machine) stays under δ/2, which neither 0·δ nor 2·δ does.
+  for (const auto& a : b["attempts"]) {
+    const double build = a["leaves"]["model_build"].get<double>();
+    std::printf("attempt %d: model_build %.3f s (δ = %.1f s)\n", a["attempt"].get<int>(), build,
+                delta);
+    EXPECT_GE(build, delta);
+    EXPECT_LT(build, 1.5 * delta);
+  }
+  EXPECT_GE(b["wall_seconds"].get<double>(), (1 + 2) * delta);
   EXPECT_EQ(loss_curve(slow), loss_curve(reference));
 
   // --max-ttr: within 600 s nothing is over; the bound is in ett.json.
@@ -536,7 +541,7 @@ TEST_F(SupervisorTest, AStartUpDelayGrowsWallTimeOncePerAttemptAndTtrIsBounded) 
   EXPECT_TRUE(b["ttr_over_bound"].empty());
   // A bound below δ is exceeded by both failures: exit status 3, each failure named.
   o = run_tessel("ett-report --max-ttr " + std::to_string(delta / 2) + " " + slow);
-  EXPECT_EQ(o.exit_code, 3) << o.err;
+  EXPECT_EQ(o.exit_code, kExitTtrOverBound) << o.err;
   EXPECT_NE(o.err.find("TTR of failure 1"), std::string::npos) << o.err;
   EXPECT_NE(o.err.find("TTR of failure 2"), std::string::npos) << o.err;
   b = nlohmann::json::parse(slurp(slow + "/ett.json"));
