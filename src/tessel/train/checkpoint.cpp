@@ -155,7 +155,7 @@ std::vector<int> assign_writers(const std::vector<NamedTensor>& tensors, int ran
 
 CheckpointStore::CheckpointStore(std::string root, int64_t keep)
     : root_(std::move(root)), keep_(keep) {
-  TESSEL_CHECK(keep_ >= 2, "keep_checkpoints must be >= 2");
+  TESSEL_CHECK(keep_ == 0 || keep_ >= 2, "keep_checkpoints must be 0 (all) or >= 2");
 }
 
 void CheckpointStore::save(comm::Communicator& group, const CheckpointContent& content) {
@@ -271,8 +271,10 @@ void AsyncCheckpointer::commit() {
   fs::rename(tmp, final_dir);
   fsync_path(root.string());
   write_file_atomically((root / "latest").string(), step_name(c.step) + "\n");
-  auto dirs = complete_checkpoints(root);
-  for (size_t i = 0; i + size_t(store_.keep()) < dirs.size(); ++i) fs::remove_all(dirs[i]);
+  if (store_.keep() > 0) {  // 0 keeps every checkpoint
+    auto dirs = complete_checkpoints(root);
+    for (size_t i = 0; i + size_t(store_.keep()) < dirs.size(); ++i) fs::remove_all(dirs[i]);
+  }
   if (on_committed) on_committed(final_dir.string(), c.step);
 }
 

@@ -240,7 +240,7 @@ std::vector<ConfigKey> build_schema() {
       int_key("train.checkpoint_every", "steps between checkpoints; 0 = none but the final one",
               FIELD(train.checkpoint_every)),
       bool_key("train.save_final", "checkpoint after the last step", FIELD(train.save_final)),
-      int_key("train.keep_checkpoints", "checkpoints kept (newest first)",
+      int_key("train.keep_checkpoints", "checkpoints kept (newest first); 0 = keep all",
               FIELD(train.keep_checkpoints)),
       bool_key("train.checkpoint_async",
                "write checkpoints in the background (training waits only for the copy)",
@@ -560,10 +560,10 @@ void validate(const Config& c) {
                 "(or train.sample_tokens = 0)");
   non_negative("train.sample_top_k", double(c.train.sample_top_k));
   non_negative("train.sample_temperature", c.train.sample_temperature);
-  if (c.train.keep_checkpoints < 2)
+  if (c.train.keep_checkpoints != 0 && c.train.keep_checkpoints < 2)
     input_error(
-        "config key 'train.keep_checkpoints' must be at least 2 (the newest may be "
-        "incomplete when a job dies), got ",
+        "config key 'train.keep_checkpoints' must be 0 (keep all) or at least 2 (the newest "
+        "may be incomplete when a job dies), got ",
         c.train.keep_checkpoints);
   if (c.train.seq_len > c.model.max_seq)
     input_error("config key 'train.seq_len' = ", c.train.seq_len,

@@ -36,4 +36,10 @@ double flops_per_token(int64_t matmul_parameters, int64_t layers, int64_t heads,
          12.0 * double(layers) * double(heads) * double(head_dim) * double(seq_len);
 }
 
+double recompute_flops_per_token(int64_t block_matmul_parameters, int64_t layers, int64_t heads,
+                                 int64_t head_dim, int64_t seq_len) {
+  return 2.0 * double(block_matmul_parameters) +
+         4.0 * double(layers) * double(heads) * double(head_dim) * double(seq_len);
+}
+
 }  // namespace tessel::train

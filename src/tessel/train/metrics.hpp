@@ -25,5 +25,10 @@ class MetricsLog {
 // 6 * matmul parameters + 12 * layers * heads * head_dim * seq_len.
 double flops_per_token(int64_t matmul_parameters, int64_t layers, int64_t heads, int64_t head_dim,
                        int64_t seq_len);
+// What train.recompute = blocks adds per token (HFU counts it, MFU does not): every block's
+// forward runs again, 2 * block matmul parameters + 4 * layers * heads * head_dim * seq_len
+// (the head, outside the blocks, is not recomputed).
+double recompute_flops_per_token(int64_t block_matmul_parameters, int64_t layers, int64_t heads,
+                                 int64_t head_dim, int64_t seq_len);
 
 }  // namespace tessel::train

@@ -754,6 +754,12 @@ TrainResult Trainer::run() {
   const auto& mc = c.model;
   const double flops_tok = flops_per_token(s.model.matmul_parameters(), mc.layers, mc.heads,
                                            mc.head_dim(), c.train.seq_len);
+  const double hardware_flops_tok =
+      flops_tok +
+      (c.train.recompute == model::Recompute::blocks
+           ? recompute_flops_per_token(s.model.matmul_parameters() - mc.vocab * mc.width, mc.layers,
+                                       mc.heads, mc.head_dim(), c.train.seq_len)
+           : 0.0);
   // Input positions per step; an SFT data set's padding is not counted (tokens/s and MFU).
   const int64_t global_tokens = s.loader.sequences_per_step() * c.train.seq_len;
   const data::PackedSamples* packed = s.loader.packed();
@@ -811,6 +817,7 @@ TrainResult Trainer::run() {
                           {"parameters_per_rank", per_rank},
                           {"matmul_parameters", s.model.matmul_parameters()},
                           {"flops_per_token", flops_tok},
+                          {"hardware_flops_per_token", hardware_flops_tok},
                           {"peak_gflops", peak},
                           {"ranks", s.world.size()},
                           {"threads", num_threads()},
@@ -925,7 +932,9 @@ TrainResult Trainer::run() {
     rec.lr = lr;
     rec.grad_norm = grad_norm;
     rec.tokens_per_s = double(step_tokens(rec.step)) / dt;
-    rec.mfu = rec.tokens_per_s / s.world.size() * flops_tok / (peak * 1e9);
+    rec.tflops_per_rank = rec.tokens_per_s / s.world.size() * flops_tok / 1e12;
+    rec.mfu = rec.tflops_per_rank * 1e3 / peak;
+    rec.hfu = rec.mfu * hardware_flops_tok / flops_tok;
     if (rec.mfu > 1.0 && !mfu_warned) {  // said once: the denominator is wrong, not the run
       mfu_warned = true;
       s.log(detail::concat(
@@ -942,7 +951,9 @@ TrainResult Trainer::run() {
                              {"lr", rec.lr},
                              {"grad_norm", rec.grad_norm},
                              {"tokens_per_s", rec.tokens_per_s},
+                             {"tflops_per_rank", rec.tflops_per_rank},
                              {"mfu", rec.mfu},
+                             {"hfu", rec.hfu},
                              {"step_seconds", dt}};
     if (c.parallel.cp > 1 && !piped) record["cp_imbalance"] = cp_imbalance;
     if (piped) record["pipeline"] = piped->metrics;
@@ -955,12 +966,15 @@ TrainResult Trainer::run() {
     bool last = rec.step == c.train.steps;
     if (!paci && log_step(rec.step)) {
       double per_step = train_seconds / double(rec.step - s.start_step);
+      char hfu[32] = "";
+      if (hardware_flops_tok != flops_tok)
+        std::snprintf(hfu, sizeof hfu, " (HFU %.1f%%)", 100 * rec.hfu);
       char line[256];
       std::snprintf(line, sizeof line,
                     "step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | "
-                    "MFU %.1f%% | ETA %s",
+                    "MFU %.1f%%%s | ETA %s",
                     static_cast<long long>(rec.step), static_cast<long long>(c.train.steps),
-                    rec.loss, lr, grad_norm, rec.tokens_per_s, 100 * rec.mfu,
+                    rec.loss, lr, grad_norm, rec.tokens_per_s, 100 * rec.mfu, hfu,
                     format_duration(per_step * double(c.train.steps - rec.step)).c_str());
       s.log(line);
     }

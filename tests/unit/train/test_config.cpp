@@ -62,6 +62,7 @@ TEST(Config, WrongTypesAndValuesNameTheKey) {
                      {"train.micro_batch"});
   expect_input_error([&] { train::load_config("", {"train.keep_checkpoints=1"}); },
                      {"train.keep_checkpoints"});
+  EXPECT_EQ(train::load_config("", {"train.keep_checkpoints=0"}).train.keep_checkpoints, 0);
   expect_input_error([&] { train::load_config("", {"run.threads=5000"}); },
                      {"run.threads", "4096"});
 }

@@ -13,6 +13,7 @@
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/threading.hpp"
+#include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/checkpoint_interval.hpp"
 #include "tessel/train/ett.hpp"
@@ -82,6 +83,53 @@ TEST_F(TrainerTest, ADamagedLedgerDoesNotStopAnAdaptiveCheckpointRun) {
   EXPECT_ANY_THROW(train::analyze_ett(c.run.dir));  // attempt 0's log is missing
   const auto result = train_run(c);
   EXPECT_EQ(result.steps.size(), 6u);
+}
+
+// metrics.jsonl's FLOP accounting against the closed form (ETT spec §6), with N counted here
+// from the model's own parameter list: FLOPs/token = 6N + 12·L·H·Q·T; TFLOP/s per rank and
+// MFU from tokens/s; HFU = MFU without recomputation, and with train.recompute = blocks
+// counts the blocks' forward again (2·N_blocks + 4·L·H·Q·T; the head is not recomputed).
+TEST_F(TrainerTest, MetricsCountModelAndHardwareFlops) {
+  for (const char* recompute : {"none", "blocks"}) {
+    SCOPED_TRACE(recompute);
+    const train::Config c = train::load_config(
+        "",
+        {"data.path=" + data_dir, "run.dir=" + fixture::temp_dir("tessel-flops"), "run.quiet=true",
+         "run.threads=1", "model.layers=2", "model.width=32", "model.heads=4", "model.kv_heads=2",
+         "model.tied_head=false", "model.max_seq=16", "train.seq_len=16", "train.micro_batch=2",
+         "train.steps=3", "optim.warmup_steps=1", "train.sample_tokens=0", "mfu.peak_gflops=2.5",
+         std::string("train.recompute=") + recompute});
+    const model::Gpt gpt(c.model, 1);
+    int64_t blocks = 0, head = 0;
+    for (const auto& p : gpt.parameters()) {
+      if (p.tag == ParamTag::hidden_matrix) blocks += p.value.numel();
+      if (p.tag == ParamTag::head) head += p.value.numel();
+    }
+    ASSERT_EQ(head, 256 * 32);
+    const double L = 2, H = 4, Q = 8, T = 16, attention = L * H * Q * T;
+    const double model_flops = 6.0 * double(blocks + head) + 12 * attention;
+    const double hardware_flops =
+        model_flops +
+        (std::string(recompute) == "blocks" ? 2.0 * double(blocks) + 4 * attention : 0.0);
+    train_run(c);
+    std::ifstream in(c.run.dir + "/metrics.jsonl");
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.value("event", "") == "start") {
+        EXPECT_EQ(j["flops_per_token"].get<double>(), model_flops);
+        EXPECT_EQ(j["hardware_flops_per_token"].get<double>(), hardware_flops);
+      } else if (j.contains("mfu")) {
+        ++steps;
+        const double tflops = j["tokens_per_s"].get<double>() * model_flops / 1e12;
+        EXPECT_NEAR(j["tflops_per_rank"].get<double>(), tflops, 1e-12 * tflops);
+        EXPECT_NEAR(j["mfu"].get<double>(), tflops * 1e3 / 2.5, 1e-12 * tflops * 1e3);
+        EXPECT_NEAR(j["hfu"].get<double>(), j["mfu"].get<double>() * hardware_flops / model_flops,
+                    1e-12);
+      }
+    }
+    EXPECT_EQ(steps, 3);
+  }
 }
 
 TEST_F(TrainerTest, ResumeContinuesBitwise) {
