@@ -57,24 +57,35 @@ template void adamw_update<double>(double*, const double*, double*, double*, int
                                    const AdamWHyper&, int64_t);
 }  // namespace naive
 
-AdamW::AdamW(ParameterList params, const AdamWHyper& base, std::vector<ParamTag> decay_tags)
+AdamW::AdamW(ParameterList params, const AdamWHyper& base, std::vector<ParamTag> decay_tags,
+             comm::Communicator* group)
     : params_(std::move(params)),
       base_(base),
       decay_tags_(std::move(decay_tags)),
+      group_(group),
       step_(Shape{1}, DType::i32) {
   std::set<std::string> names;
-  int64_t total = 0;
   for (const Parameter& p : params_) {
     TESSEL_CHECK(p.value.dtype() == DType::f32 && p.grad.dtype() == DType::f32, "parameter ",
                  p.name, " must be f32");
     TESSEL_CHECK(p.value.shape() == p.grad.shape(), "parameter ", p.name, " value ",
                  shape_str(p.value.shape()), " and grad ", shape_str(p.grad.shape()), " differ");
     TESSEL_CHECK(names.insert(p.name).second, "duplicate parameter name ", p.name);
-    offsets_.push_back(total);
-    total += p.value.numel();
+    offsets_.push_back(total_);
+    total_ += p.value.numel();
   }
-  m_ = Tensor(Shape{total});
-  v_ = Tensor(Shape{total});
+  hi_ = total_;
+  if (sharded()) {
+    const int P = group_->size();
+    const int64_t chunk = (total_ + P - 1) / P;
+    for (int r = 0; r < P; ++r) {
+      const int64_t lo = std::min(total_, r * chunk), hi = std::min(total_, lo + chunk);
+      range_counts_.push_back(size_t(hi - lo));
+      if (r == group_->rank()) lo_ = lo, hi_ = hi;
+    }
+  }
+  m_ = Tensor(Shape{hi_ - lo_});
+  v_ = Tensor(Shape{hi_ - lo_});
 }
 
 double AdamW::weight_decay_of(const Parameter& param) const {
@@ -82,28 +93,65 @@ double AdamW::weight_decay_of(const Parameter& param) const {
   return decays ? base_.weight_decay : 0.0;
 }
 
+template <class F>
+void AdamW::for_each_own_piece(F&& f) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t a = offsets_[i], b = a + params_[i].value.numel();
+    const int64_t lo = std::max(a, lo_), hi = std::min(b, hi_);
+    if (lo < hi) f(i, lo - a, hi - lo, lo);
+  }
+}
+
+void AdamW::take_loaded_range() {
+  if (!full_.defined()) return;
+  std::copy_n(full_.f32() + lo_, hi_ - lo_, m_.f32());
+  std::copy_n(full_.f32() + total_ + lo_, hi_ - lo_, v_.f32());
+  full_ = Tensor();
+}
+
 void AdamW::step(double lr_scale) {
   int32_t& t = step_.i32()[0];
   TESSEL_CHECK(t < std::numeric_limits<int32_t>::max(), "adamw step counter overflow");
   ++t;
+  take_loaded_range();
   AdamWHyper h = base_;
   h.lr = base_.lr * lr_scale;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for_each_own_piece([&](size_t i, int64_t first, int64_t n, int64_t at) {
     Parameter& p = params_[i];
     h.weight_decay = weight_decay_of(p);
-    int64_t n = p.value.numel();
-    adamw_update(p.value.f32(), p.grad.f32(), m_.f32() + offsets_[i], v_.f32() + offsets_[i], n, h,
-                 t);
-  }
+    adamw_update(p.value.f32() + first, p.grad.f32() + first, m_.f32() + (at - lo_),
+                 v_.f32() + (at - lo_), n, h, t);
+  });
+  if (!sharded()) return;
+  // The receive buffer lives for the step only: kept, it would cost half of what sharding m
+  // and v saves.
+  std::vector<float> own(size_t(hi_ - lo_)), all(static_cast<size_t>(total_));
+  for_each_own_piece([&](size_t i, int64_t first, int64_t n, int64_t at) {
+    std::copy_n(params_[i].value.f32() + first, n, own.data() + (at - lo_));
+  });
+  group_->all_gatherv(own, all, range_counts_);
+  for (size_t i = 0; i < params_.size(); ++i)
+    std::copy_n(all.data() + offsets_[i], params_[i].value.numel(), params_[i].value.f32());
 }
 
 std::vector<StateTensor> AdamW::state() {
+  Tensor m = m_, v = v_;
+  int64_t v_at = 0;  // where v starts in v
+  if (sharded()) {
+    full_ = Tensor(Shape{2 * total_});
+    group_->all_gatherv(std::span<const float>(m_.f32(), size_t(hi_ - lo_)),
+                        std::span<float>(full_.f32(), size_t(total_)), range_counts_);
+    group_->all_gatherv(std::span<const float>(v_.f32(), size_t(hi_ - lo_)),
+                        std::span<float>(full_.f32() + total_, size_t(total_)), range_counts_);
+    m = v = full_;
+    v_at = total_;
+  }
   std::vector<StateTensor> out;
   out.push_back({"adamw.step", step_});
   for (size_t i = 0; i < params_.size(); ++i) {
     const Parameter& p = params_[i];
-    out.push_back({"adamw.m/" + p.name, m_.view(offsets_[i], p.value.shape())});
-    out.push_back({"adamw.v/" + p.name, v_.view(offsets_[i], p.value.shape())});
+    out.push_back({"adamw.m/" + p.name, m.view(offsets_[i], p.value.shape())});
+    out.push_back({"adamw.v/" + p.name, v.view(v_at + offsets_[i], p.value.shape())});
   }
   return out;
 }

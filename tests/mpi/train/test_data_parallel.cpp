@@ -469,11 +469,12 @@ TEST(DataParallel, ExpertShardedCheckpointHoldsEveryExpertOnceAndLoadsOnOneProce
 // layout and re-sharded by the next step; the data order depends only on the global batch.
 // The resumed run follows the uninterrupted one up to summation order (1e-5 relative; a
 // wrong data position or a lost optimizer shard changes the loss by far more).
-TEST(DataParallel, ResumesWithADifferentDataParallelSize) {
+namespace {
+void resumes_with_a_different_data_parallel_size(const std::string& optimizer) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   train::Config c = fixture::tiny_config(fixture::shared_dataset(world), "");
-  c.optim.name = "dion3";
+  c.optim.name = optimizer;
   c.optim.selection_scope = "global";  // `local` selects per shard: it depends on dp by design
   c.optim.ns_gram_min = 8;
   c.train.steps = 20;
@@ -519,5 +520,16 @@ TEST(DataParallel, ResumesWithADifferentDataParallelSize) {
     ADD_FAILURE() << "a different global batch resumed";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("global batch"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+// Sharded optimizer state (dion3's momentum, AdamW's m and v under ZeRO-1) is saved whole,
+// so a checkpoint moves between P ranks and one process.
+TEST(DataParallel, ResumesWithADifferentDataParallelSize) {
+  for (const char* optimizer : {"dion3", "adamw"}) {
+    SCOPED_TRACE(optimizer);
+    resumes_with_a_different_data_parallel_size(optimizer);
   }
 }
