@@ -74,6 +74,11 @@ AdamW::AdamW(ParameterList params, const AdamWHyper& base, std::vector<ParamTag>
     offsets_.push_back(total_);
     total_ += p.value.numel();
   }
+  // In place needs one buffer in list order (the model's flat buffer is; a subset may not be).
+  contiguous_ = !params_.empty();
+  for (size_t i = 0; i < params_.size(); ++i)
+    contiguous_ =
+        contiguous_ && params_[i].value.f32() == params_.front().value.f32() + offsets_[i];
   hi_ = total_;
   if (sharded()) {
     const int P = group_->size();
@@ -102,11 +107,15 @@ void AdamW::for_each_own_piece(F&& f) const {
   }
 }
 
+// m, then v: at most one whole tensor (4 bytes per element) is held beside the ranges.
 void AdamW::take_loaded_range() {
-  if (!full_.defined()) return;
-  std::copy_n(full_.f32() + lo_, hi_ - lo_, m_.f32());
-  std::copy_n(full_.f32() + total_ + lo_, hi_ - lo_, v_.f32());
-  full_ = Tensor();
+  for (auto [own, whole] : {std::pair{&m_, &whole_m_}, std::pair{&v_, &whole_v_}}) {
+    if (!whole->defined()) continue;
+    Tensor range(Shape{hi_ - lo_});
+    std::copy_n(whole->f32() + lo_, hi_ - lo_, range.f32());
+    *own = range;
+    *whole = Tensor();
+  }
 }
 
 void AdamW::step(double lr_scale) {
@@ -123,8 +132,12 @@ void AdamW::step(double lr_scale) {
                  v_.f32() + (at - lo_), n, h, t);
   });
   if (!sharded()) return;
-  // The receive buffer lives for the step only: kept, it would cost half of what sharding m
-  // and v saves.
+  if (contiguous_) {  // the model's flat buffer: gathered in place, no copy
+    float* all = params_.front().value.f32();
+    group_->all_gatherv(std::span<const float>(all + lo_, size_t(hi_ - lo_)),
+                        std::span<float>(all, size_t(total_)), range_counts_);
+    return;
+  }
   std::vector<float> own(size_t(hi_ - lo_)), all(static_cast<size_t>(total_));
   for_each_own_piece([&](size_t i, int64_t first, int64_t n, int64_t at) {
     std::copy_n(params_[i].value.f32() + first, n, own.data() + (at - lo_));
@@ -135,23 +148,26 @@ void AdamW::step(double lr_scale) {
 }
 
 std::vector<StateTensor> AdamW::state() {
-  Tensor m = m_, v = v_;
-  int64_t v_at = 0;  // where v starts in v
   if (sharded()) {
-    full_ = Tensor(Shape{2 * total_});
-    group_->all_gatherv(std::span<const float>(m_.f32(), size_t(hi_ - lo_)),
-                        std::span<float>(full_.f32(), size_t(total_)), range_counts_);
-    group_->all_gatherv(std::span<const float>(v_.f32(), size_t(hi_ - lo_)),
-                        std::span<float>(full_.f32() + total_, size_t(total_)), range_counts_);
-    m = v = full_;
-    v_at = total_;
+    // The range becomes a view of the whole tensor, so a checkpoint holds 8 bytes per
+    // element (as replicated state does), not that plus the ranges.
+    for (auto [own, whole] : {std::pair{&m_, &whole_m_}, std::pair{&v_, &whole_v_}}) {
+      if (!whole->defined()) {
+        *whole = Tensor(Shape{total_});
+        group_->all_gatherv(std::span<const float>(own->f32(), size_t(hi_ - lo_)),
+                            std::span<float>(whole->f32(), size_t(total_)), range_counts_);
+        *own = whole->view(lo_, Shape{hi_ - lo_});
+      }
+    }
   }
+  const Tensor& m = sharded() ? whole_m_ : m_;
+  const Tensor& v = sharded() ? whole_v_ : v_;
   std::vector<StateTensor> out;
   out.push_back({"adamw.step", step_});
   for (size_t i = 0; i < params_.size(); ++i) {
     const Parameter& p = params_[i];
     out.push_back({"adamw.m/" + p.name, m.view(offsets_[i], p.value.shape())});
-    out.push_back({"adamw.v/" + p.name, v.view(v_at + offsets_[i], p.value.shape())});
+    out.push_back({"adamw.v/" + p.name, v.view(offsets_[i], p.value.shape())});
   }
   return out;
 }

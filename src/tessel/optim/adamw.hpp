@@ -40,8 +40,11 @@ void adamw_update(T* p, const T* g, T* m, T* v, int64_t n, const AdamWHyper& h, 
 // updates those elements, and one all_gatherv per step gives every rank every updated
 // element. The update is elementwise, so the parameters are bitwise those of the replicated
 // optimizer, with 1/P of its state memory for one extra all-gather of the parameters.
-// state() is collective then: it gathers full m and v (so a checkpoint does not depend on
-// P), and the next step() takes its range from them (a loaded checkpoint lands there).
+// state() is collective then: it gathers whole m and v (so a checkpoint does not depend on
+// P), and the next step() takes its range from them (a loaded checkpoint lands there). So a
+// checkpoint save or load holds the whole state, as replicated AdamW always does: sharding
+// lowers the memory between checkpoints, not the run's peak (writing each rank's range as a
+// checkpoint shard of its own would).
 class AdamW : public Optimizer {
  public:
   // `base.lr` is the lr at lr_scale 1. Parameters whose tag is in `decay_tags` get
@@ -65,20 +68,23 @@ class AdamW : public Optimizer {
   // for every piece of the parameters that lies in [lo_, hi_).
   template <class F>
   void for_each_own_piece(F&& f) const;
-  void take_loaded_range();  // after state(): this rank's range of full_ into m_ and v_
+  // After state(): this rank's ranges of whole_m_ and whole_v_ (a loaded checkpoint, or what
+  // state() gathered) into tensors of their own, and the whole ones released.
+  void take_loaded_range();
 
   ParameterList params_;
   AdamWHyper base_;
   std::vector<ParamTag> decay_tags_;
   comm::Communicator* group_;
   Tensor step_;  // i32 [1]
-  Tensor m_;     // f32 [hi_ - lo_]: elements lo_.. of the concatenation
+  Tensor m_;     // f32 [hi_ - lo_]: elements lo_.. of the concatenation (a view after state())
   Tensor v_;
   std::vector<int64_t> offsets_;  // start of each parameter in the concatenation
   int64_t total_ = 0;
   int64_t lo_ = 0, hi_ = 0;           // this rank's range (all elements unless sharded)
+  bool contiguous_ = false;           // the parameters are one buffer, in list order
   std::vector<size_t> range_counts_;  // every rank's range size (the all_gatherv counts)
-  Tensor full_;                       // sharded: [2 * total_] m then v, gathered by state()
+  Tensor whole_m_, whole_v_;          // sharded: [total_] gathered by state(), until a step
 };
 
 }  // namespace tessel::optim

@@ -73,9 +73,10 @@ struct OptimizerConfig {
   std::string selection_scope = "local";  // local | global
   double normuon_beta2 = 0.95;            // dion3
   std::string muon_mode = "sharded";      // sharded | replicated | allgather
-  // optim.name = adamw over dp: sharded (ZeRO-1: m and v split over the ranks) | replicated.
-  // The muon family's AdamW part (embeddings, head, norms) stays replicated.
-  std::string adamw_mode = "sharded";
+  // optim.name = adamw over dp: replicated | sharded (ZeRO-1: m and v split over the ranks
+  // between checkpoints; a checkpoint still gathers them whole: adamw.hpp). The muon family's
+  // AdamW part (embeddings, head, norms) stays replicated.
+  std::string adamw_mode = "replicated";
   std::string qkv_split = "none";  // none | blocks | heads (fused QKV row blocks)
 };
 

@@ -475,6 +475,7 @@ void resumes_with_a_different_data_parallel_size(const std::string& optimizer) {
   const int P = world.size();
   train::Config c = fixture::tiny_config(fixture::shared_dataset(world), "");
   c.optim.name = optimizer;
+  c.optim.adamw_mode = "sharded";
   c.optim.selection_scope = "global";  // `local` selects per shard: it depends on dp by design
   c.optim.ns_gram_min = 8;
   c.train.steps = 20;
