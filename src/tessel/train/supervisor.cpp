@@ -165,12 +165,21 @@ void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& e
     const int ready = ::poll(&exited, 1, poll_ms);
     if (ready > 0) break;
     if (ready < 0 && errno != EINTR) input_error("tessel run: poll failed: ", std::strerror(errno));
-    const timespec now_seen = log_mtime(log);
     const int64_t now = monotonic_ns();
+    // Being stopped: what the teardown writes is no progress (mpirun sends SIGCONT before
+    // SIGTERM, so a stopped rank trains on for a moment).
+    if (end.hung) {
+      if (sigkill_at > 0 && now >= sigkill_at) {
+        sigkill_at = 0;
+        ::kill(-pid, SIGKILL);
+      }
+      continue;
+    }
+    const timespec now_seen = log_mtime(log);
     if (now_seen.tv_sec != seen.tv_sec || now_seen.tv_nsec != seen.tv_nsec) {
       seen = now_seen;
       end.progress_ns = now;
-    } else if (!end.hung && !g_stop && now - end.progress_ns >= limit) {
+    } else if (!g_stop && now - end.progress_ns >= limit) {
       std::fprintf(stderr,
                    "tessel run: the job made no progress for %g s (%s did not change); stopping "
                    "it as hung\n",
@@ -178,9 +187,6 @@ void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& e
       end.hung = true;
       sigkill_at = now + kHangKillGraceNs;
       ::kill(-pid, SIGTERM);
-    } else if (end.hung && sigkill_at > 0 && now >= sigkill_at) {
-      sigkill_at = 0;
-      ::kill(-pid, SIGKILL);
     }
   }
   ::close(fd);

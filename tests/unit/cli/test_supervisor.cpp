@@ -573,6 +573,11 @@ TEST_F(SupervisorTest, AHungRankIsKilledAfterTheHangTimeoutAndTheRelaunchEndsBit
   EXPECT_EQ(hung["cause"], "hang");
   EXPECT_EQ(hung["failure_step"], 6);
   EXPECT_GE(hung["leaves"]["failure_detection"].get<double>(), timeout);
+  // The exit line: when the supervisor last saw progress, at least the timeout before the end.
+  const auto exit_line = jsonl(train::attempt_path(run, 0)).back();
+  EXPECT_EQ(exit_line["cause"], "hang");
+  EXPECT_GE(exit_line["t"].get<int64_t>() - exit_line["progress_t"].get<int64_t>(),
+            int64_t(timeout * 1e9));
   EXPECT_FALSE(ett["attempts"][1]["failed"].get<bool>());
   EXPECT_LE(ett["attempts"][1]["resumed_from"].get<int64_t>(), 6);
 }
