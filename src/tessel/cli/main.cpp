@@ -112,10 +112,11 @@ int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
 int run_ett_report(const std::string& run_dir, double max_ttr) {
   train::EttReport r = train::write_ett_report(run_dir, max_ttr);
   std::printf(
-      "%s: W %.3f s over %zu attempt(s), ETT %.2f%%, TTS %.3f s, NoF %d, MFU %.2f%%, goodput "
-      "%.2f%%\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
-      run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof, 100 * r.mfu,
-      100 * r.goodput, run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
+      "%s: W %.3f s over %zu attempt(s), ETT %.2f%%, TTS %.3f s, NoF %d%s, MFU %.2f%%, "
+      "goodput %.2f%%\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
+      run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof,
+      r.nof ? (" (" + train::nof_by_cause_text(r) + ")").c_str() : "", 100 * r.mfu, 100 * r.goodput,
+      run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
   if (!r.attempts.empty() && r.attempts.back().open)
     std::printf(
         "attempt %d has no exit record: still running, or killed (counted up to its last "
@@ -290,6 +291,14 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(0), train::kMaxThreads))
       ->capture_default_str();
   runc->add_option("--launcher", sup.launcher, "MPI launcher")->capture_default_str();
+  runc->add_option("--hang-timeout", sup.hang_timeout,
+                   "seconds without progress after which the job counts as hung: killed and "
+                   "relaunched (cause hang in the ETT report). Progress is any line of the "
+                   "attempt's ETT log (each training step, each phase change) or a beat inside "
+                   "validation and the start-up delay, so it must exceed the longest single "
+                   "step, checkpoint load or write, model build, GEMM peak measurement and "
+                   "sample; 0 = off (the default: no timeout fits every model and machine)")
+      ->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train");
   double max_ttr = 0;
   const char* max_ttr_help =

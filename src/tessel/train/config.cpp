@@ -368,7 +368,8 @@ std::vector<ConfigKey> build_schema() {
                  FIELD(pipeline.layout)),
       float_key("mfu.peak_gflops", "per-rank peak GFLOP/s; 0 = measure GEMM peak at start",
                 FIELD(mfu.peak_gflops)),
-      int_key("fault.kill_rank", "rank that the fault injector kills", FIELD(fault.kill_rank)),
+      int_key("fault.kill_rank", "rank that the fault injector kills (or hangs)",
+              FIELD(fault.kill_rank)),
       string_key("fault.kill_steps",
                  "comma-separated steps, the k-th for attempt k: SIGKILL after that step's "
                  "update (0 or empty = none)",
@@ -377,6 +378,10 @@ std::vector<ConfigKey> build_schema() {
                  "comma-separated seconds, the k-th for attempt k: SIGKILL that long after "
                  "the attempt's process started (armed once the trainer is built)",
                  FIELD(fault.kill_seconds)),
+      string_key("fault.hang_steps",
+                 "comma-separated steps, the k-th for attempt k: fault.kill_rank blocks forever "
+                 "after that step's update (0 or empty = none; tessel run --hang-timeout ends it)",
+                 FIELD(fault.hang_steps)),
       choice_key<std::string>("fault.kill_in",
                               "where a kill_steps fault strikes: step (after the update) or "
                               "checkpoint_write (that step's checkpoint, before its manifest)",

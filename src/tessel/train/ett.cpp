@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -88,7 +89,7 @@ EttAttempt parse_attempt(const std::string& path, int index) {
     int64_t step;
   };
   std::vector<Boundary> bounds;
-  std::optional<int64_t> fault_t, exit_t;
+  std::optional<int64_t> fault_t, exit_t, progress_t;
   a.t0 = records.front()["t"].get<int64_t>();
   a.t1 = a.t0;
   for (const auto& r : records) {
@@ -109,16 +110,23 @@ EttAttempt parse_attempt(const std::string& path, int index) {
     }
     if (ev == "exit") {
       exit_t = t;
-      a.failed = r.value("status", 0) != 0;
+      a.cause = r.value("cause", "");
+      a.failed = r.value("status", 0) != 0 || a.cause == "hang";
+      if (r.contains("progress_t")) progress_t = r["progress_t"].get<int64_t>();
     }
   }
   a.exited = exit_t.has_value();
   if (exit_t) a.t1 = *exit_t;
   if (fault_t) a.failed = true;
+  // The failure began at the fault, or for a hang found by the supervisor at the latest when
+  // it last saw progress: detection runs from there to the exit.
+  const std::optional<int64_t> failed_t = fault_t && progress_t ? std::min(*fault_t, *progress_t)
+                                          : fault_t             ? fault_t
+                                                                : progress_t;
   std::stable_sort(bounds.begin(), bounds.end(),
                    [](const Boundary& x, const Boundary& y) { return x.t < y.t; });
   if (!bounds.empty()) a.step_in_progress = bounds.back().step;
-  const int64_t cut = fault_t ? std::min(*fault_t, a.t1) : a.t1;
+  const int64_t cut = failed_t ? std::min(*failed_t, a.t1) : a.t1;
   auto add = [&](Phase p, int64_t t0, int64_t t1, int64_t step) {
     if (t1 > t0) a.segments.push_back({p, t0, t1, step});
   };
@@ -128,7 +136,7 @@ EttAttempt parse_attempt(const std::string& path, int index) {
     add(bounds[i].phase, std::max(bounds[i].t, a.t0), std::min(end, cut), bounds[i].step);
     if (bounds[i].phase == Phase::productive && a.first_step_ns < 0) a.first_step_ns = bounds[i].t;
   }
-  if (fault_t) add(Phase::failure_detection, cut, a.t1, -1);
+  if (failed_t) add(Phase::failure_detection, cut, a.t1, -1);
   return a;
 }
 
@@ -305,6 +313,10 @@ void EttLedger::event(nlohmann::json record) {
   append_json_line(path_, record);
 }
 
+void EttLedger::beat() const {
+  if (active()) ::utimensat(AT_FDCWD, path_.c_str(), nullptr, 0);  // a lost beat is no error
+}
+
 EttReport analyze_ett(const std::string& run_dir) {
   EttReport rep;
   int n = count_attempts(run_dir);
@@ -325,6 +337,10 @@ EttReport analyze_ett(const std::string& run_dir) {
     // own fault record says how it ended.
     if (!a.exited && i + 1 < n) a.failed = true;
     a.open = !a.exited && i + 1 == n && !a.failed;
+    if (!a.failed)
+      a.cause.clear();  // a stop that came as the job finished
+    else if (a.cause.empty())
+      a.cause = a.exited ? "exit_status" : "no_exit_record";
     a.durable_step = i + 1 < n ? rep.attempts[i + 1].resumed_from
                                : (a.failed ? latest_checkpoint_step(run_dir) : -1);
     finish_attempt(a);
@@ -338,6 +354,7 @@ EttReport analyze_ett(const std::string& run_dir) {
     if (a.failed) {
       ++rep.nof;
       rep.injected += a.injected;
+      ++rep.nof_by_cause[a.cause];
       double ttr = sec(a.leaf_ns[idx(Phase::wasted)] + a.leaf_ns[idx(Phase::failure_detection)]);
       if (i + 1 < n) {
         const auto& b = rep.attempts[i + 1];
@@ -376,6 +393,7 @@ nlohmann::json ett_json(const EttReport& r) {
   j["tts_by_phase"] = leaves(r.tts_by_phase, same);
   j["nof"] = r.nof;
   j["nof_injected"] = r.injected;
+  j["nof_by_cause"] = r.nof_by_cause;
   j["ttr_seconds"] = r.ttr;
   if (r.ttr_bound > 0) {
     j["ttr_bound_seconds"] = r.ttr_bound;
@@ -394,6 +412,7 @@ nlohmann::json ett_json(const EttReport& r) {
                          {"resumed_from", a.resumed_from},
                          {"leaves", leaves(a.leaf_ns, [](int64_t ns) { return sec(ns); })}};
     if (a.failed) {
+      aj["cause"] = a.cause;
       aj["failure_step"] = a.failure_step;
       aj["durable_step"] = a.durable_step;
       aj["wasted_steps"] = a.wasted_steps;
@@ -443,6 +462,7 @@ std::string ett_html(const EttReport& r, const std::string& title) {
   row("ETT%", fmt("%.2f %%", 100 * r.ett));
   row("TTS", fmt("%.3f s", r.tts));
   row("NoF (injected)", std::to_string(r.nof) + " (" + std::to_string(r.injected) + ")");
+  row("NoF by cause", r.nof ? nof_by_cause_text(r) : "-");
   std::string ttr;
   for (double t : r.ttr) ttr += (ttr.empty() ? "" : ", ") + fmt("%.3f s", t);
   row("TTR per failure", ttr.empty() ? "-" : ttr);
@@ -511,6 +531,13 @@ std::string ett_html(const EttReport& r, const std::string& title) {
     << left + W - 40 << "\" y=\"" << height + 14 << "\">" << fmt("%.2f s", job) << "</text>\n";
   h << "</svg>\n</body></html>\n";
   return h.str();
+}
+
+std::string nof_by_cause_text(const EttReport& r) {
+  std::string text;
+  for (const auto& [cause, n] : r.nof_by_cause)
+    text += (text.empty() ? "" : ", ") + cause + " " + std::to_string(n);
+  return text;
 }
 
 std::vector<int> ttr_over_bound(const EttReport& r) {

@@ -14,7 +14,10 @@
 //                                                   staging copy (untagged: a save between steps)
 //   {"event": "resume", "step": c, "t": ns}         the attempt continues from checkpoint c
 //   {"event": "fault", "t": ns, "rank": r, "step": s, "kind": "..."}   injected failure
-//   {"event": "exit", "t": ns, "status": code}      the attempt ended (last line)
+//   {"event": "exit", "t": ns, "status": code}      the attempt ended (last line); a job
+//                                                   the supervisor ended adds "cause":
+//                                                   "hang" (and "progress_t": when it last
+//                                                   saw the log change) or "stop"
 // Times are CLOCK_MONOTONIC nanoseconds, one clock for every process of this machine
 // (the supervisor and the ranks). A leaf lasts from its line to the next phase line, the
 // fault, or the exit. The supervisor (`tessel run`) writes the attempt and exit lines and
@@ -23,14 +26,16 @@
 //
 // The analysis turns the logs into the spec's decomposition: steps of a failed attempt
 // after the checkpoint the next attempt resumed from are `wasted`, the time from a fault
-// to the attempt's exit is `failure_detection`; TTS, NoF, TTR per failure, ETT% and
-// goodput = MFU x ETT% follow. An attempt failed when it exited with a nonzero status, has
-// a fault line, or has no exit line and a later attempt exists (it died without writing
+// (or, for a hang the supervisor found, from when it last saw progress) to the attempt's exit
+// is `failure_detection`; TTS, NoF (also by cause), TTR per failure, ETT% and goodput = MFU x
+// ETT% follow. An attempt failed when it exited with a nonzero status or was killed as hung,
+// has a fault line, or has no exit line and a later attempt exists (it died without writing
 // one: killed, machine lost). The last attempt without an exit line is `open`: still
 // running, or died with no later attempt yet; it counts up to its last line, not as a
 // failure.
 #include <array>
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -124,6 +129,10 @@ class EttLedger {
   void enter(Phase phase, int64_t step = -1, int64_t t = monotonic_ns());
   // Any other line (resume, fault, exit); "t" is added when missing.
   void event(nlohmann::json record);
+  // Progress inside a leaf that may outlast `tessel run --hang-timeout` (a validation batch, a
+  // second of fault.init_delay_seconds): touches the log's modification time, the liveness
+  // signal the supervisor watches, without writing a line. Every line written is progress too.
+  void beat() const;
 
  private:
   std::string path_;
@@ -142,10 +151,14 @@ struct EttAttempt {
   int64_t t0 = 0, t1 = 0;  // ns: first line, exit (or last line)
   std::vector<EttSegment> segments;
   std::array<int64_t, kNumPhases> leaf_ns{};
-  bool failed = false;         // nonzero exit status, a fault, or no exit line but a later attempt
-  bool exited = false;         // has its exit line
-  bool open = false;           // the last attempt, without an exit line: running, or killed
-  bool injected = false;       // a fault line: the failure was injected
+  bool failed = false;    // nonzero exit status, a fault, or no exit line but a later attempt
+  bool exited = false;    // has its exit line
+  bool open = false;      // the last attempt, without an exit line: running, or killed
+  bool injected = false;  // a fault line: the failure was injected
+  // Why a failed attempt ended: "hang" (the supervisor killed it, --hang-timeout), "stop" (a
+  // stop signal it forwarded), "exit_status" (the job exited nonzero by itself),
+  // "no_exit_record" (it died without an exit line); empty when it did not fail.
+  std::string cause;
   int64_t resumed_from = 0;    // checkpoint step this attempt started from (0 = fresh)
   int64_t failure_step = -1;   // steps completed when it failed
   int64_t durable_step = -1;   // checkpoint the next attempt resumed from
@@ -167,6 +180,7 @@ struct EttReport {
   std::array<double, kNumPhases> tts_by_phase{};
   int nof = 0;                              // failed attempts
   int injected = 0;                         // of which injected
+  std::map<std::string, int> nof_by_cause;  // failed attempts by EttAttempt::cause
   std::vector<double> ttr;                  // per failure: wasted + detection + next start-up
   std::vector<int> failed_attempts;         // per failure: the index of its attempt log
   double ttr_bound = 0;                     // seconds; 0 = no bound
@@ -185,6 +199,8 @@ nlohmann::json ett_json(const EttReport& report);
 nlohmann::json ett_chrome_trace(const EttReport& report);
 // A self-contained HTML page: summary table, stacked bar of leaves per attempt, timeline.
 std::string ett_html(const EttReport& report, const std::string& title);
+// "exit_status 2, hang 1": NoF by cause.
+std::string nof_by_cause_text(const EttReport& report);
 // The failures (0-based) whose TTR exceeds report.ttr_bound (none when the bound is 0).
 std::vector<int> ttr_over_bound(const EttReport& report);
 // Writes ett.json, ett.html and ett_trace.json into `run_dir`; returns the report.

@@ -1,5 +1,6 @@
 #include "tessel/train/fault.hpp"
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -16,6 +17,7 @@ void validate(const FaultConfig& c) {
   if (c.kill_rank < 0)
     input_error("config key 'fault.kill_rank' must not be negative, got ", c.kill_rank);
   parse_int_list("fault.kill_steps", c.kill_steps, 0);
+  parse_int_list("fault.hang_steps", c.hang_steps, 0);
   parse_real_list("fault.kill_seconds", c.kill_seconds, 0);
   if (c.kill_in != "step" && c.kill_in != "checkpoint_write")
     input_error("config key 'fault.kill_in': expected step or checkpoint_write, got '", c.kill_in,
@@ -32,8 +34,11 @@ FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::s
     : rank_(rank), corrupt_step_(c.corrupt_step), ledger_(std::move(ledger_path)) {
   const auto steps = parse_int_list("fault.kill_steps", c.kill_steps, 0);
   const auto secs = parse_real_list("fault.kill_seconds", c.kill_seconds, 0);
+  const auto hangs = parse_int_list("fault.hang_steps", c.hang_steps, 0);
   if (rank != int(c.kill_rank)) return;
   if (size_t(attempt) < steps.size()) kill_step_ = steps[size_t(attempt)];
+  if (size_t(attempt) < hangs.size() && hangs[size_t(attempt)] > 0)
+    hang_step_ = hangs[size_t(attempt)];
   if (size_t(attempt) < secs.size()) kill_seconds_ = secs[size_t(attempt)];
   in_write_ = c.kill_in == "checkpoint_write";
   if (kill_step_ == 0) kill_step_ = -1;
@@ -62,7 +67,7 @@ FaultInjector::~FaultInjector() {
   if (timer_.joinable()) timer_.join();
 }
 
-void FaultInjector::kill(const char* kind) {
+void FaultInjector::announce(const char* kind, const char* what) {
   if (!ledger_.empty()) {
     try {
       append_json_line(ledger_, {{"event", "fault"},
@@ -77,16 +82,28 @@ void FaultInjector::kill(const char* kind) {
   const std::string of = std::string(kind) == "kill_in_checkpoint_write"
                              ? " of step " + std::to_string(kill_step_)
                              : "";
-  std::fprintf(stderr, "tessel: fault injection: rank %d kills itself (%s%s, %lld steps done)\n",
-               rank_, kind, of.c_str(), static_cast<long long>(completed_.load()));
+  std::fprintf(stderr, "tessel: fault injection: rank %d %s (%s%s, %lld steps done)\n", rank_, what,
+               kind, of.c_str(), static_cast<long long>(completed_.load()));
   std::fflush(stderr);
+}
+
+void FaultInjector::kill(const char* kind) {
+  announce(kind, "kills itself");
   std::raise(SIGKILL);
   std::abort();  // not reached
+}
+
+void FaultInjector::hang() {
+  announce("hang_at_step", "hangs");
+  // Asleep, not spinning: a stuck rank holds no core (its peers spin in MPI's wait), and
+  // SIGTERM, as from mpirun's teardown, ends it.
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
 void FaultInjector::after_step(int64_t step) {
   completed_ = step;
   if (armed_ && !in_write_ && step == kill_step_) kill("kill_at_step");
+  if (step == hang_step_) hang();
 }
 
 void FaultInjector::in_checkpoint_write(int64_t step) {

@@ -1,7 +1,8 @@
 #pragma once
 // The deterministic fault injector (spec section 5), configured by the `fault.*` keys.
 // Attempt k of a job (the k-th launch by `tessel run`, or the k-th `tessel train` in the
-// run directory) fires the k-th entry of `fault.kill_steps` / `fault.kill_seconds`:
+// run directory) fires the k-th entry of `fault.kill_steps` / `fault.kill_seconds` /
+// `fault.hang_steps`:
 //   kill_steps    rank `kill_rank` kills itself with SIGKILL right after its update of
 //                 that step (kill_in = "step"), or inside the checkpoint writer of that
 //                 step after its files are durable and before the manifest
@@ -9,13 +10,16 @@
 //   kill_seconds  rank `kill_rank` kills itself that many seconds after the attempt began
 //                 (its process start, before MPI start-up). The timer is armed when the
 //                 trainer is built, so a deadline that passed during start-up fires then;
+//   hang_steps    rank `kill_rank` blocks forever (sleeping) right after its update of that
+//                 step: a hang, which its peers join in their next collective and which only
+//                 `tessel run --hang-timeout` ends;
 //   init_delay_seconds  every rank of every attempt sleeps that long while building the
 //                 model: a synthetic slow cold start, which the ETT ledger charges to
 //                 model_build once per attempt (W grows by (1 + NoF) * delay);
 //   corrupt_step  after the checkpoint of that step is committed, one byte of rank 0's
 //                 model shard is flipped (storage corruption; found by the load's CRC).
-// Before dying, the rank appends a fault line to the attempt's ETT log, so the ledger
-// knows when the failure happened.
+// Before dying or hanging, the rank appends a fault line to the attempt's ETT log, so the
+// ledger knows when the failure happened.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -30,6 +34,7 @@ struct FaultConfig {
   int64_t kill_rank = 0;
   std::string kill_steps;         // comma-separated, one per attempt ("" = none; "0" = none)
   std::string kill_seconds;       // comma-separated seconds, one per attempt
+  std::string hang_steps;         // comma-separated steps, one per attempt ("" or "0" = none)
   std::string kill_in = "step";   // "step" | "checkpoint_write"
   int64_t corrupt_step = 0;       // 0 = none
   double init_delay_seconds = 0;  // synthetic cold-start delay per attempt
@@ -55,11 +60,15 @@ class FaultInjector {
   void after_commit(const std::string& dir, int64_t step);
 
  private:
+  // Appends the fault line and says on stderr what the rank does (`what`: "kills itself").
+  void announce(const char* kind, const char* what);
   [[noreturn]] void kill(const char* kind);
+  [[noreturn]] void hang();
 
   bool armed_ = false;  // this rank kills in this attempt
   int rank_;
   int64_t kill_step_ = -1;
+  int64_t hang_step_ = -1;
   double kill_seconds_ = -1;
   bool in_write_ = false;
   int64_t corrupt_step_;

@@ -438,7 +438,8 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
 }
 
 std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches,
-                                                       MoeMetrics& moe) {
+                                                       MoeMetrics& moe,
+                                                       const std::function<void()>& on_batch) {
   // Between executor runs no message is in flight, so any tag is free.
   constexpr int kTag = 0;
   std::vector<float> input, output;
@@ -457,6 +458,7 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
     if (!input.empty()) pp_.recv(input, stage_ - 1, kTag);
     const StageWindow r = work_.evaluate(b, input, output);
     if (!output.empty()) pp_.send(output, stage_ + 1, kTag);
+    on_batch();
     if (work_.last_stage()) sums[0] += r.loss_sum, sums[1] += r.loss_tokens;
     if (i < int64_t(batches.size())) moe.add(*r.activations);
   }

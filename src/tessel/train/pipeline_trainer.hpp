@@ -107,8 +107,9 @@ class PipelineTrainer {
   // over `batches` (this dp rank's), summed in batch order as one process sums them, on every
   // rank of the pp group. MoE models: `moe` gets every batch's forward of the stage's blocks,
   // summed over dp x cp and joined over pp. Collective over pp, ep, cp and dp x cp; call
-  // between steps (no message in flight).
-  std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches, MoeMetrics& moe);
+  // between steps (no message in flight). `on_batch` runs after each batch's forward (progress).
+  std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches, MoeMetrics& moe,
+                                        const std::function<void()>& on_batch);
   // Logits [V] of the token after `window` (one sequence, all of it on every cp rank), its
   // forward run through the stages and the last stage's logits broadcast, so every rank of
   // the pp group returns them (and can draw the same token). Collective over pp; call

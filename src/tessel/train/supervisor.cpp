@@ -1,8 +1,11 @@
 #include "tessel/train/supervisor.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -120,10 +123,81 @@ pid_t start_job(const std::vector<std::string>& args) {
   return pid;
 }
 
-// Waits for the job g_job to exit; its exit status (128 + signal if killed). g_job is
+// The attempt log's modification time: the job's liveness signal (each line rank 0 writes,
+// each EttLedger::beat). Zero when it cannot be read, which the next read then tells apart.
+timespec log_mtime(const std::string& log) {
+  struct stat st {};
+  if (::stat(log.c_str(), &st) != 0) return {};
+  return st.st_mtim;
+}
+
+// How a job ended: its exit status (128 + signal if killed); whether the supervisor killed
+// it for making no progress, and then when it last saw the job progress.
+struct JobEnd {
+  int status = 0;
+  bool hung = false;
+  int64_t progress_ns = 0;
+};
+
+// SIGTERM makes mpirun tear its ranks down (it SIGKILLs those that ignore SIGTERM within a
+// few seconds); SIGKILL to the job's process group, after this grace, ends a launcher that
+// does not end itself (its ranks, in process groups of their own, may then outlive it).
+constexpr int64_t kHangKillGraceNs = 30'000'000'000;
+
+// Watches the running job `pid` until it has exited (without reaping it). When the attempt
+// log `log` does not change for `timeout` seconds while no stop is being forwarded, the job
+// hangs: SIGTERM to its process group, SIGKILL after kHangKillGraceNs. Fills end.hung and
+// end.progress_ns.
+void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& end) {
+  const int fd = int(::syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0)
+    input_error(
+        "tessel run --hang-timeout: cannot watch the job (pidfd_open, Linux 5.3 or newer): ",
+        std::strerror(errno));
+  const auto limit = int64_t(timeout * 1e9);
+  // Looked at 10 times per timeout, at most once a second: a hang is found at most 10 % late.
+  const int poll_ms = int(std::clamp(timeout * 100, 1.0, 1000.0));
+  timespec seen = log_mtime(log);
+  end.progress_ns = monotonic_ns();
+  int64_t sigkill_at = 0;
+  pollfd exited{fd, POLLIN, 0};  // readable once the job has exited
+  for (;;) {
+    const int ready = ::poll(&exited, 1, poll_ms);
+    if (ready > 0) break;
+    if (ready < 0 && errno != EINTR) input_error("tessel run: poll failed: ", std::strerror(errno));
+    const int64_t now = monotonic_ns();
+    // Being stopped: what the teardown writes is no progress (mpirun sends SIGCONT before
+    // SIGTERM, so a stopped rank trains on for a moment).
+    if (end.hung) {
+      if (sigkill_at > 0 && now >= sigkill_at) {
+        sigkill_at = 0;
+        ::kill(-pid, SIGKILL);
+      }
+      continue;
+    }
+    const timespec now_seen = log_mtime(log);
+    if (now_seen.tv_sec != seen.tv_sec || now_seen.tv_nsec != seen.tv_nsec) {
+      seen = now_seen;
+      end.progress_ns = now;
+    } else if (!g_stop && now - end.progress_ns >= limit) {
+      std::fprintf(stderr,
+                   "tessel run: the job made no progress for %g s (%s did not change); stopping "
+                   "it as hung\n",
+                   timeout, log.c_str());
+      end.hung = true;
+      sigkill_at = now + kHangKillGraceNs;
+      ::kill(-pid, SIGTERM);
+    }
+  }
+  ::close(fd);
+}
+
+// Waits for the job g_job to exit, watching its progress when `hang_timeout` > 0. g_job is
 // cleared before the job is reaped, so that a later stop never signals a reused pid.
-int wait_job() {
+JobEnd wait_job(const std::string& log, double hang_timeout) {
   const pid_t pid = g_job;
+  JobEnd end;
+  if (hang_timeout > 0) watch_progress(pid, log, hang_timeout, end);
   siginfo_t info{};
   while (::waitid(P_PID, id_t(pid), &info, WEXITED | WNOWAIT) < 0)
     if (errno != EINTR) input_error("tessel run: waitid failed: ", std::strerror(errno));
@@ -131,9 +205,10 @@ int wait_job() {
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) input_error("tessel run: waitpid failed: ", std::strerror(errno));
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
+  end.status = WIFEXITED(status)     ? WEXITSTATUS(status)
+               : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
+                                     : 1;
+  return end;
 }
 
 }  // namespace
@@ -142,6 +217,8 @@ int supervise(const SuperviseOptions& o) {
   if (o.ranks < 1) input_error("tessel run: --np must be at least 1, got ", o.ranks);
   if (o.max_restarts < 0)
     input_error("tessel run: --max-restarts must not be negative, got ", o.max_restarts);
+  if (!(o.hang_timeout >= 0))
+    input_error("tessel run: --hang-timeout must be >= 0 seconds (0 = off), got ", o.hang_timeout);
   int threads = o.threads > 0
                     ? o.threads
                     : std::max(1, int(std::max(1u, std::thread::hardware_concurrency())) / o.ranks);
@@ -189,15 +266,24 @@ int supervise(const SuperviseOptions& o) {
         throw;
       }
     }
-    const int status = wait_job();
+    const JobEnd end = wait_job(log, o.hang_timeout);
+    const int status = end.status;
     if (attempt_withdrawn(log)) {  // bad input, or nothing to train: no attempt, no relaunch
       remove_attempt(log);
       return status;
     }
     const int64_t ended = monotonic_ns();
-    append_json_line(log, {{"event", "exit"}, {"t", ended}, {"status", status}});
-    if (status == 0 || status == kExitInputError) return status;
-    if (status == kExitDiverged) {
+    nlohmann::json exit_line = {{"event", "exit"}, {"t", ended}, {"status", status}};
+    if (end.hung) {
+      exit_line["cause"] = "hang";
+      exit_line["progress_t"] = end.progress_ns;
+    } else if (g_stop) {
+      exit_line["cause"] = "stop";
+    }
+    append_json_line(log, exit_line);
+    // A hung job failed, whatever status its launcher exited with: relaunched like any failure.
+    if (!end.hung && (status == 0 || status == kExitInputError)) return status;
+    if (!end.hung && status == kExitDiverged) {
       std::fprintf(stderr,
                    "tessel run: attempt %d diverged (a non-finite gradient norm); not "
                    "relaunching: a resume would repeat it\n",

@@ -5,7 +5,13 @@
 // It writes each attempt's first and last lines of the ETT log (ett.hpp): the attempt
 // begins when the supervisor starts it (for a relaunch: when it saw the previous attempt
 // end, so detection-to-relaunch time is the relaunch's `scheduling` leaf) and ends when
-// the job's processes have all exited. A job that stops with exit status 2 (bad input) or
+// the job's processes have all exited. With a hang timeout it also watches the job's
+// progress: the attempt's ETT log, whose modification time rank 0 advances with every line
+// (each training step, each leaf boundary) and with EttLedger::beat inside long leaves
+// (validation batches, the synthetic start-up delay). A job whose log stays unchanged that
+// long hangs (a hung rank stops rank 0 at its next collective): the supervisor stops it
+// (SIGTERM to its process group, SIGKILL 30 s later), writes its exit line with "cause":
+// "hang" and relaunches it like any failure. A job that stops with exit status 2 (bad input) or
 // 4 (diverged: a non-finite gradient norm) is not relaunched: a relaunch would fail again. SIGTERM,
 // SIGINT, SIGHUP or SIGQUIT to the supervisor stops the job: it is forwarded to the job (which runs
 // in its own process group, stdin /dev/null), the supervisor waits for it, writes the exit line,
@@ -27,6 +33,7 @@ struct SuperviseOptions {
   std::string run_dir;                  // the job's run.dir (its ETT log)
   std::vector<std::string> train_args;  // arguments after `tessel train`
   bool quiet = false;                   // no progress lines of the supervisor
+  double hang_timeout = 0;              // seconds without progress that make a hang; 0 = off
 };
 
 // Runs the job to success, until the restarts are spent or until stopped by a signal;

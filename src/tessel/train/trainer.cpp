@@ -332,8 +332,16 @@ struct Trainer::State {
     if (times.started_ns >= 0) ledger.enter(Phase::comm_init, -1, times.started_ns);
     if (times.comm_ready_ns >= 0) ledger.enter(Phase::other, -1, times.comm_ready_ns);
     PhaseMark build(ledger, Phase::model_build);
-    if (config.fault.init_delay_seconds > 0)  // fault.init_delay_seconds: a slow cold start
-      std::this_thread::sleep_for(std::chrono::duration<double>(config.fault.init_delay_seconds));
+    // fault.init_delay_seconds: a slow cold start, one that progresses (as a compilation
+    // does, kernel by kernel): a beat each second keeps it apart from a hang.
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point end =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(config.fault.init_delay_seconds));
+    while (Clock::now() < end) {
+      std::this_thread::sleep_until(std::min(end, Clock::now() + std::chrono::seconds(1)));
+      ledger.beat();
+    }
     return build;
   }
 
@@ -590,7 +598,7 @@ struct Trainer::State {
     double stats[2] = {0, 0};
     moe_val.clear();
     if (pipeline) {
-      const auto sums = pipeline->validation_sums(val_batches, moe_val);
+      const auto sums = pipeline->validation_sums(val_batches, moe_val, [&] { ledger.beat(); });
       stats[0] = sums[0], stats[1] = sums[1];
     } else {
       // Every forward exchanges tokens over the ep group: its ranks run as many as the one
@@ -604,6 +612,7 @@ struct Trainer::State {
         const RankBatchInputs rank_in(b, config, mesh.group(comm::Axis::cp));  // as in training
         const model::ModelInputs& in = rank_in.inputs();
         stats[0] += model.forward(activations(in.B, in.T), in);
+        ledger.beat();
         if (!real) continue;
         stats[1] += rank_in.loss_weight_sum();
         moe_val.add(activations(in.B, in.T));

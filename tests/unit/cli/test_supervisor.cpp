@@ -547,3 +547,66 @@ TEST_F(SupervisorTest, AStartUpDelayGrowsWallTimeOncePerAttemptAndTtrIsBounded) 
   b = nlohmann::json::parse(slurp(slow + "/ett.json"));
   EXPECT_EQ(b["ttr_over_bound"], nlohmann::json::array({0, 1}));
 }
+
+// A rank that hangs after step 6 stops its peer in the next collective: the attempt's ETT
+// log stops changing, and --hang-timeout ends the job and relaunches it. The timeout is far
+// above anything this job does at once on a loaded machine (MPI start-up included), and
+// the checks are one-sided: detection takes at least the timeout.
+TEST_F(SupervisorTest, AHungRankIsKilledAfterTheHangTimeoutAndTheRelaunchEndsBitwise) {
+  const double timeout = 6;
+  std::string run = fixture::temp_dir("tessel-sup-hang");
+  Outcome o = run_tessel(run_args(run, " --set fault.kill_rank=1 --set fault.hang_steps=6", 3,
+                                  "--hang-timeout " + std::to_string(timeout)));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.err.find("tessel run: the job made no progress for 6 s"), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("tessel run: attempt 0 failed"), std::string::npos) << o.err;
+  expect_same_tensors(read_shards(final_checkpoint(run), "model"),
+                      read_shards(final_checkpoint(reference), "model"));
+  EXPECT_EQ(loss_curve(run), loss_curve(reference));
+
+  auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 1);
+  EXPECT_EQ(ett["nof_by_cause"], nlohmann::json({{"hang", 1}}));
+  ASSERT_EQ(ett["attempts"].size(), 2u);
+  const auto& hung = ett["attempts"][0];
+  EXPECT_TRUE(hung["failed"].get<bool>());
+  EXPECT_EQ(hung["cause"], "hang");
+  EXPECT_EQ(hung["failure_step"], 6);
+  EXPECT_GE(hung["leaves"]["failure_detection"].get<double>(), timeout);
+  // The exit line: when the supervisor last saw progress, at least the timeout before the end.
+  const auto exit_line = jsonl(train::attempt_path(run, 0)).back();
+  EXPECT_EQ(exit_line["cause"], "hang");
+  EXPECT_GE(exit_line["t"].get<int64_t>() - exit_line["progress_t"].get<int64_t>(),
+            int64_t(timeout * 1e9));
+  EXPECT_FALSE(ett["attempts"][1]["failed"].get<bool>());
+  EXPECT_LE(ett["attempts"][1]["resumed_from"].get<int64_t>(), 6);
+}
+
+// Long legitimate work is progress: a start-up delay of twice the timeout beats the log every
+// second, so the job is not killed.
+TEST_F(SupervisorTest, ALongStartUpThatProgressesIsNotTakenForAHang) {
+  const double timeout = 5;
+  std::string run = fixture::temp_dir("tessel-sup-live");
+  Outcome o =
+      run_tessel(run_args(run, " --set fault.init_delay_seconds=" + std::to_string(2 * timeout), 3,
+                          "--hang-timeout " + std::to_string(timeout)));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(o.err.find("made no progress"), std::string::npos) << o.err;
+  auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 0);
+  ASSERT_EQ(ett["attempts"].size(), 1u);
+  EXPECT_GE(ett["attempts"][0]["leaves"]["model_build"].get<double>(), 2 * timeout);
+  EXPECT_EQ(loss_curve(run), loss_curve(reference));
+}
+
+TEST_F(SupervisorTest, BadHangSettingsAreRefusedBeforeAnythingRuns) {
+  std::string run = fixture::temp_dir("tessel-sup-hang-bad");
+  Outcome o = run_tessel(run_args(run, "", 3, "--hang-timeout -1"));
+  EXPECT_EQ(o.exit_code, kExitInputError);
+  EXPECT_NE(o.err.find("--hang-timeout must be >= 0 seconds (0 = off), got -1"), std::string::npos)
+      << o.err;
+  o = run_tessel(run_args(run, " --set fault.hang_steps=6,x"));
+  EXPECT_EQ(o.exit_code, kExitInputError);
+  EXPECT_NE(o.err.find("'fault.hang_steps'"), std::string::npos) << o.err;
+  EXPECT_EQ(train::count_attempts(run), 0);
+}
