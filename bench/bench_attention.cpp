@@ -5,9 +5,10 @@
 // in the same run, and the mask's bytes against a dense Sq x Sk boolean mask. Then per
 // (D, S): R^2 of time against computed-tile fraction over the masks, and the speed-up of
 // skipping on causal-document masks (documents of 256-2048 tokens) against the same kernel
-// with skipping disabled, next to the 0.8 / (visible-tile fraction) target.
+// with skipping disabled, next to the 0.8 / (visible-tile fraction) target, and the causal
+// mask's speed-up on all threads against one thread (timed interleaved in the same run).
 //
-//   bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--reps 3]
+//   bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--kv-heads 4] [--reps 3]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -119,7 +120,7 @@ double r_squared(const std::vector<double>& x, const std::vector<double>& y) {
 
 int main(int argc, char** argv) {
   std::vector<int64_t> dims{64, 128}, seqs{4096, 8192};
-  int64_t heads = 4, tile_k = TiledMask::kDefaultTileK;
+  int64_t heads = 4, kv_heads = 0, tile_k = TiledMask::kDefaultTileK;
   FlashOptions opt;
   int reps = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -130,6 +131,8 @@ int main(int argc, char** argv) {
       seqs = parse_list(argv[i + 1]);
     else if (a == "--heads")
       heads = std::atoll(argv[i + 1]);
+    else if (a == "--kv-heads")
+      kv_heads = std::atoll(argv[i + 1]);
     else if (a == "--reps")
       reps = std::atoi(argv[i + 1]);
     else if (a == "--tile-q")
@@ -141,28 +144,31 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] "
-                   "[--reps 3] [--tile-q 64] [--tile-k 64] [--run-cols 512]\n");
+                   "[--kv-heads HEADS] [--reps 3] [--tile-q 64] [--tile-k 64] [--run-cols 512]\n");
       return 2;
     }
   }
+  if (kv_heads == 0) kv_heads = heads;
+  const int threads = num_threads();
   std::printf(
       "threads %d, tile_q %lld, tile_k %lld, run_cols %lld; repetitions interleaved over "
       "the masks, best of %d; GEMM peak = best 1024^3 sgemm of the repetitions\n",
-      num_threads(), (long long)opt.tile_q, (long long)tile_k, (long long)opt.run_cols, reps);
+      threads, (long long)opt.tile_q, (long long)tile_k, (long long)opt.run_cols, reps);
   for (int64_t D : dims)
     for (int64_t N : seqs) {
-      const AttentionShape s{1, N, N, heads, heads, D};
+      const AttentionShape s{1, N, N, heads, kv_heads, D};
       Rng rng(uint64_t(N * 131 + D));
-      std::vector<float> q(size_t(N * heads * D)), k(q.size()), v(q.size());
+      std::vector<float> q(size_t(N * heads * D)), k(size_t(N * kv_heads * D)), v(k.size());
       rng.fill_normal(q.data(), int64_t(q.size()), 0, 1);
       rng.fill_normal(k.data(), int64_t(k.size()), 0, 1);
       rng.fill_normal(v.data(), int64_t(v.size()), 0, 1);
       const std::vector<Case> cases = masks(N, rng);
       std::vector<TiledMask> tiled;
       for (const Case& c : cases) tiled.emplace_back(stack_masks(N, N, 1, 1, {c.columns}), tile_k);
-      const size_t doc_case = 3;  // "causal document": also timed with skipping off
+      const size_t causal_case = 1;  // also timed on one thread
+      const size_t doc_case = 3;     // "causal document": also timed with skipping off
       std::vector<Timing> t(cases.size());
-      Timing base;
+      Timing base, one_thread;
       FlashOptions no_skip = opt;
       no_skip.skip_tiles = false;
       double peak = 0;
@@ -170,14 +176,17 @@ int main(int argc, char** argv) {
         peak = std::max(peak, kernels::measure_gemm_peak_gflops(1024, 0.3));
         for (size_t c = 0; c < cases.size(); ++c) time_once(t[c], s, tiled[c], opt, q, k, v);
         time_once(base, s, tiled[doc_case], no_skip, q, k, v);
+        set_num_threads(1);
+        time_once(one_thread, s, tiled[causal_case], opt, q, k, v);
+        set_num_threads(threads);
       }
-      std::printf("\nD=%lld S=%lld B=1 H=%lld, GEMM peak %.1f GFLOP/s\n", (long long)D,
-                  (long long)N, (long long)heads, peak);
+      std::printf("\nD=%lld S=%lld B=1 H=%lld Hkv=%lld, GEMM peak %.1f GFLOP/s\n", (long long)D,
+                  (long long)N, (long long)heads, (long long)kv_heads, peak);
       std::printf("%-24s %9s %9s %9s %8s %8s %18s\n", "mask", "computed", "fwd ms", "bwd ms",
                   "fwd/peak", "bwd/peak", "mask B vs dense B");
       std::vector<double> frac, tf, tb;
       for (size_t c = 0; c < cases.size(); ++c) {
-        const TileCounts tc = count_tiles(tiled[c], heads, heads, opt.tile_q);
+        const TileCounts tc = count_tiles(tiled[c], heads, kv_heads, opt.tile_q);
         const double elems = double(tc.computed_elements);
         const double fwd_gf = 4.0 * double(D) * elems / t[c].fwd * 1e-9;
         const double bwd_gf = 10.0 * double(D) * elems / t[c].bwd * 1e-9;
@@ -189,12 +198,17 @@ int main(int argc, char** argv) {
         tf.push_back(t[c].fwd);
         tb.push_back(t[c].bwd);
       }
-      const double vis = count_tiles(tiled[doc_case], heads, heads, opt.tile_q).computed_fraction();
+      const double vis =
+          count_tiles(tiled[doc_case], heads, kv_heads, opt.tile_q).computed_fraction();
       std::printf(
           "causal document, skipping off: fwd %.1f ms (%.2fx), bwd %.1f ms (%.2fx); "
           "target 0.8 / %.3f = %.2fx\n",
           base.fwd * 1e3, base.fwd / t[doc_case].fwd, base.bwd * 1e3, base.bwd / t[doc_case].bwd,
           vis, 0.8 / vis);
+      std::printf(
+          "causal on 1 thread: fwd %.1f ms, bwd %.1f ms; %d threads vs 1: fwd %.2fx, bwd %.2fx\n",
+          one_thread.fwd * 1e3, one_thread.bwd * 1e3, threads, one_thread.fwd / t[causal_case].fwd,
+          one_thread.bwd / t[causal_case].bwd);
       std::printf("R^2 of time vs computed fraction: forward %.4f, backward %.4f\n",
                   r_squared(frac, tf), r_squared(frac, tb));
     }

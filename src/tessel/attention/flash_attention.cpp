@@ -1,6 +1,7 @@
 #include "tessel/attention/flash_attention.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -26,27 +27,29 @@ int64_t tiles_per_run(const FlashOptions& opt, const TiledMask& m) {
   return std::max<int64_t>(1, opt.run_cols / m.tile_k());
 }
 
-// The runs of query rows [r0, r1) of mask head (b, hm): maximal stretches of non-skipped key
-// tiles, each split into the fewest near-equal whole-tile pieces of at most opt.run_cols
-// columns (so a stretch slightly over the limit does not leave one short, slow GEMM).
+// The runs of query rows [r0, r1) of mask head (b, hm) over key tiles [n_begin, n_end):
+// maximal stretches of non-skipped key tiles, each split into the fewest near-equal whole-tile
+// pieces of at most opt.run_cols columns (so a stretch slightly over the limit does not leave
+// one short, slow GEMM). kinds[n] is set for the tiles of the range.
 void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const TiledMask& m, int64_t b,
-               int64_t hm, int64_t r0, int64_t r1, const FlashOptions& opt) {
+               int64_t hm, int64_t r0, int64_t r1, int64_t n_begin, int64_t n_end,
+               const FlashOptions& opt) {
   runs.clear();
-  const int64_t Sk = m.mask().cols(), tk = m.tile_k(), nt = m.num_key_tiles();
+  const int64_t Sk = m.mask().cols(), tk = m.tile_k();
   const int64_t max_tiles = tiles_per_run(opt, m);
-  kinds.resize(size_t(nt));
-  for (int64_t n = 0; n < nt; ++n) {
+  kinds.resize(size_t(m.num_key_tiles()));
+  for (int64_t n = n_begin; n < n_end; ++n) {
     TileKind kind = m.classify(b, hm, r0, r1, n);
     if (kind == TileKind::skip && !opt.skip_tiles) kind = TileKind::partial;
     kinds[size_t(n)] = kind;
   }
-  for (int64_t n0 = 0; n0 < nt;) {
+  for (int64_t n0 = n_begin; n0 < n_end;) {
     if (kinds[size_t(n0)] == TileKind::skip) {
       ++n0;
       continue;
     }
     int64_t n1 = n0;
-    while (n1 < nt && kinds[size_t(n1)] != TileKind::skip) ++n1;
+    while (n1 < n_end && kinds[size_t(n1)] != TileKind::skip) ++n1;
     const int64_t pieces = (n1 - n0 + max_tiles - 1) / max_tiles;
     for (int64_t p = 0; p < pieces; ++p) {
       const int64_t a = n0 + (n1 - n0) * p / pieces, e = n0 + (n1 - n0) * (p + 1) / pieces;
@@ -151,7 +154,7 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
         for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
           const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0), g = h / rep;
           const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
-          plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
+          plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, 0, tm.num_key_tiles(), opt);
           std::fill(m.begin(), m.end(), -INFINITY);
           std::fill(l.begin(), l.end(), 0.0f);
           std::fill(acc.begin(), acc.end(), 0.0f);
@@ -209,73 +212,182 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
   }
 }
 
+namespace {
+
+// The backward's dQ in a fixed order (spec §4.4). Work items are (batch, kv head, key chunk),
+// numbered chunk-innermost and taken in increasing order; each walks the same steps (query
+// head of the group, query tile). An item's dQ contribution to one step's tile waits in a slot
+// here until every lower chunk of its (batch, kv head) has added or passed that step, then is
+// added to dq: dq sums in chunk order whoever runs what. Waiting contributions move on with
+// the thread to its next item, so a thread waits only when its slots are full (or at the end).
+class OrderedDq {
+ public:
+  OrderedDq(std::vector<std::atomic<int>>& done, int64_t chunks, int64_t steps, int64_t Br,
+            int64_t D, int64_t ldq)
+      : done_(done),
+        chunks_(chunks),
+        steps_(steps),
+        D_(D),
+        ldq_(ldq),
+        tile_(Br * D),
+        buf_(static_cast<size_t>(kSlots * Br * D)) {}
+
+  // The slot for item's contribution at step (R rows to add at dst); waits when all are taken.
+  float* reserve(int64_t item, int64_t step, float* dst, int64_t R) {
+    if (count_ == kSlots) add_front(true);
+    const int64_t slot = (head_ + count_++) % kSlots;
+    pending_[size_t(slot)] = {item, step, dst, R};
+    return buf_.data() + slot * tile_;
+  }
+  // item has computed every step before pos: adds what may be added, publishes progress.
+  void progress(int64_t item, int64_t pos) {
+    item_ = item, pos_ = pos;
+    while (count_ > 0 && add_front(false)) {
+    }
+    publish(item);
+  }
+  // Adds everything still waiting.
+  void drain() {
+    while (count_ > 0) add_front(true);
+  }
+
+ private:
+  static constexpr int64_t kSlots = 8;
+  struct Entry {
+    int64_t item, step;
+    float* dst;
+    int64_t R;
+  };
+
+  // Adds the oldest contribution once every lower chunk has passed its step (waiting for that
+  // when asked); false if it may not be added yet.
+  bool add_front(bool wait) {
+    const Entry e = pending_[size_t(head_)];
+    const int64_t first = e.item - e.item % chunks_;
+    for (int64_t i = first; i < e.item; ++i)
+      for (int v; (v = done_[size_t(i)].load(std::memory_order_acquire)) <= e.step;) {
+        if (!wait) return false;
+        done_[size_t(i)].wait(v, std::memory_order_acquire);
+      }
+    const float* src = buf_.data() + head_ * tile_;
+    for (int64_t r = 0; r < e.R; ++r) {
+      float* d = e.dst + r * ldq_;
+      const float* s = src + r * D_;
+#pragma omp simd
+      for (int64_t j = 0; j < D_; ++j) d[j] += s[j];
+    }
+    head_ = (head_ + 1) % kSlots, --count_;
+    publish(e.item);
+    return true;
+  }
+  // done[item] = steps of item settled: up to its first waiting contribution, else as far as
+  // it has computed (all steps once another item is current).
+  void publish(int64_t item) {
+    int64_t settled = item == item_ ? pos_ : steps_;
+    for (int64_t n = 0; n < count_; ++n) {
+      const Entry& e = pending_[size_t((head_ + n) % kSlots)];
+      if (e.item == item) {
+        settled = e.step;
+        break;
+      }
+    }
+    std::atomic<int>& d = done_[size_t(item)];
+    if (d.load(std::memory_order_relaxed) == int(settled)) return;
+    d.store(int(settled), std::memory_order_release);
+    d.notify_all();
+  }
+
+  std::vector<std::atomic<int>>& done_;
+  int64_t chunks_, steps_, D_, ldq_, tile_;
+  std::vector<float> buf_;
+  Entry pending_[kSlots]{};
+  int64_t head_ = 0, count_ = 0, item_ = -1, pos_ = 0;
+};
+
+}  // namespace
+
 // Spec §4.4 with P recomputed from lse: dP = dO V^T, delta_r = dO_r . O_r,
-// dS = P * (dP - delta); dQ += scale dS K, dK += scale dS^T Q, dV += P^T dO.
+// dS = P * (dP - delta); dQ += scale dS K, dK += scale dS^T Q, dV += P^T dO. Column-parallel:
+// each (batch, kv head, chunk of run_cols key columns) owns that chunk's dK and dV; dQ sums
+// through OrderedDq. The partition depends on the options only, never on the thread count.
 void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                               const float* k, const float* v, const float* o, const float* lse,
                               const AttentionShape& s, const TiledMask& tm,
                               const FlashOptions& opt) {
   const Setup st = setup(s, tm, opt);
-  const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk;
+  const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk, Qt = st.query_tiles;
+  const int64_t chunk_tiles = st.run_cols / tm.tile_k();
+  const int64_t chunks = (tm.num_key_tiles() + chunk_tiles - 1) / chunk_tiles;
+  const int64_t items = s.B * s.Hk * chunks, steps = rep * Qt;
   const Layout& L = st.layout;
+  std::vector<float> delta(static_cast<size_t>(s.B * s.Hq * s.Sq));  // laid out as lse
+  std::vector<std::atomic<int>> done(static_cast<size_t>(items));
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel
   {
+#pragma omp for
+    for (int64_t i = 0; i < s.B * s.Sq * s.Hq; ++i) {
+      const float *g_r = dout + i * D, *o_r = o + i * D;
+      float d_r = 0.0f;
+#pragma omp simd reduction(+ : d_r)
+      for (int64_t d = 0; d < D; ++d) d_r += g_r[d] * o_r[d];
+      const int64_t b = i / (s.Sq * s.Hq), r = i / s.Hq % s.Sq, h = i % s.Hq;
+      delta[size_t((b * s.Hq + h) * s.Sq + r)] = d_r;
+    }
     std::vector<float> P(static_cast<size_t>(Br * st.run_cols)),
         dS(static_cast<size_t>(Br * st.run_cols));
-    std::vector<float> delta(static_cast<size_t>(Br));
     std::vector<Run> runs;
     std::vector<TileKind> kinds;
-#pragma omp for collapse(2) schedule(dynamic)
-    for (int64_t b = 0; b < s.B; ++b)
-      for (int64_t g = 0; g < s.Hk; ++g)
-        for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
-          const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
-          for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
-            const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0);
-            plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, opt);
-            if (runs.empty()) continue;
-            const int64_t q0 = L.q_offset(s, b, h, r0);
-            const float* row_lse = lse + (b * s.Hq + h) * s.Sq + r0;
-            for (int64_t r = 0; r < R; ++r) {
-              const float* g_r = dout + q0 + r * L.ldq;
-              const float* o_r = o + q0 + r * L.ldq;
-              float d_r = 0.0f;
-#pragma omp simd reduction(+ : d_r)
-              for (int64_t d = 0; d < D; ++d) d_r += g_r[d] * o_r[d];
-              delta[size_t(r)] = d_r;
+    OrderedDq ordered(done, chunks, steps, Br, D, L.ldq);
+    // Items in increasing order (not an omp schedule) so a lower chunk is always under way.
+    for (int64_t item; (item = next_item.fetch_add(1)) < items;) {
+      const int64_t b = item / (s.Hk * chunks), g = item / chunks % s.Hk;
+      const int64_t n0 = item % chunks * chunk_tiles;
+      const int64_t n1 = std::min(tm.num_key_tiles(), n0 + chunk_tiles);
+      // Query tiles from the last down: under causal-like masks a chunk then visits the tiles
+      // its lower neighbours visit in the same order, so its contributions rarely wait.
+      for (int64_t step = 0; step < steps; ++step) {
+        const int64_t h = g * rep + step / Qt, r0 = (Qt - 1 - step % Qt) * Br;
+        const int64_t R = std::min(Br, s.Sq - r0), hm = tm.mask().head_for(h, s.Hq, s.Hk);
+        plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, n0, n1, opt);
+        const int64_t q0 = L.q_offset(s, b, h, r0);
+        const float* row_lse = lse + (b * s.Hq + h) * s.Sq + r0;
+        const float* row_delta = delta.data() + (b * s.Hq + h) * s.Sq + r0;
+        float* dq_part = runs.empty() ? nullptr : ordered.reserve(item, step, dq + q0, R);
+        for (const Run& run : runs) {
+          const int64_t J = run.c1 - run.c0;
+          const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
+          kd::sgemm(false, true, R, J, D, st.scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f, P.data(),
+                    J);
+          if (run.partial) apply_mask(P.data(), J, run, kinds, tm, b, hm, r0, R);
+          kd::sgemm(false, true, R, J, D, 1.0f, dout + q0, L.ldq, v + kv0, L.ldkv, 0.0f, dS.data(),
+                    J);
+          for (int64_t r = 0; r < R; ++r) {
+            float* p = P.data() + r * J;
+            float* ds = dS.data() + r * J;
+            const float lr = row_lse[r], d_r = row_delta[r];
+            if (lr == -INFINITY) {  // a row with no visible key: no gradient
+              std::fill(p, p + J, 0.0f);
+              std::fill(ds, ds + J, 0.0f);
+              continue;
             }
-            for (const Run& run : runs) {
-              const int64_t J = run.c1 - run.c0;
-              const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
-              kd::sgemm(false, true, R, J, D, st.scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f,
-                        P.data(), J);
-              if (run.partial) apply_mask(P.data(), J, run, kinds, tm, b, hm, r0, R);
-              kd::sgemm(false, true, R, J, D, 1.0f, dout + q0, L.ldq, v + kv0, L.ldkv, 0.0f,
-                        dS.data(), J);
-              for (int64_t r = 0; r < R; ++r) {
-                float* p = P.data() + r * J;
-                float* ds = dS.data() + r * J;
-                const float lr = row_lse[r], d_r = delta[size_t(r)];
-                if (lr == -INFINITY) {  // a row with no visible key: no gradient
-                  std::fill(p, p + J, 0.0f);
-                  std::fill(ds, ds + J, 0.0f);
-                  continue;
-                }
 #pragma omp simd
-                for (int64_t j = 0; j < J; ++j) {
-                  p[j] = kd::fast_expf(p[j] - lr);
-                  ds[j] = p[j] * (ds[j] - d_r);
-                }
-              }
-              kd::sgemm(false, false, R, D, J, st.scale, dS.data(), J, k + kv0, L.ldkv, 1.0f,
-                        dq + q0, L.ldq);
-              kd::sgemm(true, false, J, D, R, st.scale, dS.data(), J, q + q0, L.ldq, 1.0f, dk + kv0,
-                        L.ldkv);
-              kd::sgemm(true, false, J, D, R, 1.0f, P.data(), J, dout + q0, L.ldq, 1.0f, dv + kv0,
-                        L.ldkv);
+            for (int64_t j = 0; j < J; ++j) {
+              p[j] = kd::fast_expf(p[j] - lr);
+              ds[j] = p[j] * (ds[j] - d_r);
             }
           }
+          kd::sgemm(false, false, R, D, J, st.scale, dS.data(), J, k + kv0, L.ldkv,
+                    &run == runs.data() ? 0.0f : 1.0f, dq_part, D);
+          kd::sgemm(true, false, J, D, R, st.scale, dS.data(), J, q + q0, L.ldq, 1.0f, dk + kv0,
+                    L.ldkv);
+          kd::sgemm(true, false, J, D, R, 1.0f, P.data(), J, dout + q0, L.ldq, 1.0f, dv + kv0,
+                    L.ldkv);
         }
+        ordered.progress(item, step + 1);
+      }
+    }
+    ordered.drain();
   }
 }
 

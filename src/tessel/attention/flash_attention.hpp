@@ -11,10 +11,11 @@
 // A row that sees no key gets o = 0, lse = -inf and contributes zero gradients (never NaN).
 //
 // Parallelism (OpenMP): the forward over (batch, query head, query tile); the backward over
-// (batch, kv head), each thread owning that head's dK and dV and its query heads' dQ rows, so
-// every gradient accumulates in a fixed order: results are bitwise reproducible for a fixed
-// tile configuration whatever the thread count. f32 compute; bf16 inputs through the Tensor
-// overloads.
+// (batch, kv head, chunk of run_cols key columns), the chunk's worker owning its dK and dV and
+// adding its dQ contributions to each query tile in chunk order (spec §4.4), so it uses every
+// thread even at batch 1 with one kv head and every gradient accumulates in a fixed order:
+// results are bitwise reproducible for a fixed tile configuration whatever the thread count.
+// f32 compute; bf16 inputs through the Tensor overloads.
 #include <cstdint>
 
 #include "tessel/attention/tiled_mask.hpp"
@@ -27,8 +28,10 @@ struct AttentionShape {
 };
 
 struct FlashOptions {
-  int64_t tile_q = 128;    // query rows per tile (the key tile is the TiledMask's)
-  int64_t run_cols = 512;  // most key columns per GEMM (per-thread scratch tile_q x run_cols)
+  int64_t tile_q = 128;  // query rows per tile (the key tile is the TiledMask's)
+  // Most key columns per GEMM (per-thread scratch tile_q x run_cols), rounded down to whole key
+  // tiles; also the width of the backward's key chunks.
+  int64_t run_cols = 512;
   bool skip_tiles = true;  // false: compute fully masked tiles too (the benchmark baseline)
 };
 

@@ -215,6 +215,62 @@ TEST(FlashAttention, DeterministicAcrossRunsAndThreadCounts) {
   EXPECT_TRUE(kernels::test::bitwise_equal(a, c));
 }
 
+// Batch 1 with one kv head (the context-parallel shape) and GQA 4:1: the backward's key chunks
+// (8 of 128 columns) give the same bits on 1, 2 and 3 threads under every standard mask.
+TEST(FlashAttention, ChunkedBackwardBitwiseAcrossThreadCounts) {
+  Rng rng(24);
+  const int64_t N = 1000;
+  const FlashOptions opt{.tile_q = 64, .run_cols = 128};
+  const int saved = num_threads();
+  for (const auto& c : test::standard_masks(N, rng))
+    for (int64_t Hq : {1, 4}) {
+      SCOPED_TRACE(c.name + " Hq=" + std::to_string(Hq));
+      const AttentionShape s{1, N, N, Hq, 1, 16};
+      const Problem p = random_problem(s, 25);
+      const TiledMask tm(stack_masks(N, N, 1, 1, {c.columns}));
+      VecF o(p.q.size()), lse(size_t(Hq * N));
+      flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, opt);
+      const auto backward = [&](int threads) {
+        set_num_threads(threads);
+        VecF dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
+        flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(),
+                                 p.k.data(), p.v.data(), o.data(), lse.data(), s, tm, opt);
+        dq.insert(dq.end(), dk.begin(), dk.end());
+        dq.insert(dq.end(), dv.begin(), dv.end());
+        return dq;
+      };
+      const VecF one = backward(1);
+      EXPECT_TRUE(kernels::test::bitwise_equal(one, backward(2)));
+      EXPECT_TRUE(kernels::test::bitwise_equal(one, backward(3)));
+    }
+  set_num_threads(saved);
+  // The masks above skip tiles: chunks meet query tiles they do not visit.
+  EXPECT_GT(count_tiles(TiledMask(ColumnMask::causal_only(1, N, N)), 1, 1, 64).skipped, 0);
+}
+
+// The same shapes against the reference on 3 threads, with many key chunks: every standard
+// mask, the default options (3 chunks) and Sq != Sk.
+TEST(FlashAttention, ChunkedBackwardMatchesReference) {
+  Rng rng(26);
+  const int64_t N = 1500;
+  const int saved = num_threads();
+  set_num_threads(3);
+  for (const auto& c : test::standard_masks(N, rng)) {
+    SCOPED_TRACE(c.name);
+    expect_matches_reference(random_problem({1, N, N, 4, 1, 16}, 27),
+                             stack_masks(N, N, 1, 1, {c.columns}), {.tile_q = 64, .run_cols = 128});
+  }
+  expect_matches_reference(random_problem({1, N, N, 2, 1, 16}, 28),
+                           stack_masks(N, N, 1, 1, {causal_mask(N, N)}));
+  for (auto [Sq, Sk] : {std::pair<int64_t, int64_t>{300, 1000}, {1000, 300}}) {
+    SCOPED_TRACE("Sq=" + std::to_string(Sq) + " Sk=" + std::to_string(Sk));
+    expect_matches_reference(random_problem({1, Sq, Sk, 2, 1, 8}, 29),
+                             stack_masks(Sq, Sk, 1, 1, {sliding_window_mask(Sq, Sk, 200)}),
+                             {.tile_q = 48, .run_cols = 64}, 32);
+  }
+  set_num_threads(saved);
+}
+
 // bf16 inputs: error within twice a naive f32 kernel's on the same rounded inputs, + 1e-3.
 TEST(FlashAttention, AcceptsBf16Inputs) {
   Rng rng(22);
