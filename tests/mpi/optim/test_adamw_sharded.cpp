@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "support/optimizer_state.hpp"
 #include "support/param_fixture.hpp"
 #include "tessel/comm/world.hpp"
 #include "tessel/optim/adamw.hpp"
@@ -14,6 +15,7 @@ using namespace tessel;
 using namespace tessel::optim;
 using tessel::fixture::ParamSet;
 using tessel::fixture::ParamSpec;
+using tessel::fixture::state_bytes;
 
 namespace {
 
@@ -26,24 +28,6 @@ void run(AdamW& opt, ParamSet& ps, uint64_t seed, int steps) {
   for (uint64_t s = seed; s < seed + uint64_t(steps); ++s) {
     ps.random_grads(s);
     opt.step(0.5 + 0.001 * double(s));
-  }
-}
-
-std::vector<std::vector<uint8_t>> state_bytes(AdamW& opt) {
-  std::vector<std::vector<uint8_t>> out;
-  for (const StateTensor& s : opt.state()) {
-    const auto* p = static_cast<const uint8_t*>(s.tensor.raw());
-    out.emplace_back(p, p + s.tensor.bytes());
-  }
-  return out;
-}
-
-void load(AdamW& opt, const std::vector<std::vector<uint8_t>>& saved) {
-  auto st = opt.state();
-  ASSERT_EQ(st.size(), saved.size());
-  for (size_t i = 0; i < st.size(); ++i) {
-    ASSERT_EQ(st[i].tensor.bytes(), saved[i].size()) << st[i].name;
-    std::memcpy(st[i].tensor.raw(), saved[i].data(), saved[i].size());
   }
 }
 
@@ -118,7 +102,7 @@ TEST(AdamWSharded, CheckpointsMoveBetweenOneProcessAndPRanks) {
 
   std::memcpy(ps.values.f32(), at_save.data(), at_save.size() * sizeof(float));
   AdamW sharded(ps.params, kHyper, kDecay, &world);
-  load(sharded, saved_one);
+  fixture::load_state_bytes(sharded, saved_one);
   run(sharded, ps, 400, 1);
   const auto saved_sharded = state_bytes(sharded);
   const auto mid = ps.snapshot();
@@ -127,7 +111,7 @@ TEST(AdamWSharded, CheckpointsMoveBetweenOneProcessAndPRanks) {
 
   std::memcpy(ps.values.f32(), mid.data(), mid.size() * sizeof(float));
   AdamW back(ps.params, kHyper, kDecay, nullptr);
-  load(back, saved_sharded);
+  fixture::load_state_bytes(back, saved_sharded);
   run(back, ps, 401, 1);
   EXPECT_EQ(ps.snapshot(), expected);
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "support/optimizer_state.hpp"
 #include "support/param_fixture.hpp"
 #include "tessel/comm/world.hpp"
 #include "tessel/optim/muon.hpp"
@@ -14,6 +15,7 @@
 using namespace tessel;
 using namespace tessel::optim;
 using tessel::fixture::ParamSet;
+using tessel::fixture::state_bytes;
 
 namespace {
 
@@ -41,15 +43,6 @@ void run(Muon& opt, ParamSet& ps, uint64_t seed, int steps) {
     ps.random_grads(seed + uint64_t(s));
     opt.step(0.5 + 0.2 * s);
   }
-}
-
-std::vector<std::vector<uint8_t>> state_bytes(Muon& opt) {
-  std::vector<std::vector<uint8_t>> out;
-  for (const StateTensor& s : opt.state()) {
-    const auto* p = static_cast<const uint8_t*>(s.tensor.raw());
-    out.emplace_back(p, p + s.tensor.bytes());
-  }
-  return out;
 }
 
 struct Case {
@@ -136,10 +129,7 @@ TEST(MuonDistributed, ResumeIsBitwise) {
     const auto expected = ps.snapshot();
     std::memcpy(ps.values.f32(), params.data(), params.size() * sizeof(float));
     Muon fresh(ps.params, h, adam(), kDecay, &world);
-    auto st = fresh.state();
-    ASSERT_EQ(st.size(), saved.size());
-    for (size_t i = 0; i < st.size(); ++i)
-      std::memcpy(st[i].tensor.raw(), saved[i].data(), saved[i].size());
+    fixture::load_state_bytes(fresh, saved);
     run(fresh, ps, 400, 2);
     EXPECT_EQ(ps.snapshot(), expected);
   }
