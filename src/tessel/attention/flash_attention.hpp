@@ -12,8 +12,9 @@
 //
 // Parallelism (OpenMP): the forward over (batch, query head, query tile); the backward over
 // (batch, kv head, chunk of run_cols key columns), the chunk's worker owning its dK and dV and
-// adding its dQ contributions to each query tile in chunk order (spec §4.4), so it uses every
-// thread even at batch 1 with one kv head and every gradient accumulates in a fixed order:
+// adding its dQ contributions to each query tile in chunk order (spec §4.4), so it uses up to
+// B x Hk x ceil(Sk / run_cols) threads (at batch 1 with one kv head too; one below
+// Sk = run_cols) and every gradient accumulates in a fixed order:
 // results are bitwise reproducible for a fixed tile configuration whatever the thread count.
 // f32 compute; bf16 inputs through the Tensor overloads.
 #include <cstdint>

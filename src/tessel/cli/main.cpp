@@ -296,8 +296,10 @@ int main(int argc, char** argv) {
                    "relaunched (cause hang in the ETT report). Progress is any line of the "
                    "attempt's ETT log (each training step, each phase change) or a beat inside "
                    "validation and the start-up delay, so it must exceed the longest single "
-                   "step, checkpoint load or write, model build, GEMM peak measurement and "
-                   "sample; 0 = off (the default: no timeout fits every model and machine)")
+                   "step, checkpoint load or write, MPI start-up with model and data loader "
+                   "build, GEMM peak measurement and sample, and 10 s (a rank failing alone "
+                   "waits that long before it aborts); 0 = off (the default: no timeout fits "
+                   "every model and machine)")
       ->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train");
   double max_ttr = 0;

@@ -57,40 +57,24 @@ template void adamw_update<double>(double*, const double*, double*, double*, int
                                    const AdamWHyper&, int64_t);
 }  // namespace naive
 
-AdamW::AdamW(ParameterList params, const AdamWHyper& base, std::vector<ParamTag> decay_tags,
-             comm::Communicator* group)
+AdamW::AdamW(ParameterList params, const AdamWHyper& base, std::vector<ParamTag> decay_tags)
     : params_(std::move(params)),
       base_(base),
       decay_tags_(std::move(decay_tags)),
-      group_(group),
       step_(Shape{1}, DType::i32) {
   std::set<std::string> names;
+  int64_t total = 0;
   for (const Parameter& p : params_) {
     TESSEL_CHECK(p.value.dtype() == DType::f32 && p.grad.dtype() == DType::f32, "parameter ",
                  p.name, " must be f32");
     TESSEL_CHECK(p.value.shape() == p.grad.shape(), "parameter ", p.name, " value ",
                  shape_str(p.value.shape()), " and grad ", shape_str(p.grad.shape()), " differ");
     TESSEL_CHECK(names.insert(p.name).second, "duplicate parameter name ", p.name);
-    offsets_.push_back(total_);
-    total_ += p.value.numel();
+    offsets_.push_back(total);
+    total += p.value.numel();
   }
-  // In place needs one buffer in list order (the model's flat buffer is; a subset may not be).
-  contiguous_ = !params_.empty();
-  for (size_t i = 0; i < params_.size(); ++i)
-    contiguous_ =
-        contiguous_ && params_[i].value.f32() == params_.front().value.f32() + offsets_[i];
-  hi_ = total_;
-  if (sharded()) {
-    const int P = group_->size();
-    const int64_t chunk = (total_ + P - 1) / P;
-    for (int r = 0; r < P; ++r) {
-      const int64_t lo = std::min(total_, r * chunk), hi = std::min(total_, lo + chunk);
-      range_counts_.push_back(size_t(hi - lo));
-      if (r == group_->rank()) lo_ = lo, hi_ = hi;
-    }
-  }
-  m_ = Tensor(Shape{hi_ - lo_});
-  v_ = Tensor(Shape{hi_ - lo_});
+  m_ = Tensor(Shape{total});
+  v_ = Tensor(Shape{total});
 }
 
 double AdamW::weight_decay_of(const Parameter& param) const {
@@ -98,76 +82,28 @@ double AdamW::weight_decay_of(const Parameter& param) const {
   return decays ? base_.weight_decay : 0.0;
 }
 
-template <class F>
-void AdamW::for_each_own_piece(F&& f) const {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t a = offsets_[i], b = a + params_[i].value.numel();
-    const int64_t lo = std::max(a, lo_), hi = std::min(b, hi_);
-    if (lo < hi) f(i, lo - a, hi - lo, lo);
-  }
-}
-
-// m, then v: at most one whole tensor (4 bytes per element) is held beside the ranges.
-void AdamW::take_loaded_range() {
-  for (auto [own, whole] : {std::pair{&m_, &whole_m_}, std::pair{&v_, &whole_v_}}) {
-    if (!whole->defined()) continue;
-    Tensor range(Shape{hi_ - lo_});
-    std::copy_n(whole->f32() + lo_, hi_ - lo_, range.f32());
-    *own = range;
-    *whole = Tensor();
-  }
-}
-
 void AdamW::step(double lr_scale) {
   int32_t& t = step_.i32()[0];
   TESSEL_CHECK(t < std::numeric_limits<int32_t>::max(), "adamw step counter overflow");
   ++t;
-  take_loaded_range();
   AdamWHyper h = base_;
   h.lr = base_.lr * lr_scale;
-  for_each_own_piece([&](size_t i, int64_t first, int64_t n, int64_t at) {
+  for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = params_[i];
     h.weight_decay = weight_decay_of(p);
-    adamw_update(p.value.f32() + first, p.grad.f32() + first, m_.f32() + (at - lo_),
-                 v_.f32() + (at - lo_), n, h, t);
-  });
-  if (!sharded()) return;
-  if (contiguous_) {  // the model's flat buffer: gathered in place, no copy
-    float* all = params_.front().value.f32();
-    group_->all_gatherv(std::span<const float>(all + lo_, size_t(hi_ - lo_)),
-                        std::span<float>(all, size_t(total_)), range_counts_);
-    return;
+    int64_t n = p.value.numel();
+    adamw_update(p.value.f32(), p.grad.f32(), m_.f32() + offsets_[i], v_.f32() + offsets_[i], n, h,
+                 t);
   }
-  std::vector<float> own(size_t(hi_ - lo_)), all(static_cast<size_t>(total_));
-  for_each_own_piece([&](size_t i, int64_t first, int64_t n, int64_t at) {
-    std::copy_n(params_[i].value.f32() + first, n, own.data() + (at - lo_));
-  });
-  group_->all_gatherv(own, all, range_counts_);
-  for (size_t i = 0; i < params_.size(); ++i)
-    std::copy_n(all.data() + offsets_[i], params_[i].value.numel(), params_[i].value.f32());
 }
 
 std::vector<StateTensor> AdamW::state() {
-  if (sharded()) {
-    // The range becomes a view of the whole tensor, so a checkpoint holds 8 bytes per
-    // element (as replicated state does), not that plus the ranges.
-    for (auto [own, whole] : {std::pair{&m_, &whole_m_}, std::pair{&v_, &whole_v_}}) {
-      if (!whole->defined()) {
-        *whole = Tensor(Shape{total_});
-        group_->all_gatherv(std::span<const float>(own->f32(), size_t(hi_ - lo_)),
-                            std::span<float>(whole->f32(), size_t(total_)), range_counts_);
-        *own = whole->view(lo_, Shape{hi_ - lo_});
-      }
-    }
-  }
-  const Tensor& m = sharded() ? whole_m_ : m_;
-  const Tensor& v = sharded() ? whole_v_ : v_;
   std::vector<StateTensor> out;
   out.push_back({"adamw.step", step_});
   for (size_t i = 0; i < params_.size(); ++i) {
     const Parameter& p = params_[i];
-    out.push_back({"adamw.m/" + p.name, m.view(offsets_[i], p.value.shape())});
-    out.push_back({"adamw.v/" + p.name, v.view(offsets_[i], p.value.shape())});
+    out.push_back({"adamw.m/" + p.name, m_.view(offsets_[i], p.value.shape())});
+    out.push_back({"adamw.v/" + p.name, v_.view(offsets_[i], p.value.shape())});
   }
   return out;
 }

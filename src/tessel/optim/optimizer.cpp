@@ -60,7 +60,6 @@ void validate(const OptimizerConfig& c) {
   check_range(c.normuon_beta2 >= 0 && c.normuon_beta2 < 1, "optim.normuon_beta2", c.normuon_beta2,
               "0 <= normuon_beta2 < 1");
   check_choice(c.muon_mode, "optim.muon_mode", {"sharded", "replicated", "allgather"});
-  check_choice(c.adamw_mode, "optim.adamw_mode", {"sharded", "replicated"});
   check_choice(c.qkv_split, "optim.qkv_split", {"none", "blocks", "heads"});
 }
 
@@ -102,9 +101,7 @@ std::unique_ptr<Optimizer> make_optimizer(
   validate(config);
   AdamWHyper base{config.lr, config.beta1, config.beta2, config.eps, config.weight_decay};
   std::vector<ParamTag> decay = parse_decay_tags(config.decay_tags);
-  if (config.name == "adamw")
-    return std::make_unique<AdamW>(std::move(params), base, decay,
-                                   config.adamw_mode == "sharded" ? group : nullptr);
+  if (config.name == "adamw") return std::make_unique<AdamW>(std::move(params), base, decay);
   MuonHyper h;
   h.variant = MuonVariant(check_choice(config.name, "optim.name", {"muon", "dion2", "dion3"}));
   h.lr = config.muon_lr;

@@ -73,11 +73,7 @@ struct OptimizerConfig {
   std::string selection_scope = "local";  // local | global
   double normuon_beta2 = 0.95;            // dion3
   std::string muon_mode = "sharded";      // sharded | replicated | allgather
-  // optim.name = adamw over dp: replicated | sharded (ZeRO-1: m and v split over the ranks
-  // between checkpoints; a checkpoint still gathers them whole: adamw.hpp). The muon family's
-  // AdamW part (embeddings, head, norms) stays replicated.
-  std::string adamw_mode = "replicated";
-  std::string qkv_split = "none";  // none | blocks | heads (fused QKV row blocks)
+  std::string qkv_split = "none";         // none | blocks | heads (fused QKV row blocks)
 };
 
 // Checks every field's range; throws InputError naming the field (`optim.beta1`, ...).
@@ -94,8 +90,8 @@ std::vector<int64_t> qkv_row_blocks(const std::string& split, int64_t q_rows, in
 
 // The optimizer named by `config.name` over `params` (validated first); throws InputError
 // naming `optim.name` for an unknown name. `group`: the data-parallel group the Muon family
-// and sharded AdamW shard over (nullptr: one process); `row_blocks`: per parameter name, row blocks
-// that the Muon family orthogonalizes separately.
+// shards over (nullptr: one process); `row_blocks`: per parameter name, row blocks that the
+// Muon family orthogonalizes separately.
 std::unique_ptr<Optimizer> make_optimizer(
     const OptimizerConfig& config, ParameterList params, comm::Communicator* group = nullptr,
     const std::map<std::string, std::vector<int64_t>>& row_blocks = {});

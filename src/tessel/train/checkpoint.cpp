@@ -229,6 +229,12 @@ void AsyncCheckpointer::write_files() {
   {
     std::lock_guard lock(mu_);
     staged_ = true;
+    // Only the staged copies are written from here. Dropping the views lets go of state the
+    // trainer has since released (the Muon family's gathered momentum), which they would
+    // otherwise keep alive until the next save.
+    for (auto* list :
+         {&content_.model, &content_.optimizer, &content_.own_model, &content_.own_optimizer})
+      list->clear();
   }
   cv_.notify_all();
   record_.assign(kRecord, 0);

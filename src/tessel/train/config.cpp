@@ -317,12 +317,6 @@ std::vector<ConfigKey> build_schema() {
       string_key("optim.muon_mode",
                  "muon family over dp: sharded (ZeRO-1 megabatch), replicated or allgather",
                  FIELD(optim.muon_mode)),
-      string_key("optim.adamw_mode",
-                 "optim.name = adamw over dp: replicated, or sharded (ZeRO-1: each rank keeps 1/dp "
-                 "of m and v between checkpoints, one all-gather of the parameters per step; "
-                 "bitwise the same result; a checkpoint save gathers m and v whole, so the "
-                 "run's peak memory is not lower)",
-                 FIELD(optim.adamw_mode)),
       string_key("optim.qkv_split",
                  "muon family: orthogonalize fused QKV as one matrix (none), per q/k/v block "
                  "(blocks) or per head (heads)",

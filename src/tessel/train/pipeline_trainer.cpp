@@ -303,7 +303,8 @@ void PipelineTrainer::on_step(int64_t version) {
     }
   }
   optim::check_finite_grad_norm(
-      norm, "step " + std::to_string(update) + ": stage " + std::to_string(stage_), "");
+      norm, "step " + std::to_string(update) + ": stage " + std::to_string(stage_),
+      " (a lower optim.lr or a tighter train.grad_clip may avoid it)");
   optim::scale_to_max_norm(own_params_, norm, config_.train.grad_clip);
   before_update_();
   optimizer_.step(schedule_.scale(update));

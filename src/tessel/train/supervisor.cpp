@@ -186,6 +186,9 @@ void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& e
                    timeout, log.c_str());
       end.hung = true;
       sigkill_at = now + kHangKillGraceNs;
+      // Counted as forwarded: a stop signal now must not send mpirun a second signal (which
+      // makes it exit at once and leave its ranks running).
+      g_forwarded = true;
       ::kill(-pid, SIGTERM);
     }
   }
@@ -217,8 +220,17 @@ int supervise(const SuperviseOptions& o) {
   if (o.ranks < 1) input_error("tessel run: --np must be at least 1, got ", o.ranks);
   if (o.max_restarts < 0)
     input_error("tessel run: --max-restarts must not be negative, got ", o.max_restarts);
-  if (!(o.hang_timeout >= 0))
-    input_error("tessel run: --hang-timeout must be >= 0 seconds (0 = off), got ", o.hang_timeout);
+  if (!(o.hang_timeout >= 0 && o.hang_timeout <= 1e6))
+    input_error("tessel run: --hang-timeout must be in [0, 1e6] seconds (0 = off), got ",
+                o.hang_timeout);
+  if (o.hang_timeout > 0) {  // refused before a job starts, not once it runs unwatched
+    const int fd = int(::syscall(SYS_pidfd_open, ::getpid(), 0));
+    if (fd < 0)
+      input_error(
+          "tessel run --hang-timeout: cannot watch a job (pidfd_open, Linux 5.3 or newer): ",
+          std::strerror(errno));
+    ::close(fd);
+  }
   int threads = o.threads > 0
                     ? o.threads
                     : std::max(1, int(std::max(1u, std::thread::hardware_concurrency())) / o.ranks);
@@ -294,7 +306,7 @@ int supervise(const SuperviseOptions& o) {
     if (restart == o.max_restarts) {
       std::fprintf(stderr, "tessel run: attempt %d failed (exit status %d); no restarts left\n",
                    attempt, status);
-      return status;
+      return status != 0 ? status : 1;  // a hung job whose launcher exited 0 still failed
     }
     if (!o.quiet)
       std::fprintf(stderr,

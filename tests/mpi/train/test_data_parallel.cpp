@@ -475,7 +475,6 @@ void resumes_with_a_different_data_parallel_size(const std::string& optimizer) {
   const int P = world.size();
   train::Config c = fixture::tiny_config(fixture::shared_dataset(world), "");
   c.optim.name = optimizer;
-  c.optim.adamw_mode = "sharded";
   c.optim.selection_scope = "global";  // `local` selects per shard: it depends on dp by design
   c.optim.ns_gram_min = 8;
   c.train.steps = 20;
@@ -526,8 +525,8 @@ void resumes_with_a_different_data_parallel_size(const std::string& optimizer) {
 
 }  // namespace
 
-// Sharded optimizer state (dion3's momentum, AdamW's m and v under ZeRO-1) is saved whole,
-// so a checkpoint moves between P ranks and one process.
+// Optimizer state is saved whole, dion3's sharded momentum too, so a checkpoint moves between
+// P ranks and one process.
 TEST(DataParallel, ResumesWithADifferentDataParallelSize) {
   for (const char* optimizer : {"dion3", "adamw"}) {
     SCOPED_TRACE(optimizer);
