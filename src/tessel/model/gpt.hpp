@@ -213,6 +213,8 @@ class Gpt {
   // (counted also when tied); no biases, norms or embedding lookups.
   // MFU counts 6 * matmul_parameters() + 12 * L * H * D * T flops per token.
   int64_t matmul_parameters() const { return matmul_numel_; }
+  // matmul_parameters() without the head: what train.recompute = blocks runs again (HFU).
+  int64_t block_matmul_parameters() const { return matmul_numel_ - config_.vocab * C_; }
 
   // Buffers for one micro-batch of B sequences of T tokens (InputError when
   // T > max_seq), for the parts `range` names (the head's buffers only with `head`); by

@@ -144,16 +144,22 @@ struct JobEnd {
 // does not end itself (its ranks, in process groups of their own, may then outlive it).
 constexpr int64_t kHangKillGraceNs = 30'000'000'000;
 
-// Watches the running job `pid` until it has exited (without reaping it). When the attempt
-// log `log` does not change for `timeout` seconds while no stop is being forwarded, the job
-// hangs: SIGTERM to its process group, SIGKILL after kHangKillGraceNs. Fills end.hung and
-// end.progress_ns.
-void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& end) {
+// A pidfd of `pid` (readable once it exits); InputError on a kernel without pidfd_open.
+int open_pidfd(pid_t pid) {
   const int fd = int(::syscall(SYS_pidfd_open, pid, 0));
   if (fd < 0)
     input_error(
         "tessel run --hang-timeout: cannot watch the job (pidfd_open, Linux 5.3 or newer): ",
         std::strerror(errno));
+  return fd;
+}
+
+// Watches the running job `pid` until it has exited (without reaping it). When the attempt
+// log `log` does not change for `timeout` seconds while no stop is being forwarded, the job
+// hangs: SIGTERM to its process group, SIGKILL after kHangKillGraceNs. Fills end.hung and
+// end.progress_ns.
+void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& end) {
+  const int fd = open_pidfd(pid);
   const auto limit = int64_t(timeout * 1e9);
   // Looked at 10 times per timeout, at most once a second: a hang is found at most 10 % late.
   const int poll_ms = int(std::clamp(timeout * 100, 1.0, 1000.0));
@@ -223,14 +229,8 @@ int supervise(const SuperviseOptions& o) {
   if (!(o.hang_timeout >= 0 && o.hang_timeout <= 1e6))
     input_error("tessel run: --hang-timeout must be in [0, 1e6] seconds (0 = off), got ",
                 o.hang_timeout);
-  if (o.hang_timeout > 0) {  // refused before a job starts, not once it runs unwatched
-    const int fd = int(::syscall(SYS_pidfd_open, ::getpid(), 0));
-    if (fd < 0)
-      input_error(
-          "tessel run --hang-timeout: cannot watch a job (pidfd_open, Linux 5.3 or newer): ",
-          std::strerror(errno));
-    ::close(fd);
-  }
+  // Refused before a job starts, not once it runs unwatched.
+  if (o.hang_timeout > 0) ::close(open_pidfd(::getpid()));
   int threads = o.threads > 0
                     ? o.threads
                     : std::max(1, int(std::max(1u, std::thread::hardware_concurrency())) / o.ranks);

@@ -764,11 +764,10 @@ TrainResult Trainer::run() {
   const double flops_tok = flops_per_token(s.model.matmul_parameters(), mc.layers, mc.heads,
                                            mc.head_dim(), c.train.seq_len);
   const double hardware_flops_tok =
-      flops_tok +
-      (c.train.recompute == model::Recompute::blocks
-           ? recompute_flops_per_token(s.model.matmul_parameters() - mc.vocab * mc.width, mc.layers,
-                                       mc.heads, mc.head_dim(), c.train.seq_len)
-           : 0.0);
+      flops_tok + (c.train.recompute == model::Recompute::blocks
+                       ? recompute_flops_per_token(s.model.block_matmul_parameters(), mc.layers,
+                                                   mc.heads, mc.head_dim(), c.train.seq_len)
+                       : 0.0);
   // Input positions per step; an SFT data set's padding is not counted (tokens/s and MFU).
   const int64_t global_tokens = s.loader.sequences_per_step() * c.train.seq_len;
   const data::PackedSamples* packed = s.loader.packed();
