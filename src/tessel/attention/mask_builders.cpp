@@ -104,6 +104,34 @@ MaskColumns sliding_window_mask(int64_t Sq, int64_t Sk, int64_t w) {
   return m;
 }
 
+ColumnMask restrict_to_window(const ColumnMask& mask, int64_t w) {
+  if (w < 1) input_error("sliding window: window = ", w, ", expected >= 1");
+  if (!mask.causal()) input_error("sliding window: needs a causal mask");
+  const int64_t B = mask.batch(), Hm = mask.mask_heads(), Sq = mask.rows(), Sk = mask.cols();
+  std::vector<int32_t> values(size_t(B * Hm * Sk * 2));
+  int32_t* out = values.data();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hm = 0; hm < Hm; ++hm) {
+      const int32_t* lts = mask.vector(b, hm, kLTS);
+      const int32_t* lte = mask.vector(b, hm, kLTE);
+      for (int64_t j = 0; j < Sk; ++j, out += 2) {
+        // The window's first masked row of this column (Sq: none).
+        const int64_t first = std::clamp(j - (Sk - Sq) + w, int64_t(0), Sq);
+        if (first == Sq) {
+          out[0] = lts[j], out[1] = lte[j];
+        } else if (lts[j] == lte[j] || first <= lte[j]) {
+          out[0] = i32(lts[j] == lte[j] ? first : std::min<int64_t>(lts[j], first));
+          out[1] = i32(Sq);
+        } else {
+          input_error("sliding window: column ", j, " of mask (", b, ", ", hm, ") masks rows [",
+                      lts[j], ", ", lte[j], ") and the window rows [", first, ", ", Sq,
+                      "): two intervals");
+        }
+      }
+    }
+  return ColumnMask(B, Hm, Sq, Sk, 2, true, values);
+}
+
 MaskColumns causal_document_mask(const std::vector<int64_t>& doc_lengths) {
   const Documents d = documents(doc_lengths, "causal document mask");
   MaskColumns m{true, 1, std::vector<int32_t>(size_t(d.N))};

@@ -29,6 +29,14 @@ std::vector<int64_t> doc_lengths_from_starts(const std::vector<int32_t>& starts,
 ColumnMask causal_document_batch_mask(const std::vector<std::vector<int32_t>>& doc_starts,
                                       int64_t T);
 
+// A causal `mask` restricted to a causal sliding window of w >= 1 keys including the diagonal
+// (as sliding_window_mask): row i also loses the keys j <= i + Sk - Sq - w. The window's
+// masked rows of column j, [j - (Sk - Sq) + w, Sq), join the column's lower interval, so the
+// result keeps one lower interval per column ([LTS, LTE] form, V = 2). InputError for a
+// non-causal mask, or a column whose lower interval ends before the window begins (that
+// would take two intervals).
+ColumnMask restrict_to_window(const ColumnMask& mask, int64_t w);
+
 // 1. Plain causal (bottom-right aligned when Sq != Sk).
 MaskColumns causal_mask(int64_t Sq, int64_t Sk);
 // 2. Causal sliding window of w keys including the diagonal: row i sees keys

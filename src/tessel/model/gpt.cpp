@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "tessel/attention/mask_builders.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/kernels/cpu/activations.hpp"
@@ -373,14 +374,20 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRa
   return a;
 }
 
+attention::ColumnMask attention_mask(const GptConfig& config, const attention::ColumnMask* given,
+                                     int64_t B, int64_t Sq, int64_t Sk) {
+  attention::ColumnMask mask = given ? *given : attention::ColumnMask::causal_only(B, Sq, Sk);
+  if (config.attention_window == 0) return mask;
+  return attention::restrict_to_window(mask, config.attention_window);
+}
+
 void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
   TESSEL_CHECK(in.B == acts.B && in.T == acts.T, "inputs of ", in.B, " x ", in.T,
                " tokens given to activations for ", acts.B, " x ", acts.T);
   const int64_t N = acts.B * acts.T, T = acts.T, V = config_.vocab;
   auto where = [T](int64_t n) { return detail::concat("[", n / T, ", ", n % T, "]"); };
   // The mask is copied with its tile summaries, computed once for all layers.
-  acts.mask =
-      attention::TiledMask(in.mask ? *in.mask : attention::ColumnMask::causal_only(acts.B, T, T));
+  acts.mask = attention::TiledMask(attention_mask(config_, in.mask, acts.B, T, T));
   attention::check_mask_fits(acts.mask, attention_shape(acts));
   acts.attention = in.attention;
   acts.routed.clear();

@@ -35,7 +35,8 @@ struct ModelInputs {
   const int32_t* positions = nullptr;  // in [0, max_seq); null = 0..T-1 in every row
   const int32_t* targets = nullptr;    // next-token ids; null = inference (no loss, no backward)
   const float* loss_weight = nullptr;  // per-token loss weight; null = 1 for every token
-  // Attention mask [B, Hm, T, T] (Hm = 1, heads or kv_heads); null = causal.
+  // Attention mask [B, Hm, T, T] (Hm = 1, heads or kv_heads); null = causal. A forward
+  // restricts it to model.attention_window when that is set (attention_mask below).
   const attention::ColumnMask* mask = nullptr;
   // Replaces every layer's attention kernel (then `mask` is not used by attention); must live
   // through the micro-batch's backward. null = the FlashMask kernel.
@@ -161,6 +162,13 @@ struct BlockRange {
   int64_t first = 0, last = -1;
   bool embedding = true, head = true;
 };
+
+// The mask a forward of a model with `config` attends with over Sq queries and Sk keys
+// (bottom-right aligned): `given` (null = plain causal) restricted to the causal sliding
+// window of model.attention_window keys when that is set. Every attention path builds its
+// mask here (the forward, context-parallel attention, the KV cache), so none can miss it.
+attention::ColumnMask attention_mask(const GptConfig& config, const attention::ColumnMask* given,
+                                     int64_t B, int64_t Sq, int64_t Sk);
 
 class Gpt {
  public:

@@ -86,6 +86,9 @@ void validate(const GptConfig& c) {
     require_positive("rope_theta", c.rope_theta);
   }
   require_size("max_seq", c.max_seq, int64_t(1) << 24);
+  if (c.attention_window < 0)
+    input_error("model.attention_window = ", c.attention_window,
+                " must be positive (or 0 = no window)");
   require_positive("init_std", c.init_std);
   const std::vector<bool> mask = c.moe_mask();
   const bool moe = std::find(mask.begin(), mask.end(), true) != mask.end();

@@ -39,6 +39,9 @@ struct GptConfig {
   bool tied_head = true;  // the head reuses embed.weight
   bool bias = true;       // biases in the linear layers of the blocks (never in the head)
   int64_t max_seq = 1024;
+  // Causal sliding-window attention: each token attends to itself and the W - 1 tokens before
+  // it (within the data's own mask, e.g. its document); 0 = no window.
+  int64_t attention_window = 0;
   double init_std = 0.02;
   // Mixture of experts: the blocks whose MLP is an MoE layer ("" = none, "all", or layer
   // indices "0,2"), with the layer's shape and balancing (experts use the `mlp` type).

@@ -8,7 +8,8 @@
 namespace tessel::model {
 
 KvCache::KvCache(const Gpt& gpt)
-    : blocks_(gpt.block_range().last - gpt.block_range().first),
+    : config_(gpt.config()),
+      blocks_(gpt.block_range().last - gpt.block_range().first),
       capacity_(gpt.config().max_seq),
       Hq_(gpt.config().heads),
       Hk_(gpt.config().num_kv_heads()),
@@ -26,8 +27,9 @@ void KvCache::begin(int64_t rows) {
                " cached exceed max_seq = ", capacity_);
   TESSEL_CHECK(block_ == 0, "a forward through the KV cache did not reach every block");
   rows_ = rows;
-  // Bottom-right causal: new row i (position length_ + i) sees keys 0 .. length_ + i.
-  mask_ = attention::TiledMask(attention::ColumnMask::causal_only(1, rows, length_ + rows));
+  // Bottom-right causal: new row i (position length_ + i) sees keys 0 .. length_ + i (the last
+  // model.attention_window of them when set).
+  mask_ = attention::TiledMask(attention_mask(config_, nullptr, 1, rows, length_ + rows));
   const auto size = size_t((length_ + rows) * Hk_ * D_);
   for (int64_t b = 0; b < blocks_; ++b) k_[size_t(b)].resize(size), v_[size_t(b)].resize(size);
 }

@@ -4,7 +4,8 @@
 // model's own forward: installed as the micro-batch's attention hook (ModelInputs::attention),
 // each block's call appends that block's new keys and values (rotated, as the forward hands
 // them over) and attends the new queries to every cached position, bottom-right causal
-// (flash_attention_forward with Sq new rows over Sk = cached + new keys). Inference only: one
+// (flash_attention_forward with Sq new rows over Sk = cached + new keys) and within
+// model.attention_window when it is set. Inference only: one
 // sequence (B = 1), no backward.
 #include <cstdint>
 #include <vector>
@@ -32,6 +33,7 @@ class KvCache final : public attention::AttentionHook {
                 const float*, const float*) override;  // TESSEL_CHECK: inference only
 
  private:
+  GptConfig config_;  // the masks follow its attention window
   int64_t blocks_, capacity_, Hq_, Hk_, D_;
   int64_t length_ = 0, rows_ = 0, block_ = 0;  // block_: the next call's block
   attention::TiledMask mask_;                  // of the forward announced by begin()

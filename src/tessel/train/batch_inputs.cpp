@@ -29,8 +29,10 @@ BatchInputs::BatchInputs(const data::Batch& b, AttentionMaskKind kind)
 
 namespace {
 
-attention::ColumnMask mask_or_causal(const model::ModelInputs& in) {
-  return in.mask ? *in.mask : attention::ColumnMask::causal_only(in.B, in.T, in.T);
+// The mask the model attends with (model.attention_window included), which context-parallel
+// attention takes over from it.
+attention::ColumnMask model_mask(const model::ModelInputs& in, const model::GptConfig& model) {
+  return model::attention_mask(model, in.mask, in.B, in.T, in.T);
 }
 
 // Work per chunk in square tiles no larger than a chunk, so that short training sequences
@@ -82,7 +84,7 @@ attention::CpLayout micro_batch_layout(const model::ModelInputs& full, int P,
                                        const model::GptConfig& model) {
   const int64_t chunk = layout_chunk(full.T, P, parallel);
   return layout_from_work(full.T, P, chunk, parallel,
-                          work_per_chunk(mask_or_causal(full), chunk, model));
+                          work_per_chunk(model_mask(full, model), chunk, model));
 }
 
 CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_group,
@@ -91,7 +93,7 @@ CpBatchInputs::CpBatchInputs(const BatchInputs& full, comm::Communicator& cp_gro
   const int64_t B = in.B;
   TESSEL_CHECK(in.positions && in.targets && in.loss_weight, "a training batch without targets");
   const int P = cp_group.size();
-  const attention::ColumnMask mask = mask_or_causal(in);
+  const attention::ColumnMask mask = model_mask(in, model);
   const int64_t chunk = layout_chunk(in.T, P, parallel);
   const std::vector<int64_t> work = work_per_chunk(mask, chunk, model);
   const attention::CpLayout layout = layout_from_work(in.T, P, chunk, parallel, work);

@@ -161,6 +161,10 @@ std::vector<ConfigKey> build_schema() {
       bool_key("model.tied_head", "output head shares the embedding", FIELD(model.tied_head)),
       bool_key("model.bias", "biases in linear layers", FIELD(model.bias)),
       int_key("model.max_seq", "longest sequence the model accepts", FIELD(model.max_seq)),
+      int_key("model.attention_window",
+              "causal sliding window: a token attends to itself and the W - 1 tokens before it; "
+              "0 = none",
+              FIELD(model.attention_window)),
       float_key("model.init_std", "standard deviation of initial weights", FIELD(model.init_std)),
       string_key("model.moe_layers",
                  "blocks whose MLP is a mixture of experts: \"\" = none, \"all\", or indices "

@@ -99,6 +99,23 @@ bool same_setting(const std::string& key, const nlohmann::json& have, const nloh
              : have == want;
 }
 
+// "" when this run's `value` of config key `key` matches a compatibility record written by an
+// older tessel that had no such key, else why not. A key is added with a default that keeps
+// the older behaviour, so only that default matches.
+std::string absent_key_mismatch(const std::string& key, const nlohmann::json& value) {
+  static const Config defaults;
+  for (const auto& k : config_schema())
+    if (k.name == key) {
+      const nlohmann::json old(k.get(defaults));
+      if (same_setting(key, old, value)) return "";
+      return detail::concat(" has no ", key, " in its compatibility record: an older tessel wrote ",
+                            "it, which ran as ", key, " = ", json_text(old), ", and this run has ",
+                            json_text(value));
+    }
+  return detail::concat(" has no ", key,
+                        " in its compatibility record (written by an older tessel)");
+}
+
 // Rank 0's `text` on every rank.
 std::string broadcast_text(comm::Communicator& group, const std::string& text) {
   int64_t n = int64_t(text.size());
@@ -507,10 +524,10 @@ struct Trainer::State {
                   want.contains(kSftRowsKey) ? "an SFT data set" : "a text data set",
                   "; use a new run.dir");
     for (const auto& [key, value] : want.items())
-      if (!have.contains(key))
-        input_error(chosen, ": checkpoint has no ", key,
-                    " in its compatibility record (written by an older tessel); use a new run.dir");
-      else if (!same_setting(key, have[key], value))
+      if (!have.contains(key)) {
+        const std::string why = absent_key_mismatch(key, value);
+        if (!why.empty()) input_error(chosen, ": checkpoint", why, "; use a new run.dir");
+      } else if (!same_setting(key, have[key], value))
         input_error(chosen, ": checkpoint has ", key, " = ", json_text(have[key]),
                     " but this run has ", json_text(value),
                     key == kGlobalBatchKey
@@ -576,10 +593,10 @@ struct Trainer::State {
     std::string differences;
     for (const auto& [key, value] : want.items()) {
       if (key.rfind("model.", 0) != 0 || init_may_differ(key, config.model)) continue;
-      if (!have.contains(key))
-        input_error("train.init_from: ", dir, " has no ", key,
-                    " in its compatibility record (written by an older tessel)");
-      if (!same_setting(key, have[key], value))
+      if (!have.contains(key)) {
+        const std::string why = absent_key_mismatch(key, value);
+        if (!why.empty()) input_error("train.init_from: ", dir, why);
+      } else if (!same_setting(key, have[key], value))
         differences += detail::concat(differences.empty() ? "" : ", ", key, " = ",
                                       json_text(have[key]), " (this run: ", json_text(value), ")");
     }

@@ -74,23 +74,34 @@ TEST(DataParallel, FollowsSingleRankAccumulationAndRepeatsBitwise) {
 }
 
 // Context parallelism: cp = 2 (with dp = P / 2) follows the single process that accumulates
-// the same global batch, for causal and causal-document masks and every chunk layout, and
-// repeats bitwise.
+// the same global batch, for causal and causal-document masks (the latter also within a
+// 5-token model.attention_window) and every chunk layout, and repeats bitwise.
 TEST(ContextParallel, TrainingFollowsSingleRankLoss) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   const std::string data = fixture::shared_dataset(world);
-  for (const char* mask : {"causal", "causal_document"}) {
-    SCOPED_TRACE(mask);
+  const struct {
+    const char* name;
+    train::AttentionMaskKind mask;
+    int64_t window;
+  } cases[] = {{"causal", train::AttentionMaskKind::causal, 0},
+               {"causal_document", train::AttentionMaskKind::causal_document, 0},
+               {"causal_document, window 5", train::AttentionMaskKind::causal_document, 5}};
+  double unwindowed_final = 0;  // the causal_document reference's final loss
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
     train::Config single = fixture::tiny_config(data, fixture::temp_dir("tessel-cp-ref"));
     single.train.steps = 20;
     single.train.accum = P / 2;
-    single.data.attention_mask = std::string(mask) == "causal"
-                                     ? train::AttentionMaskKind::causal
-                                     : train::AttentionMaskKind::causal_document;
+    single.data.attention_mask = c.mask;
+    single.model.attention_window = c.window;
     comm::SingleCommunicator self;
     const auto ref = run_on(self, single);
     ASSERT_EQ(ref.steps.size(), 20u);
+    if (c.window > 0)  // the window takes effect: the loss leaves the unwindowed one's
+      EXPECT_GT(std::abs(ref.steps.back().loss - unwindowed_final), 1e-3);
+    else
+      unwindowed_final = ref.steps.back().loss;
     for (train::CpLayoutKind layout : {train::CpLayoutKind::zigzag, train::CpLayoutKind::contiguous,
                                        train::CpLayoutKind::balanced}) {
       SCOPED_TRACE(int(layout));

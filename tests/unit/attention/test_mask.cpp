@@ -71,6 +71,52 @@ TEST(ColumnMask, CausalIsBottomRightAligned) {
             (std::vector<std::string>{"0110", "0011"}));
 }
 
+// restrict_to_window keeps exactly the visible keys of the given mask that lie in the causal
+// window (i + Sk - Sq - j < w): plain causal (square and bottom-right), causal documents over
+// two rows of random documents, and a causal [LTS, LTE] mask whose interval reaches the window.
+TEST(ColumnMask, AWindowRestrictsACausalMaskToItsLastKeys) {
+  Rng rng(11);
+  std::vector<ColumnMask> masks = {
+      ColumnMask::causal_only(1, 9, 9), ColumnMask::causal_only(2, 3, 9),
+      ColumnMask(1, 1, 6, 6, 2, true, {1, 5, 5, 6, 3, 3, 6, 6, 6, 6, 6, 6})};
+  for (int64_t T : {7, 40}) {
+    std::vector<std::vector<int32_t>> starts(2, {0});
+    for (auto& row : starts)
+      for (int32_t t = 1; t < T; ++t)
+        if (rng.below(5) == 0) row.push_back(t);
+    masks.push_back(causal_document_batch_mask(starts, T));
+  }
+  for (const ColumnMask& m : masks)
+    for (int64_t w : {1, 2, 5, 64}) {
+      SCOPED_TRACE("Sq=" + std::to_string(m.rows()) + " Sk=" + std::to_string(m.cols()) +
+                   " w=" + std::to_string(w));
+      const ColumnMask r = restrict_to_window(m, w);
+      const auto base = naive::dense_mask(m), got = naive::dense_mask(r);
+      ASSERT_EQ(got.size(), base.size());
+      int64_t wrong = 0, shift = m.cols() - m.rows();
+      for (int64_t b = 0; b < m.batch(); ++b)
+        for (int64_t i = 0; i < m.rows(); ++i)
+          for (int64_t j = 0; j < m.cols(); ++j) {
+            const size_t at = size_t((b * m.rows() + i) * m.cols() + j);
+            wrong += bool(got[at]) != (base[at] && i + shift - j < w);
+          }
+      EXPECT_EQ(wrong, 0);
+    }
+  // Column 0 masks rows [1, 2) and a window of 3 masks [3, 4): two intervals.
+  expect_input_error(
+      [] {
+        restrict_to_window(ColumnMask(1, 1, 4, 4, 2, true, {1, 2, 4, 4, 4, 4, 4, 4}), 3);
+      },
+      {"column 0", "two intervals"});
+  expect_input_error(
+      [] {
+        restrict_to_window(single(document_mask({2, 2}), 4, 4), 2);
+      },
+      {"needs a causal mask"});
+  expect_input_error([] { restrict_to_window(ColumnMask::causal_only(1, 4, 4), 0); },
+                     {"window = 0"});
+}
+
 TEST(ColumnMask, CanonicalFormFillsAbsentVectors) {
   const ColumnMask causal1(1, 1, 5, 2, 1, true, {1, 3});
   EXPECT_EQ(causal1.vector(0, 0, kLTE)[0], 5);

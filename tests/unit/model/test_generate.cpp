@@ -108,10 +108,14 @@ void expect_logits_near(const std::vector<float>& got, const std::vector<float>&
 // new keys) and single tokens up to max_seq gives the logits of the whole prefix's forward:
 // GELU / layernorm / learned positions, SwiGLU / rmsnorm / rotary / GQA, and MoE blocks
 // (dropless). Past max_seq the cache refuses more positions; cleared, it starts over.
+// With model.attention_window = 3 the cache's bottom-right windows give the whole prefix's too.
 TEST(Generate, AKvCacheGivesTheWholePrefixsLogits) {
   GptConfig moe = moe_config(gelu_config(), "1");
-  for (const GptConfig& c : {gelu_config(), swiglu_config(), moe}) {
-    SCOPED_TRACE(c.moe_layers.empty() ? "dense" : "moe");
+  GptConfig windowed = swiglu_config();
+  windowed.attention_window = 3;
+  for (const GptConfig& c : {gelu_config(), swiglu_config(), moe, windowed}) {
+    SCOPED_TRACE((c.moe_layers.empty() ? "dense" : "moe") +
+                 std::string(c.attention_window ? " windowed" : ""));
     Gpt gpt(c, 11);
     randomize_parameters(gpt, 12, 0.5f);
     const std::vector<int32_t> sequence = {4, 1, 7, 7, 0, 12, 3, 9};  // max_seq = 8
@@ -130,6 +134,37 @@ TEST(Generate, AKvCacheGivesTheWholePrefixsLogits) {
     cache.clear();
     EXPECT_EQ(last_position_logits(gpt, all.first(1), 0, &cache),
               last_position_logits(gpt, all.first(1), 0, nullptr));
+  }
+}
+
+// model.attention_window = 3 on one block: the last position's logits are those of a forward
+// over the last 3 tokens alone, at their positions (a window of W keys including the token
+// itself), and differ from the whole prefix's once it is longer. Learned positions with GELU,
+// and rotary with SwiGLU and GQA.
+TEST(Generate, AnAttentionWindowSeesOnlyItsLastTokens) {
+  for (GptConfig c : {gelu_config(), swiglu_config()}) {
+    SCOPED_TRACE(to_string(c.positions));
+    c.layers = 1;  // one block: its receptive field is exactly the window
+    Gpt whole(c, 31);
+    randomize_parameters(whole, 32, 0.5f);
+    c.attention_window = 3;
+    Gpt windowed(c, 31);
+    randomize_parameters(windowed, 32, 0.5f);
+    const std::vector<int32_t> sequence = {4, 1, 7, 7, 0, 12, 3, 9};
+    const std::span<const int32_t> all(sequence);
+    for (size_t n = 1; n <= sequence.size(); ++n) {
+      SCOPED_TRACE("prefix " + std::to_string(n));
+      const size_t k = std::min<size_t>(n, 3);
+      const auto got = last_position_logits(windowed, all.first(n), 0, nullptr);
+      expect_logits_near(
+          got, last_position_logits(whole, all.subspan(n - k, k), int32_t(n - k), nullptr));
+      if (n <= 3) continue;
+      const auto unwindowed = last_position_logits(whole, all.first(n), 0, nullptr);
+      double differ = 0;
+      for (size_t i = 0; i < got.size(); ++i)
+        differ = std::max(differ, double(std::abs(got[i] - unwindowed[i])));
+      EXPECT_GT(differ, 1e-3);
+    }
   }
 }
 

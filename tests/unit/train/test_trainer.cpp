@@ -220,6 +220,24 @@ TEST_F(TrainerTest, ResumeComparesFloatSettingsByValue) {
                               {"model.norm_eps = 1.1e-05 but this run has 1e-05"});
 }
 
+// A checkpoint of an older tessel lacks the keys added since; it ran as their defaults, so a
+// run at the default resumes from it and a run with another value is refused, naming both.
+TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
+  const std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = ten_steps(data_dir, run);
+  const std::string manifest = run + "/checkpoints/step-00000010/manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
+  ASSERT_EQ(m["state"]["compatibility"].erase("model.attention_window"), 1u);
+  std::ofstream(manifest) << m.dump();
+  c.train.steps = 12;
+  c.model.attention_window = 4;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"has no model.attention_window", "an older tessel",
+                               "model.attention_window = 0, and this run has 4"});
+  c.model.attention_window = 0;
+  EXPECT_EQ(train_run(c).resumed_from, 10);
+}
+
 TEST_F(TrainerTest, MissingDatasetNamesTheFile) {
   train::Config c = fixture::tiny_config("/nonexistent/data", fixture::temp_dir("tessel-run"));
   fixture::expect_input_error([&] { train_run(c); }, {"/nonexistent/data/train.tok"});
