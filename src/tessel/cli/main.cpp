@@ -216,12 +216,24 @@ int main(int argc, char** argv) {
   prepare
       ->add_option("--corpus", prep.corpus,
                    "text: bible (Debian bible-kjv, one document per chapter), fortunes (one per "
-                   "fortune) or file:PATH (documents separated by blank lines); SFT, trained "
+                   "fortune) or file:PATH (documents separated by blank lines); token ids from "
+                   "another tokenizer: tokens:PATH (raw ids, e.g. nanoGPT's train.bin, with "
+                   "--vocab and --eot); SFT, trained "
                    "on the assistant replies only (docs/sft.md): bible-quotes (\"Quote Genesis "
                    "1:3.\" -> the verse) or chat:PATH (JSON Lines, {\"messages\": [{\"role\", "
                    "\"content\"}, ...]} or {\"prompt\", \"response\"} per line)")
       ->capture_default_str();
   prepare->add_option("--out", prep.output_dir, "output directory")->capture_default_str();
+  prepare->add_option(
+      "--vocab", prep.vocab,
+      "tokens:PATH: vocabulary size of the ids (model.vocab must be at least this)");
+  prepare->add_option("--eot", prep.eot,
+                      "tokens:PATH: the end-of-document id; each document ends with it "
+                      "(GPT-2: 50256)");
+  prepare
+      ->add_option("--token-dtype", prep.token_dtype,
+                   "tokens:PATH: little-endian id type of the file: u16, u32 or i32")
+      ->capture_default_str();
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents (samples) held out")
       ->capture_default_str();
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")

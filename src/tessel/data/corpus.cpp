@@ -213,8 +213,9 @@ std::vector<std::string> load_corpus(const std::string& name) {
   if (name == "bible") return load_bible();
   if (name == "fortunes") return load_fortunes();
   if (name.starts_with("file:") && name.size() > 5) return load_text_file(name.substr(5));
-  input_error("unknown corpus \"", name,
-              "\" (expected bible, fortunes or file:PATH; SFT: bible-quotes or chat:PATH)");
+  input_error(
+      "unknown corpus \"", name,
+      "\" (expected bible, fortunes, file:PATH or tokens:PATH; SFT: bible-quotes or chat:PATH)");
 }
 
 }  // namespace tessel::data

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 #include <type_traits>
@@ -14,6 +15,7 @@
 #include "tessel/data/corpus.hpp"
 #include "tessel/data/packing.hpp"
 #include "tessel/data/shard.hpp"
+#include "tessel/data/token_file.hpp"
 
 namespace tessel::data {
 
@@ -21,42 +23,21 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// `s` as a JSON string literal, escaped.
 std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out.push_back(char(c));
-        }
-    }
-  }
-  return out + "\"";
+  return nlohmann::json(s).dump();
 }
 
 std::string split_json(const SplitCounts& split, bool sft) {
   return detail::concat("{\"documents\": ", split.documents, ", \"tokens\": ", split.tokens,
                         sft ? detail::concat(", \"trained_tokens\": ", split.trained_tokens) : "",
                         ", \"path\": ", json_string(fs::path(split.path).filename().string()), "}");
+}
+
+// Removes the loss-mask shard an earlier SFT prepare left beside the token shard `path`.
+void remove_loss_mask(const std::string& path) {
+  std::error_code ec;
+  fs::remove(loss_mask_path(path), ec);
 }
 
 // Writes one split: the token shard of the chosen items and, for SFT samples, its loss-mask
@@ -82,12 +63,10 @@ SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t
   }
   // The mask first, or an old one removed first: a new token shard never stands beside a
   // missing or older mask.
-  if (mask) {
+  if (mask)
     mask->finish();
-  } else {
-    std::error_code ec;
-    fs::remove(loss_mask_path(path), ec);
-  }
+  else
+    remove_loss_mask(path);
   writer.finish();
   counts.documents = writer.num_documents();
   counts.tokens = writer.num_tokens();
@@ -95,54 +74,102 @@ SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t
   return counts;
 }
 
-// Fisher-Yates over item indices; the first n_val go to validation, both sets keep the
-// corpus order. Items are documents, or samples of an SFT corpus.
-template <class Item>
-PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions& options) {
+// Which of n items (documents, or SFT samples) go to validation: a Fisher-Yates shuffle of
+// the indices, whose first n_val are chosen.
+std::vector<bool> validation_items(size_t n, const PrepareOptions& options, const char* kind) {
   if (!(options.val_fraction >= 0.0 && options.val_fraction < 1.0))
     input_error("prepare: val_fraction must be in [0, 1), got ", options.val_fraction);
-  constexpr bool sft = std::is_same_v<Item, SftSample>;
-  const char* kind = sft ? "samples" : "documents";
-  const size_t n = items.size();
   if (n < 2)
     input_error("corpus \"", options.corpus, "\" has ", n, " ", kind,
                 "; a training and a validation split need at least 2");
-  for (size_t d = 0; d < n; ++d) {
-    if constexpr (sft)
-      TESSEL_CHECK(!items[d].text.empty() && items[d].text.size() == items[d].trained.size(),
-                   "corpus \"", options.corpus, "\" sample ", d, " is empty or mis-sized");
-    else
-      TESSEL_CHECK(!items[d].empty(), "corpus \"", options.corpus, "\" document ", d, " is empty");
-  }
-
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), size_t(0));
   Rng rng(options.seed);
   for (size_t i = n - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
   const size_t n_val =
       std::clamp<size_t>(size_t(std::llround(options.val_fraction * double(n))), 1, n - 1);
-  std::vector<size_t> val(order.begin(), order.begin() + n_val);
-  std::vector<size_t> train(order.begin() + n_val, order.end());
-  std::sort(val.begin(), val.end());
-  std::sort(train.begin(), train.end());
+  std::vector<bool> val(n, false);
+  for (size_t i = 0; i < n_val; ++i) val[order[i]] = true;
+  return val;
+}
 
+fs::path output_directory(const PrepareOptions& options) {
   const fs::path dir(options.output_dir);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) input_error(options.output_dir, ": cannot create output directory: ", ec.message());
+  return dir;
+}
 
+// dataset.json beside the shards, into result.metadata_path.
+void write_metadata(const PrepareOptions& options, const std::string& tokenizer, int64_t vocab_size,
+                    PrepareResult& result) {
+  result.metadata_path = (fs::path(options.output_dir) / "dataset.json").string();
+  const std::string json =
+      detail::concat("{\n  \"corpus\": ", json_string(options.corpus), ",\n  \"format\": \"",
+                     result.sft ? "sft" : "text", "\",\n  \"tokenizer\": ", json_string(tokenizer),
+                     ",\n", "  \"vocab_size\": ", vocab_size, ",\n  \"seed\": ", options.seed,
+                     ",\n  \"val_fraction\": ", options.val_fraction,
+                     ",\n  \"train\": ", split_json(result.train, result.sft),
+                     ",\n  \"val\": ", split_json(result.val, result.sft), "\n}\n");
+  write_file_atomically(result.metadata_path, json);
+}
+
+// Both sets keep the corpus order.
+template <class Item>
+PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions& options) {
+  constexpr bool sft = std::is_same_v<Item, SftSample>;
+  const std::vector<bool> is_val =
+      validation_items(items.size(), options, sft ? "samples" : "documents");
+  for (size_t d = 0; d < items.size(); ++d) {
+    if constexpr (sft)
+      TESSEL_CHECK(!items[d].text.empty() && items[d].text.size() == items[d].trained.size(),
+                   "corpus \"", options.corpus, "\" sample ", d, " is empty or mis-sized");
+    else
+      TESSEL_CHECK(!items[d].empty(), "corpus \"", options.corpus, "\" document ", d, " is empty");
+  }
+  std::vector<size_t> train, val;
+  for (size_t d = 0; d < items.size(); ++d) (is_val[d] ? val : train).push_back(d);
+  const fs::path dir = output_directory(options);
   PrepareResult result;
   result.sft = sft;
   result.train = write_split(items, train, (dir / "train.tok").string());
   result.val = write_split(items, val, (dir / "val.tok").string());
-  result.metadata_path = (dir / "dataset.json").string();
-  const std::string json = detail::concat(
-      "{\n  \"corpus\": ", json_string(options.corpus), ",\n  \"format\": \"", sft ? "sft" : "text",
-      "\",\n  \"tokenizer\": \"byte\",\n", "  \"vocab_size\": ", ByteTokenizer::kVocabSize,
-      ",\n  \"seed\": ", options.seed, ",\n  \"val_fraction\": ", options.val_fraction,
-      ",\n  \"train\": ", split_json(result.train, sft),
-      ",\n  \"val\": ", split_json(result.val, sft), "\n}\n");
-  write_file_atomically(result.metadata_path, json);
+  write_metadata(options, "byte", ByteTokenizer::kVocabSize, result);
+  return result;
+}
+
+// A "tokens:PATH" corpus, in two passes over the file: one counts its documents (and checks
+// every id), the other writes each to its split.
+PrepareResult prepare_token_file(const PrepareOptions& options) {
+  if (options.vocab == 0 || options.eot == -1)
+    input_error(
+        "prepare: a tokens:PATH corpus needs --vocab (the ids' vocabulary size) and --eot "
+        "(the end-of-document id)");
+  const TokenFile file(options.corpus.substr(7),
+                       parse_raw_token_dtype(options.token_dtype, "--token-dtype"), options.vocab,
+                       options.eot);
+  size_t n = 0;
+  file.for_each_document([&n](std::span<const int32_t>) { ++n; });
+  const std::vector<bool> is_val = validation_items(n, options, "documents");
+  const fs::path dir = output_directory(options);
+  const TokenDtype dtype = token_dtype_for_vocab(options.vocab);
+  const std::string train_path = (dir / "train.tok").string(),
+                    val_path = (dir / "val.tok").string();
+  ShardWriter train(train_path, dtype, options.vocab), val(val_path, dtype, options.vocab);
+  size_t d = 0;
+  file.for_each_document(
+      [&](std::span<const int32_t> doc) { (is_val[d++] ? val : train).add_document(doc); });
+  remove_loss_mask(train_path);
+  remove_loss_mask(val_path);
+  train.finish();
+  val.finish();
+  PrepareResult result;
+  result.train = {train.num_documents(), train.num_tokens(), 0, train_path};
+  result.val = {val.num_documents(), val.num_tokens(), 0, val_path};
+  write_metadata(options,
+                 detail::concat("pretokenized ", options.token_dtype, ", eot ", options.eot),
+                 options.vocab, result);
   return result;
 }
 
@@ -159,6 +186,11 @@ PrepareResult prepare_samples(const std::vector<SftSample>& samples,
 }
 
 PrepareResult prepare_dataset(const PrepareOptions& options) {
+  const bool tokens = options.corpus.starts_with("tokens:") && options.corpus.size() > 7;
+  if (!tokens && (options.vocab != 0 || options.eot != -1 || options.token_dtype != "u16"))
+    input_error("prepare: --vocab, --eot and --token-dtype describe a tokens:PATH corpus, not \"",
+                options.corpus, "\"");
+  if (tokens) return prepare_token_file(options);
   if (is_sft_corpus(options.corpus))
     return prepare_samples(load_sft_corpus(options.corpus), options);
   return prepare_documents(load_corpus(options.corpus), options);

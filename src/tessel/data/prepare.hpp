@@ -14,6 +14,10 @@
 // its loss-mask shard (train.loss_mask.tok, val.loss_mask.tok: packing.hpp); dataset.json then
 // says "format": "sft" (else "text") and counts each split's "trained_tokens". Preparing a
 // text corpus removes loss-mask shards an earlier SFT prepare left in the directory.
+// A "tokens:PATH" corpus is a file of token ids from another tokenizer (token_file.hpp): its
+// documents (ending at the eot id) are split the same way, streamed into shards of the
+// narrowest dtype for the given vocabulary; dataset.json's tokenizer then reads
+// "pretokenized <dtype>, eot <id>" and vocab_size is the given one.
 // Every file is written to a temporary name and renamed into place.
 #include <cstdint>
 #include <string>
@@ -24,10 +28,16 @@
 namespace tessel::data {
 
 struct PrepareOptions {
-  std::string corpus;      // "bible", "fortunes", "file:PATH", "bible-quotes" or "chat:PATH"
+  // "bible", "fortunes", "file:PATH", "tokens:PATH", "bible-quotes" or "chat:PATH"
+  std::string corpus;
   std::string output_dir;  // e.g. "data/bible"
   double val_fraction = 0.01;
   uint64_t seed = 0;
+  // A tokens:PATH corpus (token_file.hpp): the file's id dtype, the vocabulary size (required)
+  // and the end-of-document id (required). InputError when set for another corpus.
+  std::string token_dtype = "u16";
+  int64_t vocab = 0;
+  int64_t eot = -1;
 };
 
 struct SplitCounts {

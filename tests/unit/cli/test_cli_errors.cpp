@@ -357,6 +357,34 @@ TEST_F(CliTest, BadCorpusForPrepare) {
                         {"/nonexistent.txt"});
 }
 
+// Token ids from another tokenizer through the binary: a u16 file (nanoGPT's format) of 40
+// documents, each ending with the eot id 299, is prepared into shards of vocabulary 300 and
+// trains a model of that vocabulary (not one of the byte vocabulary); without --vocab it is one
+// error.
+TEST_F(CliTest, ATokenFileIsPreparedAndTrainsAModelOfItsVocabulary) {
+  const std::string dir = temp_dir("tokens");
+  std::vector<uint16_t> ids;
+  for (int d = 0; d < 40; ++d) {
+    for (int t = 0; t < 30 + d; ++t) ids.push_back(uint16_t((d * 7 + t * 13) % 299));
+    ids.push_back(299);
+  }
+  std::ofstream(dir + "/train.bin", std::ios::binary)
+      .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(2 * ids.size()));
+  const Outcome o = run_tessel("prepare --corpus tokens:" + dir +
+                               "/train.bin --vocab 300 --eot "
+                               "299 --val-fraction 0.1 --out " +
+                               dir + "/data");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("train 36 documents"), std::string::npos) << o.out;
+  const std::string on_tokens = train_args(dir + "/run") + " --set data.path=" + dir + "/data";
+  expect_one_line_error(run_tessel(on_tokens), {"token vocabulary 300 exceeds model.vocab = 256"});
+  const Outcome t = run_tessel(on_tokens + " --set model.vocab=300");
+  EXPECT_EQ(t.exit_code, 0) << t.err;
+  expect_one_line_error(
+      run_tessel("prepare --corpus tokens:" + dir + "/train.bin --eot 299 --out " + dir + "/d2"),
+      {"needs --vocab"});
+}
+
 // An SFT corpus through the binary: a good JSON Lines file is prepared with its loss masks and
 // counted in the output line; a bad line is one error naming the file and the line.
 TEST_F(CliTest, ChatCorpusIsPreparedOrNamesTheBadLine) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 
+#include "tessel/core/rng.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/data/shard.hpp"
@@ -16,21 +17,35 @@ using tessel::data::testing::TempDir;
 
 namespace {
 
-// The documents of a shard, decoded back to text.
+// The documents of a shard as token ids.
+std::vector<std::vector<int32_t>> shard_documents(const ShardReader& r) {
+  std::vector<std::vector<int32_t>> docs;
+  const auto starts = r.doc_starts();
+  for (int64_t d = 0; d < r.num_documents(); ++d) {
+    const int64_t begin = int64_t(starts[size_t(d)]);
+    const int64_t end = d + 1 < r.num_documents() ? int64_t(starts[size_t(d + 1)]) : r.num_tokens();
+    docs.emplace_back(size_t(end - begin));
+    r.read(begin, end - begin, docs.back().data());
+  }
+  return docs;
+}
+
+// The documents of a byte-tokenized shard, decoded back to text.
 std::vector<std::string> decode_shard(const std::string& path) {
   const ShardReader r(path);
   EXPECT_EQ(r.dtype(), TokenDtype::u8);
   EXPECT_EQ(r.vocab_size(), 256);
   std::vector<std::string> docs;
-  const auto starts = r.doc_starts();
-  for (int64_t d = 0; d < r.num_documents(); ++d) {
-    const int64_t begin = int64_t(starts[size_t(d)]);
-    const int64_t end = d + 1 < r.num_documents() ? int64_t(starts[size_t(d + 1)]) : r.num_tokens();
-    std::vector<int32_t> ids(size_t(end - begin));
-    r.read(begin, end - begin, ids.data());
-    docs.push_back(ByteTokenizer().decode(ids));
-  }
+  for (const auto& ids : shard_documents(r)) docs.push_back(ByteTokenizer().decode(ids));
   return docs;
+}
+
+// Writes `ids` as a raw little-endian file of type T.
+template <class T>
+void write_ids(const std::string& path, const std::vector<int64_t>& ids) {
+  std::vector<T> raw(ids.begin(), ids.end());
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(raw.data()), std::streamsize(sizeof(T) * raw.size()));
 }
 
 std::string read_text(const std::string& path) {
@@ -39,7 +54,8 @@ std::string read_text(const std::string& path) {
 }
 
 // True when `part` is a subsequence of `whole`, in order.
-bool in_order_subset(const std::vector<std::string>& part, const std::vector<std::string>& whole) {
+template <class Doc>
+bool in_order_subset(const std::vector<Doc>& part, const std::vector<Doc>& whole) {
   size_t j = 0;
   for (const auto& p : part) {
     while (j < whole.size() && whole[j] != p) ++j;
@@ -139,4 +155,109 @@ TEST(Prepare, SplitBoundsAndErrors) {
   opt.val_fraction = 0.1;
   opt.corpus = "nope";
   expect_input_error([&] { prepare_dataset(opt); }, {"unknown corpus"});
+}
+
+// A tokens:PATH corpus: every document (ending at the eot id, the tail after the last eot one
+// more) lands in exactly one split, in file order, with its ids unchanged; the split is the
+// one a text corpus of as many documents gets; the shards take the narrowest dtype for the
+// vocabulary. u16 (nanoGPT's GPT-2 files), and u32 / i32 with ids past 2^16.
+TEST(Prepare, TokenFileCorpusKeepsEveryDocumentOnce) {
+  struct Case {
+    const char* dtype;
+    int64_t vocab, eot;
+    TokenDtype shard;
+  };
+  for (const Case& c :
+       {Case{"u16", 50304, 50256, TokenDtype::u16}, Case{"u32", 70000, 3, TokenDtype::i32},
+        Case{"i32", 70000, 69999, TokenDtype::i32}}) {
+    SCOPED_TRACE(c.dtype);
+    TempDir dir;
+    Rng rng(9);
+    std::vector<std::vector<int32_t>> docs;
+    std::vector<int64_t> ids;
+    for (int d = 0; d < 61; ++d) {
+      docs.emplace_back();
+      const int length = 1 + int(rng.below(20));
+      for (int t = 0; t < length; ++t) {
+        int32_t id = int32_t(rng.below(uint64_t(c.vocab)));
+        if (id == c.eot) id = 0;
+        docs.back().push_back(id);
+      }
+      if (d < 60) docs.back().push_back(int32_t(c.eot));  // the last has no eot
+      ids.insert(ids.end(), docs.back().begin(), docs.back().end());
+    }
+    const std::string file = dir.file("ids.bin");
+    if (std::string(c.dtype) == "u16")
+      write_ids<uint16_t>(file, ids);
+    else if (std::string(c.dtype) == "u32")
+      write_ids<uint32_t>(file, ids);
+    else
+      write_ids<int32_t>(file, ids);
+    PrepareOptions opt;
+    opt.corpus = "tokens:" + file;
+    opt.output_dir = dir.file("out");
+    opt.val_fraction = 0.2;
+    opt.seed = 3;
+    opt.token_dtype = c.dtype;
+    opt.vocab = c.vocab;
+    opt.eot = c.eot;
+    const PrepareResult res = prepare_dataset(opt);
+    const ShardReader train(res.train.path), val(res.val.path);
+    EXPECT_EQ(train.dtype(), c.shard);
+    EXPECT_EQ(train.vocab_size(), c.vocab);
+    const auto train_docs = shard_documents(train), val_docs = shard_documents(val);
+    EXPECT_EQ(val_docs.size(), 12u);  // round(0.2 * 61)
+    EXPECT_TRUE(in_order_subset(train_docs, docs));
+    EXPECT_TRUE(in_order_subset(val_docs, docs));
+    auto all = train_docs;
+    all.insert(all.end(), val_docs.begin(), val_docs.end());
+    std::sort(all.begin(), all.end());
+    auto expected = docs;
+    std::sort(expected.begin(), expected.end());
+    EXPECT_EQ(all, expected);
+    EXPECT_EQ(res.train.tokens + res.val.tokens, int64_t(ids.size()));
+    // The split of a text corpus with as many documents and the same seed.
+    std::vector<std::string> text(docs.size());
+    for (size_t d = 0; d < docs.size(); ++d) text[d] = std::to_string(d) + "\n";
+    opt.corpus = "test";
+    opt.vocab = 0, opt.eot = -1, opt.token_dtype = "u16";
+    opt.output_dir = dir.file("text");
+    const auto text_val = decode_shard(prepare_documents(text, opt).val.path);
+    ASSERT_EQ(text_val.size(), val_docs.size());
+    for (size_t i = 0; i < text_val.size(); ++i)
+      EXPECT_EQ(val_docs[i], docs[size_t(std::stoi(text_val[i]))]);
+    const std::string json = read_text(res.metadata_path);
+    for (const std::string& part : {std::string("\"tokenizer\": \"pretokenized ") + c.dtype +
+                                        ", eot " + std::to_string(c.eot) + "\"",
+                                    "\"vocab_size\": " + std::to_string(c.vocab)})
+      EXPECT_NE(json.find(part), std::string::npos) << part << " not in " << json;
+  }
+}
+
+TEST(Prepare, TokenFileErrorsNameTheProblem) {
+  TempDir dir;
+  const std::string file = dir.file("ids.bin");
+  PrepareOptions opt;
+  opt.corpus = "tokens:" + file;
+  opt.output_dir = dir.file("out");
+  opt.vocab = 10;
+  opt.eot = 9;
+  write_ids<uint16_t>(file, {1, 2, 9, 4, 12, 9});
+  expect_input_error([&] { prepare_dataset(opt); }, {file, "token 12 at index 4", "[0, 10)"});
+  write_ids<uint16_t>(file, {1, 2, 3});
+  expect_input_error([&] { prepare_dataset(opt); }, {"has 1 documents", "at least 2"});
+  std::ofstream(file, std::ios::binary) << "abc";
+  expect_input_error([&] { prepare_dataset(opt); }, {"3 bytes", "whole number of u16"});
+  opt.token_dtype = "u8";
+  expect_input_error([&] { prepare_dataset(opt); }, {"--token-dtype = \"u8\""});
+  opt.token_dtype = "u16";
+  opt.eot = 10;
+  expect_input_error([&] { prepare_dataset(opt); }, {"end-of-document id 10", "[0, 10)"});
+  opt.eot = -1;
+  expect_input_error([&] { prepare_dataset(opt); }, {"needs --vocab", "--eot"});
+  opt.eot = 9;
+  opt.corpus = "tokens:" + dir.file("missing.bin");
+  expect_input_error([&] { prepare_dataset(opt); }, {"missing.bin", "no such token file"});
+  opt.corpus = "bible";
+  expect_input_error([&] { prepare_dataset(opt); }, {"--vocab, --eot and --token-dtype", "bible"});
 }
