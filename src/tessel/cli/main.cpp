@@ -212,7 +212,8 @@ int main(int argc, char** argv) {
   prep.corpus = "bible";
   prep.output_dir = "data/bible";
   auto* prepare = app.add_subcommand(
-      "prepare", "turn a text corpus or an SFT corpus (conversations) into token shards");
+      "prepare",
+      "turn a text corpus, a token-id file or an SFT corpus (conversations) into token shards");
   prepare
       ->add_option("--corpus", prep.corpus,
                    "text: bible (Debian bible-kjv, one document per chapter), fortunes (one per "

@@ -1,5 +1,6 @@
 #include "tessel/optim/lr_schedule.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -7,8 +8,9 @@
 
 namespace tessel::optim {
 
-LrSchedule::LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t total_steps)
-    : lr_(lr), min_lr_(min_lr), warmup_(warmup_steps), total_(total_steps) {
+LrSchedule::LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t total_steps,
+                       LrShape shape)
+    : lr_(lr), min_lr_(min_lr), warmup_(warmup_steps), total_(total_steps), shape_(shape) {
   if (!(std::isfinite(lr) && lr > 0)) input_error("optim.lr = ", lr, " must be > 0");
   if (!(min_lr >= 0 && min_lr <= lr)) {
     input_error("optim.min_lr = ", min_lr, " must be in [0, optim.lr = ", lr, "]");
@@ -18,14 +20,32 @@ LrSchedule::LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t t
     input_error("optim.warmup_steps = ", warmup_steps,
                 " must be >= 0 and < train.steps = ", total_steps);
   }
+  if (!(shape.decay_fraction > 0 && shape.decay_fraction <= 1))
+    input_error("optim.decay_fraction = ", shape.decay_fraction, " must be in (0, 1]");
+  decay_start_ =
+      std::max(warmup_, total_ - int64_t(std::llround(shape.decay_fraction * double(total_steps))));
 }
 
 double LrSchedule::lr(int64_t step) const {
   TESSEL_CHECK(step >= 0, "negative schedule step ", step);
   if (step < warmup_) return lr_ * double(step) / double(warmup_);
-  if (step >= total_) return min_lr_;
-  double progress = double(step - warmup_) / double(total_ - warmup_);
-  return min_lr_ + (lr_ - min_lr_) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+  switch (shape_.kind) {
+    case LrScheduleKind::constant:
+      return lr_;
+    case LrScheduleKind::cosine: {
+      if (step >= total_) return min_lr_;
+      const double progress = double(step - warmup_) / double(total_ - warmup_);
+      return min_lr_ + (lr_ - min_lr_) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+    }
+    case LrScheduleKind::wsd: {
+      if (step <= decay_start_) return lr_;
+      if (step >= total_) return min_lr_;
+      const double p = double(step - decay_start_) / double(total_ - decay_start_);
+      return min_lr_ + (lr_ - min_lr_) *
+                           (shape_.decay == LrDecayShape::linear ? 1.0 - p : 1.0 - std::sqrt(p));
+    }
+  }
+  return lr_;
 }
 
 }  // namespace tessel::optim

@@ -34,6 +34,11 @@ size_t check_choice(const std::string& value, const char* field,
 
 }  // namespace
 
+LrSchedule lr_schedule(const OptimizerConfig& c, int64_t total_steps) {
+  return LrSchedule(c.lr, c.min_lr, c.warmup_steps, total_steps,
+                    {c.schedule, c.decay_fraction, c.decay_shape});
+}
+
 void validate(const OptimizerConfig& c) {
   check_range(std::isfinite(c.lr) && c.lr > 0, "optim.lr", c.lr, "> 0");
   check_range(c.beta1 >= 0 && c.beta1 < 1, "optim.beta1", c.beta1, "0 <= beta1 < 1");

@@ -16,6 +16,7 @@
 #include "tessel/comm/communicator.hpp"
 #include "tessel/core/parameter.hpp"
 #include "tessel/core/tensor.hpp"
+#include "tessel/optim/lr_schedule.hpp"
 
 namespace tessel::optim {
 
@@ -46,8 +47,12 @@ class Optimizer {
 struct OptimizerConfig {
   std::string name = "adamw";  // "adamw", "muon", "dion2", "dion3" (muon.hpp)
   double lr = 3e-3;            // peak learning rate (base lr of AdamW)
-  double min_lr = 3e-4;        // learning rate after the cosine decay
+  double min_lr = 3e-4;        // learning rate at the end of the decay
   int64_t warmup_steps = 50;
+  // The learning rate's shape after the warm-up (lr_schedule.hpp).
+  LrScheduleKind schedule = LrScheduleKind::cosine;
+  double decay_fraction = 0.2;  // wsd: share of train.steps in the final decay
+  LrDecayShape decay_shape = LrDecayShape::linear;
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
@@ -77,8 +82,12 @@ struct OptimizerConfig {
 };
 
 // Checks every field's range; throws InputError naming the field (`optim.beta1`, ...).
-// The schedule's fields (min_lr, warmup_steps) are checked with `train.steps` by LrSchedule.
+// The schedule's fields (min_lr, warmup_steps, decay_fraction) are checked with `train.steps`
+// by LrSchedule.
 void validate(const OptimizerConfig& config);
+
+// The learning-rate schedule of `config` over `total_steps` updates (train.steps).
+LrSchedule lr_schedule(const OptimizerConfig& config, int64_t total_steps);
 
 // Parses `optim.decay_tags` ("a,b"; empty = no decay); throws InputError on an unknown tag.
 std::vector<ParamTag> parse_decay_tags(const std::string& text);

@@ -285,8 +285,22 @@ std::vector<ConfigKey> build_schema() {
                  "other parameters)",
                  FIELD(optim.name)),
       float_key("optim.lr", "peak learning rate", FIELD(optim.lr)),
-      float_key("optim.min_lr", "learning rate at the end of the cosine", FIELD(optim.min_lr)),
+      float_key("optim.min_lr", "learning rate at the end of the decay", FIELD(optim.min_lr)),
       int_key("optim.warmup_steps", "linear warm-up steps", FIELD(optim.warmup_steps)),
+      choice_key<optim::LrScheduleKind>(
+          "optim.schedule",
+          "learning rate after the warm-up: cosine decay to optim.min_lr, wsd (stable at optim.lr, "
+          "then the last optim.decay_fraction of the steps decay to optim.min_lr) or constant",
+          {{"cosine", optim::LrScheduleKind::cosine},
+           {"wsd", optim::LrScheduleKind::wsd},
+           {"constant", optim::LrScheduleKind::constant}},
+          FIELD(optim.schedule)),
+      float_key("optim.decay_fraction", "wsd: share of train.steps in the final decay",
+                FIELD(optim.decay_fraction)),
+      choice_key<optim::LrDecayShape>(
+          "optim.decay_shape", "wsd: the decay's shape, linear or sqrt (1 - sqrt of the progress)",
+          {{"linear", optim::LrDecayShape::linear}, {"sqrt", optim::LrDecayShape::sqrt}},
+          FIELD(optim.decay_shape)),
       float_key("optim.beta1", "AdamW beta1", FIELD(optim.beta1)),
       float_key("optim.beta2", "AdamW beta2", FIELD(optim.beta2)),
       float_key("optim.eps", "AdamW epsilon", FIELD(optim.eps)),
@@ -578,7 +592,7 @@ void validate(const Config& c) {
     input_error("config key 'train.seq_len' = ", c.train.seq_len,
                 " exceeds model.max_seq = ", c.model.max_seq);
   optim::validate(c.optim);
-  optim::LrSchedule(c.optim.lr, c.optim.min_lr, c.optim.warmup_steps, c.train.steps);
+  optim::lr_schedule(c.optim, c.train.steps);
   non_negative("parallel.dp", double(c.parallel.dp));
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);

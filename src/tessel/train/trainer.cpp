@@ -292,8 +292,7 @@ struct Trainer::State {
                       : std::make_unique<parallel::ExpertShardedOptimizer>(
                             config.optim, model.dense_parameters(), model.expert_parameters(), dp,
                             mesh.group(comm::Axis::edp), qkv_blocks())),
-        schedule(config.optim.lr, config.optim.min_lr, config.optim.warmup_steps,
-                 config.train.steps),
+        schedule(optim::lr_schedule(config.optim, config.train.steps)),
         grads(model, grad_group, mesh.group(comm::Axis::edp_cp), mesh.group(comm::Axis::ep),
               int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })

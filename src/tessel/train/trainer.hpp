@@ -1,6 +1,6 @@
 #pragma once
 // The training loop: data parallel over the dp axis of the mesh, gradient
-// accumulation over micro-batches, warmup + cosine learning rate, global-norm
+// accumulation over micro-batches, warm-up and the learning-rate schedule, global-norm
 // clipping, periodic validation, metrics.jsonl, asynchronous checkpoints and resume, the
 // ETT ledger of the attempt, fault injection.
 //

@@ -120,7 +120,7 @@ PaciReference paci_reference(const train::Config& c) {
     params[size_t(stage_of[i])].push_back(model.parameters()[i]);
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   for (const ParameterList& p : params) optimizers.push_back(optim::make_optimizer(c.optim, p));
-  const optim::LrSchedule schedule(c.optim.lr, c.optim.min_lr, c.optim.warmup_steps, c.train.steps);
+  const optim::LrSchedule schedule = optim::lr_schedule(c.optim, c.train.steps);
   data::DataLoader loader(c.data.path + "/train.tok", {c.train.seq_len, c.train.micro_batch, K, 0,
                                                        1, uint64_t(c.run.seed), c.data.shuffle});
   struct Micro {

@@ -238,6 +238,30 @@ TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
   EXPECT_EQ(train_run(c).resumed_from, 10);
 }
 
+// optim.schedule = "wsd" reaches the optimizer: each step's lr is the schedule's (6 steps,
+// decay_fraction 0.5: the peak for steps 1-3, then linear to min_lr at step 6), and before
+// its decay a run does not depend on train.steps: a 12-step run's first 3 steps are bitwise
+// the 6-step run's (a cosine run's are not).
+TEST_F(TrainerTest, AWsdScheduleHoldsThePeakUntilItsDecay) {
+  auto run = [&](int64_t steps, const char* schedule) {
+    train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-wsd"));
+    c.train.steps = steps;
+    c.optim.warmup_steps = 1;
+    c.optim.schedule =
+        std::string(schedule) == "wsd" ? optim::LrScheduleKind::wsd : optim::LrScheduleKind::cosine;
+    c.optim.decay_fraction = 0.5;
+    return train_run(c);
+  };
+  const auto six = run(6, "wsd"), twelve = run(12, "wsd");
+  const double lr = fixture::tiny_config(data_dir, "").optim.lr,
+               min_lr = fixture::tiny_config(data_dir, "").optim.min_lr;
+  ASSERT_EQ(six.steps.size(), 6u);
+  const double want[] = {lr, lr, lr, lr - (lr - min_lr) / 3, lr - 2 * (lr - min_lr) / 3, min_lr};
+  for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(six.steps[i].lr, want[i], 1e-15 * lr) << i;
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(six.steps[i].loss, twelve.steps[i].loss) << i;
+  EXPECT_NE(run(6, "cosine").steps[2].loss, run(12, "cosine").steps[2].loss);
+}
+
 TEST_F(TrainerTest, MissingDatasetNamesTheFile) {
   train::Config c = fixture::tiny_config("/nonexistent/data", fixture::temp_dir("tessel-run"));
   fixture::expect_input_error([&] { train_run(c); }, {"/nonexistent/data/train.tok"});
