@@ -2,6 +2,7 @@
 //   prepare     text or SFT corpus -> token shards (train.tok, val.tok; SFT: loss masks too)
 //   train       train a GPT (one process, or under mpirun: data parallel)
 //   generate    sample text from a run's latest checkpoint
+//   eval        a run's checkpoint's loss on a prepared data set
 //   bench-gemm  this machine's GEMM peak, the denominator of MFU
 //   run         supervise a training job: launch it under mpirun, relaunch it on failure
 //   ett-report  a run's effective training time: ett.json, ett.html, ett_trace.json
@@ -9,11 +10,13 @@
 //   simulate    GPipe, 1F1B and PACI simulated from a pipeline run's measured stage costs
 #include <CLI/CLI.hpp>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -30,6 +33,7 @@
 #include "tessel/train/ett.hpp"
 #include "tessel/train/export.hpp"
 #include "tessel/train/pipeline_profile.hpp"
+#include "tessel/train/run_model.hpp"
 #include "tessel/train/supervisor.hpp"
 #include "tessel/train/trainer.hpp"
 
@@ -66,16 +70,10 @@ int run_prepare(const data::PrepareOptions& opts) {
 int run_generate(const std::string& run_dir, const std::string& prompt, int64_t tokens,
                  double temperature, int64_t top_k, int64_t seed, const std::string& stop) {
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
-  const auto loaded = train::load_run_checkpoint(run_dir);
-  const std::string* latest = &loaded.dir;
-  const train::CheckpointContent& ckpt = loaded.content;
-  train::Config config = train::parse_config(ckpt.state.at("config").get<std::string>(),
-                                             *latest + "/manifest.json", {});
-  if (config.model.vocab != data::ByteTokenizer::kVocabSize)
-    input_error(*latest, ": generate needs the byte tokenizer (model.vocab = 256)");
-  model::Gpt gpt(config.model, 0);
-  for (const auto& p : gpt.parameters())
-    train::restore_tensor(ckpt.model, p.name, p.value, *latest);
+  const train::RunModel run = train::load_run_model(run_dir);
+  if (run.config.model.vocab != data::ByteTokenizer::kVocabSize)
+    input_error(run.checkpoint, ": generate needs the byte tokenizer (model.vocab = 256)");
+  const model::Gpt& gpt = *run.gpt;
   data::ByteTokenizer tok;
   const int32_t stop_token = tok.single_token(stop, "--stop");
   const std::vector<int32_t> ids = tok.encode(prompt);
@@ -136,6 +134,36 @@ int run_export(const std::string& checkpoint, const std::string& out) {
       "exported %s (step %lld): %lld tensors, %llu bytes -> %s/model.safetensors, %s/config.toml\n",
       r.checkpoint.c_str(), static_cast<long long>(r.step), static_cast<long long>(r.tensors),
       static_cast<unsigned long long>(r.bytes), out.c_str(), out.c_str());
+  return 0;
+}
+
+// `sequences`: rows to evaluate, 0 = all, unset = the run's train.eval_sequences.
+int run_eval(const std::string& run_dir, const std::string& data_dir, const std::string& split,
+             std::optional<int64_t> sequences, bool json) {
+  train::RunModel run = train::load_run_model(run_dir);
+  const std::string shard =
+      (data_dir.empty() ? run.config.data.path : data_dir) + "/" + split + ".tok";
+  const train::Evaluation e =
+      train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
+  const double bits = e.loss / std::log(2.0), perplexity = std::exp(e.loss);
+  if (json) {
+    std::printf("%s\n", nlohmann::json{{"checkpoint", run.checkpoint},
+                                       {"step", run.step},
+                                       {"shard", shard},
+                                       {"sequences", e.sequences},
+                                       {"loss_tokens", e.loss_tokens},
+                                       {"loss", e.loss},
+                                       {"bits_per_token", bits},
+                                       {"perplexity", perplexity}}
+                            .dump()
+                            .c_str());
+  } else {
+    std::printf(
+        "%s (step %lld) on %s: %lld sequences, %.0f loss tokens: %.4f nats/token "
+        "(%.3f bits), perplexity %.3f\n",
+        run.checkpoint.c_str(), static_cast<long long>(run.step), shard.c_str(),
+        static_cast<long long>(e.sequences), e.loss_tokens, e.loss, bits, perplexity);
+  }
   return 0;
 }
 
@@ -277,6 +305,28 @@ int main(int argc, char** argv) {
                   "one character that ends generation once drawn, e.g. --stop $'\\n' after a "
                   "fine-tuned reply (docs/sft.md)");
 
+  std::string eval_run = "runs/default", eval_data, eval_split = "val";
+  std::optional<int64_t> eval_sequences;
+  bool eval_json = false;
+  auto* evalc = app.add_subcommand(
+      "eval", "the loss of a run's latest checkpoint on a prepared data set (one process)");
+  evalc
+      ->add_option("--run", eval_run,
+                   "run directory (its newest checkpoint) or one checkpoint "
+                   "directory")
+      ->capture_default_str();
+  evalc->add_option("--data", eval_data,
+                    "prepared data set directory; default: the run's data.path");
+  evalc->add_option("--split", eval_split, "which shard: val or train")
+      ->check(CLI::IsMember({"val", "train"}))
+      ->capture_default_str();
+  evalc
+      ->add_option("--sequences", eval_sequences,
+                   "sequences of train.seq_len tokens from the shard's start, 0 = all; default: "
+                   "the run's train.eval_sequences (then it repeats the run's validation loss)")
+      ->check(CLI::NonNegativeNumber);
+  evalc->add_flag("--json", eval_json, "print JSON");
+
   int64_t gemm_size = 1024;
   double gemm_seconds = 1.0;
   int gemm_threads = 0;
@@ -409,6 +459,10 @@ int main(int argc, char** argv) {
     if (*simc)
       return world.rank() == 0 ? run_simulate(sim_run, sim_skip, sim_steps, sim_micro, sim_json)
                                : 0;
+    if (*evalc)
+      return world.rank() == 0
+                 ? run_eval(eval_run, eval_data, eval_split, eval_sequences, eval_json)
+                 : 0;
     if (*gen)
       return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed, gen_stop);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);

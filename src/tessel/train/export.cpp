@@ -10,8 +10,7 @@
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
 #include "tessel/model/gpt.hpp"
-#include "tessel/train/checkpoint.hpp"
-#include "tessel/train/config.hpp"
+#include "tessel/train/run_model.hpp"
 
 namespace fs = std::filesystem;
 
@@ -23,8 +22,7 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   r.checkpoint = loaded.dir;
   CheckpointContent& content = loaded.content;
   // The model's registry order, whatever layout (dp, ep, pp) wrote the checkpoint.
-  const Config config = parse_config(content.state.at("config").get<std::string>(),
-                                     r.checkpoint + "/manifest.json", {});
+  const Config config = checkpoint_config(loaded);
   std::map<std::string, size_t> position;
   const model::Gpt registry(config.model, 0, {}, model::BlockRange{0, 0, false, false});
   for (const std::string& name : registry.registry_names()) position.emplace(name, position.size());

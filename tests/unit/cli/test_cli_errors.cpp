@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -355,6 +356,38 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
 TEST_F(CliTest, BadCorpusForPrepare) {
   expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " + temp_dir("p")),
                         {"/nonexistent.txt"});
+}
+
+// tessel eval on a finished run: by default it repeats the run's final validation loss (the
+// same shard, sequences and weights: bitwise, one process both times); --sequences and
+// --split choose other rows; a missing run is one error.
+TEST_F(CliTest, EvalRepeatsTheRunsValidationLoss) {
+  const std::string run = temp_dir("eval");
+  ASSERT_EQ(run_tessel(train_args(run) + " --set train.eval_every=4 --set train.eval_sequences=6")
+                .exit_code,
+            0);
+  double val_loss = 0;
+  std::ifstream metrics(run + "/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) val_loss = j["val_loss"].get<double>();
+  }
+  ASSERT_GT(val_loss, 0);
+  const Outcome o = run_tessel("eval --json --run " + run);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const auto e = nlohmann::json::parse(o.out);
+  EXPECT_EQ(e["loss"].get<double>(), val_loss);
+  EXPECT_EQ(e["step"].get<int64_t>(), 4);
+  EXPECT_EQ(e["sequences"].get<int64_t>(), 6);
+  EXPECT_NEAR(e["perplexity"].get<double>(), std::exp(val_loss), 1e-12 * std::exp(val_loss));
+  const Outcome two = run_tessel("eval --json --sequences 2 --split train --run " + run);
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  const auto t = nlohmann::json::parse(two.out);
+  EXPECT_EQ(t["sequences"].get<int64_t>(), 2);
+  EXPECT_GT(t["loss_tokens"].get<double>(), 0);  // 2 rows of 16 tokens, less document starts
+  EXPECT_LE(t["loss_tokens"].get<double>(), 2 * 16);
+  EXPECT_NE(t["shard"].get<std::string>().find("train.tok"), std::string::npos);
+  expect_one_line_error(run_tessel("eval --run " + run + "/nonexistent"), {"nonexistent"});
 }
 
 // Token ids from another tokenizer through the binary: a u16 file (nanoGPT's format) of 40

@@ -1,0 +1,50 @@
+#include "tessel/train/run_model.hpp"
+
+#include <map>
+
+#include "tessel/core/error.hpp"
+#include "tessel/data/loader.hpp"
+#include "tessel/data/shard.hpp"
+#include "tessel/train/batch_inputs.hpp"
+
+namespace tessel::train {
+
+Config checkpoint_config(const CheckpointStore::Loaded& loaded) {
+  return parse_config(loaded.content.state.at("config").get<std::string>(),
+                      loaded.dir + "/manifest.json", {});
+}
+
+RunModel load_run_model(const std::string& path) {
+  const auto loaded = load_run_checkpoint(path);
+  RunModel run{loaded.dir, loaded.content.step, checkpoint_config(loaded), nullptr};
+  run.gpt = std::make_unique<model::Gpt>(run.config.model, 0);
+  for (const auto& p : run.gpt->parameters())
+    restore_tensor(loaded.content.model, p.name, p.value, loaded.dir);
+  return run;
+}
+
+Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences) {
+  if (max_sequences < 0) input_error("eval: sequences = ", max_sequences, " must be >= 0");
+  const Config& c = run.config;
+  const int64_t vocab = data::ShardReader(shard).vocab_size();
+  if (vocab > c.model.vocab)
+    input_error(shard, ": token vocabulary ", vocab,
+                " exceeds the model's model.vocab = ", c.model.vocab);
+  const auto batches = data::validation_batches(shard, c.train.seq_len, c.train.micro_batch,
+                                                max_sequences, 0, 1, c.data.overlong);
+  Evaluation e;
+  double loss_sum = 0;
+  std::map<int64_t, std::unique_ptr<model::Activations>> acts;  // by micro-batch rows
+  for (const data::Batch& b : batches) {
+    const BatchInputs in(b, c.data.attention_mask);
+    auto& a = acts[b.B];
+    if (!a) a = run.gpt->make_activations(b.B, b.T);
+    loss_sum += run.gpt->forward(*a, in.inputs());
+    e.loss_tokens += in.loss_weight_sum();
+    e.sequences += b.B;
+  }
+  e.loss = e.loss_tokens > 0 ? loss_sum / e.loss_tokens : 0.0;
+  return e;
+}
+
+}  // namespace tessel::train

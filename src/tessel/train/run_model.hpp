@@ -1,0 +1,41 @@
+#pragma once
+// A trained run's model outside training: the config a checkpoint holds, the whole model on
+// one process (`tessel generate`, `tessel eval`), and its loss on a token shard.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "tessel/model/gpt.hpp"
+#include "tessel/train/checkpoint.hpp"
+#include "tessel/train/config.hpp"
+
+namespace tessel::train {
+
+// The resolved run config a loaded checkpoint holds (errors name its manifest).
+Config checkpoint_config(const CheckpointStore::Loaded& loaded);
+
+struct RunModel {
+  std::string checkpoint;  // the checkpoint directory it came from
+  int64_t step = 0;
+  Config config;
+  std::unique_ptr<model::Gpt> gpt;  // every block and expert, whatever layout (dp, ep, pp) saved it
+};
+
+// `path` is a checkpoint directory (step-N) or a run directory (its newest checkpoint that
+// verifies, as for a resume). InputError naming the file on a damaged checkpoint.
+RunModel load_run_model(const std::string& path);
+
+struct Evaluation {
+  int64_t sequences = 0;   // rows of train.seq_len tokens (SFT: packed rows)
+  double loss_tokens = 0;  // tokens the loss counts (loss weight 1)
+  double loss = 0;         // mean loss per counted token, nats
+};
+
+// The loss of `run`'s model on the first `max_sequences` rows (0 = all) of the token shard
+// `shard`, cut as validation cuts them (the run's train.seq_len, train.micro_batch,
+// data.attention_mask and data.overlong; an SFT shard's loss mask beside it is used). With
+// the run's own val.tok and train.eval_sequences it is the run's validation loss. InputError
+// for a shard whose vocabulary exceeds model.vocab or that holds no full sequence.
+Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences);
+
+}  // namespace tessel::train
