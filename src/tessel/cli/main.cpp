@@ -1,5 +1,6 @@
 // tessel — the command-line front end. Subcommands:
-//   prepare     text or SFT corpus -> token shards (train.tok, val.tok; SFT: loss masks too)
+//   prepare     text, token-id or SFT corpus -> token shards (train.tok, val.tok; SFT: loss
+//               masks too)
 //   train       train a GPT (one process, or under mpirun: data parallel)
 //   generate    sample text from a run's latest checkpoint
 //   eval        a run's checkpoint's loss on a prepared data set
@@ -143,6 +144,10 @@ int run_eval(const std::string& run_dir, const std::string& data_dir, const std:
   train::RunModel run = train::load_run_model(run_dir);
   const std::string shard =
       (data_dir.empty() ? run.config.data.path : data_dir) + "/" + split + ".tok";
+  if (data_dir.empty() && !std::filesystem::exists(shard))
+    input_error(shard,
+                ": no such shard (the run's data.path, taken relative to this directory; "
+                "pass --data)");
   const train::Evaluation e =
       train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
   const double bits = e.loss / std::log(2.0), perplexity = std::exp(e.loss);
@@ -259,10 +264,9 @@ int main(int argc, char** argv) {
   prepare->add_option("--eot", prep.eot,
                       "tokens:PATH: the end-of-document id; each document ends with it "
                       "(GPT-2: 50256)");
-  prepare
-      ->add_option("--token-dtype", prep.token_dtype,
-                   "tokens:PATH: little-endian id type of the file: u16, u32 or i32")
-      ->capture_default_str();
+  prepare->add_option("--token-dtype", prep.token_dtype,
+                      "tokens:PATH: little-endian id type of the file: u16 (the default), u32 "
+                      "or i32");
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents (samples) held out")
       ->capture_default_str();
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")

@@ -138,7 +138,13 @@ void DataLoader::restore(const LoaderState& state) {
 std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq_len,
                                       int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
                                       int64_t dp_size, Overlong overlong) {
-  const ShardReader shard(shard_path);
+  return validation_batches(ShardReader(shard_path), seq_len, micro_batch, max_sequences, dp_rank,
+                            dp_size, overlong);
+}
+
+std::vector<Batch> validation_batches(const ShardReader& shard, int64_t seq_len,
+                                      int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
+                                      int64_t dp_size, Overlong overlong) {
   const auto packed = pack_if_sft(shard, seq_len, overlong);
   const int64_t w = count_rows(shard, packed, seq_len);
   check_layout(micro_batch, 1, dp_rank, dp_size);

@@ -102,5 +102,9 @@ Batch batch_from_windows(const ShardReader& shard, std::span<const int64_t> wind
 std::vector<Batch> validation_batches(const std::string& shard_path, int64_t seq_len,
                                       int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
                                       int64_t dp_size, Overlong overlong = Overlong::drop);
+// The same from a shard already open (opening one reads and checks every token).
+std::vector<Batch> validation_batches(const ShardReader& shard, int64_t seq_len,
+                                      int64_t micro_batch, int64_t max_sequences, int64_t dp_rank,
+                                      int64_t dp_size, Overlong overlong = Overlong::drop);
 
 }  // namespace tessel::data

@@ -23,9 +23,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// `s` as a JSON string literal, escaped.
+// `s` as a JSON string literal, escaped; bytes that are not UTF-8 (a path may hold them) become
+// U+FFFD instead of failing after the shards are written.
 std::string json_string(const std::string& s) {
-  return nlohmann::json(s).dump();
+  return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string split_json(const SplitCounts& split, bool sft) {
@@ -142,24 +143,32 @@ PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions
 // A "tokens:PATH" corpus, in two passes over the file: one counts its documents (and checks
 // every id), the other writes each to its split.
 PrepareResult prepare_token_file(const PrepareOptions& options) {
-  if (options.vocab == 0 || options.eot == -1)
+  if (!options.vocab || !options.eot)
     input_error(
         "prepare: a tokens:PATH corpus needs --vocab (the ids' vocabulary size) and --eot "
         "(the end-of-document id)");
-  const TokenFile file(options.corpus.substr(7),
-                       parse_raw_token_dtype(options.token_dtype, "--token-dtype"), options.vocab,
-                       options.eot);
-  size_t n = 0;
-  file.for_each_document([&n](std::span<const int32_t>) { ++n; });
-  const std::vector<bool> is_val = validation_items(n, options, "documents");
+  const std::string dtype = options.token_dtype.value_or("u16");
+  const TokenFile file(options.corpus.substr(7), parse_raw_token_dtype(dtype, "--token-dtype"),
+                       *options.vocab, *options.eot);
+  const int64_t n = file.count_documents();
+  if (n < 2)
+    input_error("corpus \"", options.corpus, "\" has ", n, " document", n == 1 ? "" : "s",
+                " (no --eot id ", *options.eot, " before its last token); a training and a ",
+                "validation split need at least 2: are --eot and --token-dtype (", dtype,
+                ") right?");
+  const std::vector<bool> is_val = validation_items(size_t(n), options, "documents");
   const fs::path dir = output_directory(options);
-  const TokenDtype dtype = token_dtype_for_vocab(options.vocab);
+  const TokenDtype shard_dtype = token_dtype_for_vocab(*options.vocab);
   const std::string train_path = (dir / "train.tok").string(),
                     val_path = (dir / "val.tok").string();
-  ShardWriter train(train_path, dtype, options.vocab), val(val_path, dtype, options.vocab);
+  ShardWriter train(train_path, shard_dtype, *options.vocab),
+      val(val_path, shard_dtype, *options.vocab);
   size_t d = 0;
-  file.for_each_document(
-      [&](std::span<const int32_t> doc) { (is_val[d++] ? val : train).add_document(doc); });
+  file.for_each_document([&](std::span<const int32_t> doc) {
+    if (d == is_val.size()) input_error(file.path(), ": changed while it was read");
+    (is_val[d++] ? val : train).add_document(doc);
+  });
+  if (d != is_val.size()) input_error(file.path(), ": changed while it was read");
   remove_loss_mask(train_path);
   remove_loss_mask(val_path);
   train.finish();
@@ -167,9 +176,8 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
   PrepareResult result;
   result.train = {train.num_documents(), train.num_tokens(), 0, train_path};
   result.val = {val.num_documents(), val.num_tokens(), 0, val_path};
-  write_metadata(options,
-                 detail::concat("pretokenized ", options.token_dtype, ", eot ", options.eot),
-                 options.vocab, result);
+  write_metadata(options, detail::concat("pretokenized ", dtype, ", eot ", *options.eot),
+                 *options.vocab, result);
   return result;
 }
 
@@ -187,7 +195,7 @@ PrepareResult prepare_samples(const std::vector<SftSample>& samples,
 
 PrepareResult prepare_dataset(const PrepareOptions& options) {
   const bool tokens = options.corpus.starts_with("tokens:") && options.corpus.size() > 7;
-  if (!tokens && (options.vocab != 0 || options.eot != -1 || options.token_dtype != "u16"))
+  if (!tokens && (options.vocab || options.eot || options.token_dtype))
     input_error("prepare: --vocab, --eot and --token-dtype describe a tokens:PATH corpus, not \"",
                 options.corpus, "\"");
   if (tokens) return prepare_token_file(options);

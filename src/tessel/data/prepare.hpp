@@ -20,6 +20,7 @@
 // "pretokenized <dtype>, eot <id>" and vocab_size is the given one.
 // Every file is written to a temporary name and renamed into place.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,9 +36,9 @@ struct PrepareOptions {
   uint64_t seed = 0;
   // A tokens:PATH corpus (token_file.hpp): the file's id dtype, the vocabulary size (required)
   // and the end-of-document id (required). InputError when set for another corpus.
-  std::string token_dtype = "u16";
-  int64_t vocab = 0;
-  int64_t eot = -1;
+  std::optional<std::string> token_dtype;  // unset: u16
+  std::optional<int64_t> vocab;
+  std::optional<int64_t> eot;
 };
 
 struct SplitCounts {

@@ -59,8 +59,10 @@ const char* raw_token_dtype_name(RawTokenDtype dtype) {
   return "?";
 }
 
-TokenFile::TokenFile(std::string path, RawTokenDtype dtype, int64_t vocab, int64_t eot)
-    : path_(std::move(path)), dtype_(dtype), vocab_(vocab), eot_(eot) {
+TokenFile::TokenFile(std::string path, RawTokenDtype dtype, int64_t vocab, int64_t eot,
+                     int64_t chunk_tokens)
+    : path_(std::move(path)), dtype_(dtype), vocab_(vocab), eot_(eot), chunk_tokens_(chunk_tokens) {
+  TESSEL_CHECK(chunk_tokens >= 1, "token file chunks of ", chunk_tokens, " ids");
   if (vocab < 1 || vocab > INT32_MAX)
     input_error(path_, ": token file needs a vocabulary size in [1, 2^31), got ", vocab);
   if (eot < 0 || eot >= vocab)
@@ -79,32 +81,46 @@ TokenFile::TokenFile(std::string path, RawTokenDtype dtype, int64_t vocab, int64
   num_tokens_ = int64_t(bytes / dtype_bytes(dtype));
 }
 
-void TokenFile::for_each_document(const std::function<void(std::span<const int32_t>)>& f) const {
+void TokenFile::for_each_id(const std::function<void(int32_t)>& f) const {
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path_.c_str(), "rb"),
                                                              &std::fclose);
   if (!file) input_error(path_, ": cannot open: ", std::strerror(errno));
-  constexpr size_t kChunkTokens = size_t(1) << 20;
   const size_t width = dtype_bytes(dtype_);
-  std::vector<unsigned char> chunk(kChunkTokens * width);
-  std::vector<int32_t> document;
-  int64_t index = 0;  // of the chunk's first token in the file
-  for (size_t n; (n = std::fread(chunk.data(), width, kChunkTokens, file.get())) > 0;
-       index += int64_t(n)) {
+  std::vector<unsigned char> chunk(size_t(chunk_tokens_) * width);
+  int64_t index = 0;  // of the chunk's first id in the file
+  for (size_t n; (n = std::fread(chunk.data(), width, size_t(chunk_tokens_), file.get())) > 0;
+       index += int64_t(n))
     for (size_t i = 0; i < n; ++i) {
       const int64_t id = token_at(chunk.data(), i, dtype_);
       if (id < 0 || id >= vocab_)
         input_error(path_, ": token ", id, " at index ", index + int64_t(i),
                     " is outside the vocabulary [0, ", vocab_, ")");
-      document.push_back(int32_t(id));
-      if (id == eot_) {
-        f(document);
-        document.clear();
-      }
+      f(int32_t(id));
     }
-  }
   if (std::ferror(file.get())) input_error(path_, ": read failed: ", std::strerror(errno));
   if (index != num_tokens_)
     input_error(path_, ": read ", index, " tokens of ", num_tokens_, " (the file changed?)");
+}
+
+int64_t TokenFile::count_documents() const {
+  int64_t documents = 0;
+  bool open = false;  // a document has begun and not ended
+  for_each_id([&](int32_t id) {
+    open = id != eot_;
+    if (!open) ++documents;
+  });
+  return documents + (open ? 1 : 0);
+}
+
+void TokenFile::for_each_document(const std::function<void(std::span<const int32_t>)>& f) const {
+  std::vector<int32_t> document;
+  for_each_id([&](int32_t id) {
+    document.push_back(id);
+    if (id == eot_) {
+      f(document);
+      document.clear();
+    }
+  });
   if (!document.empty()) f(document);
 }
 

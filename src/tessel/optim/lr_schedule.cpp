@@ -20,10 +20,11 @@ LrSchedule::LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t t
     input_error("optim.warmup_steps = ", warmup_steps,
                 " must be >= 0 and < train.steps = ", total_steps);
   }
-  if (!(shape.decay_fraction > 0 && shape.decay_fraction <= 1))
+  if (shape.kind == LrScheduleKind::wsd && !(shape.decay_fraction > 0 && shape.decay_fraction <= 1))
     input_error("optim.decay_fraction = ", shape.decay_fraction, " must be in (0, 1]");
-  decay_start_ =
-      std::max(warmup_, total_ - int64_t(std::llround(shape.decay_fraction * double(total_steps))));
+  // At least one decay step, so the last step always reaches min_lr.
+  const int64_t decay = std::max<int64_t>(1, std::llround(shape.decay_fraction * double(total_)));
+  decay_start_ = std::max(warmup_, total_ - decay);
 }
 
 double LrSchedule::lr(int64_t step) const {

@@ -3,14 +3,15 @@
 // (optim.schedule) that reaches `min_lr` at `total_steps` (T), constant `min_lr` after:
 //   s <  W:        lr * s / W
 //   cosine:        min_lr + (lr - min_lr) * (1 + cos(pi * (s - W) / (T - W))) / 2   (W <= s <= T)
-//   wsd:           warmup-stable-decay: lr until D = max(W, T - round(decay_fraction * T)),
+//   wsd:           warmup-stable-decay: lr until D = max(W, T - max(1, round(decay_fraction * T))),
 //                  then p = (s - D) / (T - D) falls to min_lr at T, along
 //                  linear: min_lr + (lr - min_lr) * (1 - p), or
 //                  sqrt:   min_lr + (lr - min_lr) * (1 - sqrt(p))
 //   constant:      lr at every s >= W (no decay; min_lr is not used)
 // `s` is the 1-based number of the update about to be applied (the optimizer's step count
 // after it), so the first update gets lr / W and update W gets the peak; lr(0) = 0 is the
-// value before training. Under wsd the learning rate before D does not depend on T, so a run
+// value before training. A warm-up that reaches past T - round(decay_fraction * T) shortens the
+// decay. Under wsd the learning rate before D does not depend on T, so a run
 // resumed in its stable phase with more train.steps continues exactly where it was.
 #include <cstdint>
 
@@ -28,8 +29,8 @@ struct LrShape {
 class LrSchedule {
  public:
   // Throws InputError naming the config field (`optim.lr`, `optim.min_lr`,
-  // `optim.warmup_steps`, `optim.decay_fraction`, `train.steps`) when an argument is out of
-  // range.
+  // `optim.warmup_steps`, `train.steps`, and under wsd `optim.decay_fraction`) when an argument
+  // is out of range.
   LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t total_steps,
              LrShape shape = {});
 

@@ -34,8 +34,10 @@ struct Evaluation {
 // The loss of `run`'s model on the first `max_sequences` rows (0 = all) of the token shard
 // `shard`, cut as validation cuts them (the run's train.seq_len, train.micro_batch,
 // data.attention_mask and data.overlong; an SFT shard's loss mask beside it is used). With
-// the run's own val.tok and train.eval_sequences it is the run's validation loss. InputError
-// for a shard whose vocabulary exceeds model.vocab or that holds no full sequence.
+// the run's own val.tok and train.eval_sequences it is the run's validation loss at that
+// checkpoint (bitwise for a run on one process; up to summation order for dp, cp or pp).
+// InputError for a shard whose vocabulary exceeds model.vocab, that holds no full sequence, or
+// whose rows hold no token the loss counts.
 Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences);
 
 }  // namespace tessel::train

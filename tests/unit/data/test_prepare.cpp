@@ -7,6 +7,7 @@
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/data/shard.hpp"
+#include "tessel/data/token_file.hpp"
 #include "unit/data/test_util.hpp"
 
 using namespace tessel;
@@ -220,7 +221,7 @@ TEST(Prepare, TokenFileCorpusKeepsEveryDocumentOnce) {
     std::vector<std::string> text(docs.size());
     for (size_t d = 0; d < docs.size(); ++d) text[d] = std::to_string(d) + "\n";
     opt.corpus = "test";
-    opt.vocab = 0, opt.eot = -1, opt.token_dtype = "u16";
+    opt.vocab.reset(), opt.eot.reset(), opt.token_dtype.reset();
     opt.output_dir = dir.file("text");
     const auto text_val = decode_shard(prepare_documents(text, opt).val.path);
     ASSERT_EQ(text_val.size(), val_docs.size());
@@ -245,7 +246,8 @@ TEST(Prepare, TokenFileErrorsNameTheProblem) {
   write_ids<uint16_t>(file, {1, 2, 9, 4, 12, 9});
   expect_input_error([&] { prepare_dataset(opt); }, {file, "token 12 at index 4", "[0, 10)"});
   write_ids<uint16_t>(file, {1, 2, 3});
-  expect_input_error([&] { prepare_dataset(opt); }, {"has 1 documents", "at least 2"});
+  expect_input_error([&] { prepare_dataset(opt); },
+                     {"has 1 document ", "at least 2", "are --eot and --token-dtype (u16) right?"});
   std::ofstream(file, std::ios::binary) << "abc";
   expect_input_error([&] { prepare_dataset(opt); }, {"3 bytes", "whole number of u16"});
   opt.token_dtype = "u8";
@@ -253,11 +255,41 @@ TEST(Prepare, TokenFileErrorsNameTheProblem) {
   opt.token_dtype = "u16";
   opt.eot = 10;
   expect_input_error([&] { prepare_dataset(opt); }, {"end-of-document id 10", "[0, 10)"});
-  opt.eot = -1;
+  opt.eot.reset();
   expect_input_error([&] { prepare_dataset(opt); }, {"needs --vocab", "--eot"});
   opt.eot = 9;
   opt.corpus = "tokens:" + dir.file("missing.bin");
   expect_input_error([&] { prepare_dataset(opt); }, {"missing.bin", "no such token file"});
   opt.corpus = "bible";
   expect_input_error([&] { prepare_dataset(opt); }, {"--vocab, --eot and --token-dtype", "bible"});
+  opt.vocab.reset(), opt.eot.reset();
+  opt.token_dtype = "u16";  // even the default, when given, belongs to a tokens:PATH corpus
+  expect_input_error([&] { prepare_dataset(opt); }, {"--vocab, --eot and --token-dtype", "bible"});
+}
+
+// Documents that cross the file's read chunks (3 ids per read here) arrive whole, in order;
+// the count agrees and holds none of them; ids past 2^31 in a u32 file and negative i32 ids
+// are outside any vocabulary.
+TEST(TokenFile, DocumentsCrossReadChunksWhole) {
+  TempDir dir;
+  const std::string file = dir.file("ids.bin");
+  const std::vector<std::vector<int32_t>> docs = {{1, 2, 3, 4, 9}, {9}, {5, 6, 9}, {7, 8}};
+  std::vector<int64_t> ids;
+  for (const auto& d : docs) ids.insert(ids.end(), d.begin(), d.end());
+  write_ids<uint16_t>(file, ids);
+  for (int64_t chunk : {1, 3, 4, 1 << 20}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    const TokenFile f(file, RawTokenDtype::u16, 10, 9, chunk);
+    EXPECT_EQ(f.num_tokens(), int64_t(ids.size()));
+    EXPECT_EQ(f.count_documents(), 4);
+    std::vector<std::vector<int32_t>> got;
+    f.for_each_document([&](std::span<const int32_t> d) { got.emplace_back(d.begin(), d.end()); });
+    EXPECT_EQ(got, docs);
+  }
+  write_ids<uint32_t>(file, {1, 9, int64_t(1) << 31, 9});
+  expect_input_error([&] { TokenFile(file, RawTokenDtype::u32, 10, 9).count_documents(); },
+                     {"token 2147483648 at index 2"});
+  write_ids<int32_t>(file, {1, 9, -5, 9});
+  expect_input_error([&] { TokenFile(file, RawTokenDtype::i32, 10, 9).count_documents(); },
+                     {"token -5 at index 2"});
 }

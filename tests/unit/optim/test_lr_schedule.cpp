@@ -59,6 +59,10 @@ TEST(LrSchedule, WsdHoldsThePeakThenDecays) {
   EXPECT_NEAR(sqrt.lr(850), min_lr + (lr - min_lr) * 0.5, tol);  // 1 - sqrt(1/4)
   EXPECT_NEAR(sqrt.lr(900), min_lr + (lr - min_lr) * (1 - std::sqrt(0.5)), tol);
   for (int64_t t = 801; t <= 1000; ++t) EXPECT_LT(linear.lr(t), linear.lr(t - 1)) << t;
+  // A decay_fraction that rounds to no step still decays on the last one.
+  const LrSchedule tiny(1.0, 0.25, 0, 2, {LrScheduleKind::wsd, 0.2, LrDecayShape::linear});
+  EXPECT_EQ(tiny.lr(1), 1.0);
+  EXPECT_EQ(tiny.lr(2), 0.25);
   // The decay never starts inside the warm-up: decay_fraction 1 decays from W on.
   const LrSchedule all(1.0, 0.0, 10, 50, {LrScheduleKind::wsd, 1.0, LrDecayShape::linear});
   EXPECT_EQ(all.lr(10), 1.0);
