@@ -4,7 +4,9 @@
 //      zigzag and balanced layouts for causal and causal-document masks, K = 4 and 8 chunks
 //      per rank (zigzag always has 2), P = 2, 4, 8;
 //   2. traffic (all ranks, P = world size): key/value bytes one forward sends, summed over the
-//      ranks, against a dense all-gather ((P - 1) x all key/value bytes), per layout and mask;
+//      ranks, against a dense all-gather ((P - 1) x all key/value bytes), per layout and mask:
+//      as sent (each needed chunk's span of seen columns) and, in brackets, what whole needed
+//      chunks would be (the pruning before spans);
 //   3. overlap: forward, and forward + backward, of the balanced causal layout with and
 //      without overlap: time, seconds waiting for remote data (exposed communication; in the
 //      backward also the wait for the peers' dK/dV partials, which depend on their compute) and
@@ -100,8 +102,11 @@ void traffic(const std::vector<MaskCase>& cases, int64_t N) {
   const int P = world.size();
   const double dense = double(P - 1) * double(N) * 2 * kHeads * kDim * sizeof(float);
   if (world.rank() == 0) {
-    std::printf("\n## traffic: forward K/V bytes, all ranks, / dense all-gather (P = %d)\n", P);
-    std::printf("%-16s %3s %11s %11s %11s\n", "mask", "K", "contiguous", "zigzag(K=2)", "balanced");
+    std::printf(
+        "\n## traffic: forward K/V bytes, all ranks, / dense all-gather (P = %d); spans "
+        "(whole chunks)\n",
+        P);
+    std::printf("%-16s %3s %17s %17s %17s\n", "mask", "K", "contiguous", "zigzag(K=2)", "balanced");
   }
   for (const MaskCase& mc : cases) {
     const TiledMask tm(mc.mask);
@@ -112,7 +117,13 @@ void traffic(const std::vector<MaskCase>& cases, int64_t N) {
         run(cp, false);
         std::vector<int64_t> bytes{cp.stats().kv_bytes_sent};
         world.all_reduce(bytes);
-        if (world.rank() == 0) std::printf(" %11.4f", double(bytes[0]) / dense);
+        double chunks = 0;  // every rank knows every rank's needs: no reduction
+        for (int t = 0; t < P; ++t)
+          for (int64_t c = 0; c < l.num_chunks(); ++c)
+            if (cp.needs(t, c) && l.owners()[size_t(c)] != t)
+              chunks += double(l.chunk_rows(c)) * 2 * kHeads * kDim * sizeof(float);
+        if (world.rank() == 0)
+          std::printf("   %6.4f (%6.4f)", double(bytes[0]) / dense, chunks / dense);
       }
       if (world.rank() == 0) std::printf("\n");
     }
@@ -164,8 +175,10 @@ int main(int argc, char** argv) {
     if (i + 1 < argc && !std::strcmp(argv[i], "--overlap-seq"))
       overlap_seq = std::atoll(argv[i + 1]);
   }
-  const std::vector<MaskCase> cases{{"causal", ColumnMask::causal_only(1, seq, seq)},
-                                    {"causal_document", causal_documents(seq)}};
+  const std::vector<MaskCase> cases{
+      {"causal", ColumnMask::causal_only(1, seq, seq)},
+      {"causal_document", causal_documents(seq)},
+      {"window_1024", stack_masks(seq, seq, 1, 1, {sliding_window_mask(seq, seq, 1024)})}};
   if (!only_overlap) {
     if (comm::world().rank() == 0) balance(cases, seq);
     traffic(cases, seq);

@@ -54,18 +54,27 @@ ColumnMask localize_rows(const ColumnMask& mask, const CpLayout& layout,
                });
 }
 
-ColumnMask select_columns(const ColumnMask& mask, const CpLayout& layout,
-                          const std::vector<int64_t>& chunks) {
+ColumnMask select_columns(const ColumnMask& mask, const std::vector<ColumnSpan>& spans) {
   TESSEL_CHECK(!mask.causal(), "select_columns needs an explicit (non-causal) mask");
-  TESSEL_CHECK(layout.seq == mask.cols(), "layout of ", layout.seq, " columns for a mask of ",
-               mask.cols());
   std::vector<int64_t> cols;
-  for (int64_t c : chunks)
-    for (int64_t j = layout.chunk_begin(c); j < layout.chunk_end(c); ++j) cols.push_back(j);
+  for (const ColumnSpan& span : spans) {
+    TESSEL_CHECK(span.begin >= 0 && span.end <= mask.cols(), "columns [", span.begin, ", ",
+                 span.end, ") of a mask of ", mask.cols());
+    for (int64_t j = span.begin; j < span.end; ++j) cols.push_back(j);
+  }
   return build(mask.batch(), mask.mask_heads(), mask.rows(), int64_t(cols.size()),
                [&](int64_t b, int64_t hm, int v, int64_t j) {
                  return mask.vector(b, hm, v)[cols[size_t(j)]];
                });
+}
+
+ColumnMask select_columns(const ColumnMask& mask, const CpLayout& layout,
+                          const std::vector<int64_t>& chunks) {
+  TESSEL_CHECK(layout.seq == mask.cols(), "layout of ", layout.seq, " columns for a mask of ",
+               mask.cols());
+  std::vector<ColumnSpan> spans;
+  for (int64_t c : chunks) spans.push_back({layout.chunk_begin(c), layout.chunk_end(c)});
+  return select_columns(mask, spans);
 }
 
 bool column_fully_masked(int32_t lts, int32_t lte, int32_t uts, int32_t ute, int64_t rows) {
@@ -82,23 +91,26 @@ bool column_fully_masked(int32_t lts, int32_t lte, int32_t uts, int32_t ute, int
   return covered >= rows;
 }
 
-std::vector<uint8_t> needed_chunks(const ColumnMask& m, const CpLayout& layout) {
-  TESSEL_CHECK(!m.causal(), "needed_chunks needs an explicit (non-causal) mask");
+std::vector<ColumnSpan> needed_spans(const ColumnMask& m, const CpLayout& layout) {
+  TESSEL_CHECK(!m.causal(), "needed_spans needs an explicit (non-causal) mask");
   TESSEL_CHECK(layout.seq == m.cols(), "layout of ", layout.seq, " columns for a mask of ",
                m.cols());
-  std::vector<uint8_t> needed(size_t(layout.num_chunks()), 0);
-  for (int64_t c = 0; c < layout.num_chunks(); ++c)
-    for (int64_t b = 0; b < m.batch() && !needed[size_t(c)]; ++b)
-      for (int64_t hm = 0; hm < m.mask_heads() && !needed[size_t(c)]; ++hm) {
-        const int32_t *lts = m.vector(b, hm, kLTS), *lte = m.vector(b, hm, kLTE);
-        const int32_t *uts = m.vector(b, hm, kUTS), *ute = m.vector(b, hm, kUTE);
-        for (int64_t j = layout.chunk_begin(c); j < layout.chunk_end(c); ++j)
-          if (!column_fully_masked(lts[j], lte[j], uts[j], ute[j], m.rows())) {
-            needed[size_t(c)] = 1;
-            break;
-          }
-      }
-  return needed;
+  auto seen = [&m](int64_t j) {  // whether some row sees column j
+    for (int64_t b = 0; b < m.batch(); ++b)
+      for (int64_t hm = 0; hm < m.mask_heads(); ++hm)
+        if (!column_fully_masked(m.vector(b, hm, kLTS)[j], m.vector(b, hm, kLTE)[j],
+                                 m.vector(b, hm, kUTS)[j], m.vector(b, hm, kUTE)[j], m.rows()))
+          return true;
+    return false;
+  };
+  std::vector<ColumnSpan> spans(size_t(layout.num_chunks()));
+  for (int64_t c = 0; c < layout.num_chunks(); ++c) {
+    int64_t first = layout.chunk_begin(c), last = layout.chunk_end(c);
+    while (first < last && !seen(first)) ++first;
+    while (last > first && !seen(last - 1)) --last;
+    spans[size_t(c)] = {first, last};
+  }
+  return spans;
 }
 
 }  // namespace tessel::attention

@@ -78,7 +78,7 @@ ContextParallelAttention::ContextParallelAttention(comm::Communicator& group,
   at::ColumnMask mine;
   for (int r = 0; r < layout_.ranks(); ++r) {
     at::ColumnMask local = at::localize_rows(mask, layout_, layout_.owned[size_t(r)]);
-    needs_.push_back(at::needed_chunks(local, layout_));
+    spans_.push_back(at::needed_spans(local, layout_));
     if (r == me) mine = std::move(local);
   }
   local_offset_.assign(size_t(layout_.num_chunks()), -1);
@@ -87,16 +87,22 @@ ContextParallelAttention::ContextParallelAttention(comm::Communicator& group,
     rows_ += layout_.chunk_rows(c);
   }
   groups_.push_back(
-      {-1, rows_,
+      {-1,
+       {0, rows_},
        at::TiledMask(at::select_columns(mine, layout_, layout_.owned[size_t(me)]), opt.tile_k)});
   for (int64_t c = 0; c < layout_.num_chunks(); ++c)
-    if (owner_[size_t(c)] != me && needs_[size_t(me)][size_t(c)])
-      groups_.push_back({c, layout_.chunk_rows(c),
-                         at::TiledMask(at::select_columns(mine, layout_, {c}), opt.tile_k)});
+    if (owner_[size_t(c)] != me && needs(me, c))
+      groups_.push_back(
+          {c, span(me, c), at::TiledMask(at::select_columns(mine, {span(me, c)}), opt.tile_k)});
 }
 
 at::AttentionShape ContextParallelAttention::shape(int64_t cols) const {
   return {B_, rows_, cols, Hq_, Hk_, D_};
+}
+
+int64_t ContextParallelAttention::local_row(const at::ColumnSpan& s) const {
+  const int64_t c = s.begin / layout_.chunk;
+  return local_offset_[size_t(c)] + s.begin - layout_.chunk_begin(c);
 }
 
 ContextParallelAttention::Exchange ContextParallelAttention::start_kv_exchange(const float* k,
@@ -105,17 +111,18 @@ ContextParallelAttention::Exchange ContextParallelAttention::start_kv_exchange(c
   const int me = group_.rank();
   for (size_t g = 1; g < groups_.size(); ++g) {
     const int64_t c = groups_[g].chunk;
-    ex.recv.emplace_back(size_t(2 * chunk_elems(c)));
+    ex.recv.emplace_back(size_t(2 * span_elems(groups_[g].span)));
     ex.recv_req.push_back(group_.irecv(ex.recv.back(), owner_[size_t(c)], tag_of(c)));
   }
   const int64_t width = Hk_ * D_;
   for (int64_t c : layout_.owned[size_t(me)])
     for (int t = 0; t < group_.size(); ++t) {
-      if (t == me || !needs_[size_t(t)][size_t(c)]) continue;
-      const int64_t n = chunk_elems(c), len = layout_.chunk_rows(c);
+      if (t == me || !needs(t, c)) continue;
+      const at::ColumnSpan s = span(t, c);
+      const int64_t n = span_elems(s);
       std::vector<float> buf(size_t(2 * n));
-      copy_rows(buf.data(), k, B_, rows_, local_offset_[size_t(c)], len, width);
-      copy_rows(buf.data() + n, v, B_, rows_, local_offset_[size_t(c)], len, width);
+      copy_rows(buf.data(), k, B_, rows_, local_row(s), s.size(), width);
+      copy_rows(buf.data() + n, v, B_, rows_, local_row(s), s.size(), width);
       ex.send.push_back(std::move(buf));
       ex.send_req.push_back(group_.isend(ex.send.back(), t, tag_of(c)));
       ++stats_.kv_chunks_sent;
@@ -144,8 +151,8 @@ void ContextParallelAttention::forward(float* o, float* lse, const float* q, con
   for (size_t g = 1; g < groups_.size(); ++g) {
     wait_for(ex.recv_req[g - 1]);
     const float* kv = ex.recv[g - 1].data();
-    const at::AttentionShape s = shape(groups_[g].cols);
-    at::flash_attention_forward(op.data(), lp.data(), q, kv, kv + chunk_elems(groups_[g].chunk), s,
+    const at::AttentionShape s = shape(groups_[g].span.size());
+    at::flash_attention_forward(op.data(), lp.data(), q, kv, kv + span_elems(groups_[g].span), s,
                                 groups_[g].mask, opt_.flash);
     merge_partial(o, lse, op.data(), lp.data(), s);
   }
@@ -157,9 +164,10 @@ void ContextParallelAttention::backward(float* dq, float* dk, float* dv, const f
                                         const float* o, const float* lse) {
   const int me = group_.rank();
   Exchange ex = start_kv_exchange(k, v);
-  // Partial dK/dV of the owned chunks from every rank that needed them, in (chunk, rank) order.
+  // Partial dK/dV of the owned chunks' spans from every rank that needed them, in (chunk, rank)
+  // order.
   struct Incoming {
-    int64_t chunk;
+    at::ColumnSpan span;
     std::vector<float> buf;
   };
   std::vector<Incoming> incoming;
@@ -167,8 +175,8 @@ void ContextParallelAttention::backward(float* dq, float* dk, float* dv, const f
   const int grad_tag = tag_of(layout_.num_chunks());
   for (int64_t c : layout_.owned[size_t(me)])
     for (int t = 0; t < group_.size(); ++t)
-      if (t != me && needs_[size_t(t)][size_t(c)]) {
-        incoming.push_back({c, std::vector<float>(size_t(2 * chunk_elems(c)))});
+      if (t != me && needs(t, c)) {
+        incoming.push_back({span(t, c), std::vector<float>(size_t(2 * span_elems(span(t, c))))});
         incoming_req.push_back(group_.irecv(incoming.back().buf, t, grad_tag + tag_of(c)));
       }
   at::flash_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, shape(rows_), groups_[0].mask,
@@ -177,12 +185,12 @@ void ContextParallelAttention::backward(float* dq, float* dk, float* dv, const f
   std::vector<comm::Request> outgoing_req;
   for (size_t g = 1; g < groups_.size(); ++g) {
     wait_for(ex.recv_req[g - 1]);
-    const int64_t c = groups_[g].chunk, n = chunk_elems(c);
+    const int64_t c = groups_[g].chunk, n = span_elems(groups_[g].span);
     const float* kv = ex.recv[g - 1].data();
     outgoing.emplace_back(size_t(2 * n), 0.0f);
     float* grad = outgoing.back().data();
     at::flash_attention_backward(dq, grad, grad + n, dout, q, kv, kv + n, o, lse,
-                                 shape(groups_[g].cols), groups_[g].mask, opt_.flash);
+                                 shape(groups_[g].span.size()), groups_[g].mask, opt_.flash);
     outgoing_req.push_back(group_.isend(outgoing.back(), owner_[size_t(c)], grad_tag + tag_of(c)));
     ++stats_.grad_chunks_sent;
     stats_.grad_bytes_sent += 2 * n * int64_t(sizeof(float));
@@ -190,9 +198,10 @@ void ContextParallelAttention::backward(float* dq, float* dk, float* dv, const f
   const int64_t width = Hk_ * D_;
   for (size_t i = 0; i < incoming.size(); ++i) {
     wait_for(incoming_req[i]);
-    const int64_t c = incoming[i].chunk, n = chunk_elems(c), len = layout_.chunk_rows(c);
-    add_rows(dk, incoming[i].buf.data(), B_, rows_, local_offset_[size_t(c)], len, width);
-    add_rows(dv, incoming[i].buf.data() + n, B_, rows_, local_offset_[size_t(c)], len, width);
+    const at::ColumnSpan& s = incoming[i].span;
+    const int64_t n = span_elems(s);
+    add_rows(dk, incoming[i].buf.data(), B_, rows_, local_row(s), s.size(), width);
+    add_rows(dv, incoming[i].buf.data() + n, B_, rows_, local_row(s), s.size(), width);
   }
   comm::wait_all(ex.send_req);
   comm::wait_all(outgoing_req);

@@ -6,29 +6,32 @@
 // q, o [B, L, Hq, D], k, v [B, L, Hk, D], lse [B, Hq, L] with L = layout.local_rows(r).
 //
 // Construction (no communication): every rank localizes the global mask for every rank's rows
-// (attention/mask_localization.hpp) and so knows, for each (chunk, rank), whether that rank
-// needs the chunk's keys and values - prunable iff fully masked for all its rows in every
-// column, batch row and mask head. Key groups of this rank: group 0 = its own chunks (one
-// attention call over all of them), then each needed remote chunk in ascending order, each
-// with the localized mask sliced to its columns.
+// (attention/mask_localization.hpp) and so knows, for each (chunk, rank), which of the chunk's
+// keys and values that rank needs: the smallest span of columns outside which every column is
+// fully masked for all its rows, batch rows and mask heads (empty: the chunk is pruned). A
+// sliding window or a document mask needs only the end of an earlier chunk, and only that
+// span travels. Key groups of this rank: group 0 = its own chunks (one attention call over all
+// of them), then the needed span of each remote chunk in ascending order, each with the
+// localized mask sliced to its columns.
 //
-// forward: non-blocking sends of each owned chunk's K and V to exactly the ranks that need it
-// and receives of the needed remote chunks are started first; group 0 is computed while they
+// forward: non-blocking sends of each owned chunk's K and V span to exactly the ranks that need
+// it and receives of the needed remote spans are started first; group 0 is computed while they
 // travel, then each remote group once its chunk arrives. Every group gives an exact partial
 // (O_p, LSE_p) over its keys; partials are merged in the fixed group order,
 //   LSE = log(sum_p e^{LSE_p}),  O = sum_p e^{LSE_p - LSE} O_p,
 // so the result does not depend on arrival order and repeats bitwise.
 // backward (adds into dq, dk, dv; needs the final o and lse): the same pruned K/V exchange;
 // each group's flash backward with the final O and LSE gives exact partial dQ (added in group
-// order) and partial dK/dV of that group's keys; partials of remote chunks go back to their
-// owner (the same pruning: only ranks that needed a chunk send its gradient), which adds them
-// after its own in ascending rank order.
+// order) and partial dK/dV of that group's keys; partials of remote spans go back to their
+// owner (the same pruning: only ranks that needed a chunk send the gradient of their span),
+// which adds them after its own in ascending rank order.
 #include <cstdint>
 #include <vector>
 
 #include "tessel/attention/attention_hook.hpp"
 #include "tessel/attention/cp_layout.hpp"
 #include "tessel/attention/flash_attention.hpp"
+#include "tessel/attention/mask_localization.hpp"
 #include "tessel/comm/communicator.hpp"
 
 namespace tessel::parallel {
@@ -56,8 +59,10 @@ class ContextParallelAttention final : public attention::AttentionHook {
 
   const attention::CpLayout& layout() const { return layout_; }
   int64_t local_rows() const { return rows_; }
-  // Whether rank r needs chunk c's keys and values (r's own chunks included).
-  bool needs(int r, int64_t c) const { return needs_[size_t(r)][size_t(c)] != 0; }
+  // The columns of chunk c whose keys and values rank r needs (r's own chunks included; empty:
+  // none), and whether there are any.
+  attention::ColumnSpan span(int r, int64_t c) const { return spans_[size_t(r)][size_t(c)]; }
+  bool needs(int r, int64_t c) const { return !span(r, c).empty(); }
 
   void forward(float* o, float* lse, const float* q, const float* k, const float* v) override;
   void backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
@@ -68,8 +73,8 @@ class ContextParallelAttention final : public attention::AttentionHook {
 
  private:
   struct Group {
-    int64_t chunk;  // the remote chunk, or -1 for the own chunks
-    int64_t cols;
+    int64_t chunk;               // the remote chunk, or -1 for the own chunks
+    attention::ColumnSpan span;  // its columns (global); the own chunks: [0, local rows)
     attention::TiledMask mask;
   };
   // Started transfers of one K/V exchange: receive buffers per remote group, send buffers.
@@ -80,15 +85,17 @@ class ContextParallelAttention final : public attention::AttentionHook {
   Exchange start_kv_exchange(const float* k, const float* v);
   void wait_for(comm::Request& request);
   attention::AttentionShape shape(int64_t cols) const;
-  int64_t chunk_elems(int64_t c) const { return B_ * layout_.chunk_rows(c) * Hk_ * D_; }
+  // Elements of K (or V) over a span's columns, and the first local row of an owned span.
+  int64_t span_elems(const attention::ColumnSpan& s) const { return B_ * s.size() * Hk_ * D_; }
+  int64_t local_row(const attention::ColumnSpan& s) const;
 
   comm::Communicator& group_;
   attention::CpLayout layout_;
   int64_t B_, Hq_, Hk_, D_, rows_ = 0;
   CpOptions opt_;
-  std::vector<std::vector<uint8_t>> needs_;  // [rank][chunk]
-  std::vector<int64_t> local_offset_;        // [chunk] first local row of an owned chunk
-  std::vector<int> owner_;                   // [chunk]
+  std::vector<std::vector<attention::ColumnSpan>> spans_;  // [rank][chunk]
+  std::vector<int64_t> local_offset_;  // [chunk] first local row of an owned chunk
+  std::vector<int> owner_;             // [chunk]
   std::vector<Group> groups_;
   CpStats stats_;
 };

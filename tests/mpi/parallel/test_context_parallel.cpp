@@ -36,15 +36,19 @@ struct Result {
 };
 
 // Whether some row of rank r's chunks sees some column of chunk c (dense global mask).
-bool sees(const std::vector<uint8_t>& dense, const at::ColumnMask& m, const at::CpLayout& l, int r,
-          int64_t c) {
+// Columns of chunk c that some row of rank r sees, from the first to the last such column
+// (the dense oracle); empty when none.
+at::ColumnSpan seen_span(const std::vector<uint8_t>& dense, const at::ColumnMask& m,
+                         const at::CpLayout& l, int r, int64_t c) {
   const int64_t S = m.rows();
+  at::ColumnSpan span{l.chunk_end(c), l.chunk_begin(c)};
   for (int64_t bh = 0; bh < m.batch() * m.mask_heads(); ++bh)
     for (int64_t rc : l.owned[size_t(r)])
       for (int64_t i = l.chunk_begin(rc); i < l.chunk_end(rc); ++i)
         for (int64_t j = l.chunk_begin(c); j < l.chunk_end(c); ++j)
-          if (dense[size_t((bh * S + i) * S + j)]) return true;
-  return false;
+          if (dense[size_t((bh * S + i) * S + j)])
+            span = {std::min(span.begin, j), std::max(span.end, j + 1)};
+  return span;
 }
 
 void expect_matches_single_rank(const at::ColumnMask& mask, const at::CpLayout& layout,
@@ -93,21 +97,25 @@ void expect_matches_single_rank(const at::ColumnMask& mask, const at::CpLayout& 
   EXPECT_LT(rel_error(got.dk, to_f64(want.dk), 1.0), kTol);
   EXPECT_LT(rel_error(got.dv, to_f64(want.dv), 1.0), kTol);
 
-  // Pruning: exactly the chunks some row of the receiver sees; bytes = chunks x chunk bytes.
+  // Pruning: of each chunk exactly the columns from the first to the last that some row of the
+  // receiver sees travel; bytes = those columns' K and V.
   const std::vector<uint8_t> dense = at::naive::dense_mask(mask);
   int64_t expect_chunks = 0, expect_bytes = 0, received = 0, received_bytes = 0;
   for (int t = 0; t < world.size(); ++t)
     for (int64_t c = 0; c < layout.num_chunks(); ++c) {
-      const bool needed = sees(dense, mask, layout, t, c);
+      const at::ColumnSpan seen = seen_span(dense, mask, layout, t, c);
+      const bool needed = !seen.empty();
       EXPECT_EQ(cp.needs(t, c), needed) << "rank " << t << " chunk " << c;
+      if (needed) EXPECT_EQ(cp.span(t, c), seen) << "rank " << t << " chunk " << c;
       const int owner = layout.owners()[size_t(c)];
+      const int64_t bytes = 2 * kB * seen.size() * kHk * kD * int64_t(sizeof(float));
       if (needed && owner == me && t != me) {
         ++expect_chunks;
-        expect_bytes += 2 * kB * layout.chunk_rows(c) * kHk * kD * int64_t(sizeof(float));
+        expect_bytes += bytes;
       }
       if (needed && t == me && owner != me) {
         ++received;
-        received_bytes += 2 * kB * layout.chunk_rows(c) * kHk * kD * int64_t(sizeof(float));
+        received_bytes += bytes;
       }
     }
   // Forward and backward each exchange K/V once; backward returns a gradient per chunk received.

@@ -41,8 +41,8 @@ std::vector<int64_t> rows_of(const CpLayout& l, const std::vector<int64_t>& chun
 }
 
 // The localized mask (owned rows, a random permutation of all column chunks) against the global
-// dense mask restricted to those rows and permuted columns; and the pruning decision against
-// "some owned row sees some column of the chunk".
+// dense mask restricted to those rows and permuted columns; and each chunk's needed span against
+// the first and last of its columns that some owned row sees (empty when none is seen).
 void expect_localizes(const ColumnMask& mask, const CpLayout& l, Rng& rng) {
   const std::vector<uint8_t> global = naive::dense_mask(mask);
   const int64_t S = mask.rows();
@@ -57,8 +57,9 @@ void expect_localizes(const ColumnMask& mask, const CpLayout& l, Rng& rng) {
     ASSERT_FALSE(local.causal());
     ASSERT_EQ(local.rows(), int64_t(rows.size()));
     const std::vector<uint8_t> dense = naive::dense_mask(select_columns(local, l, col_chunks));
-    const std::vector<uint8_t> needed = needed_chunks(local, l);
-    std::vector<uint8_t> want_needed(size_t(l.num_chunks()), 0);
+    const std::vector<ColumnSpan> needed = needed_spans(local, l);
+    std::vector<int64_t> first_seen(size_t(l.num_chunks()), S),
+        last_seen(size_t(l.num_chunks()), -1);
     for (int64_t b = 0; b < mask.batch(); ++b)
       for (int64_t hm = 0; hm < mask.mask_heads(); ++hm)
         for (size_t i = 0; i < rows.size(); ++i)
@@ -70,9 +71,20 @@ void expect_localizes(const ColumnMask& mask, const CpLayout& l, Rng& rng) {
                 want)
                 << "rank " << r << " b " << b << " head " << hm << " row " << rows[i] << " col "
                 << cols[j];
-            if (want) want_needed[size_t(cols[j] / l.chunk)] = 1;
+            if (!want) continue;
+            const auto c = size_t(cols[j] / l.chunk);
+            first_seen[c] = std::min(first_seen[c], cols[j]);
+            last_seen[c] = std::max(last_seen[c], cols[j]);
           }
-    EXPECT_EQ(needed, want_needed) << "rank " << r;
+    ASSERT_EQ(needed.size(), size_t(l.num_chunks()));
+    for (size_t c = 0; c < needed.size(); ++c) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " chunk " + std::to_string(c));
+      if (last_seen[c] < 0) {
+        EXPECT_TRUE(needed[c].empty());
+      } else {
+        EXPECT_EQ(needed[c], (ColumnSpan{first_seen[c], last_seen[c] + 1}));
+      }
+    }
   }
 }
 
