@@ -272,6 +272,23 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
     }
 }
 
+// model.attention_window reaches every stage's blocks: 1F1B over the stages with a 3-key window
+// equals the single process with it, bitwise (and the window changes the run).
+TEST(PipelineTrain, AnAttentionWindowOverStagesEqualsTheSingleProcessRun) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-window");
+  const Reference unwindowed = single_process(c);
+  c.model.attention_window = 3;
+  const Reference ref = single_process(c);
+  EXPECT_NE(ref.result.steps.back().loss, unwindowed.result.steps.back().loss);
+  c.parallel.pp = world.size();
+  c.pipeline.schedule = "1f1b";
+  c.run.dir = shared_temp_dir(world, "tessel-pp-window");
+  const auto piped = run_on(world, c);
+  fixture::expect_same_steps(piped, ref.result);
+  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+}
+
 // Activation recomputation inside each stage (train.recompute = blocks) changes nothing: GPipe
 // and 1F1B (also with first and last stages that hold no block), and PACI with the stash
 // (K = P - 1, so that backwards are stale and recompute against the stashed weights), give
