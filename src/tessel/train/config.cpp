@@ -13,6 +13,7 @@
 #include "tessel/core/error.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/optim/lr_schedule.hpp"
+#include "tessel/optim/spike_filter.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
 
 namespace tessel::train {
@@ -225,6 +226,12 @@ std::vector<ConfigKey> build_schema() {
       int_key("train.accum", "micro-batches per step per rank", FIELD(train.accum)),
       float_key("train.grad_clip", "global gradient-norm clip; <= 0 disables",
                 FIELD(train.grad_clip)),
+      float_key("train.spike_factor",
+                "skip the update of a step whose gradient norm exceeds this many times the median "
+                "of the last train.spike_window steps' norms; 0 = never",
+                FIELD(train.spike_factor)),
+      int_key("train.spike_window", "steps whose gradient norms train.spike_factor compares with",
+              FIELD(train.spike_window)),
       choice_key<model::Recompute>(
           "train.recompute",
           "activation recomputation: none, or blocks (keep only the residual stream between "
@@ -402,6 +409,10 @@ std::vector<ConfigKey> build_schema() {
       int_key("fault.corrupt_step",
               "flip a byte of the committed checkpoint of this step (0 = none)",
               FIELD(fault.corrupt_step)),
+      int_key("fault.spike_step",
+              "multiply this step's gradients by 1000, a synthetic spike for train.spike_factor "
+              "(0 = none; not under a pipeline)",
+              FIELD(fault.spike_step)),
       float_key("fault.init_delay_seconds",
                 "synthetic slow start: every attempt sleeps this long while building the "
                 "model (tests the ETT ledger's restart cost)",
@@ -593,6 +604,15 @@ void validate(const Config& c) {
                 " exceeds model.max_seq = ", c.model.max_seq);
   optim::validate(c.optim);
   optim::lr_schedule(c.optim, c.train.steps);
+  optim::SpikeFilter(c.train.spike_factor, c.train.spike_window);
+  if (c.fault.spike_step > 0 && pipeline_enabled(c))
+    input_error("fault.spike_step = ", c.fault.spike_step,
+                " scales the gradients of a whole step, which pipeline schedules do not have; use "
+                "it with parallel.pp = 1 and no pipeline.schedule");
+  if (c.train.spike_factor > 0 && pipeline_enabled(c))
+    input_error("train.spike_factor = ", c.train.spike_factor,
+                " skips whole updates, which pipeline schedules step per stage; use it with "
+                "parallel.pp = 1 and no pipeline.schedule");
   non_negative("parallel.dp", double(c.parallel.dp));
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);

@@ -42,6 +42,10 @@ struct TrainLoopConfig {
   int64_t micro_batch = 8;  // sequences per micro-batch per rank
   int64_t accum = 1;        // micro-batches per step per rank (gradient accumulation)
   double grad_clip = 1.0;   // global-norm clip; <= 0 disables
+  // Skip the update of a step whose gradient norm exceeds spike_factor x the median of the
+  // last spike_window steps' norms (optim/spike_filter.hpp); 0 = never.
+  double spike_factor = 0;
+  int64_t spike_window = 50;
   model::Recompute recompute = model::Recompute::none;  // activation recomputation
   int64_t log_every = 10;
   int64_t eval_every = 200;  // 0 = only at the end

@@ -24,6 +24,8 @@ void validate(const FaultConfig& c) {
                 "'");
   if (c.corrupt_step < 0)
     input_error("config key 'fault.corrupt_step' must not be negative, got ", c.corrupt_step);
+  if (c.spike_step < 0)
+    input_error("config key 'fault.spike_step' must not be negative, got ", c.spike_step);
   if (!(c.init_delay_seconds >= 0 && c.init_delay_seconds <= 3600))
     input_error("config key 'fault.init_delay_seconds' must be in [0, 3600], got ",
                 c.init_delay_seconds);
@@ -31,7 +33,10 @@ void validate(const FaultConfig& c) {
 
 FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::string ledger_path,
                              int64_t t0_ns)
-    : rank_(rank), corrupt_step_(c.corrupt_step), ledger_(std::move(ledger_path)) {
+    : rank_(rank),
+      corrupt_step_(c.corrupt_step),
+      spike_step_(c.spike_step > 0 ? c.spike_step : -1),
+      ledger_(std::move(ledger_path)) {
   const auto steps = parse_int_list("fault.kill_steps", c.kill_steps, 0);
   const auto secs = parse_real_list("fault.kill_seconds", c.kill_seconds, 0);
   const auto hangs = parse_int_list("fault.hang_steps", c.hang_steps, 0);

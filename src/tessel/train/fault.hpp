@@ -37,6 +37,7 @@ struct FaultConfig {
   std::string hang_steps;         // comma-separated steps, one per attempt ("" or "0" = none)
   std::string kill_in = "step";   // "step" | "checkpoint_write"
   int64_t corrupt_step = 0;       // 0 = none
+  int64_t spike_step = 0;         // gradients of this step x kSpikeScale (0 = none)
   double init_delay_seconds = 0;  // synthetic cold-start delay per attempt
 };
 
@@ -58,6 +59,10 @@ class FaultInjector {
   void in_checkpoint_write(int64_t step);
   // Rank 0 committed the checkpoint `dir` of `step` (writer thread).
   void after_commit(const std::string& dir, int64_t step);
+  // The factor on the reduced gradients of `step` (every rank): kSpikeScale at
+  // fault.spike_step, a synthetic gradient spike; else 1.
+  float gradient_scale(int64_t step) const { return step == spike_step_ ? kSpikeScale : 1.0f; }
+  static constexpr float kSpikeScale = 1000.0f;
 
  private:
   // Appends the fault line and says on stderr what the rank does (`what`: "kills itself").
@@ -72,6 +77,7 @@ class FaultInjector {
   double kill_seconds_ = -1;
   bool in_write_ = false;
   int64_t corrupt_step_;
+  int64_t spike_step_;
   std::string ledger_;
   std::atomic<int64_t> completed_{0};  // steps this attempt completed
 

@@ -27,6 +27,7 @@
 #include "tessel/model/gpt.hpp"
 #include "tessel/optim/grad_clip.hpp"
 #include "tessel/optim/lr_schedule.hpp"
+#include "tessel/optim/spike_filter.hpp"
 #include "tessel/parallel/expert_parallel.hpp"
 #include "tessel/parallel/expert_sharding.hpp"
 #include "tessel/train/batch_inputs.hpp"
@@ -254,6 +255,7 @@ struct Trainer::State {
   // (pipeline_trainer.hpp).
   std::unique_ptr<parallel::ExpertShardedOptimizer> optimizer;
   optim::LrSchedule schedule;
+  optim::SpikeFilter spikes;
   parallel::ExpertShardedGradients grads;  // all-reduces and clipping
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> acts;  // by B, T
   std::jthread warmup;  // fast start: the synthetic step, beside the data warm-up below
@@ -295,6 +297,7 @@ struct Trainer::State {
                             config.optim, model.dense_parameters(), model.expert_parameters(), dp,
                             mesh.group(comm::Axis::edp), qkv_blocks())),
         schedule(optim::lr_schedule(config.optim, config.train.steps)),
+        spikes(config.train.spike_factor, config.train.spike_window),
         grads(model, grad_group, mesh.group(comm::Axis::edp_cp), mesh.group(comm::Axis::ep),
               int64_t(config.parallel.bucket_mb * 1024 * 1024)),
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
@@ -471,6 +474,7 @@ struct Trainer::State {
     auto ls = loader.state();
     content.state = {{"compatibility", compatibility()},
                      {"loader", {{"step", ls.step}, {"micro", ls.micro}}},
+                     {"spike_norms", spikes.history()},
                      {"config", to_toml(config)}};
     checkpointer.save(content);
     if (!config.train.checkpoint_async) checkpointer.wait();
@@ -549,6 +553,8 @@ struct Trainer::State {
       restore_tensor(content.optimizer, st.name, st.tensor, chosen);
     const auto& ls = content.state.at("loader");
     loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
+    // Older checkpoints have none: their run did not skip.
+    spikes.restore(content.state.value("spike_norms", std::vector<double>{}));
     start_step = resumed_from = content.step;
     ledger.event({{"event", "resume"}, {"step", content.step}, {"dir", chosen}});
   }
@@ -881,6 +887,7 @@ TrainResult Trainer::run() {
   Timer run_timer;
   double train_seconds = 0;
   bool mfu_warned = false;
+  int64_t skipped_steps = 0;  // updates this run skipped as gradient spikes
   auto log_step = [&](int64_t step) {
     return step % c.train.log_every == 0 || step == c.train.steps || step == s.start_step + 1;
   };
@@ -902,6 +909,8 @@ TrainResult Trainer::run() {
     Timer step_timer;
     double stats[2] = {0, 0};  // loss sum, loss tokens
     double grad_norm = 0;
+    bool skipped = false;     // a gradient spike, not applied
+    double spike_median = 0;  // the median norm it was compared with
     double cp_imbalance = 0;  // mean over the micro-batches (cp > 1)
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
     const double lr = s.schedule.lr(step + 1);
@@ -937,15 +946,19 @@ TrainResult Trainer::run() {
         s.grad_group.all_reduce(s.moe_step.values());
       }
       TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
-      s.grads.reduce(float(1.0 / stats[1]));
+      s.grads.reduce(float(1.0 / stats[1]) * s.faults.gradient_scale(step + 1));
       grad_norm = s.grads.clip(c.train.grad_clip);
       optim::check_finite_grad_norm(
           grad_norm, "step " + std::to_string(step + 1),
           " (newest checkpoint: " + s.store.latest().value_or("none") +
               "; a lower optim.lr or a tighter train.grad_clip may avoid it)");
+      spike_median = s.spikes.median();
+      skipped = s.spikes.skip(grad_norm);
       wait_staged();
-      s.optimizer->step(s.schedule.scale(step + 1));
-      s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
+      if (!skipped) {
+        s.optimizer->step(s.schedule.scale(step + 1));
+        s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
+      }
     }
     s.faults.after_step(step + 1);
     s.checkpointer.poll();
@@ -961,6 +974,7 @@ TrainResult Trainer::run() {
     rec.tflops_per_rank = rec.tokens_per_s / s.world.size() * flops_tok / 1e12;
     rec.mfu = rec.tflops_per_rank * 1e3 / peak;
     rec.hfu = rec.mfu * hardware_flops_tok / flops_tok;
+    rec.skipped = skipped;
     if (rec.mfu > 1.0 && !mfu_warned) {  // said once: the denominator is wrong, not the run
       mfu_warned = true;
       s.log(detail::concat(
@@ -982,6 +996,7 @@ TrainResult Trainer::run() {
                              {"hfu", rec.hfu},
                              {"step_seconds", dt}};
     if (c.parallel.cp > 1 && !piped) record["cp_imbalance"] = cp_imbalance;
+    if (skipped) record["skipped"] = {{"spike_median", spike_median}};
     if (piped) record["pipeline"] = piped->metrics;
     if (const MoeMetrics* moe = piped ? (piped->moe ? &*piped->moe : nullptr)
                                       : (s.moe_step.empty() ? nullptr : &s.moe_step)) {
@@ -989,6 +1004,13 @@ TrainResult Trainer::run() {
       record["all_to_all_bytes"] = moe->all_to_all_bytes();
     }
     write_metrics(record);
+    if (skipped) {
+      ++skipped_steps;
+      s.log(detail::concat("step ", rec.step, ": gradient norm ", grad_norm, " is ",
+                           grad_norm / spike_median, "x the median of the last ",
+                           c.train.spike_window, " steps (", spike_median,
+                           "): update skipped (train.spike_factor = ", c.train.spike_factor, ")"));
+    }
     bool last = rec.step == c.train.steps;
     if (!paci && log_step(rec.step)) {
       double per_step = train_seconds / double(rec.step - s.start_step);
@@ -1063,6 +1085,9 @@ TrainResult Trainer::run() {
   result.peak_resident_bytes = peak_memory;
   s.log("done in " + format_duration(run_timer.seconds()) + ", peak resident memory " +
         std::to_string(peak_memory >> 20) + " MiB (the largest rank's)" +
+        (skipped_steps > 0
+             ? detail::concat(", ", skipped_steps, " update(s) skipped as gradient spikes")
+             : "") +
         (metrics_log ? "; metrics in " + c.run.dir + "/metrics.jsonl" : ""));
   s.finished = true;
   return result;

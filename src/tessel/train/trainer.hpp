@@ -23,6 +23,7 @@ struct StepRecord {
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, mfu = 0;
   double tflops_per_rank = 0;  // model FLOPs (the MFU numerator) per second per rank, / 1e12
   double hfu = 0;              // MFU with recomputation's FLOPs counted (= mfu without it)
+  bool skipped = false;        // a gradient spike: no update (train.spike_factor)
 };
 
 struct TrainResult {

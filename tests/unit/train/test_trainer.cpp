@@ -262,6 +262,51 @@ TEST_F(TrainerTest, AWsdScheduleHoldsThePeakUntilItsDecay) {
   EXPECT_NE(run(6, "cosine").steps[2].loss, run(12, "cosine").steps[2].loss);
 }
 
+// A gradient spike injected at step 9 (fault.spike_step: x1000) is skipped under
+// train.spike_factor and no other step is; the record names it. With a factor that never
+// triggers, the run equals one without the filter bitwise. A run resumed after its checkpoint
+// at step 6 restores the window and continues bitwise (constant schedule: train.steps may grow).
+TEST_F(TrainerTest, AGradientSpikeIsSkipped) {
+  auto config = [&](double factor, int64_t steps, const std::string& run) {
+    train::Config c = fixture::tiny_config(data_dir, run);
+    c.train.steps = steps;
+    c.train.checkpoint_every = 6;
+    c.optim.warmup_steps = 1;
+    c.optim.schedule = optim::LrScheduleKind::constant;
+    c.train.spike_factor = factor;
+    c.train.spike_window = 4;
+    c.fault.spike_step = 9;
+    return c;
+  };
+  const auto skipped = train_run(config(5, 12, fixture::temp_dir("tessel-spike")));
+  ASSERT_EQ(skipped.steps.size(), 12u);
+  for (const auto& r : skipped.steps) EXPECT_EQ(r.skipped, r.step == 9) << r.step;
+  EXPECT_GT(skipped.steps[8].grad_norm, 100 * skipped.steps[7].grad_norm);
+  const auto unfiltered = train_run(config(0, 12, fixture::temp_dir("tessel-spike")));
+  const auto never = train_run(config(1e9, 12, fixture::temp_dir("tessel-spike")));
+  for (size_t i = 0; i < 12; ++i) EXPECT_EQ(never.steps[i].loss, unfiltered.steps[i].loss) << i;
+  // The spike's update, clipped but applied, moves the run away from the skipping one.
+  EXPECT_NE(unfiltered.steps[9].loss, skipped.steps[9].loss);
+  const std::string run = fixture::temp_dir("tessel-spike");
+  train_run(config(5, 7, run));  // checkpoints at 6 and 7, before the spike
+  const auto resumed = train_run(config(5, 12, run));
+  ASSERT_EQ(resumed.steps.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(resumed.steps[i].loss, skipped.steps[7 + i].loss) << i;
+    EXPECT_EQ(resumed.steps[i].skipped, skipped.steps[7 + i].skipped) << i;
+  }
+  std::ifstream metrics(run + "/metrics.jsonl");
+  int records = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("skipped")) continue;
+    ++records;
+    EXPECT_EQ(j["step"], 9);
+    EXPECT_GT(j["skipped"]["spike_median"].get<double>(), 0);
+  }
+  EXPECT_EQ(records, 1);
+}
+
 TEST_F(TrainerTest, MissingDatasetNamesTheFile) {
   train::Config c = fixture::tiny_config("/nonexistent/data", fixture::temp_dir("tessel-run"));
   fixture::expect_input_error([&] { train_run(c); }, {"/nonexistent/data/train.tok"});

@@ -1,0 +1,37 @@
+#include "tessel/optim/spike_filter.hpp"
+
+#include <algorithm>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::optim {
+
+SpikeFilter::SpikeFilter(double factor, int64_t window) : factor_(factor), window_(window) {
+  if (factor > 0 && factor <= 1)
+    input_error("train.spike_factor = ", factor,
+                " would skip ordinary steps; use a factor > 1 (or 0 = never skip)");
+  if (window < 1) input_error("train.spike_window = ", window, " must be >= 1");
+}
+
+double SpikeFilter::median() const {
+  if (int64_t(norms_.size()) < window_) return 0;
+  std::vector<double> sorted(norms_.begin(), norms_.end());
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  return n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+}
+
+bool SpikeFilter::skip(double norm) {
+  const bool spike = factor_ > 0 && int64_t(norms_.size()) == window_ && norm > factor_ * median();
+  norms_.push_back(norm);
+  if (int64_t(norms_.size()) > window_) norms_.pop_front();
+  return spike;
+}
+
+void SpikeFilter::restore(const std::vector<double>& history) {
+  // The newest `window` of them: a resumed run may have another window.
+  const size_t keep = std::min(history.size(), size_t(window_));
+  norms_.assign(history.end() - std::ptrdiff_t(keep), history.end());
+}
+
+}  // namespace tessel::optim
