@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # MoE load balancing A/B (docs/benchmarks.md, "MoE balancing"): configs/moe.toml trained
 # once per balancing method at equal tokens, on 2 ranks x 1 thread, then one table of
-# MaxVio global (validation set), MaxVio micro (per micro-batch and ep group), the fraction
-# capacity factor 1.0 would drop, and the final validation loss; then tokens/s with
+# MaxVio global (validation set), MaxVio micro (per micro-batch and ep group), MaxVio of the
+# global batch, the fractions capacity factors 1.0 and 1.25 would drop, the normalized load
+# entropy of the validation set, and the final validation loss; then tokens/s with
 # parallel.ep = 2 against ep = 1 (eqb_lei), with the parameters rank 0 holds (experts sharded).
 #   [SEEDS="1234 2 3"] bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
 # Defaults: 300 steps, 60 throughput steps (0 = no throughput runs), methods aux bias
@@ -36,11 +37,13 @@ summary() {
        ($s | map(.moe | blockmean(.maxvio_micro)) | add / length),
        ($s | map(.moe | blockmean(.maxvio_batch)) | add / length),
        ($s | map(.moe | blockmean(.dropped_cf1)) | add / length),
+       ($s | map(.moe | blockmean(.dropped_cf1_25)) | add / length),
+       ($v.moe | blockmean(.entropy_global)),
        $v.val_loss]
     | map(. * 10000 | round / 10000) | @tsv' "$1/metrics.jsonl"
 }
 read -r -a seeds <<<"${SEEDS:-1234}"
-printf "method\tseed\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tval_loss\n"
+printf "method\tseed\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tdropped_cf1_25\tentropy_global\tval_loss\n"
 for m in "${methods[@]}"; do
   method=${m%%:*}
   sets=()

@@ -208,7 +208,14 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange b
       expert = false;
       held = in_range;
       if (moe_shape.Fs > 0) add_mlp(p + "moe.shared", moe_shape.Fs, m.shared);
-      if (!moe_) moe_.emplace(config_.moe, moe_shape);
+      if (!moe_) {
+        moe_.emplace(config_.moe, moe_shape);
+        // Inference (no targets) selects by plain top-k under sinkhorn, as Megatron-LM's
+        // router: Sinkhorn balances a batch, and a generated token has none.
+        moe::MoeConfig plain = config_.moe;
+        if (plain.balance == moe::Balance::sinkhorn) plain.balance = moe::Balance::none;
+        moe_inference_.emplace(plain, moe_shape);
+      }
       continue;
     }
     add_linear(p + "mlp.fc_in", Fi_, C_, Init::normal, b.fc_in_w, b.fc_in_b);
@@ -403,6 +410,12 @@ void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
     else
       for (int64_t n : acts.routed) acts.routed_index->push_back(in.token_index[n]);
   }
+  acts.routed_sequence.clear();
+  if (config_.moe.balance == moe::Balance::seq_aux) {
+    TESSEL_CHECK(!in.token_index, "seq_aux needs whole sequences (no context parallelism)");
+    for (int64_t n = 0; n < N; ++n)
+      if (acts.routed_all || !in.padding[n]) acts.routed_sequence.push_back(int32_t(n / T));
+  }
   acts.has_tokens = in.tokens != nullptr;
   acts.has_targets = in.targets != nullptr;
   int32_t* tokens = acts.tokens.i32();
@@ -531,13 +544,16 @@ void Gpt::block_forward(Activations& acts, int64_t l, bool rebuild) const {
     const auto w = moe_views<const float>(mp, [this](int i) { return value(i); });
     std::optional<std::span<const int32_t>> index;
     if (acts.routed_index) index = *acts.routed_index;
+    const moe::MoeLayer& layer = acts.has_targets ? *moe_ : *moe_inference_;
     if (acts.routed_all) {
-      moe_->forward(acts.moe[size_t(s)], y, ln2, N, w, value(mp.beta), *expert_comm_, index);
+      layer.forward(acts.moe[size_t(s)], y, ln2, N, w, value(mp.beta), *expert_comm_, index,
+                    acts.routed_sequence);
     } else {  // padding rows are not routed: their MoE output is 0
       gather_rows(acts.moe_x, ln2, acts.routed, C);
       acts.moe_y.resize(acts.moe_x.size());
-      moe_->forward(acts.moe[size_t(s)], acts.moe_y.data(), acts.moe_x.data(),
-                    int64_t(acts.routed.size()), w, value(mp.beta), *expert_comm_, index);
+      layer.forward(acts.moe[size_t(s)], acts.moe_y.data(), acts.moe_x.data(),
+                    int64_t(acts.routed.size()), w, value(mp.beta), *expert_comm_, index,
+                    acts.routed_sequence);
       std::fill_n(y, N * C, 0.0f);
       scatter_rows(y, acts.moe_y, acts.routed, C);
     }

@@ -117,6 +117,8 @@ struct Activations {
   std::vector<int64_t> routed;
   // ModelInputs::token_index of the routed rows (with it, also when no row is routed).
   std::optional<std::vector<int32_t>> routed_index;
+  // model.moe_balance = seq_aux: the sequence (row of B) of each routed row; empty otherwise.
+  std::vector<int32_t> routed_sequence;
   std::vector<float> moe_x, moe_y, moe_dx;
 
   // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole
@@ -316,10 +318,11 @@ class Gpt {
   ParameterList parameters_, dense_params_, expert_params_;
   int embed_ = -1, pos_embed_ = -1, final_norm_w_ = -1, final_norm_b_ = -1, head_ = -1;
   std::vector<BlockParams> blocks_;
-  std::vector<bool> moe_mask_;              // [L]
-  std::vector<MoeParams> moe_params_;       // [L], used where moe_mask_
-  std::optional<moe::MoeLayer> moe_;        // the MoE blocks' layer (one config for all)
-  std::vector<moe::BalanceState> balance_;  // [L]
+  std::vector<bool> moe_mask_;                  // [L]
+  std::vector<MoeParams> moe_params_;           // [L], used where moe_mask_
+  std::optional<moe::MoeLayer> moe_;            // the MoE blocks' layer (one config for all)
+  std::optional<moe::MoeLayer> moe_inference_;  // the same for forwards without targets
+  std::vector<moe::BalanceState> balance_;      // [L]
   std::unique_ptr<moe::LocalExpertComm> local_comm_ = std::make_unique<moe::LocalExpertComm>();
   moe::ExpertComm* expert_comm_ = local_comm_.get();
 };

@@ -54,6 +54,8 @@ const char* to_string(Balance v) {
       return "aux";
     case Balance::aux_global:
       return "aux_global";
+    case Balance::seq_aux:
+      return "seq_aux";
     case Balance::bias:
       return "bias";
     case Balance::qb_avg:
@@ -64,6 +66,8 @@ const char* to_string(Balance v) {
       return "lei";
     case Balance::eqb_lei:
       return "eqb_lei";
+    case Balance::sinkhorn:
+      return "sinkhorn";
   }
   return "?";
 }

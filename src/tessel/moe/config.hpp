@@ -10,7 +10,7 @@ enum class ExpertMlp { gelu, swiglu };            // the expert MLPs (= model.ml
 enum class ScoreFn { softmax, sigmoid };          // router probabilities from the logits
 enum class DropPolicy { probability, position };  // which assignments over capacity go
 // How the layer keeps the experts' loads even (docs/model.md, "Balancing").
-enum class Balance { none, aux, aux_global, bias, qb_avg, eqb, lei, eqb_lei };
+enum class Balance { none, aux, aux_global, seq_aux, bias, qb_avg, eqb, lei, eqb_lei, sinkhorn };
 enum class LeiKernel { rectangle, triangle, tanh, identity };
 
 struct MoeConfig {
@@ -23,7 +23,7 @@ struct MoeConfig {
   double capacity = 0.0;        // capacity factor cf; 0 = dropless
   DropPolicy drop = DropPolicy::probability;
   Balance balance = Balance::none;
-  double aux_coeff = 1e-2;  // Switch aux loss alpha (aux, aux_global)
+  double aux_coeff = 1e-2;  // Switch aux loss alpha (aux, aux_global, seq_aux)
   double z_coeff = 0.0;     // router z-loss coefficient (any balance)
   double bias_rate = 1e-3;  // gamma of the sign bias update (bias)
   // eta in (0, 1] of the EQB step beta += eta (quantile - beta) (eqb, eqb_lei); 1 = the
@@ -40,8 +40,8 @@ void validate(const MoeConfig& config);
 bool uses_eqb(Balance b);  // eqb, eqb_lei
 bool uses_lei(Balance b);  // lei, eqb_lei
 
-// The name config files use: "none", "aux", "aux_global", "bias", "qb_avg", "eqb", "lei",
-// "eqb_lei".
+// The name config files use: "none", "aux", "aux_global", "seq_aux", "bias", "qb_avg", "eqb",
+// "lei", "eqb_lei", "sinkhorn".
 const char* to_string(Balance v);
 
 }  // namespace tessel::moe

@@ -32,7 +32,8 @@ class ExpertComm {
   virtual void sum_values(double* data, size_t n) = 0;
   // In place, element-wise sums over the micro-batch group: the ranks that hold parts of
   // this rank's micro-batch (the cp group under context parallelism; else this rank alone).
-  // The balancing terms defined per micro-batch (aux, LEI, z-loss, qb_avg) use them.
+  // The balancing terms defined per micro-batch (aux, LEI, z-loss, qb_avg, Sinkhorn's
+  // scaling) use them.
   virtual void sum_micro_batch_counters(int32_t* data, size_t n) = 0;
   virtual void sum_micro_batch_values(double* data, size_t n) = 0;
   // The micro-batch group's `send`s concatenated in group rank order (expert capacity over a

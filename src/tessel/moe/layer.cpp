@@ -34,9 +34,13 @@ void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* k
   *kplus1 = -std::numeric_limits<float>::infinity();
 }
 
+int64_t expert_capacity(int64_t N, int64_t k, int64_t E, double cf) {
+  return int64_t(std::ceil(double(k) * double(N) * cf / double(E)));
+}
+
 int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
                        double capacity, DropPolicy drop, uint8_t* kept) {
-  const int64_t cap = int64_t(std::ceil(double(k) * double(N) * capacity / double(E)));
+  const int64_t cap = expert_capacity(N, k, E, capacity);
   std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E));
   for (int64_t s = 0; s < N * k; ++s) slots[size_t(choice[s])].push_back(s);
   int64_t dropped = 0;
@@ -66,6 +70,46 @@ double lei_kernel_grad(LeiKernel kernel, double m, double w) {
   }
   TESSEL_CHECK(false, "the identity kernel acts on the probabilities, not on a margin");
 }
+
+template <class T>
+std::vector<double> sinkhorn_log_scale(const T* logits, int64_t N, int64_t E,
+                                       const SumValues& sum) {
+  constexpr double eps = 1e-8;
+  double Nb = double(N);
+  sum(&Nb, 1);
+  if (Nb == 0) return std::vector<double>(size_t(E), 0.0);
+  // A row's maximum is taken out (r_n absorbs it), so exp stays finite.
+  std::vector<double> K(size_t(N * E)), col(static_cast<size_t>(E)), c(size_t(E), 1.0);
+  for (int64_t n = 0; n < N; ++n) {
+    const T* lg = logits + n * E;
+    const double m = double(*std::max_element(lg, lg + E));
+    for (int64_t e = 0; e < E; ++e) K[size_t(n * E + e)] = std::exp(double(lg[e]) - m);
+  }
+  for (int it = 0; it < kSinkhornIterations; ++it) {
+    std::fill(col.begin(), col.end(), 0.0);
+    for (int64_t n = 0; n < N; ++n) {
+      const double* k = K.data() + n * E;
+      double row = 0;
+      for (int64_t e = 0; e < E; ++e) row += c[size_t(e)] * k[e];
+      const double r = 1.0 / (Nb * (row + eps));
+      for (int64_t e = 0; e < E; ++e) col[size_t(e)] += r * k[e];
+    }
+    sum(col.data(), col.size());
+    double change = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const double next = 1.0 / (double(E) * (col[size_t(e)] + eps));
+      change = std::max(change, std::abs(next / c[size_t(e)] - 1.0));
+      c[size_t(e)] = next;
+    }
+    if (change <= kSinkhornTolerance) break;
+  }
+  for (double& v : c) v = std::log(v);
+  return c;
+}
+template std::vector<double> sinkhorn_log_scale<float>(const float*, int64_t, int64_t,
+                                                       const SumValues&);
+template std::vector<double> sinkhorn_log_scale<double>(const double*, int64_t, int64_t,
+                                                        const SumValues&);
 
 namespace {
 
@@ -164,12 +208,43 @@ double row_lse(const float* row, int64_t E) {
   return m + std::log(s);
 }
 
+// DeepSeek-V3's sequence-wise aux loss over the tokens of c (c.sequence set): the mean over
+// the S sequences with tokens of alpha E sum_e f_{s,e} P_{s,e}, f_{s,e} = load_{s,e} / (k T_s)
+// and P_{s,e} the mean p[n, e] over the sequence's T_s tokens. Keeps in c.seq_aux_grad N times
+// dL/dp[n, e] for the tokens of sequence s: alpha E f_{s,e} N / (S T_s) (f is piecewise
+// constant, as aux's).
+double sequence_aux_forward(LayerCache& c, int64_t E, int64_t k, double alpha) {
+  const int64_t N = c.N;
+  const int64_t S = N > 0 ? *std::max_element(c.sequence.begin(), c.sequence.end()) + 1 : 0;
+  std::vector<double> loads(size_t(S * E), 0.0), P(size_t(S * E), 0.0), T(size_t(S), 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t s = c.sequence[size_t(n)];
+    T[size_t(s)] += 1;
+    for (int64_t j = 0; j < k; ++j) loads[size_t(s * E + c.choice[size_t(n * k + j)])] += 1;
+    for (int64_t e = 0; e < E; ++e) P[size_t(s * E + e)] += c.probs[size_t(n * E + e)];
+  }
+  const double with_tokens =
+      double(std::count_if(T.begin(), T.end(), [](double t) { return t > 0; }));
+  c.seq_aux_grad.assign(size_t(S * E), 0.0);
+  double loss = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const double Ts = T[size_t(s)];
+    if (Ts == 0) continue;
+    for (int64_t e = 0; e < E; ++e) {
+      const double f = loads[size_t(s * E + e)] / (double(k) * Ts);
+      loss += alpha * double(E) * f * P[size_t(s * E + e)] / Ts / with_tokens;
+      c.seq_aux_grad[size_t(s * E + e)] = alpha * double(E) * f * double(N) / (with_tokens * Ts);
+    }
+  }
+  return loss;
+}
+
 }  // namespace
 
 void LayerCache::release_buffers() {
   auto release = [](auto&... v) { ((v.clear(), v.shrink_to_fit()), ...); };
-  release(logits, probs, choice, gate, position, lei_margin, qb_margin, order, expert_in, expert_fc,
-          expert_act, combined, shared_fc, shared_act);
+  release(logits, probs, choice, gate, position, lei_margin, qb_margin, sequence, order, expert_in,
+          expert_fc, expert_act, combined, shared_fc, shared_act);
 }
 
 MoeLayer::MoeLayer(const MoeConfig& config, const LayerShape& shape)
@@ -241,7 +316,8 @@ int64_t MoeLayer::micro_batch_capacity(const LayerCache& c, std::span<const int3
 
 void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const LayerWeights& w,
                        const float* beta, ExpertComm& comm,
-                       std::optional<std::span<const int32_t>> token_index) const {
+                       std::optional<std::span<const int32_t>> token_index,
+                       std::span<const int32_t> sequence) const {
   const int64_t E = config_.experts, k = config_.top_k, C = shape_.C;
   const int64_t ep = comm.ep_size();
   TESSEL_CHECK(E % ep == 0, "model.moe_experts = ", E, " must be divisible by parallel.ep = ", ep);
@@ -261,12 +337,18 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
   const bool qb = config_.balance == Balance::qb_avg || uses_eqb(config_.balance);
   c.lei_margin.resize(lei ? size_t(N * E) : 0);
   c.qb_margin.resize(qb ? size_t(N * E) : 0);
-  std::vector<float> sel(size_t(N * E));
+  // Selection by logits - sel_bias: beta, less Sinkhorn's log column scale (sinkhorn).
+  std::vector<float> sel(size_t(N * E)), sel_bias(beta, beta + E);
+  if (config_.balance == Balance::sinkhorn) {
+    const std::vector<double> log_c = sinkhorn_log_scale(
+        c.logits.data(), N, E, [&comm](double* d, size_t n) { comm.sum_micro_batch_values(d, n); });
+    for (int64_t e = 0; e < E; ++e) sel_bias[size_t(e)] = float(double(beta[e]) - log_c[size_t(e)]);
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* lg = c.logits.data() + n * E;
     float* s = sel.data() + n * E;
-    for (int64_t e = 0; e < E; ++e) s[e] = lg[e] - beta[e];
+    for (int64_t e = 0; e < E; ++e) s[e] = lg[e] - sel_bias[size_t(e)];
     float kth = 0, kplus1 = 0;
     int32_t* ch = c.choice.data() + n * k;
     select_top_k(s, E, k, ch, &kth, &kplus1);
@@ -395,6 +477,14 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
     for (int64_t e = 0; e < E; ++e) sq += std::pow(c.batch_f[size_t(e)] - 1.0 / E, 2);
     loss += config_.lei_coeff * (1.0 + double(E) * sq);
   }
+  if (config_.balance == Balance::seq_aux) {
+    // Per sequence, so local: the model keeps a sequence on one rank (no context parallelism).
+    TESSEL_CHECK(sequence.empty() || int64_t(sequence.size()) == N, sequence.size(),
+                 " sequence numbers for ", N, " tokens");
+    c.sequence.assign(sequence.begin(), sequence.end());
+    c.sequence.resize(size_t(N), 0);
+    loss += sequence_aux_forward(c, E, k, config_.aux_coeff);
+  }
   c.balance_loss = loss;
 }
 
@@ -489,6 +579,11 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
       for (int64_t e = 0; e < E; ++e)
         dp[size_t(n * E + e)] += float(s * config_.aux_coeff * double(E) * f[size_t(e)]);
   }
+  if (config_.balance == Balance::seq_aux)
+    for (int64_t n = 0; n < N; ++n) {
+      const double* gs = c.seq_aux_grad.data() + int64_t(c.sequence[size_t(n)]) * E;
+      for (int64_t e = 0; e < E; ++e) dp[size_t(n * E + e)] += float(s * gs[e]);
+    }
   if (uses_lei(config_.balance)) {
     // L = coeff [1 + E sum_e (f_e - 1/E)^2] with f_e by straight-through:
     // dL/ds[n, e] = coeff 2E/(N k) (f_e - 1/E) phi'(m[n, e]); times N.

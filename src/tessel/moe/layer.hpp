@@ -4,7 +4,8 @@
 //
 //   logits = x Wr^T [N, E];  p = softmax(logits) or sigmoid(logits)
 //   selection: the top-k experts of logits - beta per token (ties: lowest expert); beta
-//              never enters a gate
+//              never enters a gate (sinkhorn: logits + log c, c the micro-batch's Sinkhorn
+//              column scale, sinkhorn_log_scale)
 //   gates g_j = p[e_j] (divided by sum_j p[e_j] when normalize_gates)
 //   capacity (cf > 0): each expert keeps ceil(k N cf / E) of the micro-batch's assignments, by
 //              gate or by token position; the rest are dropped (gate 0, no renormalization)
@@ -20,6 +21,7 @@
 // Balancing gradients are added in backward, scaled by loss_scale * N (the layer's losses
 // are per-token means and the model's loss is a sum over tokens); see Balance.
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -65,6 +67,8 @@ struct LayerCache {
   std::vector<int32_t> position;     // [N, k] row of the slot in the permuted order; -1 dropped
   std::vector<float> lei_margin;     // [N, E] (lei): selection score minus the token's boundary
   std::vector<float> qb_margin;      // [N, E] (qb_avg, eqb): logits minus alpha_t (spec 2.2)
+  std::vector<int32_t> sequence;     // [N] (seq_aux): each token's sequence
+  std::vector<double> seq_aux_grad;  // [S, E] (seq_aux): N dL/dp[n, e] for sequence s's tokens
   // Dispatch: this rank's kept assignments in expert order, then what the ep group sent.
   std::vector<int32_t> order;                // [A] slot n*k+j of each permuted row
   std::vector<int64_t> counts;               // [E] kept assignments per expert (this rank's tokens)
@@ -113,9 +117,12 @@ class MoeLayer {
   // capacity counts the whole micro-batch's assignments in its token order (one more
   // micro-batch-group collective, with capacity only); none: these tokens are the micro-batch,
   // in order.
+  // sequence [N] (seq_aux): each token's sequence in the micro-batch, numbered from 0; empty:
+  // the tokens are one sequence.
   void forward(LayerCache& cache, float* y, const float* x, int64_t N, const LayerWeights& w,
                const float* beta, ExpertComm& comm,
-               std::optional<std::span<const int32_t>> token_index = std::nullopt) const;
+               std::optional<std::span<const int32_t>> token_index = std::nullopt,
+               std::span<const int32_t> sequence = {}) const;
   // Adds d(loss)/d(x) into dx [N, C] and the parameter gradients into g; dy [N, C]. Records
   // this micro-batch into `state`. Collective over the ep group, over the balancing group
   // with aux_global and over the micro-batch group with qb_avg (unless the whole micro-batch
@@ -144,23 +151,39 @@ class MoeLayer {
 // The k largest of sel[E] (ties: lowest expert first), best first, into out[k]; returns
 // the (k+1)-th largest value (-inf when k = E) through kplus1 and the k-th through kth.
 void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1);
+// Assignments each expert keeps at capacity factor cf: ceil(k N cf / E).
+int64_t expert_capacity(int64_t N, int64_t k, int64_t E, double cf);
 // Marks the slots of `choice` [N, k] over capacity: kept[s] = 0 for the assignments each
 // expert drops (priority by gate, ties by slot, or by slot); returns the number dropped.
 int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
                        double capacity, DropPolicy drop, uint8_t* kept);
 // phi'(m) of the LEI kernels (rectangle, triangle, tanh) of width w.
 double lei_kernel_grad(LeiKernel kernel, double m, double w);
+// Sinkhorn balancing of a micro-batch's router logits [N, E] (this rank's part of it; `sum`
+// adds values over the micro-batch's parts, in place): K = exp(logits) is scaled to
+// Q = diag(r) K diag(c) with row sums 1 / Nb (Nb the micro-batch's tokens) and column sums
+// 1 / E by alternating row and column normalization (Megatron-LM's `sinkhorn`, 1e-8 added to
+// each denominator), until no c_e changes by more than kSinkhornTolerance relative or after
+// kSinkhornIterations column updates. Returns log c [E]: since r_n > 0, the top-k of Q's row n
+// are the top-k of logits[n] + log c (zeros when the micro-batch has no token).
+inline constexpr double kSinkhornTolerance = 1e-4;
+inline constexpr int kSinkhornIterations = 100;
+using SumValues = std::function<void(double* data, size_t n)>;
+template <class T>
+std::vector<double> sinkhorn_log_scale(const T* logits, int64_t N, int64_t E, const SumValues& sum);
 
 namespace naive {
 // Per-token loops in T, all experts local, no permutation: the twin of MoeLayer's forward
-// and of its backward (including the aux, z and LEI gradients; aux_global counts as aux).
+// and of its backward (including the aux, seq_aux, z and LEI gradients; aux_global counts as
+// aux); sequence as MoeLayer::forward's.
 template <class T>
 void moe_forward(T* y, const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
                  const MoeConfig& config, const LayerShape& shape);
 template <class T>
 void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N,
                   const LayerWeightsT<const T>& w, const T* beta, T loss_scale,
-                  const MoeConfig& config, const LayerShape& shape);
+                  const MoeConfig& config, const LayerShape& shape,
+                  std::span<const int32_t> sequence = {});
 }  // namespace naive
 
 }  // namespace tessel::moe

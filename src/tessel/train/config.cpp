@@ -189,19 +189,23 @@ std::vector<ConfigKey> build_schema() {
           {{"probability", DropPolicy::probability}, {"position", DropPolicy::position}},
           FIELD(model.moe.drop)),
       choice_key<Balance>("model.moe_balance",
-                          "load balancing: Switch aux loss per micro-batch or with global-batch "
-                          "counts, sign bias update, averaged per-micro-batch quantile, exact "
-                          "global quantile (EQB), load-error injection (LEI), EQB + LEI",
+                          "load balancing: Switch aux loss per micro-batch, with global-batch "
+                          "counts or per sequence (DeepSeek-V3), sign bias update, averaged "
+                          "per-micro-batch quantile, exact global quantile (EQB), load-error "
+                          "injection (LEI), EQB + LEI, Sinkhorn-balanced selection per "
+                          "micro-batch",
                           {{"none", Balance::none},
                            {"aux", Balance::aux},
                            {"aux_global", Balance::aux_global},
+                           {"seq_aux", Balance::seq_aux},
                            {"bias", Balance::bias},
                            {"qb_avg", Balance::qb_avg},
                            {"eqb", Balance::eqb},
                            {"lei", Balance::lei},
-                           {"eqb_lei", Balance::eqb_lei}},
+                           {"eqb_lei", Balance::eqb_lei},
+                           {"sinkhorn", Balance::sinkhorn}},
                           FIELD(model.moe.balance)),
-      float_key("model.moe_aux_coeff", "aux loss coefficient alpha (aux, aux_global)",
+      float_key("model.moe_aux_coeff", "aux loss coefficient alpha (aux, aux_global, seq_aux)",
                 FIELD(model.moe.aux_coeff)),
       float_key("model.moe_z_coeff", "router z-loss coefficient; 0 = off (any balance)",
                 FIELD(model.moe.z_coeff)),
@@ -635,6 +639,10 @@ void validate(const Config& c) {
   if (moe && c.model.moe.experts % c.parallel.ep != 0)
     input_error("config key 'parallel.ep' = ", c.parallel.ep,
                 " must divide model.moe_experts = ", c.model.moe.experts);
+  if (moe && c.model.moe.balance == moe::Balance::seq_aux && c.parallel.cp > 1)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " needs a model.moe_balance other than \"seq_aux\" (its per-sequence sums "
+                "are local to the rank that holds the whole sequence)");
   if (c.parallel.bucket_mb <= 0)
     input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
   if (c.train.checkpoint_policy != "fixed" && c.train.checkpoint_every < 1)

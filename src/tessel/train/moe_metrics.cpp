@@ -4,18 +4,45 @@
 #include <cmath>
 #include <numeric>
 
+#include "tessel/moe/layer.hpp"
+
 namespace tessel::train {
 
 namespace {
-// After the E loads of a block: assignments, dropped, dropped at cf = 1, the MaxVio sum
-// per (micro-batch, ep group), forwards, balancing-loss sum.
-enum Slot { kAssigned, kDropped, kDroppedCf1, kMaxvioMicro, kForwards, kBalanceLoss, kSlots };
+// After the E loads of a block: assignments, dropped, dropped at cf = 1 and 1.25, the MaxVio
+// sum per (micro-batch, ep group), forwards, balancing-loss sum.
+enum Slot {
+  kAssigned,
+  kDropped,
+  kDroppedCf1,
+  kDroppedCf125,
+  kMaxvioMicro,
+  kForwards,
+  kBalanceLoss,
+  kSlots
+};
 }  // namespace
 
 double max_violation(std::span<const double> loads) {
   if (loads.empty()) return 0.0;
   const double mean = std::accumulate(loads.begin(), loads.end(), 0.0) / double(loads.size());
   return mean > 0 ? (*std::max_element(loads.begin(), loads.end()) - mean) / mean : 0.0;
+}
+
+double load_entropy(std::span<const double> loads) {
+  const double total = std::accumulate(loads.begin(), loads.end(), 0.0);
+  if (loads.size() < 2 || total <= 0) return 1.0;
+  double h = 0;
+  for (double l : loads)
+    if (l > 0) h -= l / total * std::log(l / total);
+  return h / std::log(double(loads.size()));
+}
+
+double capacity_excess(std::span<const double> loads, int64_t tokens, int64_t k, double cf) {
+  const double cap = double(moe::expert_capacity(tokens, k, int64_t(loads.size()), cf));
+  double over = 0;
+  for (double l : loads) over += std::max(0.0, l - cap);
+  return over;
 }
 
 MoeMetrics::MoeMetrics(const model::Gpt& model)
@@ -35,19 +62,15 @@ void MoeMetrics::add(const model::Activations& acts) {
     if (blocks_[b] < acts.first_layer || blocks_[b] >= acts.last_layer) continue;
     const moe::LayerCache& c = acts.moe[size_t(acts.slot(blocks_[b]))];
     double* v = values_.data() + b * size_t(E_ + kSlots);
-    // Drops at capacity factor 1.0 and MaxVio are the whole micro-batch's (under context
-    // parallelism summed over its cp ranks); this rank counts its share of the drops.
-    const double cap = double((k_ * c.batch_tokens + E_ - 1) / E_);  // ceil(k N / E)
-    double over = 0;
-    for (int64_t e = 0; e < E_; ++e) {
-      v[e] += double(c.loads[size_t(e)]);
-      over += std::max(0.0, c.batch_loads[size_t(e)] - cap);
-    }
+    // Drops at capacity factors 1.0 and 1.25 and MaxVio are the whole micro-batch's (under
+    // context parallelism summed over its cp ranks); this rank counts its share of the drops.
+    for (int64_t e = 0; e < E_; ++e) v[e] += double(c.loads[size_t(e)]);
+    const double share = c.N < c.batch_tokens ? double(c.N) / double(c.batch_tokens) : 1.0;
     double* s = v + E_;
     s[kAssigned] += double(c.N * k_);
     s[kDropped] += double(c.dropped);
-    if (c.N < c.batch_tokens) over *= double(c.N) / double(c.batch_tokens);
-    s[kDroppedCf1] += over;
+    s[kDroppedCf1] += share * capacity_excess(c.batch_loads, c.batch_tokens, k_, 1.0);
+    s[kDroppedCf125] += share * capacity_excess(c.batch_loads, c.batch_tokens, k_, 1.25);
     s[kMaxvioMicro] += max_violation(c.batch_group_loads);
     s[kForwards] += 1;
     s[kBalanceLoss] += c.balance_loss;
@@ -69,8 +92,10 @@ nlohmann::json MoeMetrics::step_json() const {
                    {"loads", std::vector<double>(loads.begin(), loads.end())},
                    {"maxvio_batch", max_violation(loads)},
                    {"maxvio_micro", s[kMaxvioMicro] / forwards},
+                   {"entropy_batch", load_entropy(loads)},
                    {"dropped", s[kDropped] / assigned},
                    {"dropped_cf1", s[kDroppedCf1] / assigned},
+                   {"dropped_cf1_25", s[kDroppedCf125] / assigned},
                    {"balance_loss", s[kBalanceLoss] / forwards}});
   }
   return out;
@@ -82,7 +107,8 @@ nlohmann::json MoeMetrics::validation_json() const {
     const std::span<const double> loads(values_.data() + b * size_t(E_ + kSlots), size_t(E_));
     out.push_back({{"layer", blocks_[b]},
                    {"loads", std::vector<double>(loads.begin(), loads.end())},
-                   {"maxvio_global", max_violation(loads)}});
+                   {"maxvio_global", max_violation(loads)},
+                   {"entropy_global", load_entropy(loads)}});
   }
   return out;
 }

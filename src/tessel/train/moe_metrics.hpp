@@ -5,8 +5,8 @@
 // activations hold, so a pipeline's stages fill disjoint slots and a sum over pp joins them.
 //   per MoE block: expert loads (assignments before drops), MaxVio of those loads, the mean
 //   MaxVio per (micro-batch, ep group) over the loads that group's experts receive, the
-//   dropped fraction, the fraction capacity factor 1.0 would drop, the balancing losses;
-//   and the all-to-all bytes this step sent.
+//   dropped fraction, the fractions capacity factors 1.0 and 1.25 would drop, the normalized
+//   entropy of the loads, the balancing losses; and the all-to-all bytes this step sent.
 // MaxVio = (max_e load_e - mean load) / mean load (arXiv 2408.15664).
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -18,6 +18,12 @@
 namespace tessel::train {
 
 double max_violation(std::span<const double> loads);
+// H(f) / log E of the load fractions f_e = load_e / sum(load): 1 = uniform, 0 = one expert
+// takes everything; 1 when E = 1 or no load (nothing to balance), as max_violation's 0.
+double load_entropy(std::span<const double> loads);
+// Assignments over a capacity of moe::expert_capacity(tokens, k, E, cf) per expert:
+// sum_e max(0, load_e - capacity), E = loads.size().
+double capacity_excess(std::span<const double> loads, int64_t tokens, int64_t k, double cf);
 
 class MoeMetrics {
  public:
@@ -27,17 +33,18 @@ class MoeMetrics {
   void add(const model::Activations& acts);  // after a forward of acts: its blocks' slots
   void add_all_to_all_bytes(double bytes);
   std::span<double> values() { return values_; }
-  // {"layer", "loads", "maxvio_batch", "maxvio_micro", "dropped", "dropped_cf1",
-  // "balance_loss"} per MoE block.
+  // {"layer", "loads", "maxvio_batch", "maxvio_micro", "entropy_batch", "dropped",
+  // "dropped_cf1", "dropped_cf1_25", "balance_loss"} per MoE block.
   nlohmann::json step_json() const;
-  // {"layer", "loads", "maxvio_global"} per MoE block: the loads over every forward added.
+  // {"layer", "loads", "maxvio_global", "entropy_global"} per MoE block: the loads over
+  // every forward added.
   nlohmann::json validation_json() const;
   double all_to_all_bytes() const { return values_.back(); }
 
  private:
   std::vector<int64_t> blocks_;
   int64_t E_ = 0, k_ = 0;
-  std::vector<double> values_;  // per block [E loads | 6 sums], then the all-to-all bytes
+  std::vector<double> values_;  // per block [E loads | 7 sums], then the all-to-all bytes
 };
 
 }  // namespace tessel::train

@@ -280,14 +280,16 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
 // balancing sums run over dp x cp and the per-micro-batch terms over cp, expert gradients sum
 // over edp x cp. So cp = 2 (dp = P / 2; with 4 ranks also ep = 2: experts sharded inside each
 // cp coordinate) follows one process accumulating the same global batch: losses, gradient
-// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss and qb_avg, and with
-// expert capacity 1 (dropped by position over the whole micro-batch: the same drops).
+// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss, qb_avg and Sinkhorn
+// selection (its column sums over the cp parts), and with expert capacity 1 (dropped by
+// position over the whole micro-batch: the same drops).
 TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   for (const auto& [balance, capacity] : {std::pair<const char*, const char*>{"eqb_lei", "0"},
                                           {"aux", "0"},
                                           {"qb_avg", "0"},
+                                          {"sinkhorn", "0"},
                                           {"eqb_lei", "1"}}) {
     SCOPED_TRACE(std::string(balance) + ", capacity " + capacity);
     train::Config c = moe_config(world, "tessel-cp-moe");
@@ -301,9 +303,10 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
     // peer's cp partner) runs one without loss tokens.
     c.train.eval_sequences = 2 * P + 1;
     c.train.sample_tokens = 8;  // with ep = 2 every rank generates, each ep group together
-    // Capacity counts per forward: the validation batches must group the sequences as one
-    // process's do (whole micro-batches per dp rank, no idle forward).
-    if (std::string(capacity) != "0") c.train.eval_sequences = 4 * c.train.micro_batch;
+    // Capacity and Sinkhorn count per forward: the validation batches must group the
+    // sequences as one process's do (whole micro-batches per dp rank, no idle forward).
+    if (std::string(capacity) != "0" || std::string(balance) == "sinkhorn")
+      c.train.eval_sequences = 4 * c.train.micro_batch;
     train::Config one = c;
     one.train.accum *= P / 2;
     one.run.dir = fixture::temp_dir("tessel-cp-moe-ref");
@@ -334,6 +337,8 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
         if (ep == 1) {
           EXPECT_EQ(moe_field(cp.run.dir, "maxvio_micro"), moe_field(one.run.dir, "maxvio_micro"));
           EXPECT_EQ(moe_field(cp.run.dir, "dropped_cf1"), moe_field(one.run.dir, "dropped_cf1"));
+          EXPECT_EQ(moe_field(cp.run.dir, "dropped_cf1_25"),
+                    moe_field(one.run.dir, "dropped_cf1_25"));
         }
         EXPECT_EQ(moe_field(cp.run.dir, "dropped"), moe_field(one.run.dir, "dropped"));
         if (std::string(capacity) != "0") {  // capacity 1 binds: some step drops

@@ -2,6 +2,7 @@
 // the moe layer on the same input, and the balancing update.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "support/expect_input_error.hpp"
@@ -65,9 +66,75 @@ TEST(GptMoe, BadMoeLayersAreInputErrors) {
   fixture::expect_input_error([&] { validate(c); }, {"model.moe_top_k = 5"});
 }
 
+// seq_aux: each row of the micro-batch is one sequence; every block's balancing value is the
+// mean over the rows of alpha E sum_e f_e P_e over that row's tokens, recomputed here from
+// the block's routing.
+TEST(GptMoe, SeqAuxTakesEachRowAsASequence) {
+  GptConfig c = moe_config(gelu_config(), "all");
+  c.moe.balance = moe::Balance::seq_aux;
+  c.moe.aux_coeff = 0.1;
+  Gpt gpt(c, 3);
+  randomize_parameters(gpt, 4, 0.4f);
+  const int64_t B = 3, T = 8, E = c.moe.experts, k = c.moe.top_k;
+  const Batch batch = random_batch(c, B, T, 5, false);
+  auto acts = gpt.make_activations(B, T);
+  gpt.forward(*acts, batch.inputs());
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const moe::LayerCache& m = acts->moe[size_t(acts->slot(l))];
+    double want = 0, batch_aux = 0;
+    std::vector<double> F(size_t(E), 0.0), PB(size_t(E), 0.0);
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<double> f(size_t(E), 0.0), P(size_t(E), 0.0);
+      for (int64_t n = b * T; n < (b + 1) * T; ++n) {
+        for (int64_t j = 0; j < k; ++j)
+          f[size_t(m.choice[size_t(n * k + j)])] += 1.0 / double(k * T);
+        for (int64_t e = 0; e < E; ++e) P[size_t(e)] += m.probs[size_t(n * E + e)] / double(T);
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        want += 0.1 * double(E) * f[size_t(e)] * P[size_t(e)] / double(B);
+        F[size_t(e)] += f[size_t(e)] / double(B);
+        PB[size_t(e)] += P[size_t(e)] / double(B);
+      }
+    }
+    for (int64_t e = 0; e < E; ++e) batch_aux += 0.1 * double(E) * F[size_t(e)] * PB[size_t(e)];
+    EXPECT_NEAR(m.balance_loss, want, 1e-12) << "block " << l;
+    EXPECT_GT(std::abs(want - batch_aux), 1e-6) << "rows routed alike: the test shows nothing";
+  }
+}
+
+// sinkhorn: forwards with targets (training, validation) select from the balanced scores;
+// forwards without (generation) by the plain top-k, so they equal a model without balancing.
+TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
+  GptConfig c = moe_config(gelu_config(), "all");
+  c.moe.balance = moe::Balance::sinkhorn;
+  GptConfig plain = c;
+  plain.moe.balance = moe::Balance::none;
+  Gpt sinkhorn(c, 3), none(plain, 3);
+  randomize_parameters(sinkhorn, 4, 0.4f);
+  randomize_parameters(none, 4, 0.4f);
+  const Batch batch = random_batch(c, 2, 8, 5, false);
+  auto choices = [&](const Gpt& gpt, const ModelInputs& in) {
+    auto acts = gpt.make_activations(batch.B, batch.T);
+    gpt.forward(*acts, in);
+    std::vector<int32_t> all;
+    for (int64_t l = 0; l < c.layers; ++l) {
+      const auto& ch = acts->moe[size_t(acts->slot(l))].choice;
+      all.insert(all.end(), ch.begin(), ch.end());
+    }
+    const float* logits = acts->logits.f32();
+    return std::pair(all, std::vector<float>(logits, logits + acts->logits.numel()));
+  };
+  EXPECT_NE(choices(sinkhorn, batch.inputs()).first, choices(none, batch.inputs()).first);
+  ModelInputs generate = batch.inputs();
+  generate.targets = nullptr;
+  generate.loss_weight = nullptr;
+  EXPECT_EQ(choices(sinkhorn, generate), choices(none, generate));
+}
+
 TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
-  for (auto balance : {moe::Balance::none, moe::Balance::aux, moe::Balance::bias,
-                       moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei}) {
+  for (auto balance :
+       {moe::Balance::none, moe::Balance::aux, moe::Balance::seq_aux, moe::Balance::bias,
+        moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei, moe::Balance::sinkhorn}) {
     SCOPED_TRACE(moe::to_string(balance));
     GptConfig c = moe_config(gelu_config(), "all");
     c.moe.balance = balance;

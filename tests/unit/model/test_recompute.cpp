@@ -116,13 +116,14 @@ TEST(Recompute, DenseBlocksGiveTheSameLossesAndGradientsBitwise) {
   }
 }
 
-// MoE blocks: EQB (beta updated from what backward recorded), the aux loss and LEI (loss terms
-// with gradients), capacity drops (the swiglu config), and padding rows left out of the MoE.
+// MoE blocks: EQB (beta updated from what backward recorded), the aux losses and LEI (loss
+// terms with gradients), Sinkhorn selection, capacity drops (the swiglu config), and padding
+// rows left out of the MoE.
 TEST(Recompute, MoeBlocksGiveTheSameLossesGradientsStatisticsAndBalanceBitwise) {
   for (const GptConfig& base : {moe_config(gelu_config(), "1"), moe_config(swiglu_config(), "all")})
-    for (moe::Balance balance :
-         {moe::Balance::eqb, moe::Balance::aux, moe::Balance::aux_global, moe::Balance::bias,
-          moe::Balance::qb_avg, moe::Balance::lei, moe::Balance::eqb_lei})
+    for (moe::Balance balance : {moe::Balance::eqb, moe::Balance::aux, moe::Balance::aux_global,
+                                 moe::Balance::seq_aux, moe::Balance::bias, moe::Balance::qb_avg,
+                                 moe::Balance::lei, moe::Balance::eqb_lei, moe::Balance::sinkhorn})
       for (bool padding : {false, true}) {
         GptConfig c = base;
         c.layers = 3;

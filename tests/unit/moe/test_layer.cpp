@@ -34,6 +34,7 @@ struct Case {
   const char* name;
   Layout layout;
   int64_t N;
+  std::vector<int32_t> sequence = {};  // MoeLayer::forward's (seq_aux)
 };
 
 Layout layout(ExpertMlp mlp, ScoreFn score, bool normalize, int64_t Fs, bool bias, double cf,
@@ -75,6 +76,12 @@ std::vector<Case> cases() {
          return l;
        }(),
        8},
+      // Sequences of 3, 2 and 5 tokens, with the z-loss on top.
+      {"seq_aux_z",
+       layout(gelu, sm, true, 0, true, 0, D::probability, B::seq_aux, 0.01),
+       10,
+       {0, 0, 0, 1, 1, 2, 2, 2, 2, 2}},
+      {"sinkhorn", layout(swiglu, sm, true, 0, true, 0, D::probability, B::sinkhorn), 11},
   };
 }
 
@@ -84,7 +91,8 @@ struct LayerRun {
 };
 
 LayerRun run_fast(const Layout& l, const VecF& params, const VecF& x, const VecF& dy,
-                  const VecF& beta, const VecF& grad_base, float loss_scale) {
+                  const VecF& beta, const VecF& grad_base, float loss_scale,
+                  std::span<const int32_t> sequence = {}) {
   MoeLayer layer(l.config, l.shape);
   LocalExpertComm comm;
   const int64_t N = int64_t(x.size()) / l.shape.C;
@@ -95,7 +103,7 @@ LayerRun run_fast(const Layout& l, const VecF& params, const VecF& x, const VecF
   auto w = bind<const float>(params.data(), l);
   auto g = bind<float>(r.grads.data(), l);
   BalanceState state;
-  layer.forward(r.cache, r.y.data(), x.data(), N, w, beta.data(), comm);
+  layer.forward(r.cache, r.y.data(), x.data(), N, w, beta.data(), comm, std::nullopt, sequence);
   layer.backward(r.cache, r.dx.data(), g, dy.data(), x.data(), w, loss_scale, state, comm);
   return r;
 }
@@ -111,7 +119,7 @@ TEST(MoeLayer, FastMatchesNaive) {
     const VecF beta = kernels::test::randn(rng, size_t(l.config.experts), 0.3f);
     const VecF base = kernels::test::randn(rng, params.size());
     const float scale = 0.7f;
-    LayerRun fast = run_fast(l, params, x, dy, beta, base, scale);
+    LayerRun fast = run_fast(l, params, x, dy, beta, base, scale, c.sequence);
 
     const VecD pd = to_f64(params), xd = to_f64(x), dyd = to_f64(dy), bd = to_f64(beta);
     VecD y(x.size()), dx(x.size(), 0.0), g(params.size(), 0.0);
@@ -119,7 +127,7 @@ TEST(MoeLayer, FastMatchesNaive) {
     auto gw = bind<double>(g.data(), l);
     naive::moe_forward<double>(y.data(), xd.data(), c.N, w, bd.data(), l.config, l.shape);
     naive::moe_backward<double>(dx.data(), gw, dyd.data(), xd.data(), c.N, w, bd.data(), scale,
-                                l.config, l.shape);
+                                l.config, l.shape, c.sequence);
     // kFastVsNaive: f32 GEMMs and activations against f64 loops, relative to max |ref|.
     EXPECT_LT(rel_error(fast.y, y), kFastVsNaive);
     EXPECT_LT(rel_error(added(fast.dx, VecF(x.size(), 0.5f)), dx), kFastVsNaive);
@@ -161,10 +169,11 @@ TEST(MoeLayer, BackwardIsDeterministic) {
   EXPECT_TRUE(bitwise_equal(a.grads, b.grads));
 }
 
-// J = <R, y> + loss_scale * N * (aux + z), the objective whose gradient the naive backward
-// adds (selection and hard loads are piecewise constant, so FD sees only the smooth part).
+// J = <R, y> + loss_scale * N * (aux + seq_aux + z), the objective whose gradient the naive
+// backward adds (selection and hard loads are piecewise constant, so FD sees only the smooth
+// part). seq_aux: the mean over the sequences of alpha E sum_e f_{s,e} P_{s,e}.
 double objective(const Layout& l, const VecD& params, const VecD& x, const VecD& R,
-                 const VecD& beta, double loss_scale) {
+                 const VecD& beta, double loss_scale, const std::vector<int32_t>& sequence) {
   const int64_t N = int64_t(x.size()) / l.shape.C, E = l.config.experts, C = l.shape.C;
   VecD y(x.size());
   naive::moe_forward<double>(y.data(), x.data(), N, bind<const double>(params.data(), l),
@@ -172,6 +181,9 @@ double objective(const Layout& l, const VecD& params, const VecD& x, const VecD&
   double j = kernels::test::dot(R, y);
   std::vector<double> P(size_t(E), 0.0), logit(static_cast<size_t>(E));
   std::vector<int64_t> loads(size_t(E), 0);
+  const int64_t S = sequence.empty() ? 0 : *std::max_element(sequence.begin(), sequence.end()) + 1;
+  std::vector<double> seq_P(size_t(S * E), 0.0), seq_loads(size_t(S * E), 0.0),
+      seq_T(size_t(S), 0.0);
   double z = 0;
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t e = 0; e < E; ++e) {
@@ -190,16 +202,27 @@ double objective(const Layout& l, const VecD& params, const VecD& x, const VecD&
     select_top_k(sel.data(), E, l.config.top_k, ch.data(), &kth, &kp1);
     for (int32_t e : ch) ++loads[size_t(e)];
     for (int64_t e = 0; e < E; ++e) P[size_t(e)] += std::exp(logit[size_t(e)] - lse) / double(N);
+    if (S > 0) {
+      const int64_t s = sequence[size_t(n)];
+      seq_T[size_t(s)] += 1;
+      for (int32_t e : ch) seq_loads[size_t(s * E + e)] += 1;
+      for (int64_t e = 0; e < E; ++e) seq_P[size_t(s * E + e)] += std::exp(logit[size_t(e)] - lse);
+    }
   }
   double aux = 0;
   for (int64_t e = 0; e < E && l.config.balance == Balance::aux; ++e)
     aux += l.config.aux_coeff * double(E) * double(loads[size_t(e)]) / double(N * l.config.top_k) *
            P[size_t(e)];
+  for (int64_t s = 0; s < S && l.config.balance == Balance::seq_aux; ++s)
+    for (int64_t e = 0; e < E; ++e)
+      aux += l.config.aux_coeff * double(E) * seq_loads[size_t(s * E + e)] /
+             (double(l.config.top_k) * seq_T[size_t(s)]) * seq_P[size_t(s * E + e)] /
+             seq_T[size_t(s)] / double(S);
   return j + loss_scale * double(N) * (aux + l.config.z_coeff * z / double(N));
 }
 
 TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
-  for (int i : {0, 1, 5}) {  // plain, shared + sigmoid, aux + z
+  for (int i : {0, 1, 5, 8, 9}) {  // plain, shared + sigmoid, aux + z, seq_aux + z, sinkhorn
     const Case c = cases()[size_t(i)];
     SCOPED_TRACE(c.name);
     const Layout& l = c.layout;
@@ -213,8 +236,8 @@ TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
     auto gw = bind<double>(g.data(), l);
     naive::moe_backward<double>(dx.data(), gw, R.data(), x.data(), c.N,
                                 bind<const double>(params.data(), l), beta.data(), scale, l.config,
-                                l.shape);
-    auto J = [&] { return objective(l, params, x, R, beta, scale); };
+                                l.shape, c.sequence);
+    auto J = [&] { return objective(l, params, x, R, beta, scale, c.sequence); };
     EXPECT_LT(rel_error(dx, numeric_grad(x, J)), kFiniteDiff);
     EXPECT_LT(rel_error(g, numeric_grad(params, J)), kFiniteDiff);
   }

@@ -16,7 +16,6 @@ namespace {
 
 using kernels::test::VecD;
 using kernels::test::VecF;
-using testing::bind;
 using testing::Layout;
 
 Layout lei_layout(int64_t E, int64_t k, LeiKernel kernel, double width) {
@@ -31,32 +30,8 @@ Layout lei_layout(int64_t E, int64_t k, LeiKernel kernel, double width) {
   return l;
 }
 
-struct Result {
-  double loss;
-  VecF d_logits;
-  LayerCache cache;
-};
-
-// logits [N, E] straight through the identity router; balancing gradient with loss_scale.
-Result balance_grad(const Layout& l, const VecF& logits, float loss_scale = 1.0f) {
-  const int64_t E = l.config.experts, N = int64_t(logits.size()) / E;
-  VecF params = testing::random_params(l, 1);
-  std::fill(params.begin(), params.begin() + E * E, 0.0f);
-  for (int64_t e = 0; e < E; ++e) params[size_t(e * E + e)] = 1.0f;
-  VecF grads(params.size(), 0.0f), y(logits.size()), dx(logits.size(), 0.0f);
-  const VecF beta(static_cast<size_t>(E), 0.0f), dy(logits.size(), 0.0f);
-  MoeLayer layer(l.config, l.shape);
-  LocalExpertComm comm;
-  BalanceState state;
-  Result r;
-  auto w = bind<const float>(params.data(), l);
-  auto g = bind<float>(grads.data(), l);
-  layer.forward(r.cache, y.data(), logits.data(), N, w, beta.data(), comm);
-  layer.backward(r.cache, dx.data(), g, dy.data(), logits.data(), w, loss_scale, state, comm);
-  r.loss = r.cache.balance_loss;
-  r.d_logits = dx;
-  return r;
-}
+using Result = testing::BalanceResult;
+using testing::balance_grad;
 
 TEST(Lei, WorkedExampleOneToken) {
   // Spec 3.3: logits [2.7, 2.5, 2.4, 0.1], k = 2: loads [1, 1, 0, 0], L = 1 + 4 * 4 / 16 = 2.

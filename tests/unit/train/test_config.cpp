@@ -103,6 +103,16 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
                                     "parallel.ep=2", "parallel.dp=2"})
                 .parallel.cp,
             2);
+  // ... except the sequence-wise aux loss, whose sums are per sequence on one rank.
+  expect_input_error(
+      [&] {
+        train::load_config("", {"parallel.cp=2", "train.seq_len=64", "model.moe_layers=all",
+                                "model.moe_balance=seq_aux"});
+      },
+      {"parallel.cp", "seq_aux"});
+  EXPECT_EQ(train::load_config("", {"model.moe_layers=all", "model.moe_balance=seq_aux"})
+                .model.moe.balance,
+            moe::Balance::seq_aux);
 }
 
 // --set takes a value that starts with a quote as one TOML string, as a config file would;

@@ -35,11 +35,21 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
                std::vector<int64_t>(size_t(E), 0)};
   for (int64_t n = 0; n < N; ++n) {
     T* lg = r.logits.data() + n * E;
-    T* p = r.probs.data() + n * E;
     for (int64_t e = 0; e < E; ++e) {
       lg[e] = 0;
       for (int64_t i = 0; i < C; ++i) lg[e] += x[n * C + i] * w.router[e * C + i];
     }
+  }
+  // Selection bias: beta, less Sinkhorn's log column scale (sinkhorn; one micro-batch here).
+  std::vector<T> sel_bias(beta, beta + E);
+  if (cfg.balance == Balance::sinkhorn) {
+    const std::vector<double> log_c =
+        sinkhorn_log_scale(r.logits.data(), N, E, [](double*, size_t) {});
+    for (int64_t e = 0; e < E; ++e) sel_bias[size_t(e)] -= T(log_c[size_t(e)]);
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    T* lg = r.logits.data() + n * E;
+    T* p = r.probs.data() + n * E;
     if (cfg.score == ScoreFn::softmax) {
       T m = *std::max_element(lg, lg + E), sum = 0;
       for (int64_t e = 0; e < E; ++e) sum += std::exp(lg[e] - m);
@@ -48,7 +58,7 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
       for (int64_t e = 0; e < E; ++e) p[e] = T(1) / (T(1) + std::exp(-lg[e]));
     }
     std::vector<float> sel(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) sel[size_t(e)] = float(lg[e] - beta[e]);
+    for (int64_t e = 0; e < E; ++e) sel[size_t(e)] = float(lg[e] - sel_bias[size_t(e)]);
     float kth_f = 0, kp1_f = 0;
     int32_t* ch = r.choice.data() + n * k;
     select_top_k(sel.data(), E, k, ch, &kth_f, &kp1_f);
@@ -131,10 +141,26 @@ void moe_forward(T* y, const T* x, int64_t N, const LayerWeightsT<const T>& w, c
 template <class T>
 void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N,
                   const LayerWeightsT<const T>& w, const T* beta, T loss_scale,
-                  const MoeConfig& cfg, const LayerShape& shape) {
+                  const MoeConfig& cfg, const LayerShape& shape,
+                  std::span<const int32_t> sequence) {
   const int64_t E = cfg.experts, k = cfg.top_k, C = shape.C;
   const Routing<T> r = route(x, N, w, beta, cfg, C);
   const T Tk = T(N * k);
+  // seq_aux: each sequence's tokens and loads, and how many sequences have tokens.
+  auto seq_of = [&](int64_t n) { return sequence.empty() ? int64_t(0) : int64_t(sequence[n]); };
+  std::vector<T> seq_tokens, seq_loads;
+  T sequences = 0;
+  if (cfg.balance == Balance::seq_aux) {
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t s = seq_of(n);
+      if (int64_t(seq_tokens.size()) <= s) {
+        seq_tokens.resize(size_t(s + 1), T(0));
+        seq_loads.resize(size_t((s + 1) * E), T(0));
+      }
+      if (seq_tokens[size_t(s)]++ == 0) sequences += 1;
+      for (int64_t j = 0; j < k; ++j) seq_loads[size_t(s * E + r.choice[size_t(n * k + j)])] += 1;
+    }
+  }
   std::vector<T> fc, act, out, d_out(static_cast<size_t>(C));
   for (int64_t n = 0; n < N; ++n) {
     const T* xn = x + n * C;
@@ -169,6 +195,12 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
       const T f = T(r.loads[size_t(e)]) / Tk;
       if (cfg.balance == Balance::aux || cfg.balance == Balance::aux_global)
         dp[size_t(e)] += loss_scale * T(cfg.aux_coeff) * T(E) * f;
+      if (cfg.balance == Balance::seq_aux) {
+        // (N / S) times d/dp of alpha E f_s P_s, P_s a mean over the sequence's T_s tokens.
+        const int64_t s = seq_of(n);
+        const T Ts = seq_tokens[size_t(s)], fs = seq_loads[size_t(s * E + e)] / (T(k) * Ts);
+        dp[size_t(e)] += loss_scale * T(cfg.aux_coeff) * T(E) * fs * T(N) / (sequences * Ts);
+      }
       if (uses_lei(cfg.balance)) {
         const T a = loss_scale * T(cfg.lei_coeff) * T(2 * E) / T(k) * (f - T(1) / T(E));
         if (cfg.lei_kernel == LeiKernel::identity)
@@ -209,7 +241,7 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
                                const MoeConfig&, const LayerShape&);                           \
   template void moe_backward<T>(T*, LayerWeightsT<T>&, const T*, const T*, int64_t,            \
                                 const LayerWeightsT<const T>&, const T*, T, const MoeConfig&,  \
-                                const LayerShape&);
+                                const LayerShape&, std::span<const int32_t>);
 TESSEL_INSTANTIATE(float)
 TESSEL_INSTANTIATE(double)
 #undef TESSEL_INSTANTIATE
