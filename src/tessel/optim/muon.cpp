@@ -263,6 +263,10 @@ void Muon::step_sharded(double lr, float decay) {
       owner_update(*mat, in.data(), int64_t(in.size()) / stride, owner_select, lr, o);
       o += rows_updated(*mat) * stride;
     }
+    // This group's momentum rows are spent: freed now, their memory holds the updates
+    // gathered next, instead of every group's rows and updates being live at once.
+    send[g] = std::vector<float>();
+    recv[g] = std::vector<float>();
     out_counts[g] = counts_to_size_t(oc);
     all[g].resize(size_t(std::accumulate(oc.begin(), oc.end(), int64_t(0))));
     from_owner[g] = group_->iall_gatherv(out[g], all[g], out_counts[g]);
