@@ -63,7 +63,8 @@ void ExpertShardedOptimizer::step(double lr_scale) {
 
 ExpertShardedOptimizer::SplitState ExpertShardedOptimizer::split_state() {
   SplitState out;
-  auto add = [](std::vector<optim::StateTensor>& to, optim::StateTensor st, std::string prefix) {
+  auto add = [](std::vector<optim::StateTensor>& to, optim::StateTensor st,
+                const std::string& prefix) {
     st.name = prefix + st.name;
     to.push_back(std::move(st));
   };
