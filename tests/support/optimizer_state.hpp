@@ -11,7 +11,7 @@
 
 namespace tessel::fixture {
 
-// Every state tensor's bytes, in state() order (collective when the state is sharded).
+// Every state tensor's bytes, in state() order (of sharded state, this rank's rows).
 inline std::vector<std::vector<uint8_t>> state_bytes(optim::Optimizer& opt) {
   std::vector<std::vector<uint8_t>> out;
   for (const optim::StateTensor& s : opt.state()) {

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <span>
 
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
@@ -53,7 +52,7 @@ Muon::Muon(ParameterList params, const MuonHyper& hyper, const AdamWHyper& adam,
     (p.tag == ParamTag::hidden_matrix ? params_ : rest).push_back(std::move(p));
   adam_ = std::make_unique<AdamW>(std::move(rest), adam, std::move(decay_tags));
   const int P = group_->size(), me = group_->rank();
-  int64_t full = 0, local = 0, vrows = 0;
+  int64_t local = 0, vrows = 0;
   for (size_t pi = 0; pi < params_.size(); ++pi) {
     const Parameter& p = params_[pi];
     TESSEL_CHECK(p.value.shape().size() == 2 && p.value.shape() == p.grad.shape(), "hidden matrix ",
@@ -72,12 +71,11 @@ Muon::Muon(ParameterList params, const MuonHyper& hyper, const AdamWHyper& adam,
       auto g = std::find_if(groups_.begin(), groups_.end(),
                             [&](const Group& x) { return x.rows == b && x.cols == cols; });
       if (g == groups_.end()) g = groups_.insert(groups_.end(), Group{b, cols, {}});
-      Matrix m{pi, row0, b, cols, full, local, 0, b, vrows, g->mats.size(), 0};
+      Matrix m{pi, row0, b, cols, local, 0, b, vrows, g->mats.size(), 0};
       m.owner = int(m.slot % size_t(P));
       if (h_.mode != MuonMode::replicated) std::tie(m.lo, m.hi) = shard_rows(b, P, me);
       g->mats.push_back(mats_.size());
       mats_.push_back(m);
-      full += b * cols;
       local += (m.hi - m.lo) * cols;
       vrows += b;
       row0 += b;
@@ -265,6 +263,10 @@ void Muon::step_sharded(double lr, float decay) {
       owner_update(*mat, in.data(), int64_t(in.size()) / stride, owner_select, lr, o);
       o += rows_updated(*mat) * stride;
     }
+    // This group's momentum rows are spent: freed now, their memory holds the updates
+    // gathered next, instead of every group's rows and updates being live at once.
+    send[g] = std::vector<float>();
+    recv[g] = std::vector<float>();
     out_counts[g] = counts_to_size_t(oc);
     all[g].resize(size_t(std::accumulate(oc.begin(), oc.end(), int64_t(0))));
     from_owner[g] = group_->iall_gatherv(out[g], all[g], out_counts[g]);
@@ -343,21 +345,11 @@ void Muon::step_allgather(double lr, float decay) {
   }
 }
 
-void Muon::load_checkpoint_shards() {
-  if (!full_.defined()) return;
-  if (h_.mode != MuonMode::replicated)
-    for (const Matrix& mat : mats_)
-      std::copy_n(full_.f32() + mat.full_off + mat.lo * mat.cols, (mat.hi - mat.lo) * mat.cols,
-                  m_.f32() + mat.local_off);
-  full_ = Tensor();
-}
-
 void Muon::step(double lr_scale) {
   int32_t& t = step_.i32()[0];
   TESSEL_CHECK(t < std::numeric_limits<int32_t>::max(), name(), " step counter overflow");
   ++t;
   adam_->step(lr_scale);
-  load_checkpoint_shards();
   const double lr = h_.lr * lr_scale;
   const float decay = float(1.0 - lr * h_.weight_decay);
   switch (h_.mode) {
@@ -374,36 +366,25 @@ void Muon::step(double lr_scale) {
 }
 
 std::vector<StateTensor> Muon::state() {
-  const int P = group_->size();
-  Tensor source = m_;
-  if (h_.mode != MuonMode::replicated) {
-    int64_t total = 0;
-    for (const Matrix& mat : mats_) total += mat.rows * mat.cols;
-    full_ = Tensor(Shape{total});
-    for (const Matrix& mat : mats_) {
-      std::vector<size_t> counts(static_cast<size_t>(P));
-      for (int p = 0; p < P; ++p) {
-        auto [lo, hi] = shard_rows(mat.rows, P, p);
-        counts[size_t(p)] = size_t((hi - lo) * mat.cols);
-      }
-      group_->all_gatherv(
-          std::span<const float>(m_.f32() + mat.local_off, size_t((mat.hi - mat.lo) * mat.cols)),
-          std::span<float>(full_.f32() + mat.full_off, size_t(mat.rows * mat.cols)), counts);
-    }
-    source = full_;
-  }
-  if (h_.variant == MuonVariant::dion3)
-    for (const Matrix& mat : mats_)
-      group_->broadcast(std::span<float>(v_.f32() + mat.v_off, size_t(mat.rows)), mat.owner);
+  const int P = group_->size(), me = group_->rank();
+  // Whole momentum when every rank holds all of it; m_ is then in parameter layout.
+  const bool split_m = h_.mode != MuonMode::replicated && P > 1;
+  const bool split_v = h_.mode != MuonMode::allgather && P > 1;
   std::vector<StateTensor> out;
   const std::string n = name();
   out.push_back({n + ".step", step_});
   for (const Matrix& mat : mats_) {
-    if (mat.row0 != 0) continue;  // one entry per parameter, at its first block
     const Parameter& p = params_[mat.param];
-    out.push_back({n + ".m/" + p.name, source.view(mat.full_off, p.value.shape())});
-    if (h_.variant == MuonVariant::dion3)
-      out.push_back({n + ".v/" + p.name, v_.view(mat.v_off, Shape{p.value.shape()[0]})});
+    const int64_t rows = p.value.shape()[0];
+    const std::string m = n + ".m/" + p.name, v = n + ".v/" + p.name;
+    if (!split_m && mat.row0 == 0) out.push_back({m, m_.view(mat.local_off, p.value.shape())});
+    if (split_m && mat.hi > mat.lo)
+      out.push_back(
+          {m, m_.view(mat.local_off, Shape{mat.hi - mat.lo, mat.cols}), mat.row0 + mat.lo, rows});
+    if (h_.variant != MuonVariant::dion3) continue;
+    if (!split_v && mat.row0 == 0) out.push_back({v, v_.view(mat.v_off, Shape{rows})});
+    if (split_v && mat.owner == me)
+      out.push_back({v, v_.view(mat.v_off, Shape{mat.rows}), mat.row0, rows});
   }
   for (auto& st : adam_->state()) out.push_back(std::move(st));
   return out;

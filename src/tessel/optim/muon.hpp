@@ -36,10 +36,12 @@
 //
 // State (names prefixed with name()): "<name>.step" (i32 [1]), "<name>.m/<param>" (the
 // momentum, the parameter's shape), with dion3 "<name>.v/<param>" (f32 [rows]); then the
-// AdamW state of the other parameters ("adamw.*"). state() is collective over the group:
-// sharded momentum is gathered into full tensors (and dion3's owner-held second moments
-// broadcast), and the next step() takes its shards from them, so a checkpoint written by rank
-// 0 holds all state and a restore written into these tensors is picked up.
+// AdamW state of the other parameters ("adamw.*"). state() lists what this rank holds, as
+// views (no communication): with the momentum split over P > 1 ranks (sharded, allgather),
+// one row shard per matrix (row block), rows [row0 + lo, row0 + hi) of "<name>.m/<param>";
+// dion3's second moments, kept by each matrix's owner (except in the allgather mode, where
+// every rank updates every matrix), as the owner's row shards of "<name>.v/<param>". Whole
+// tensors otherwise. A restore written into these views is what the next step() reads.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -104,7 +106,6 @@ class Muon : public Optimizer {
   struct Matrix {
     size_t param;
     int64_t row0, rows, cols;
-    int64_t full_off;   // offset in the parameter-layout momentum (state(), full_)
     int64_t local_off;  // offset of my rows in m_
     int64_t lo, hi;     // my momentum rows [lo, hi)
     int64_t v_off;      // offset of its rows in v_
@@ -119,7 +120,6 @@ class Muon : public Optimizer {
   const float* grad(const Matrix& mat) const {
     return params_[mat.param].grad.f32() + mat.row0 * mat.cols;
   }
-  void load_checkpoint_shards();
   void momentum_rows(const Matrix& mat, int64_t r0, int64_t r1, float* dst, int64_t stride);
   int64_t rows_sent(const Matrix& mat, int rank) const;
   int64_t rows_updated(const Matrix& mat) const;
@@ -140,7 +140,6 @@ class Muon : public Optimizer {
   Tensor step_;  // i32 [1]
   Tensor m_;     // momentum: my shard rows (sharded, allgather) or all rows (replicated)
   Tensor v_;     // dion3: [rows] per matrix, maintained by the owner
-  Tensor full_;  // state(): the gathered momentum in parameter layout, read by the next step
 };
 
 }  // namespace tessel::optim

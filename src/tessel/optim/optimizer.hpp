@@ -4,9 +4,10 @@
 // An optimizer updates a ParameterList (views into the model's flat value and gradient
 // buffers) from its gradients. Its state is a list of named tensors that view the
 // optimizer's own buffers: the checkpoint saves them and loads them back in place
-// (bitwise), so a resumed run continues exactly. Several optimizers over disjoint tag
-// groups (Muon for hidden matrices, AdamW for the rest: issue #4) keep state names
-// unique by prefixing them with their own name ("adamw.m/<param>").
+// (bitwise), so a resumed run continues exactly. State split over a group (ZeRO-1) is listed
+// as each rank's row shards, so saving it never gathers it whole. Several optimizers over disjoint
+// tag groups (Muon for hidden matrices, AdamW for the rest: issue #4) keep state names unique by
+// prefixing them with their own name ("adamw.m/<param>").
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -21,10 +22,16 @@
 namespace tessel::optim {
 
 // One named state tensor, a view of optimizer-owned memory: writing into `tensor`
-// restores that state in place.
+// restores that state in place. rows == 0: `tensor` is the whole state tensor, alike on every
+// rank of the optimizer's group. rows > 0: a row shard held by this rank (no other rank of
+// the group lists these rows): `tensor` holds rows [row0, row0 + tensor.shape()[0]) of the
+// state tensor `name`, which has `rows` rows in all; over the group, the shards of a name
+// cover its rows once.
 struct StateTensor {
   std::string name;
   Tensor tensor;
+  int64_t row0 = 0, rows = 0;
+  bool is_shard() const { return rows > 0; }
 };
 
 class Optimizer {
@@ -34,9 +41,8 @@ class Optimizer {
   // rate is its configured base lr times `lr_scale` (LrSchedule::scale of this step), so
   // optimizers with different base lrs share one schedule.
   virtual void step(double lr_scale) = 0;
-  // All state in a fixed order: the step counter first, then per-parameter buffers in
-  // parameter order. May be collective over the optimizer's group (sharded state is gathered:
-  // muon.hpp): call it on every rank.
+  // All state this rank holds, in a fixed order: the step counter first, then per-parameter
+  // buffers (whole or this rank's row shards) in parameter order. Not collective.
   virtual std::vector<StateTensor> state() = 0;
   virtual std::string name() const = 0;
   // Updates taken so far (restored with the state).

@@ -63,20 +63,29 @@ void ExpertShardedOptimizer::step(double lr_scale) {
 
 ExpertShardedOptimizer::SplitState ExpertShardedOptimizer::split_state() {
   SplitState out;
-  for (auto& st : dense_->state()) out.replicated.push_back({prefix_ + st.name, st.tensor});
+  auto add = [](std::vector<optim::StateTensor>& to, optim::StateTensor st,
+                const std::string& prefix) {
+    st.name = prefix + st.name;
+    to.push_back(std::move(st));
+  };
+  for (auto& st : dense_->state()) add(st.is_shard() ? out.shards : out.replicated, st, prefix_);
   if (!experts_) return out;
   for (auto& st : experts_->state()) {
     const size_t slash = st.name.rfind('/');
     const bool per_expert =
         slash != std::string::npos && expert_names_.count(st.name.substr(slash + 1));
-    (per_expert ? out.own : out.replicated).push_back({prefix_ + "experts/" + st.name, st.tensor});
+    add(st.is_shard() ? out.shards
+        : per_expert  ? out.own
+                      : out.replicated,
+        st, prefix_ + "experts/");
   }
   return out;
 }
 
 std::vector<optim::StateTensor> ExpertShardedOptimizer::state() {
   SplitState split = split_state();
-  for (auto& st : split.own) split.replicated.push_back(std::move(st));
+  for (auto* part : {&split.own, &split.shards})
+    for (auto& st : *part) split.replicated.push_back(std::move(st));
   return split.replicated;
 }
 

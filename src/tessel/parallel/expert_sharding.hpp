@@ -53,8 +53,7 @@ class ExpertShardedGradients {
 
 // The optimizer of a model placed by expert_shard (see the top of this file): over its dense
 // and expert parameters (the model's, or a pipeline stage's share of them). Every state name
-// starts with `prefix` (a pipeline's "stage<s>/"). step() and state() are collective over
-// both groups.
+// starts with `prefix` (a pipeline's "stage<s>/"). step() is collective over both groups.
 class ExpertShardedOptimizer final : public optim::Optimizer {
  public:
   ExpertShardedOptimizer(const optim::OptimizerConfig& config, ParameterList dense,
@@ -63,14 +62,15 @@ class ExpertShardedOptimizer final : public optim::Optimizer {
                          const std::map<std::string, std::vector<int64_t>>& row_blocks,
                          std::string prefix = "");
   void step(double lr_scale) override;
-  // The state in two: what every rank holds alike (the dense optimizer's state and the
-  // expert optimizer's step counters), and this rank's own: its experts' tensors (those
-  // whose name ends in "/<expert parameter name>").
+  // The state in three: what every rank holds alike (the dense optimizer's whole state and the
+  // expert optimizer's step counters); this rank's own: its experts' whole tensors (those
+  // whose name ends in "/<expert parameter name>"); and the row shards of either optimizer
+  // (ZeRO-1 state: the dp or edp rank's rows, alike on the ranks that differ only in cp).
   struct SplitState {
-    std::vector<optim::StateTensor> replicated, own;
+    std::vector<optim::StateTensor> replicated, own, shards;
   };
   SplitState split_state();
-  std::vector<optim::StateTensor> state() override;  // replicated, then experts
+  std::vector<optim::StateTensor> state() override;  // replicated, own, then shards
   std::string name() const override { return dense_->name(); }
   int64_t step_count() const override { return dense_->step_count(); }
 

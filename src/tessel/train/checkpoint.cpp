@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <tuple>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
@@ -20,9 +21,11 @@ namespace tessel::train {
 namespace {
 
 constexpr const char* kManifest = "manifest.json";
-constexpr int kFormatVersion = 2;
-constexpr const char* kKinds[2] = {"model", "optimizer"};
-constexpr size_t kRecord = 5;  // per rank: ok, then bytes and CRC of its two files
+constexpr int kFormatVersion = 3;  // 3: row shards
+constexpr int kOldestVersion = 2;  // still read
+constexpr int kFiles = 3;          // per rank; the third only with row shards
+constexpr const char* kKinds[kFiles] = {"model", "optimizer", "optimizer_shards"};
+constexpr size_t kRecord = 1 + 2 * kFiles;  // per rank: ok, then bytes (-1: none) and CRC
 
 std::string step_name(int64_t step) {
   char buf[32];
@@ -68,6 +71,14 @@ std::vector<std::string> names_of(const std::vector<NamedTensor>& tensors) {
   return names;
 }
 
+std::string shard_key(const std::string& name, int64_t row0, int64_t row1) {
+  return name + "[" + std::to_string(row0) + ":" + std::to_string(row1) + "]";
+}
+
+int64_t leading(const Tensor& t) {
+  return t.shape().empty() ? 0 : t.shape()[0];
+}
+
 // Copies this rank's share of `replicated` (owner[i] == rank) and all of `own` into `into`,
 // reusing its buffers when the shapes are those of the previous save.
 void stage_share(const std::vector<NamedTensor>& replicated, const std::vector<int>& owner,
@@ -88,28 +99,129 @@ void stage_share(const std::vector<NamedTensor>& replicated, const std::vector<i
   into.resize(j);
 }
 
-// The names of `replicated`, then every rank's `own` in rank order (collective over
-// `group`); a name listed twice is an error.
-std::vector<std::string> gather_names(comm::Communicator& group,
-                                      const std::vector<NamedTensor>& replicated,
-                                      const std::vector<NamedTensor>& own) {
+// Every rank's `lines` (without '\n'), in rank order (collective over `group`).
+std::vector<std::vector<std::string>> gather_lines(comm::Communicator& group,
+                                                   const std::vector<std::string>& lines) {
   std::string mine;
-  for (const auto& t : own) mine += t.name + '\n';
+  for (const auto& line : lines) mine += line + '\n';
   const int64_t n = int64_t(mine.size());
   std::vector<int64_t> sizes(size_t(group.size()));
   group.all_gather(&n, sizes.data(), 1, comm::ElemType::i64);
   const std::vector<size_t> counts(sizes.begin(), sizes.end());
   std::string all(std::accumulate(counts.begin(), counts.end(), size_t(0)), '\0');
   group.all_gatherv(mine.data(), all.data(), counts, comm::ElemType::u8);
+  std::vector<std::vector<std::string>> out(counts.size());
+  size_t at = 0;
+  for (size_t r = 0; r < counts.size(); ++r)
+    for (const size_t end = at + counts[r]; at < end;) {
+      const size_t newline = all.find('\n', at);
+      out[r].push_back(all.substr(at, newline - at));
+      at = newline + 1;
+    }
+  return out;
+}
+
+// The names of `replicated`, then every rank's `own` in rank order (collective over
+// `group`); a name listed twice is an error.
+std::vector<std::string> gather_names(comm::Communicator& group,
+                                      const std::vector<NamedTensor>& replicated,
+                                      const std::vector<NamedTensor>& own) {
   std::vector<std::string> names = names_of(replicated);
-  for (size_t at = 0, end; (end = all.find('\n', at)) != std::string::npos; at = end + 1)
-    names.push_back(all.substr(at, end - at));
+  for (const auto& rank_names : gather_lines(group, names_of(own)))
+    names.insert(names.end(), rank_names.begin(), rank_names.end());
   std::vector<std::string> sorted = names;
   std::sort(sorted.begin(), sorted.end());
   auto twice = std::adjacent_find(sorted.begin(), sorted.end());
   TESSEL_CHECK(twice == sorted.end(), "checkpoint tensor '", *twice,
                "' is listed by two ranks (or also as replicated)");
   return names;
+}
+
+// The manifest's "shards" entries of every rank's row shards (collective over `group`).
+nlohmann::json gather_shards(comm::Communicator& group, const std::vector<RowShard>& shards) {
+  std::vector<std::string> mine;
+  for (const RowShard& s : shards) {
+    Shape shape = s.tensor.shape();
+    TESSEL_CHECK(
+        s.rows > 0 && !shape.empty() && shape[0] > 0 && s.row0 >= 0 && s.row0 + shape[0] <= s.rows,
+        "row shard '", s.name, "' holds rows ", s.row0, " + ", shape_str(shape), " of ", s.rows);
+    shape[0] = s.rows;
+    mine.push_back(
+        nlohmann::json(
+            {{"name", s.name}, {"shape", shape}, {"rows", {s.row0, s.row0 + s.tensor.shape()[0]}}})
+            .dump());
+  }
+  nlohmann::json out = nlohmann::json::array();
+  const auto all = gather_lines(group, mine);
+  for (size_t r = 0; r < all.size(); ++r)
+    for (const auto& line : all[r]) {
+      out.push_back(nlohmann::json::parse(line));
+      out.back()["file"] = shard_name(kKinds[2], int(r), int(all.size()));
+    }
+  return out;
+}
+
+// The manifest's "shards" entries as locations in `dir` (CRC not set).
+std::vector<ShardLocation> shard_locations(const nlohmann::json& shards, const fs::path& dir) {
+  std::vector<ShardLocation> out;
+  for (const auto& s : shards)
+    out.push_back({s.at("name").get<std::string>(), s.at("shape").get<Shape>(),
+                   s.at("rows").at(0).get<int64_t>(), s.at("rows").at(1).get<int64_t>(),
+                   (dir / s.at("file").get<std::string>()).string(), 0});
+  return out;
+}
+
+// Why `shards` do not describe their tensors once (empty when they do): the shards of a name
+// must agree on its shape and cover its rows once, in order of rows, none empty, and no name
+// may be in `whole` too.
+std::string shard_tiling_problem(std::vector<ShardLocation> shards,
+                                 const std::vector<std::string>& whole) {
+  std::sort(shards.begin(), shards.end(), [](const ShardLocation& a, const ShardLocation& b) {
+    return std::tie(a.name, a.row0) < std::tie(b.name, b.row0);
+  });
+  for (size_t i = 0; i < shards.size();) {
+    const ShardLocation& first = shards[i];
+    const std::string tensor = "row shards of '" + first.name + "'";
+    if (std::find(whole.begin(), whole.end(), first.name) != whole.end())
+      return "tensor '" + first.name + "' is saved whole and as row shards";
+    if (first.shape.empty()) return tensor + " have no rows";
+    int64_t next = 0;
+    for (; i < shards.size() && shards[i].name == first.name; ++i) {
+      const ShardLocation& s = shards[i];
+      if (s.shape != first.shape)
+        return tensor + " disagree on its shape (" + shape_str(first.shape) + ", " +
+               shape_str(s.shape) + ")";
+      if (s.row0 != next || s.row1 <= s.row0)
+        return tensor + " do not cover its " + std::to_string(first.shape[0]) +
+               " rows once: rows " + std::to_string(s.row0) + ":" + std::to_string(s.row1) +
+               " follow row " + std::to_string(next);
+      next = s.row1;
+    }
+    if (next != first.shape[0])
+      return tensor + " end at row " + std::to_string(next) + " of " +
+             std::to_string(first.shape[0]);
+  }
+  return "";
+}
+
+// Copies rows [first, first + count) of the tensor `to.name` from `src` (which holds its rows
+// from `src_row0`) into `to`, once dtype, row shape and bounds agree (else an InputError
+// naming `where`).
+void copy_rows(const Tensor& src, int64_t src_row0, const RowShard& to, int64_t first,
+               int64_t count, const std::string& where) {
+  const Shape &a = src.shape(), &b = to.tensor.shape();
+  if (src.dtype() != to.tensor.dtype() || a.empty() || b.empty() ||
+      !std::equal(a.begin() + 1, a.end(), b.begin() + 1, b.end()) || first < src_row0 ||
+      first + count > src_row0 + a[0] || first < to.row0 || first + count > to.row0 + b[0])
+    input_error(where, ": tensor '", to.name, "' is ", dtype_name(src.dtype()), " ", shape_str(a),
+                " from row ", src_row0, ", not rows ", first, ":", first + count, " of ",
+                dtype_name(to.tensor.dtype()), " rows shaped like ", shape_str(b));
+  if (count == 0) return;
+  Tensor dst = to.tensor;  // a view of the state to restore
+  const size_t row = dst.bytes() / size_t(b[0]);
+  std::memcpy(static_cast<char*>(dst.raw()) + size_t(first - to.row0) * row,
+              static_cast<const char*>(src.raw()) + size_t(first - src_row0) * row,
+              size_t(count) * row);
 }
 
 }  // namespace
@@ -139,6 +251,51 @@ void restore_tensor(const std::vector<NamedTensor>& from, const std::string& nam
       return;
     }
   input_error(source, ": tensor '", name, "' missing from the checkpoint");
+}
+
+void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard>& wanted,
+                       const std::string& source) {
+  // The shards to copy from, by file, so that each file is read once.
+  std::map<std::string, std::vector<std::pair<const ShardLocation*, const RowShard*>>> reads;
+  for (const RowShard& w : wanted) {
+    const int64_t n = leading(w.tensor), rows = w.rows > 0 ? w.rows : n;
+    auto whole = std::find_if(from.optimizer.begin(), from.optimizer.end(),
+                              [&](const NamedTensor& t) { return t.name == w.name; });
+    if (whole != from.optimizer.end() && w.rows == 0) {
+      restore_tensor(from.optimizer, w.name, w.tensor, source);
+      continue;
+    }
+    if (whole != from.optimizer.end()) {
+      if (leading(whole->tensor) != rows)
+        input_error(source, ": tensor '", w.name, "' has ", leading(whole->tensor),
+                    " rows, expected ", rows);
+      copy_rows(whole->tensor, 0, w, w.row0, n, source);
+      continue;
+    }
+    bool found = false;
+    for (const ShardLocation& s : from.shard_locations) {
+      if (s.name != w.name) continue;
+      if (s.shape[0] != rows)
+        input_error(source, ": tensor '", w.name, "' has ", s.shape[0], " rows, expected ", rows);
+      found = true;
+      if (s.row0 < w.row0 + n && s.row1 > w.row0) reads[s.file].push_back({&s, &w});
+    }
+    if (!found) input_error(source, ": tensor '", w.name, "' missing from the checkpoint");
+  }
+  for (const auto& [file, copies] : reads) {
+    if (file_crc32(file) != copies.front().first->crc32)
+      input_error(file, ": checksum mismatch (corrupt checkpoint file)");
+    const SafetensorsFile shards = read_safetensors(file);
+    for (const auto& [s, w] : copies) {
+      const std::string key = shard_key(s->name, s->row0, s->row1);
+      const Tensor* t = shards.find(key);
+      if (!t || leading(*t) != s->row1 - s->row0)
+        input_error(file, ": tensor '", key, "' is missing or has the wrong number of rows");
+      const int64_t first = std::max(s->row0, w->row0);
+      copy_rows(*t, s->row0, *w, first, std::min(s->row1, w->row0 + leading(w->tensor)) - first,
+                file);
+    }
+  }
 }
 
 std::vector<int> assign_writers(const std::vector<NamedTensor>& tensors, int ranks) {
@@ -222,30 +379,35 @@ void AsyncCheckpointer::writer_loop() {
 void AsyncCheckpointer::write_files() {
   const CheckpointContent& c = content_;
   const std::vector<NamedTensor>* kinds[2] = {&c.model, &c.optimizer};
-  std::vector<NamedTensor>* staged[2] = {&staged_model_, &staged_optimizer_};
   const std::vector<NamedTensor>* own[2] = {&c.own_model, &c.own_optimizer};
   for (int k = 0; k < 2; ++k)
-    stage_share(*kinds[k], assign_writers(*kinds[k], ranks_), rank_, *own[k], *staged[k]);
+    stage_share(*kinds[k], assign_writers(*kinds[k], ranks_), rank_, *own[k], staging_[k]);
+  std::vector<NamedTensor> shards;
+  for (const RowShard& s : c.optimizer_shards)
+    shards.push_back({shard_key(s.name, s.row0, s.row0 + s.tensor.shape()[0]), s.tensor});
+  stage_share({}, {}, rank_, shards, staging_[2]);
   {
     std::lock_guard lock(mu_);
     staged_ = true;
     // Only the staged copies are written from here. Dropping the views lets go of state the
-    // trainer has since released (the Muon family's gathered momentum), which they would
-    // otherwise keep alive until the next save.
+    // trainer may release meanwhile, which they would otherwise keep alive until the next
+    // save.
     for (auto* list :
          {&content_.model, &content_.optimizer, &content_.own_model, &content_.own_optimizer})
       list->clear();
+    content_.optimizer_shards.clear();
   }
   cv_.notify_all();
-  record_.assign(kRecord, 0);
+  record_.assign(kRecord, -1);
   fs::path tmp = fs::path(store_.root()) / (step_name(c.step) + ".incomplete");
   std::error_code ec;
   fs::create_directories(tmp, ec);  // every rank; the others may have made it already
   if (!fs::is_directory(tmp)) input_error(tmp.string(), ": cannot create: ", ec.message());
-  for (int k = 0; k < 2; ++k) {
+  for (int k = 0; k < kFiles; ++k) {
+    if (k == 2 && staging_[k].empty()) continue;  // no row shards on this rank
     std::string path = (tmp / shard_name(kKinds[k], rank_, ranks_)).string();
     uint32_t crc = 0;
-    write_safetensors(path, *staged[k], {}, &crc);
+    write_safetensors(path, staging_[k], {}, &crc);
     fsync_path(path);
     record_[1 + 2 * k] = int64_t(fs::file_size(path));
     record_[2 + 2 * k] = int64_t(crc);
@@ -265,13 +427,17 @@ void AsyncCheckpointer::commit() {
   manifest["step"] = c.step;
   manifest["ranks"] = ranks_;
   manifest["tensors"] = {{"model", names_[0]}, {"optimizer", names_[1]}};
+  manifest["shards"] = shards_;
   manifest["state"] = c.state;
   manifest["files"] = nlohmann::json::array();
   for (int r = 0; r < ranks_; ++r)
-    for (int k = 0; k < 2; ++k)
-      manifest["files"].push_back({{"name", shard_name(kKinds[k], r, ranks_)},
-                                   {"bytes", gathered_[kRecord * size_t(r) + 1 + 2 * size_t(k)]},
-                                   {"crc32", gathered_[kRecord * size_t(r) + 2 + 2 * size_t(k)]}});
+    for (int k = 0; k < kFiles; ++k) {
+      const int64_t* record = &gathered_[kRecord * size_t(r) + 1 + 2 * size_t(k)];
+      if (record[0] >= 0)
+        manifest["files"].push_back({{"name", shard_name(kKinds[k], r, ranks_)},
+                                     {"bytes", record[0]},
+                                     {"crc32", record[1]}});
+    }
   write_file_atomically((tmp / kManifest).string(), manifest.dump(2));
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);
@@ -288,6 +454,9 @@ void AsyncCheckpointer::save(const CheckpointContent& content) {
   wait();  // at most one save in flight
   names_[0] = gather_names(group_, content.model, content.own_model);
   names_[1] = gather_names(group_, content.optimizer, content.own_optimizer);
+  shards_ = gather_shards(group_, content.optimizer_shards);
+  const std::string problem = shard_tiling_problem(shard_locations(shards_, ""), names_[1]);
+  TESSEL_CHECK(problem.empty(), "checkpoint: ", problem);
   {
     std::lock_guard lock(mu_);
     content_ = content;
@@ -449,19 +618,27 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
   nlohmann::json manifest = read_json(manifest_path);
   CheckpointContent content;
   std::vector<std::string> files;
+  std::map<std::string, uint32_t> shard_crcs;  // row-shard files, by path: verified when read
   try {
-    if (manifest.at("format") != "tessel-checkpoint" || manifest.at("version") != kFormatVersion)
+    const int version = manifest.at("version").get<int>();
+    if (manifest.at("format") != "tessel-checkpoint" || version < kOldestVersion ||
+        version > kFormatVersion)
       input_error(manifest_path.string(), ": unsupported checkpoint format or version");
     content.step = manifest.at("step").get<int64_t>();
     content.state = manifest.at("state");
     for (const auto& f : manifest.at("files")) {
       std::string name = f.at("name").get<std::string>();
-      if (kinds == 1 && name.rfind(std::string(kKinds[1]) + "-", 0) == 0) continue;
+      auto is = [&](int kind) { return name.rfind(std::string(kKinds[kind]) + "-", 0) == 0; };
+      if (kinds == 1 && !is(0)) continue;
       fs::path p = dir / name;
       if (!fs::exists(p)) input_error(p.string(), ": missing checkpoint file");
       if (fs::file_size(p) != f.at("bytes").get<uint64_t>())
         input_error(p.string(), ": size ", fs::file_size(p), " differs from the manifest's ",
                     f.at("bytes").get<uint64_t>(), " (truncated or corrupt)");
+      if (is(2)) {
+        shard_crcs[p.string()] = f.at("crc32").get<uint32_t>();
+        continue;
+      }
       if (file_crc32(p.string()) != f.at("crc32").get<uint32_t>())
         input_error(p.string(), ": checksum mismatch (corrupt checkpoint file)");
       files.push_back(name);
@@ -482,6 +659,20 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
                       "' is in no checkpoint file");
         into[k]->push_back({it->first, it->second});
       }
+    }
+    if (kinds == 2) {
+      content.shard_locations =
+          shard_locations(manifest.value("shards", nlohmann::json::array()), dir);
+      for (ShardLocation& s : content.shard_locations) {
+        auto crc = shard_crcs.find(s.file);
+        if (crc == shard_crcs.end())
+          input_error(manifest_path.string(), ": row shard '", s.name, "' lies in ", s.file,
+                      ", which is not among its files");
+        s.crc32 = crc->second;
+      }
+      const std::string problem =
+          shard_tiling_problem(content.shard_locations, names_of(content.optimizer));
+      if (!problem.empty()) input_error(manifest_path.string(), ": ", problem);
     }
   } catch (const nlohmann::json::exception& e) {
     input_error(manifest_path.string(), ": malformed manifest (", e.what(), ")");

@@ -2,13 +2,20 @@
 // Checkpoints: a directory per step under <run>/checkpoints/, holding
 //   model-RRRRR-of-PPPPP.safetensors      rank R's share of the parameter values
 //   optimizer-RRRRR-of-PPPPP.safetensors  rank R's share of the optimizer state
+//   optimizer_shards-RRRRR-of-PPPPP.safetensors
+//                                         rank R's row shards of optimizer state split over
+//                                         ranks (ZeRO-1), keys "<name>[<row0>:<row1>]"; only
+//                                         ranks that hold such state write one
 //   manifest.json                         step, trainer state (data-loader position, ...),
 //                                         the model config, every file with its size and
 //                                         CRC-32, the tensor order — written LAST.
 // The P ranks of the saving job split the (replicated) tensors between them, balanced by
 // bytes, so each writes 1/P of the state; tensors only some ranks hold (sharded experts)
 // are written by the one rank that lists them as its own. A load merges the shares by
-// tensor name, so a checkpoint of P ranks loads into any number of ranks.
+// tensor name, so a checkpoint of P ranks loads into any number of ranks. Row shards are
+// never gathered: the manifest records which rows of which tensor each shard file holds, and
+// restore_optimizer reads only the shard files that hold rows a rank asks for, so state
+// saved over P ranks is re-cut on load for any other number.
 //
 // Asynchronous two-phase commit (spec section 4.2): save() hands the tensors to a
 // background writer, which copies this rank's share into reusable host staging buffers,
@@ -38,6 +45,24 @@ namespace tessel::train {
 // read and verified; the optimizer state, about twice the model with AdamW or Muon, is not).
 enum class CheckpointParts { all, model };
 
+// Rows [row0, row0 + tensor.shape()[0]) of the tensor `name`, which has `rows` rows in all;
+// rows == 0: `tensor` is the whole tensor.
+struct RowShard {
+  std::string name;
+  Tensor tensor;
+  int64_t row0 = 0, rows = 0;
+};
+
+// A saved row shard: rows [row0, row1) of `name` (whole shape `shape`), in `file` (a path)
+// under the key "<name>[<row0>:<row1>]"; `crc32` is the file's, verified when it is read.
+struct ShardLocation {
+  std::string name;
+  Shape shape;
+  int64_t row0 = 0, row1 = 0;
+  std::string file;
+  uint32_t crc32 = 0;
+};
+
 struct CheckpointContent {
   int64_t step = 0;
   std::vector<NamedTensor> model;      // the same list on every rank (split between them)
@@ -45,6 +70,11 @@ struct CheckpointContent {
   // This rank's own tensors (written by it alone, listed after the replicated ones, in rank
   // order); no name may be listed by two ranks or be also replicated. Empty when loaded.
   std::vector<NamedTensor> own_model, own_optimizer;
+  // This rank's row shards of optimizer state split over ranks (rows > 0), written by it
+  // alone; over all ranks, the shards of a name cover its rows once, and it is not also
+  // saved whole. Empty when loaded: `shard_locations` says where they lie (not read yet).
+  std::vector<RowShard> optimizer_shards;
+  std::vector<ShardLocation> shard_locations;
   nlohmann::json state;  // trainer state: loader position, config, ...
 };
 
@@ -67,7 +97,8 @@ class CheckpointStore {
   std::optional<std::string> latest() const;
 
   // Reads and verifies the checkpoint at `dir` (sizes, checksums, manifest fields); the
-  // error names the file that failed.
+  // error names the file that failed. Row-shard files are checked for presence and size
+  // only: restore_optimizer reads (and checksums) the ones a rank needs.
   static CheckpointContent load(const std::string& dir,
                                 CheckpointParts parts = CheckpointParts::all);
 
@@ -159,11 +190,12 @@ class AsyncCheckpointer {
   std::condition_variable cv_;
   bool stop_ = false, job_write_ = false, job_commit_ = false;
   bool staged_ = true, done_ = true;
-  std::string failure_;                                       // writer failure of the current job
-  CheckpointContent content_;                                 // views; this rank copies its share
-  std::vector<std::string> names_[2];                         // model, optimizer: the manifest's
-  std::vector<NamedTensor> staged_model_, staged_optimizer_;  // reusable staging buffers
-  std::vector<int64_t> record_, gathered_;  // [ok, bytes, crc] per file, every rank's
+  std::string failure_;                     // writer failure of the current job
+  CheckpointContent content_;               // views; this rank copies its share
+  std::vector<std::string> names_[2];       // model, optimizer: the manifest's
+  nlohmann::json shards_;                   // the manifest's "shards": every rank's row shards
+  std::vector<NamedTensor> staging_[3];     // model, optimizer, row shards: reusable buffers
+  std::vector<int64_t> record_, gathered_;  // [ok, (bytes, crc) per file], every rank's
   std::unique_ptr<comm::Request> request_;  // the agreement in progress
   int64_t agree_flag_ = 0;
   std::thread writer_;
@@ -173,6 +205,14 @@ class AsyncCheckpointer {
 // an InputError naming `source` (the checkpoint) and the tensor.
 void restore_tensor(const std::vector<NamedTensor>& from, const std::string& name, Tensor to,
                     const std::string& source);
+
+// Restores each of `wanted` (a whole tensor, or a row shard this rank holds) from the loaded
+// checkpoint `from`, whether it saved that tensor whole or in row shards of any split: a
+// checkpoint of P ranks resumes on any number. Reads each shard file holding wanted rows
+// once, verifying its checksum, and no other. InputError naming `source` (the checkpoint) or
+// the file when a tensor is missing or its rows, shape or dtype differ.
+void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard>& wanted,
+                       const std::string& source);
 
 // CRC-32 (zlib) of a file's bytes; InputError if it cannot be read.
 uint32_t file_crc32(const std::string& path);

@@ -75,8 +75,8 @@ std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int
 
 // The optimizer of the pipeline path: this rank's stage's parameters only (its dense ones
 // over dp, its experts over edp), its state named "stage<s>/..." and held by that stage's
-// ranks alone (checkpoints write it as their own tensors). state() is collective over dp
-// and edp as the stage's optimizers are.
+// ranks alone (checkpoints write it as their own tensors, ZeRO-1 row shards by each dp or edp
+// rank).
 std::unique_ptr<parallel::ExpertShardedOptimizer> make_stage_optimizer(
     const Config& config, const model::Gpt& model, const comm::Mesh& mesh,
     const std::map<std::string, std::vector<int64_t>>& row_blocks);

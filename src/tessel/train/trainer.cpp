@@ -429,8 +429,8 @@ struct Trainer::State {
   // What must match between a checkpoint and the run that resumes it, by config key:
   // the model, everything that decides the data order, and the optimizer. The data order
   // depends on the layout only through the global batch (data/loader.hpp), so dp, accum
-  // and micro_batch may change if their product does: the optimizer state is stored
-  // whole, in parameter layout, and the next step re-shards it over the new dp group.
+  // and micro_batch may change if their product does: the optimizer state is stored whole
+  // or in row shards, and restore_optimizer re-cuts it for the new dp group.
   nlohmann::json compatibility() const {
     static const std::set<std::string> order_keys = {"run.seed", "data.shuffle", "train.seq_len",
                                                      "optim.name"};
@@ -455,9 +455,10 @@ struct Trainer::State {
     // Each expert once: the first edp x cp rank of each ep index writes the ep rank's experts (and
     // their optimizer state). A pipeline stage's dense parameters and optimizer state (held
     // by its ranks alone) once: the stage's lead writes them; its experts likewise by the
-    // stage's first edp x cp rank of each ep index.
+    // stage's first edp x cp rank of each ep index. ZeRO-1 row shards: each dp (edp) rank
+    // writes its own; the ranks that differ only in cp hold the same ones, the first writes.
     const bool writes_experts = mesh.coordinate(comm::Axis::edp_cp) == 0;
-    auto state = optimizer->split_state();  // collective on every rank
+    auto state = optimizer->split_state();
     if (!pipeline) {
       for (const auto& p : model.dense_parameters()) content.model.push_back({p.name, p.value});
       for (auto& st : state.replicated) content.optimizer.push_back({st.name, st.tensor});
@@ -471,6 +472,9 @@ struct Trainer::State {
         content.own_model.push_back({p.name, p.value});
       for (auto& st : state.own) content.own_optimizer.push_back({st.name, st.tensor});
     }
+    if (mesh.coordinate(comm::Axis::cp) == 0)
+      for (auto& st : state.shards)
+        content.optimizer_shards.push_back({st.name, st.tensor, st.row0, st.rows});
     auto ls = loader.state();
     content.state = {{"compatibility", compatibility()},
                      {"loader", {{"step", ls.step}, {"micro", ls.micro}}},
@@ -507,10 +511,15 @@ struct Trainer::State {
         failure = e.what();
       }
     }
-    if (!comm::all_agree(world, failure.empty()))
-      input_error(failure.empty() ? chosen + ": another rank could not read this checkpoint"
-                                  : failure);
+    agree(failure, chosen + ": another rank could not read this checkpoint");
     return loaded;
+  }
+
+  // Every rank stops with an InputError when `failure` is set on any: its own message, or
+  // `elsewhere` where another rank failed.
+  void agree(const std::string& failure, const std::string& elsewhere) {
+    if (!comm::all_agree(world, failure.empty()))
+      input_error(failure.empty() ? elsewhere : failure);
   }
 
   // Continues from the run directory's newest checkpoint that verifies, when there is one.
@@ -549,8 +558,16 @@ struct Trainer::State {
     finish_warmup();  // its forward reads the weights restored here
     ledger.enter(Phase::checkpoint_load);
     for (auto p : model.parameters()) restore_tensor(content.model, p.name, p.value, chosen);
-    for (auto& st : optimizer->state())
-      restore_tensor(content.optimizer, st.name, st.tensor, chosen);
+    // Row shards come from the files that hold this rank's rows, which only it reads.
+    std::vector<RowShard> wanted;
+    for (auto& st : optimizer->state()) wanted.push_back({st.name, st.tensor, st.row0, st.rows});
+    std::string failure;
+    try {
+      restore_optimizer(content, wanted, chosen);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    agree(failure, chosen + ": another rank could not restore its optimizer state");
     const auto& ls = content.state.at("loader");
     loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
     // Older checkpoints have none: their run did not skip.

@@ -1,9 +1,12 @@
 // Distributed Muon / Dion2 / Dion3 (ZeRO-1 megabatch, replicated, all-gather baseline) on 2
-// and 4 ranks against the same optimizer on one process: bitwise equal parameters and state,
-// collectives per step, bitwise resume.
+// and 4 ranks against the same optimizer on one process: bitwise equal parameters and state
+// (each rank's row shards are rows of the one-process state), collectives per step, a state
+// listing without communication, bitwise resume.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -51,6 +54,23 @@ struct Case {
   bool local;
 };
 
+// Every tensor of `mine` (whole, or a row shard) equals its rows of the same-named tensor of
+// `whole` (one process's state) bitwise.
+void expect_rows_of(const std::vector<StateTensor>& mine, const std::vector<StateTensor>& whole) {
+  for (const StateTensor& s : mine) {
+    auto w = std::find_if(whole.begin(), whole.end(),
+                          [&](const StateTensor& t) { return t.name == s.name; });
+    ASSERT_NE(w, whole.end()) << s.name;
+    ASSERT_EQ(w->tensor.shape()[0], s.is_shard() ? s.rows : s.tensor.shape()[0]) << s.name;
+    const size_t row = w->tensor.bytes() / size_t(w->tensor.shape()[0]);
+    ASSERT_LE(size_t(s.row0) * row + s.tensor.bytes(), w->tensor.bytes()) << s.name;
+    EXPECT_EQ(std::memcmp(static_cast<const char*>(w->tensor.raw()) + size_t(s.row0) * row,
+                          s.tensor.raw(), s.tensor.bytes()),
+              0)
+        << s.name << " from row " << s.row0;
+  }
+}
+
 // Global-scope selection and plain Muon give, on P ranks, bitwise what one process gives.
 TEST(MuonDistributed, BitwiseEqualToOneProcess) {
   comm::Communicator& world = comm::world();
@@ -64,8 +84,8 @@ TEST(MuonDistributed, BitwiseEqualToOneProcess) {
       run(a, dist, 100, 3);
       run(b, one, 100, 3);
       EXPECT_EQ(dist.snapshot(), one.snapshot());
-      // The gathered checkpoint state is layout-independent.
-      EXPECT_EQ(state_bytes(a), state_bytes(b));
+      // The checkpoint state is layout-independent: each rank's rows are the one process's.
+      expect_rows_of(a.state(), b.state());
     }
 }
 
@@ -114,8 +134,57 @@ TEST(MuonDistributed, CollectivesPerStep) {
   }
 }
 
-// Save (the collective state()), run on, restore into a fresh distributed optimizer: the
-// continuation repeats bitwise.
+// ZeRO-1 state is listed as views of each rank's own rows, without communication: the
+// momentum of a sharded (or allgather) matrix as ceil(rows / P)-row shards of each row block,
+// dion3's second moments by each matrix's owner (every rank in the allgather mode). Over the
+// ranks the shards of a tensor add up to the whole (each rank's rows are checked against the
+// one-process state in BitwiseEqualToOneProcess). Replicated momentum is whole on every rank.
+TEST(MuonDistributed, StateListsOnlyThisRanksShardsWithoutCommunication) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size(), me = world.rank();
+  const std::map<std::string, std::vector<int64_t>> blocks = {{"b1.qkv", {8, 8, 8}}};
+  for (MuonMode mode : {MuonMode::sharded, MuonMode::allgather, MuonMode::replicated}) {
+    SCOPED_TRACE(testing::Message() << "mode " << int(mode));
+    ParamSet ps(fixture::muon_test_specs(), 5);
+    Muon opt(ps.params, hyper(MuonVariant::dion3, mode, false), adam(), kDecay, &world, blocks);
+    run(opt, ps, 500, 2);
+    world.reset_traffic();
+    const std::vector<StateTensor> st = opt.state();
+    EXPECT_EQ(world.traffic().calls.total(), 0u);
+    // Expected elements per state kind: this rank's momentum rows, and over all ranks.
+    int64_t m_mine = 0, m_all = 0, v_all = 0;
+    for (const Parameter& p : ps.params) {
+      if (p.tag != ParamTag::hidden_matrix) continue;
+      const int64_t rows = p.value.shape()[0], cols = p.value.shape()[1];
+      auto it = blocks.find(p.name);
+      for (int64_t b : it == blocks.end() ? std::vector<int64_t>{rows} : it->second) {
+        const int64_t per = (b + P - 1) / P;
+        m_mine +=
+            (mode == MuonMode::replicated ? b
+                                          : std::min(b, (me + 1) * per) - std::min(b, me * per)) *
+            cols;
+      }
+      m_all += rows * cols;
+      v_all += rows;
+    }
+    int64_t counts[3] = {0, 0, 0};  // momentum here, momentum and second moments over ranks
+    for (const StateTensor& s : st) {
+      const bool m = s.name.rfind("dion3.m/", 0) == 0, v = s.name.rfind("dion3.v/", 0) == 0;
+      EXPECT_EQ(s.is_shard(),
+                (m && mode != MuonMode::replicated) || (v && mode != MuonMode::allgather))
+          << s.name;
+      if (m) counts[0] += s.tensor.numel(), counts[1] += s.tensor.numel();
+      if (v) counts[2] += s.tensor.numel();
+    }
+    EXPECT_EQ(counts[0], m_mine);
+    world.all_reduce(std::span<int64_t>(counts + 1, 2));
+    EXPECT_EQ(counts[1], mode == MuonMode::replicated ? P * m_all : m_all);
+    EXPECT_EQ(counts[2], mode == MuonMode::allgather ? P * v_all : v_all);
+  }
+}
+
+// Save (this rank's state()), run on, restore into a fresh distributed optimizer of the same
+// layout: the continuation repeats bitwise.
 TEST(MuonDistributed, ResumeIsBitwise) {
   comm::Communicator& world = comm::world();
   for (MuonVariant v : {MuonVariant::muon, MuonVariant::dion3}) {

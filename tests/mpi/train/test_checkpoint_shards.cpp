@@ -1,14 +1,20 @@
 // Checkpoints of P real MPI ranks: each rank writes its share, the commit agrees over a
 // communicator of the checkpointer's own while training collectives continue, and any
-// rank loads the whole state.
+// rank loads the whole state; ZeRO-1 row shards are written by their ranks alone and re-cut
+// on load for any rank count.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 
+#include "support/expect_input_error.hpp"
+#include "support/param_fixture.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/world.hpp"
+#include "tessel/optim/muon.hpp"
 #include "tessel/train/checkpoint.hpp"
 
 using namespace tessel;
@@ -155,6 +161,175 @@ TEST(CheckpointShards, OwnTensorsAreWrittenOnceByTheirRank) {
   twice.own_model = own(0);  // every rank claims rank 0's tensors
   if (P > 1) {
     EXPECT_THROW(store.save(world, twice), Error);
+  }
+  world.barrier();
+}
+
+namespace {
+
+std::string shard_file(const std::string& dir, int rank, int ranks) {
+  char name[80];
+  std::snprintf(name, sizeof name, "/optimizer_shards-%05d-of-%05d.safetensors", rank, ranks);
+  return dir + name;
+}
+
+// A sharded (ZeRO-1) Muon-family optimizer over the fixture's parameters, one fused matrix in
+// three row blocks; global-scope selection, so every rank count computes the same bits
+// (muon_dion3.md T5).
+struct Zero1 {
+  fixture::ParamSet ps{fixture::muon_test_specs(), 1};
+  optim::Muon opt;
+  Zero1(optim::MuonVariant variant, comm::Communicator* group)
+      : opt(ps.params, hyper(variant), {1e-2, 0.9, 0.95, 1e-8, 0.1},
+            {ParamTag::hidden_matrix, ParamTag::embedding, ParamTag::head}, group,
+            {{"b1.qkv", {8, 8, 8}}}) {}
+  static optim::MuonHyper hyper(optim::MuonVariant variant) {
+    optim::MuonHyper h;
+    h.variant = variant;
+    h.local_scope = false;
+    h.weight_decay = 0.1;
+    h.ns.gram_min = 8;
+    return h;
+  }
+  void run(uint64_t seed, int steps) {
+    for (int s = 0; s < steps; ++s) {
+      ps.random_grads(seed + uint64_t(s));
+      opt.step(0.5 + 0.2 * s);
+    }
+  }
+  // What the trainer saves: the parameters and the whole state split between the ranks, the
+  // row shards by their ranks.
+  CheckpointContent content(int64_t step) {
+    CheckpointContent c;
+    c.step = step;
+    c.model = {{"values", ps.values}};
+    for (auto& st : opt.state())
+      if (st.is_shard())
+        c.optimizer_shards.push_back({st.name, st.tensor, st.row0, st.rows});
+      else
+        c.optimizer.push_back({st.name, st.tensor});
+    return c;
+  }
+  void restore(const CheckpointContent& from, const std::string& dir) {
+    restore_tensor(from.model, "values", ps.values, dir);
+    std::vector<RowShard> wanted;
+    for (auto& st : opt.state()) wanted.push_back({st.name, st.tensor, st.row0, st.rows});
+    restore_optimizer(from, wanted, dir);
+  }
+};
+
+}  // namespace
+
+// ZeRO-1 state saved on P ranks as row shards (no rank's save holds more than its own rows
+// of the momentum, none of another's) resumes on 1, 2 and 4 ranks (those <= P): the
+// continuation equals the uninterrupted P-rank run bitwise. On P ranks again each rank reads
+// its own shard file only: the other ranks' files are damaged in its private copy.
+TEST(CheckpointShards, Zero1RowShardsResumeBitwiseOnAnyRankCount) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size(), me = world.rank();
+  for (optim::MuonVariant v : {optim::MuonVariant::muon, optim::MuonVariant::dion3}) {
+    SCOPED_TRACE(testing::Message() << "variant " << int(v));
+    Zero1 uninterrupted(v, &world);
+    uninterrupted.run(10, 2);
+    uninterrupted.run(20, 3);
+
+    std::string root = shared_dir(world);
+    Zero1 saver(v, &world);
+    saver.run(10, 2);
+    CheckpointContent content = saver.content(2);
+    const std::string momentum = saver.opt.name() + ".m/";
+    int64_t rows_here = 0, momentum_here = 0, momentum_all = 0;
+    for (const RowShard& s : content.optimizer_shards)
+      if (s.name.rfind(momentum, 0) == 0) momentum_here += s.tensor.numel();
+    for (const NamedTensor& t : content.optimizer)
+      EXPECT_NE(t.name.rfind(momentum, 0), 0u) << t.name << " saved whole";
+    for (const Parameter& p : saver.ps.params)
+      if (p.tag == ParamTag::hidden_matrix) {
+        const int64_t rows = p.value.shape()[0], cols = p.value.shape()[1];
+        for (int64_t b :
+             p.name == "b1.qkv" ? std::vector<int64_t>{8, 8, 8} : std::vector<int64_t>{rows}) {
+          const int64_t per = (b + P - 1) / P;
+          rows_here += (std::min(b, (me + 1) * per) - std::min(b, me * per)) * cols;
+        }
+        momentum_all += rows * cols;
+      }
+    EXPECT_EQ(momentum_here, rows_here);  // this rank's ceil(rows / P) rows of each block
+    world.all_reduce(std::span<int64_t>(&momentum_here, 1));
+    EXPECT_EQ(momentum_here, momentum_all);
+    CheckpointStore(root, 2).save(world, content);
+    const std::string dir = root + "/step-00000002";
+    EXPECT_TRUE(fs::exists(shard_file(dir, me, P)));
+
+    for (int resume_ranks : {1, 2, 4}) {
+      if (resume_ranks > P) continue;
+      SCOPED_TRACE(testing::Message() << "resumed on " << resume_ranks);
+      auto group = world.split(me < resume_ranks ? 0 : 1, me);
+      if (me < resume_ranks) {
+        std::string from = dir;
+        if (resume_ranks == P) {  // a private copy with every other rank's shard file damaged
+          from = fixture::temp_dir("tessel-own-shard");
+          fs::copy(dir, from);
+          for (int q = 0; q < P; ++q)
+            if (q != me) {
+              std::fstream f(shard_file(from, q, P),
+                             std::ios::in | std::ios::out | std::ios::binary);
+              f.seekp(-1, std::ios::end);
+              f.put('\x5a');
+            }
+        }
+        Zero1 resumed(v, group.get());
+        resumed.restore(CheckpointStore::load(from), from);
+        EXPECT_EQ(resumed.opt.step_count(), 2);
+        resumed.run(20, 3);
+        EXPECT_EQ(resumed.ps.snapshot(), uninterrupted.ps.snapshot());
+      }
+      world.barrier();
+    }
+  }
+}
+
+// A checkpoint whose row shards do not describe their tensors once is refused with the
+// manifest and the tensor named; a damaged shard file is refused when it is read; a save
+// that lists a tensor whole and in row shards is refused before anything is written.
+TEST(CheckpointShards, InconsistentRowShardsAreRefused) {
+  comm::Communicator& world = comm::world();
+  std::string root = shared_dir(world);
+  Zero1 saver(optim::MuonVariant::muon, &world);
+  saver.run(10, 1);
+  CheckpointStore store(root, 2);
+  CheckpointContent both = saver.content(1);
+  both.optimizer.push_back({both.optimizer_shards[0].name, both.optimizer_shards[0].tensor});
+  EXPECT_THROW(store.save(world, both), Error);
+  store.save(world, saver.content(1));
+  const std::string dir = root + "/step-00000001";
+  if (world.rank() == 0) {
+    auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+      const std::string copy = fixture::temp_dir("tessel-bad-shards");
+      fs::copy(dir, copy);
+      nlohmann::json manifest;
+      std::ifstream(copy + "/manifest.json") >> manifest;
+      edit(manifest);
+      std::ofstream(copy + "/manifest.json") << manifest.dump();
+      return copy;
+    };
+    const std::string gap = edited([](nlohmann::json& m) { m["shards"][0]["rows"][0] = 1; });
+    fixture::expect_input_error([&] { CheckpointStore::load(gap); },
+                                {"manifest.json", "row shards of 'muon.m/", "do not cover"});
+    const std::string shape = edited([](nlohmann::json& m) { m["shards"][0]["shape"][1] = 3; });
+    fixture::expect_input_error([&] { CheckpointStore::load(shape); }, {"disagree on its shape"});
+
+    const std::string damaged = fixture::temp_dir("tessel-bad-shards");
+    fs::copy(dir, damaged);
+    {
+      std::fstream f(shard_file(damaged, 0, world.size()),
+                     std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(-1, std::ios::end);
+      f.put('\x5a');
+    }
+    Zero1 one(optim::MuonVariant::muon, nullptr);
+    const CheckpointContent loaded = CheckpointStore::load(damaged);  // sizes agree
+    fixture::expect_input_error([&] { one.restore(loaded, damaged); },
+                                {"optimizer_shards-00000", "checksum mismatch"});
   }
   world.barrier();
 }

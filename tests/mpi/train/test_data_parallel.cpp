@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "support/mpi_train_fixture.hpp"
 #include "support/train_fixture.hpp"
@@ -480,11 +481,12 @@ TEST(DataParallel, ExpertShardedCheckpointHoldsEveryExpertOnceAndLoadsOnOneProce
 }
 
 // Spec "save with P, load with P′": a checkpoint of P ranks (Dion3: ZeRO-1 sharded momentum
-// and second moments) resumes on one process that accumulates the same global batch, and a
-// one-process checkpoint resumes on P ranks. The optimizer state is stored in parameter
-// layout and re-sharded by the next step; the data order depends only on the global batch.
-// The resumed run follows the uninterrupted one up to summation order (1e-5 relative; a
-// wrong data position or a lost optimizer shard changes the loss by far more).
+// and second moments, saved as each rank's row shards, none whole) resumes on P ranks
+// bitwise, and on one process (and with P = 4 on 2 ranks) that accumulates the same global
+// batch; a one-process checkpoint resumes on P ranks. The row shards are re-cut on load; the
+// data order depends only on the global batch. Across rank counts the resumed run follows the
+// uninterrupted one up to summation order (1e-5 relative; a wrong data position or a lost
+// optimizer shard changes the loss by far more).
 namespace {
 void resumes_with_a_different_data_parallel_size(const std::string& optimizer) {
   comm::Communicator& world = comm::world();
@@ -506,15 +508,43 @@ void resumes_with_a_different_data_parallel_size(const std::string& optimizer) {
   train::Config wide = c, narrow = c;  // P ranks x accum 1, and 1 rank x accum P
   narrow.train.accum = P;
 
-  // P ranks save, one process resumes (rank 0; the others wait).
+  // P ranks save and resume bitwise, each from its own row shards.
   wide.run.dir = shared_temp_dir(world, "tessel-dp-reshard");
-  auto full = run_on(world, wide);
+  const std::string newest = wide.run.dir + "/checkpoints/step-00000020";
+  auto full = expect_resume_continues_bitwise(world, wide, 10, [&] { fs::remove_all(newest); });
+  const bool zero1 = optimizer != "adamw";  // the Muon family's sharded mode
+  nlohmann::json manifest;
+  std::ifstream(wide.run.dir + "/checkpoints/step-00000010/manifest.json") >> manifest;
+  for (const auto& name : manifest["tensors"]["optimizer"])
+    EXPECT_FALSE(zero1 && name.get<std::string>().rfind(optimizer + ".m/", 0) == 0) << name;
+  std::set<std::string> sharded;
+  for (const auto& shard : manifest["shards"]) sharded.insert(shard["name"].get<std::string>());
+  EXPECT_EQ(sharded.empty(), !zero1);
+  for (int r = 0; r < P; ++r) {
+    char file[80];
+    std::snprintf(file, sizeof file, "/optimizer_shards-%05d-of-%05d.safetensors", r, P);
+    EXPECT_EQ(fs::exists(wide.run.dir + "/checkpoints/step-00000010" + file), zero1) << file;
+  }
+
+  // P ranks save, one process resumes (rank 0; the others wait); with P = 4, 2 ranks too.
   if (world.rank() == 0) {
-    fs::remove_all(wide.run.dir + "/checkpoints/step-00000020");
+    fs::remove_all(newest);
     narrow.run.dir = wide.run.dir;
     expect_follows(run_on(self, narrow), full);
   }
   world.barrier();
+  if (P == 4) {
+    auto half = world.split(world.rank() < 2 ? 0 : 1, world.rank());
+    if (world.rank() < 2) {
+      if (world.rank() == 0) fs::remove_all(newest);
+      half->barrier();
+      train::Config two = wide;
+      two.train.accum = 2;
+      const auto resumed = run_on(*half, two);
+      if (world.rank() == 0) expect_follows(resumed, full);
+    }
+    world.barrier();
+  }
 
   // One process saves, P ranks resume.
   narrow.run.dir = shared_temp_dir(world, "tessel-dp-reshard");
@@ -541,8 +571,8 @@ void resumes_with_a_different_data_parallel_size(const std::string& optimizer) {
 
 }  // namespace
 
-// Optimizer state is saved whole, dion3's sharded momentum too, so a checkpoint moves between
-// P ranks and one process.
+// Optimizer state is saved whole, dion3's sharded momentum as row shards, and a checkpoint
+// moves between P ranks, fewer ranks and one process.
 TEST(DataParallel, ResumesWithADifferentDataParallelSize) {
   for (const char* optimizer : {"dion3", "adamw"}) {
     SCOPED_TRACE(optimizer);

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "support/mpi_train_fixture.hpp"
@@ -763,7 +764,8 @@ TEST(PipelineTrain, EachRankHoldsOnlyItsStagesParameters) {
 // Each rank holds its own stage's optimizer state only. The stages together hold exactly
 // the per-parameter state of the single-process optimizer, each tensor once, and so does a
 // checkpoint, also when dp replicas of a stage hold the same state (pp 2 x dp 2, with ep 1
-// and ep 2: a dense model with parallel.ep = 2 has two edp groups per stage).
+// and ep 2: a dense model with parallel.ep = 2 has two edp groups per stage) or each its own
+// rows of it (Muon's ZeRO-1 momentum, saved as row shards).
 TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
   comm::Communicator& world = comm::world();
   std::vector<std::pair<int, int>> meshes = {{world.size(), 1}};  // pp, ep
@@ -817,21 +819,28 @@ TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
 
       const comm::Mesh mesh = comm::Mesh::build(world, {pp, world.size() / pp, 1, ep});
       auto mine = train::make_stage_optimizer(c, model, mesh, {});
-      int64_t own_numel = 0;
+      int64_t own_numel = 0, shard_numel = 0;  // ZeRO-1 row shards: each rank its own rows
       for (auto& st : mine->state()) {
         const auto [rest, s] = strip(st.name);
         EXPECT_EQ(s, mesh.coordinate(comm::Axis::pp)) << st.name;
-        if (rest.find('/') != std::string::npos) own_numel += st.tensor.numel();
+        if (rest.find('/') != std::string::npos)
+          (st.is_shard() ? shard_numel : own_numel) += st.tensor.numel();
       }
       mesh.group(comm::Axis::pp).all_reduce(std::span<int64_t>(&own_numel, 1));
-      EXPECT_EQ(own_numel, whole_numel);
+      world.all_reduce(std::span<int64_t>(&shard_numel, 1));
+      EXPECT_EQ(own_numel + shard_numel, whole_numel);
 
       train::CheckpointStore store(c.run.dir + "/checkpoints", 2);
       const auto latest = store.latest();
       ASSERT_TRUE(latest.has_value());
       std::vector<std::pair<std::string, int64_t>> saved;
-      for (const auto& t : train::CheckpointStore::load(*latest).optimizer)
+      const auto loaded = train::CheckpointStore::load(*latest);
+      for (const auto& t : loaded.optimizer)
         saved.emplace_back(strip(t.name).first, t.tensor.numel());
+      std::set<std::string> sharded;  // the load checked that each one's shards cover it once
+      for (const auto& s : loaded.shard_locations)
+        if (sharded.insert(s.name).second)
+          saved.emplace_back(strip(s.name).first, shape_numel(s.shape));
       EXPECT_EQ(per_parameter(saved), whole);
     }
 }
