@@ -115,6 +115,28 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
             moe::Balance::seq_aux);
 }
 
+// Gradient-spike skipping and its fault are whole-step settings: refused under a pipeline,
+// and the schedule settings are checked where they apply.
+TEST(Config, SpikeSkippingAndScheduleSettings) {
+  for (const char* key : {"train.spike_factor=5", "fault.spike_step=3"})
+    expect_input_error(
+        [&] {
+          train::load_config("", {key, "parallel.pp=2"});
+        },
+        {std::string(key).substr(0, std::string(key).find('=')), "pipeline"});
+  expect_input_error([] { train::load_config("", {"train.spike_factor=0.5"}); },
+                     {"train.spike_factor = 0.5"});
+  EXPECT_EQ(train::load_config("", {"train.spike_factor=5"}).train.spike_factor, 5);
+  expect_input_error(
+      [] {
+        train::load_config("", {"optim.schedule=wsd", "optim.decay_fraction=0"});
+      },
+      {"optim.decay_fraction = 0"});
+  // Without wsd the fraction is not used, so not checked.
+  EXPECT_EQ(train::load_config("", {"optim.decay_fraction=0"}).optim.schedule,
+            optim::LrScheduleKind::cosine);
+}
+
 // --set takes a value that starts with a quote as one TOML string, as a config file would;
 // any other value as written.
 TEST(Config, QuotedOverridesAreTomlStrings) {
