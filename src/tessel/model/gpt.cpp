@@ -721,6 +721,10 @@ void Gpt::update_balance() {
                    parameters_[size_t(moe_params_[size_t(l)].beta)].value.f32(), *expert_comm_);
 }
 
+void Gpt::discard_balance() {
+  for (moe::BalanceState& state : balance_) state = moe::BalanceState{};
+}
+
 void Gpt::backward_embedding(Activations& acts) {
   TESSEL_CHECK(holds_embedding(), "backward_embedding: the model does not hold the embedding");
   TESSEL_CHECK(acts.has_tokens, "backward_embedding needs inputs.tokens");

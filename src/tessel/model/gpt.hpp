@@ -270,6 +270,9 @@ class Gpt {
   // the micro-batches backward saw since the last call (collective over the comm's
   // balancing group).
   void update_balance();
+  // Instead of update_balance, for a step that takes no update (a skipped gradient spike):
+  // forgets what backward saw since the last call; beta stays.
+  void discard_balance();
   const std::vector<bool>& moe_blocks() const { return moe_mask_; }
 
  private:

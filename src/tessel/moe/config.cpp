@@ -34,6 +34,12 @@ void validate(const MoeConfig& c) {
     input_error("model.moe_lei_width = ", c.lei_width, " must be positive");
   if (c.capacity > 0 && c.capacity * double(c.top_k) < 1e-9)
     input_error("model.moe_capacity = ", c.capacity, " is too small");
+  // DeepSeek-V3 normalizes sigmoid scores over the experts before its sequence-wise loss; this
+  // implementation averages the probabilities as they come, which is that only for softmax.
+  if (c.balance == Balance::seq_aux && c.score != ScoreFn::softmax)
+    input_error(
+        "model.moe_balance = \"seq_aux\" needs model.moe_score = \"softmax\" (DeepSeek-V3 "
+        "normalizes sigmoid scores over the experts first, which is not implemented)");
   if (uses_eqb(c.balance) && c.top_k == c.experts)
     input_error("model.moe_balance = \"", to_string(c.balance),
                 "\" needs model.moe_top_k < model.moe_experts (every token takes every expert)");

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <set>
 #include <tuple>
 
 #include "tessel/core/error.hpp"
@@ -576,7 +577,14 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
   std::exception_ptr newest_failure;
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
-      return Loaded{candidates[i], load(candidates[i], parts)};
+      Loaded loaded{candidates[i], load(candidates[i], parts)};
+      // The row-shard files too, each once (in chunks, holding none): a damaged one falls back
+      // to an older checkpoint here, before every rank reads its own and would stop.
+      std::set<std::string> checked;
+      for (const ShardLocation& s : loaded.content.shard_locations)
+        if (checked.insert(s.file).second && file_crc32(s.file) != s.crc32)
+          input_error(s.file, ": checksum mismatch (corrupt checkpoint file)");
+      return loaded;
     } catch (const InputError& e) {
       if (!newest_failure) newest_failure = std::current_exception();
       if (i + 1 < candidates.size()) warn(std::string(e.what()) + "; trying an older checkpoint");

@@ -106,9 +106,10 @@ class CheckpointStore {
     std::string dir;
     CheckpointContent content;
   };
-  // The newest checkpoint that verifies: `latest()` first, then older complete ones,
-  // each failure reported through `warn` (a damaged newest checkpoint costs the steps
-  // since the previous one, not the run). nullopt when there is no checkpoint; when
+  // The newest checkpoint that verifies, row-shard files' checksums included (they are read
+  // here once, in chunks; the ranks read their own later): `latest()` first, then older
+  // complete ones, each failure reported through `warn` (a damaged newest checkpoint costs
+  // the steps since the previous one, not the run). nullopt when there is no checkpoint; when
   // every one fails, rethrows the newest one's error.
   std::optional<Loaded> load_newest_valid(const std::function<void(const std::string&)>& warn,
                                           CheckpointParts parts = CheckpointParts::all) const;

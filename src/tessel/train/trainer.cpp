@@ -975,6 +975,8 @@ TrainResult Trainer::run() {
       if (!skipped) {
         s.optimizer->step(s.schedule.scale(step + 1));
         s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
+      } else {
+        s.model.discard_balance();  // the spike's loads must not reach the next update
       }
     }
     s.faults.after_step(step + 1);
@@ -1024,8 +1026,9 @@ TrainResult Trainer::run() {
     if (skipped) {
       ++skipped_steps;
       s.log(detail::concat("step ", rec.step, ": gradient norm ", grad_norm, " is ",
-                           grad_norm / spike_median, "x the median of the last ",
-                           c.train.spike_window, " steps (", spike_median,
+                           spike_median > 0 ? grad_norm / spike_median : INFINITY,
+                           "x the median of the last ", c.train.spike_window, " steps (",
+                           spike_median,
                            "): update skipped (train.spike_factor = ", c.train.spike_factor, ")"));
     }
     bool last = rec.step == c.train.steps;

@@ -175,6 +175,26 @@ TEST(DataParallel, ADamagedNewestCheckpointResumesAllRanksFromThePreviousOne) {
   });
 }
 
+// The same for a flipped byte in a ZeRO-1 row-shard file (same size, wrong checksum): rank 0's
+// pick checksums the shard files, so every rank falls back to the previous checkpoint.
+TEST(DataParallel, ADamagedRowShardFileResumesAllRanksFromThePreviousOne) {
+  comm::Communicator& world = comm::world();
+  std::string run = shared_temp_dir(world, "tessel-dp-damaged-shard");
+  train::Config c = fixture::tiny_config(fixture::shared_dataset(world), run);
+  c.optim.name = "muon";
+  c.train.steps = 20;
+  c.train.checkpoint_every = 10;
+  expect_resume_continues_bitwise(world, c, 10, [&] {
+    char shard[64];  // the last rank's row shards
+    std::snprintf(shard, sizeof shard, "optimizer_shards-%05d-of-%05d.safetensors",
+                  world.size() - 1, world.size());
+    std::fstream f(run + "/checkpoints/step-00000020/" + shard,
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('\x55');
+  });
+}
+
 // Dion3 (ZeRO-1 sharded state, per-head QKV blocks) through the trainer: the loss falls and a
 // resume from the middle checkpoint (the gathered optimizer state) continues bitwise.
 TEST(DataParallel, Dion3ResumeContinuesBitwise) {

@@ -113,6 +113,12 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
   EXPECT_EQ(train::load_config("", {"model.moe_layers=all", "model.moe_balance=seq_aux"})
                 .model.moe.balance,
             moe::Balance::seq_aux);
+  expect_input_error(
+      [&] {
+        train::load_config(
+            "", {"model.moe_layers=all", "model.moe_balance=seq_aux", "model.moe_score=sigmoid"});
+      },
+      {"seq_aux", "softmax"});
 }
 
 // Gradient-spike skipping and its fault are whole-step settings: refused under a pipeline,

@@ -307,6 +307,45 @@ TEST_F(TrainerTest, AGradientSpikeIsSkipped) {
   EXPECT_EQ(records, 1);
 }
 
+// A skipped spike in an MoE model leaves no balancing statistics behind (they are not
+// checkpointed): with a checkpoint at the skipped step, the resumed run equals the
+// uninterrupted one bitwise, under EQB + LEI and the global-batch aux loss.
+TEST_F(TrainerTest, ASkippedSpikeLeavesNoMoeBalancingBehind) {
+  for (const char* balance : {"eqb_lei", "aux_global"}) {
+    SCOPED_TRACE(balance);
+    auto config = [&](int64_t steps, const std::string& run) {
+      return train::load_config("", {"data.path=" + data_dir,
+                                     "run.dir=" + run,
+                                     "run.quiet=true",
+                                     "run.threads=1",
+                                     "model.layers=2",
+                                     "model.width=32",
+                                     "model.heads=4",
+                                     "model.max_seq=16",
+                                     "train.seq_len=16",
+                                     "train.micro_batch=2",
+                                     "train.steps=" + std::to_string(steps),
+                                     "train.checkpoint_every=9",
+                                     "optim.warmup_steps=1",
+                                     "optim.schedule=constant",
+                                     "train.sample_tokens=0",
+                                     "model.moe_layers=all",
+                                     "model.moe_experts=4",
+                                     std::string("model.moe_balance=") + balance,
+                                     "train.spike_factor=5",
+                                     "train.spike_window=4",
+                                     "fault.spike_step=9"});
+    };
+    const auto whole = train_run(config(12, fixture::temp_dir("tessel-spike-moe")));
+    ASSERT_TRUE(whole.steps[8].skipped);
+    const std::string run = fixture::temp_dir("tessel-spike-moe");
+    train_run(config(9, run));
+    const auto resumed = train_run(config(12, run));
+    ASSERT_EQ(resumed.steps.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed.steps[i].loss, whole.steps[9 + i].loss) << i;
+  }
+}
+
 TEST_F(TrainerTest, MissingDatasetNamesTheFile) {
   train::Config c = fixture::tiny_config("/nonexistent/data", fixture::temp_dir("tessel-run"));
   fixture::expect_input_error([&] { train_run(c); }, {"/nonexistent/data/train.tok"});
