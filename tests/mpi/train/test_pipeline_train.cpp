@@ -66,6 +66,16 @@ Reference single_process(train::Config c) {
   return r;
 }
 
+// `c` with 1F1B over every rank as a stage gives `ref`'s steps and weights bitwise.
+void expect_1f1b_equals(comm::Communicator& world, train::Config c, const Reference& ref,
+                        const char* run_name) {
+  c.parallel.pp = world.size();
+  c.pipeline.schedule = "1f1b";
+  c.run.dir = shared_temp_dir(world, run_name);
+  fixture::expect_same_steps(run_on(world, c), ref.result);
+  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+}
+
 // Every record of a run's metrics.jsonl (rank 0 writes them), in order.
 std::vector<nlohmann::json> metrics_records(const std::string& run_dir) {
   std::vector<nlohmann::json> out;
@@ -282,12 +292,7 @@ TEST(PipelineTrain, AnAttentionWindowOverStagesEqualsTheSingleProcessRun) {
   c.model.attention_window = 3;
   const Reference ref = single_process(c);
   EXPECT_NE(ref.result.steps.back().loss, unwindowed.result.steps.back().loss);
-  c.parallel.pp = world.size();
-  c.pipeline.schedule = "1f1b";
-  c.run.dir = shared_temp_dir(world, "tessel-pp-window");
-  const auto piped = run_on(world, c);
-  fixture::expect_same_steps(piped, ref.result);
-  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+  expect_1f1b_equals(world, c, ref, "tessel-pp-window");
 }
 
 // Activation recomputation inside each stage (train.recompute = blocks) changes nothing: GPipe
@@ -359,12 +364,7 @@ TEST(PipelineTrain, SftFromACheckpointEqualsTheSingleProcessRun) {
   c.data.path = fixture::shared_sft_dataset(world);
   c.train.init_from = base.dir;
   const Reference ref = single_process(c);
-  c.parallel.pp = world.size();
-  c.pipeline.schedule = "1f1b";
-  c.run.dir = shared_temp_dir(world, "tessel-pp-sft");
-  const auto piped = run_on(world, c);
-  fixture::expect_same_steps(piped, ref.result);
-  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+  expect_1f1b_equals(world, c, ref, "tessel-pp-sft");
 }
 
 TEST(PipelineTrain, TiedHeadOverStagesFollowsTheSingleProcessRun) {
