@@ -195,6 +195,35 @@ TEST(DataParallel, ADamagedRowShardFileResumesAllRanksFromThePreviousOne) {
   });
 }
 
+// A version-2 checkpoint (before row shards: the Muon state saved whole, as replicated mode
+// still saves it) resumes a ZeRO-1 sharded run, each rank cutting its rows from the whole
+// tensors: the same losses as the uninterrupted replicated run, bitwise.
+TEST(DataParallel, AVersion2CheckpointResumesAShardedRun) {
+  comm::Communicator& world = comm::world();
+  std::string run = shared_temp_dir(world, "tessel-dp-v2");
+  train::Config c = fixture::tiny_config(fixture::shared_dataset(world), run);
+  c.optim.name = "muon";
+  c.optim.muon_mode = "replicated";
+  c.train.steps = 20;
+  c.train.checkpoint_every = 10;
+  const auto whole = run_on(world, c);
+  if (world.rank() == 0) {
+    fs::remove_all(run + "/checkpoints/step-00000020");
+    const std::string manifest = run + "/checkpoints/step-00000010/manifest.json";
+    nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
+    ASSERT_EQ(m.value("shards", nlohmann::json::array()).size(), 0u);
+    m["version"] = 2;
+    m.erase("shards");
+    std::ofstream(manifest) << m.dump();
+  }
+  world.barrier();
+  c.optim.muon_mode = "sharded";
+  const auto resumed = run_on(world, c);
+  EXPECT_EQ(resumed.resumed_from, 10);
+  ASSERT_EQ(resumed.steps.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed.steps[i].loss, whole.steps[10 + i].loss) << i;
+}
+
 // Dion3 (ZeRO-1 sharded state, per-head QKV blocks) through the trainer: the loss falls and a
 // resume from the middle checkpoint (the gathered optimizer state) continues bitwise.
 TEST(DataParallel, Dion3ResumeContinuesBitwise) {
