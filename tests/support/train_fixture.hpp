@@ -36,7 +36,12 @@ inline std::vector<std::string> synthetic_documents(int count, uint64_t seed) {
 // How the test data sets are prepared: a tenth held out for validation.
 inline data::PrepareOptions test_prepare_options(const std::string& dir,
                                                  const std::string& corpus) {
-  return {corpus, dir, /*val_fraction=*/0.1, /*seed=*/0};
+  data::PrepareOptions options;
+  options.corpus = corpus;
+  options.output_dir = dir;
+  options.val_fraction = 0.1;
+  options.seed = 0;
+  return options;
 }
 
 // Writes train.tok / val.tok under `dir` (created) and returns `dir`.

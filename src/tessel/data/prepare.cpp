@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
+#include <string_view>
 #include <type_traits>
 
 #include "tessel/core/error.hpp"
@@ -22,6 +23,8 @@ namespace tessel::data {
 namespace fs = std::filesystem;
 
 namespace {
+
+constexpr std::string_view kTokenFilePrefix = "tokens:";  // the corpus of a raw token-id file
 
 // `s` as a JSON string literal, escaped; bytes that are not UTF-8 (a path may hold them) become
 // U+FFFD instead of failing after the shards are written.
@@ -148,8 +151,8 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
         "prepare: a tokens:PATH corpus needs --vocab (the ids' vocabulary size) and --eot "
         "(the end-of-document id)");
   const std::string dtype = options.token_dtype.value_or("u16");
-  const TokenFile file(options.corpus.substr(7), parse_raw_token_dtype(dtype, "--token-dtype"),
-                       *options.vocab, *options.eot);
+  const TokenFile file(options.corpus.substr(kTokenFilePrefix.size()),
+                       parse_raw_token_dtype(dtype, "--token-dtype"), *options.vocab, *options.eot);
   const int64_t n = file.count_documents();
   if (n < 2)
     input_error("corpus \"", options.corpus, "\" has ", n, " document", n == 1 ? "" : "s",
@@ -194,7 +197,8 @@ PrepareResult prepare_samples(const std::vector<SftSample>& samples,
 }
 
 PrepareResult prepare_dataset(const PrepareOptions& options) {
-  const bool tokens = options.corpus.starts_with("tokens:") && options.corpus.size() > 7;
+  const bool tokens = options.corpus.starts_with(kTokenFilePrefix) &&
+                      options.corpus.size() > kTokenFilePrefix.size();
   if (!tokens && (options.vocab || options.eot || options.token_dtype))
     input_error("prepare: --vocab, --eot and --token-dtype describe a tokens:PATH corpus, not \"",
                 options.corpus, "\"");

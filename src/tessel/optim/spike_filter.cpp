@@ -21,8 +21,11 @@ double SpikeFilter::median() const {
   return n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
 }
 
-bool SpikeFilter::skip(double norm) {
-  const bool spike = factor_ > 0 && int64_t(norms_.size()) == window_ && norm > factor_ * median();
+bool SpikeFilter::skip(double norm, double* compared) {
+  const bool compare = factor_ > 0 && int64_t(norms_.size()) == window_;
+  const double m = compare ? median() : 0;
+  if (compared) *compared = m;
+  const bool spike = compare && norm > factor_ * m;
   norms_.push_back(norm);
   if (int64_t(norms_.size()) > window_) norms_.pop_front();
   return spike;

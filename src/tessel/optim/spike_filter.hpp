@@ -18,8 +18,10 @@ class SpikeFilter {
   // factor in (0, 1] or a window < 1.
   SpikeFilter(double factor, int64_t window);
 
-  // Whether the step with gradient norm `norm` is skipped; records the norm.
-  bool skip(double norm);
+  // Whether the step with gradient norm `norm` is skipped; records the norm. `compared`, when
+  // given, receives the median the norm was compared with (0 when it was not compared: factor
+  // 0 or the window not yet full).
+  bool skip(double norm, double* compared = nullptr);
   // The median that `norm` was compared with (0 before the window is full).
   double median() const;
 

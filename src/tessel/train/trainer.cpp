@@ -904,7 +904,6 @@ TrainResult Trainer::run() {
   Timer run_timer;
   double train_seconds = 0;
   bool mfu_warned = false;
-  int64_t skipped_steps = 0;  // updates this run skipped as gradient spikes
   auto log_step = [&](int64_t step) {
     return step % c.train.log_every == 0 || step == c.train.steps || step == s.start_step + 1;
   };
@@ -969,8 +968,7 @@ TrainResult Trainer::run() {
           grad_norm, "step " + std::to_string(step + 1),
           " (newest checkpoint: " + s.store.latest().value_or("none") +
               "; a lower optim.lr or a tighter train.grad_clip may avoid it)");
-      spike_median = s.spikes.median();
-      skipped = s.spikes.skip(grad_norm);
+      skipped = s.spikes.skip(grad_norm, &spike_median);
       wait_staged();
       if (!skipped) {
         s.optimizer->step(s.schedule.scale(step + 1));
@@ -1023,14 +1021,12 @@ TrainResult Trainer::run() {
       record["all_to_all_bytes"] = moe->all_to_all_bytes();
     }
     write_metrics(record);
-    if (skipped) {
-      ++skipped_steps;
+    if (skipped)
       s.log(detail::concat("step ", rec.step, ": gradient norm ", grad_norm, " is ",
                            spike_median > 0 ? grad_norm / spike_median : INFINITY,
                            "x the median of the last ", c.train.spike_window, " steps (",
                            spike_median,
                            "): update skipped (train.spike_factor = ", c.train.spike_factor, ")"));
-    }
     bool last = rec.step == c.train.steps;
     if (!paci && log_step(rec.step)) {
       double per_step = train_seconds / double(rec.step - s.start_step);
@@ -1103,6 +1099,8 @@ TrainResult Trainer::run() {
   int64_t peak_memory = peak_resident_bytes();
   s.world.all_reduce(std::span<int64_t>(&peak_memory, 1), comm::ReduceOp::max);
   result.peak_resident_bytes = peak_memory;
+  const auto skipped_steps = std::count_if(result.steps.begin(), result.steps.end(),
+                                           [](const StepRecord& r) { return r.skipped; });
   s.log("done in " + format_duration(run_timer.seconds()) + ", peak resident memory " +
         std::to_string(peak_memory >> 20) + " MiB (the largest rank's)" +
         (skipped_steps > 0

@@ -225,7 +225,7 @@ TEST(DataParallel, AVersion2CheckpointResumesAShardedRun) {
 }
 
 // Dion3 (ZeRO-1 sharded state, per-head QKV blocks) through the trainer: the loss falls and a
-// resume from the middle checkpoint (the gathered optimizer state) continues bitwise.
+// resume from the middle checkpoint (its row-shard optimizer state) continues bitwise.
 TEST(DataParallel, Dion3ResumeContinuesBitwise) {
   comm::Communicator& world = comm::world();
   std::string run = shared_temp_dir(world, "tessel-dp-dion3");
