@@ -138,37 +138,60 @@ int run_export(const std::string& checkpoint, const std::string& out) {
   return 0;
 }
 
-// `sequences`: rows to evaluate, 0 = all, unset = the run's train.eval_sequences.
+// `sequences`: rows to evaluate, 0 = all, unset = the run's train.eval_sequences. Without
+// `data_dir`, each of the run's data sets; for a mixture also their loss weighted by
+// data.weights, which is what the run's validation reports.
 int run_eval(const std::string& run_dir, const std::string& data_dir, const std::string& split,
              std::optional<int64_t> sequences, bool json) {
   train::RunModel run = train::load_run_model(run_dir);
-  const std::string shard =
-      (data_dir.empty() ? run.config.data.path : data_dir) + "/" + split + ".tok";
-  if (data_dir.empty() && !std::filesystem::exists(shard))
-    input_error(shard,
-                ": no such shard (the run's data.path, taken relative to this directory; "
-                "pass --data)");
-  const train::Evaluation e =
-      train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
-  const double bits = e.loss / std::log(2.0), perplexity = std::exp(e.loss);
-  if (json) {
-    std::printf("%s\n", nlohmann::json{{"checkpoint", run.checkpoint},
-                                       {"step", run.step},
-                                       {"shard", shard},
-                                       {"sequences", e.sequences},
-                                       {"loss_tokens", e.loss_tokens},
-                                       {"loss", e.loss},
-                                       {"bits_per_token", bits},
-                                       {"perplexity", perplexity}}
-                            .dump()
-                            .c_str());
-  } else {
-    std::printf(
-        "%s (step %lld) on %s: %lld sequences, %.0f loss tokens: %.4f nats/token "
-        "(%.3f bits), perplexity %.3f\n",
-        run.checkpoint.c_str(), static_cast<long long>(run.step), shard.c_str(),
-        static_cast<long long>(e.sequences), e.loss_tokens, e.loss, bits, perplexity);
+  const auto dirs =
+      data_dir.empty() ? train::data_paths(run.config.data) : std::vector<std::string>{data_dir};
+  const auto weights =
+      data_dir.empty() ? train::data_weights(run.config.data) : std::vector<double>{1.0};
+  nlohmann::json data_sets = nlohmann::json::array();
+  double mixture = 0;
+  for (size_t d = 0; d < dirs.size(); ++d) {
+    const std::string shard = dirs[d] + "/" + split + ".tok";
+    if (data_dir.empty() && !std::filesystem::exists(shard))
+      input_error(shard,
+                  ": no such shard (the run's data.path, taken relative to this directory; "
+                  "pass --data)");
+    const train::Evaluation e =
+        train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
+    mixture += weights[d] * e.loss;
+    const double bits = e.loss / std::log(2.0), perplexity = std::exp(e.loss);
+    data_sets.push_back({{"shard", shard},
+                         {"sequences", e.sequences},
+                         {"loss_tokens", e.loss_tokens},
+                         {"loss", e.loss},
+                         {"bits_per_token", bits},
+                         {"perplexity", perplexity}});
+    if (dirs.size() > 1) data_sets.back()["weight"] = weights[d];
+    if (!json)
+      std::printf(
+          "%s (step %lld) on %s: %lld sequences, %.0f loss tokens: %.4f nats/token "
+          "(%.3f bits), perplexity %.3f\n",
+          run.checkpoint.c_str(), static_cast<long long>(run.step), shard.c_str(),
+          static_cast<long long>(e.sequences), e.loss_tokens, e.loss, bits, perplexity);
   }
+  const double bits = mixture / std::log(2.0), perplexity = std::exp(mixture);
+  if (!json && dirs.size() > 1)
+    std::printf(
+        "%s (step %lld) on its mixture of %zu data sets (weighted by data.weights): "
+        "%.4f nats/token (%.3f bits), perplexity %.3f\n",
+        run.checkpoint.c_str(), static_cast<long long>(run.step), dirs.size(), mixture, bits,
+        perplexity);
+  if (!json) return 0;
+  nlohmann::json out = {{"checkpoint", run.checkpoint}, {"step", run.step}};
+  if (dirs.size() == 1) {
+    out.update(data_sets[0]);
+  } else {
+    out.update({{"loss", mixture},
+                {"bits_per_token", bits},
+                {"perplexity", perplexity},
+                {"data_sets", data_sets}});
+  }
+  std::printf("%s\n", out.dump().c_str());
   return 0;
 }
 
@@ -320,7 +343,8 @@ int main(int argc, char** argv) {
                    "directory")
       ->capture_default_str();
   evalc->add_option("--data", eval_data,
-                    "prepared data set directory; default: the run's data.path");
+                    "prepared data set directory; default: the run's data.path (a mixture: "
+                    "each of its data sets, then their loss weighted by data.weights)");
   evalc->add_option("--split", eval_split, "which shard: val or train")
       ->check(CLI::IsMember({"val", "train"}))
       ->capture_default_str();

@@ -6,23 +6,31 @@
 
 namespace tessel {
 
+std::vector<std::string> split_list(const std::string& key, const std::string& text) {
+  std::vector<std::string> items;
+  if (text.find_first_not_of(' ') == std::string::npos) return items;
+  for (size_t start = 0; start <= text.size();) {
+    size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(start, end - start);
+    start = end + 1;
+    const size_t begin = item.find_first_not_of(' ');
+    if (begin == std::string::npos)
+      input_error("config key '", key, "' = \"", text,
+                  "\": '' is an empty item (expected comma-separated values)");
+    items.push_back(item.substr(begin, item.find_last_not_of(' ') + 1 - begin));
+  }
+  return items;
+}
+
 namespace {
 
-// Each trimmed item of `text` (a trailing comma leaves an empty one) through `parse(item, used)`,
-// which must consume all of it.
+// Each item of `text` through `parse(item, used)`, which must consume all of it.
 template <class T, class Parse>
 std::vector<T> parse_list(const std::string& key, const std::string& text, T min, const char* what,
                           Parse parse) {
   std::vector<T> out;
-  if (text.find_first_not_of(' ') == std::string::npos) return out;
-  for (size_t start = 0; start <= text.size();) {
-    size_t end = text.find(',', start);
-    if (end == std::string::npos) end = text.size();
-    std::string item = text.substr(start, end - start);
-    start = end + 1;
-    const size_t begin = item.find_first_not_of(' ');
-    item = begin == std::string::npos ? ""
-                                      : item.substr(begin, item.find_last_not_of(' ') + 1 - begin);
+  for (const std::string& item : split_list(key, text)) {
     size_t used = 0;
     T value{};
     try {
@@ -30,7 +38,7 @@ std::vector<T> parse_list(const std::string& key, const std::string& text, T min
     } catch (const std::exception&) {
       used = 0;
     }
-    if (item.empty() || used != item.size() || !(value >= min))
+    if (used != item.size() || !(value >= min))
       input_error("config key '", key, "' = \"", text, "\": '", item, "' is not ", what,
                   " >= ", min, " (expected comma-separated values)");
     out.push_back(value);

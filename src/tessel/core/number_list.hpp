@@ -1,6 +1,7 @@
 #pragma once
-// Config values that hold comma-separated numbers ("2,2,4"): one parser for every such key
-// (pipeline.layout, optim.ns_restarts, fault.kill_steps, fault.hang_steps, fault.kill_seconds).
+// Config values that hold comma-separated lists ("2,2,4"; "data/a, data/b"): one splitter for
+// every such key (data.path, data.weights, pipeline.layout, optim.ns_restarts,
+// fault.kill_steps, fault.hang_steps, fault.kill_seconds) and the parsers of numbers on it.
 // Spaces around an item are ignored and an empty value is an empty list; an empty item, an
 // item that is not a number, or a number below `min` is an InputError naming the key and the
 // item.
@@ -9,6 +10,8 @@
 #include <vector>
 
 namespace tessel {
+
+std::vector<std::string> split_list(const std::string& key, const std::string& text);
 
 std::vector<int64_t> parse_int_list(const std::string& key, const std::string& text, int64_t min);
 std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min);

@@ -21,4 +21,8 @@ struct Batch {
 // document starts yet (the caller fills the rows).
 Batch make_batch(int64_t B, int64_t T);
 
+// Row `from_row` of `from` as row `to_row` of `to` (the same T): its tokens, targets, loss
+// weights, positions, document starts and padding (`to` gets padding when `from` has some).
+void copy_row(const Batch& from, int64_t from_row, Batch& to, int64_t to_row);
+
 }  // namespace tessel::data

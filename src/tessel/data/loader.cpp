@@ -73,26 +73,82 @@ int64_t count_rows(const ShardReader& shard, const std::optional<PackedSamples>&
 }
 
 // The given rows of a shard as a batch, packed or cut as count_rows counted them.
-Batch rows_batch(const ShardReader& shard, const std::optional<PackedSamples>& packed,
-                 std::span<const int64_t> rows, int64_t seq_len) {
+Batch shard_rows_batch(const ShardReader& shard, const std::optional<PackedSamples>& packed,
+                       std::span<const int64_t> rows, int64_t seq_len) {
   return packed ? packed->batch(shard, rows) : batch_from_windows(shard, rows, seq_len);
 }
 
 }  // namespace
 
+DataLoader::Source::Source(const std::string& path, const LoaderOptions& options, uint64_t s)
+    : shard(path),
+      packed(pack_if_sft(shard, options.seq_len, options.overlong)),
+      rows(count_rows(shard, packed, options.seq_len)),
+      seed(s) {}
+
+int64_t DataLoader::Source::row_of(int64_t i, bool shuffle) {
+  if (!shuffle) return i % rows;
+  const int64_t epoch = i / rows;
+  if (epoch != perm_epoch) {
+    perm.resize(size_t(rows));
+    std::iota(perm.begin(), perm.end(), int64_t(0));
+    Rng rng(seed ^ (0x9e3779b97f4a7c15ull * uint64_t(epoch + 1)));
+    for (int64_t j = rows - 1; j > 0; --j)
+      std::swap(perm[size_t(j)], perm[rng.below(uint64_t(j + 1))]);
+    perm_epoch = epoch;
+  }
+  return perm[size_t(i % rows)];
+}
+
+namespace {
+
+std::vector<double> one_weight_per_shard(const std::vector<std::string>& shard_paths,
+                                         std::vector<double> weights) {
+  if (weights.size() != shard_paths.size())
+    input_error("data mixture: ", shard_paths.size(), " data sets but ", weights.size(),
+                " weights; give one weight per data set");
+  return weights;
+}
+
+}  // namespace
+
 DataLoader::DataLoader(const std::string& shard_path, const LoaderOptions& options)
-    : shard_(shard_path),
-      options_(options),
-      packed_(pack_if_sft(shard_, options.seq_len, options.overlong)),
-      windows_(count_rows(shard_, packed_, options.seq_len)) {
+    : DataLoader(std::vector<std::string>{shard_path}, {1.0}, options) {}
+
+DataLoader::DataLoader(const std::vector<std::string>& shard_paths, std::vector<double> weights,
+                       const LoaderOptions& options)
+    : mixture_(one_weight_per_shard(shard_paths, std::move(weights))), options_(options) {
   check_layout(options.micro_batch, options.accum, options.dp_rank, options.dp_size);
+  for (size_t d = 0; d < shard_paths.size(); ++d) {
+    sources_.push_back(std::make_unique<Source>(shard_paths[d], options,
+                                                options.seed ^ (0x632be59bd9b4e019ull * d)));
+    const Source &first = *sources_.front(), &added = *sources_.back();
+    if (bool(added.packed) != bool(first.packed))
+      input_error(added.shard.path(),
+                  ": a mixture's data sets must all be SFT data sets or all "
+                  "text ones, but ",
+                  first.shard.path(), " is ", first.packed ? "SFT" : "text", " and this one ",
+                  added.packed ? "SFT" : "text");
+    if (added.shard.vocab_size() != first.shard.vocab_size())
+      input_error(added.shard.path(), ": token vocabulary ", added.shard.vocab_size(), " but ",
+                  first.shard.path(), " has ", first.shard.vocab_size(),
+                  "; a mixture's data sets must share one tokenizer");
+  }
+}
+
+const DataLoader::Source& DataLoader::at(int64_t source) const {
+  TESSEL_CHECK(source >= 0 && source < sources(), "data set ", source, " of ", sources());
+  return *sources_[size_t(source)];
 }
 
 int64_t DataLoader::step_tokens(int64_t step) {
   const int64_t G = sequences_per_step();
-  if (!packed_) return G * options_.seq_len;
+  if (!sources_.front()->packed) return G * options_.seq_len;
   int64_t n = 0;
-  for (int64_t i = 0; i < G; ++i) n += packed_->row_tokens(window_of(step * G + i));
+  for (int64_t i = 0; i < G; ++i) {
+    const Row r = row_of(step * G + i);
+    n += packed(r.source)->row_tokens(r.row);
+  }
   return n;
 }
 
@@ -100,32 +156,41 @@ int64_t DataLoader::sequences_per_step() const {
   return options_.dp_size * options_.accum * options_.micro_batch;
 }
 
-int64_t DataLoader::window_of(int64_t g) {
-  TESSEL_CHECK(g >= 0, "global sequence ", g);
-  if (!options_.shuffle) return g % windows_;
-  const int64_t epoch = g / windows_;
-  if (epoch != perm_epoch_) {
-    perm_.resize(size_t(windows_));
-    std::iota(perm_.begin(), perm_.end(), int64_t(0));
-    Rng rng(options_.seed ^ (0x9e3779b97f4a7c15ull * uint64_t(epoch + 1)));
-    for (int64_t i = windows_ - 1; i > 0; --i)
-      std::swap(perm_[size_t(i)], perm_[rng.below(uint64_t(i + 1))]);
-    perm_epoch_ = epoch;
+DataLoader::Row DataLoader::row_of(int64_t g) {
+  const MixtureOrder::Slot slot = mixture_.locate(g);
+  return {slot.source, sources_[size_t(slot.source)]->row_of(slot.index, options_.shuffle)};
+}
+
+Batch DataLoader::batch_of(std::span<const Row> rows) const {
+  const int64_t T = options_.seq_len;
+  // Each data set's rows as one batch of its own, then each row to its place.
+  std::vector<std::vector<int64_t>> of_source(sources_.size());
+  for (const Row& r : rows) of_source[size_t(r.source)].push_back(r.row);
+  if (sources_.size() == 1) return shard_rows_batch(shard(), sources_[0]->packed, of_source[0], T);
+  Batch b = make_batch(int64_t(rows.size()), T);
+  std::vector<int64_t> taken(sources_.size(), 0);
+  std::vector<Batch> parts(sources_.size());
+  for (size_t d = 0; d < sources_.size(); ++d)
+    if (!of_source[d].empty())
+      parts[d] = shard_rows_batch(sources_[d]->shard, sources_[d]->packed, of_source[d], T);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto d = size_t(rows[i].source);
+    copy_row(parts[d], taken[d]++, b, int64_t(i));
   }
-  return perm_[size_t(g % windows_)];
+  return b;
 }
 
 Batch DataLoader::next() {
   const int64_t mb = options_.micro_batch;
   const int64_t base =
       state_.step * sequences_per_step() + (options_.dp_rank * options_.accum + state_.micro) * mb;
-  std::vector<int64_t> windows(static_cast<size_t>(mb));
-  for (int64_t i = 0; i < mb; ++i) windows[size_t(i)] = window_of(base + i);
+  std::vector<Row> rows(static_cast<size_t>(mb));
+  for (int64_t i = 0; i < mb; ++i) rows[size_t(i)] = row_of(base + i);
   if (++state_.micro == options_.accum) {
     state_.micro = 0;
     ++state_.step;
   }
-  return rows_batch(shard_, packed_, windows, options_.seq_len);
+  return batch_of(rows);
 }
 
 void DataLoader::restore(const LoaderState& state) {
@@ -157,7 +222,7 @@ std::vector<Batch> validation_batches(const ShardReader& shard, int64_t seq_len,
   for (int64_t first = begin; first < end; first += micro_batch) {
     windows.resize(size_t(std::min(micro_batch, end - first)));
     std::iota(windows.begin(), windows.end(), first);
-    batches.push_back(rows_batch(shard, packed, windows, seq_len));
+    batches.push_back(shard_rows_batch(shard, packed, windows, seq_len));
   }
   return batches;
 }

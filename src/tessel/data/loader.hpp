@@ -20,18 +20,25 @@
 // sharding over the data set's packed rows instead of windows (W = the number of rows), and
 // only the positions packing.hpp names count in the loss.
 //
+// Mixtures (several data sets with weights, mixture.hpp): global sequence g is sequence i of
+// data set d as MixtureOrder places it, and within d the order above applies to i, with d's
+// own windows and seed ^ (0x632be59bd9b4e019 * d). Data set 0's order is that of a loader of
+// it alone, and the sharding over ranks and micro-batches is unchanged.
+//
 // Documents and the loss. doc_starts[b] lists the offsets in row b where a document begins
 // (always 0 first: the row's first token starts the row's first, possibly partial, document);
 // attention masks are built from them. loss_mask[b*T + t] is 0 when the target of position t
 // is the first token of a document, because under a document mask nothing the position sees
 // predicts the next document; every other position is 1.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "tessel/data/batch.hpp"
+#include "tessel/data/mixture.hpp"
 #include "tessel/data/packing.hpp"
 #include "tessel/data/shard.hpp"
 
@@ -61,6 +68,11 @@ class DataLoader {
   // seq_len < 1, a shard with fewer than seq_len + 1 tokens or an SFT shard without a sample
   // to train on (naming the file), or a bad micro_batch / accum / dp layout.
   DataLoader(const std::string& shard_path, const LoaderOptions& options);
+  // A mixture: data set d (its shard shard_paths[d]) gets the share weights[d] of the
+  // sequences. The same checks per shard; InputError unless there is one positive weight per
+  // shard, and unless the shards are all text or all SFT data sets of one vocabulary size.
+  DataLoader(const std::vector<std::string>& shard_paths, std::vector<double> weights,
+             const LoaderOptions& options);
 
   // This rank's next micro-batch [micro_batch, seq_len]; after accum of them, the next step.
   Batch next();
@@ -68,26 +80,47 @@ class DataLoader {
   // Resumes at a state from state(); the batches that follow are bitwise those that followed.
   void restore(const LoaderState& state);
 
-  int64_t windows() const { return windows_; }  // W (packed rows of an SFT data set)
-  int64_t sequences_per_step() const;           // G
+  int64_t sources() const { return int64_t(sources_.size()); }  // data sets
+  // Data set `source`'s W (its packed rows, an SFT data set).
+  int64_t windows(int64_t source = 0) const { return at(source).rows; }
+  int64_t sequences_per_step() const;  // G
   // Positions of step `step`'s G rows (over all ranks) that hold data: G * seq_len, less an
   // SFT data set's padding. What tokens/s and MFU count.
   int64_t step_tokens(int64_t step);
-  // The packed rows of an SFT data set; null for a text data set.
-  const PackedSamples* packed() const { return packed_ ? &*packed_ : nullptr; }
-  // The window of global sequence g >= 0.
-  int64_t window_of(int64_t g);
-  const ShardReader& shard() const { return shard_; }
+  // Data set `source`'s packed rows; null for a text data set.
+  const PackedSamples* packed(int64_t source = 0) const {
+    return at(source).packed ? &*at(source).packed : nullptr;
+  }
+  struct Row {
+    int64_t source = 0;  // data set
+    int64_t row = 0;     // its window (packed row of an SFT data set)
+    bool operator==(const Row&) const = default;
+  };
+  // Where global sequence g >= 0 comes from.
+  Row row_of(int64_t g);
+  const ShardReader& shard(int64_t source = 0) const { return at(source).shard; }
+  // The data sets' shares, normalized (one data set: {1}).
+  const std::vector<double>& weights() const { return mixture_.weights(); }
   const LoaderOptions& options() const { return options_; }
 
  private:
-  ShardReader shard_;
+  struct Source {
+    Source(const std::string& path, const LoaderOptions& options, uint64_t seed);
+    ShardReader shard;
+    std::optional<PackedSamples> packed;
+    int64_t rows;
+    uint64_t seed;
+    int64_t perm_epoch = -1;  // the epoch perm holds
+    std::vector<int64_t> perm;
+    int64_t row_of(int64_t i, bool shuffle);  // its i-th sequence
+  };
+  const Source& at(int64_t source) const;
+  Batch batch_of(std::span<const Row> rows) const;  // the rows, in order, as one batch
+
+  std::vector<std::unique_ptr<Source>> sources_;
+  MixtureOrder mixture_;
   LoaderOptions options_;
-  std::optional<PackedSamples> packed_;
-  int64_t windows_;
   LoaderState state_;
-  int64_t perm_epoch_ = -1;  // the epoch perm_ holds
-  std::vector<int64_t> perm_;
 };
 
 // Rows built from the given windows of the shard: B = windows.size(), T = seq_len.

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/number_list.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/spike_filter.hpp"
@@ -126,8 +127,13 @@ std::vector<ConfigKey> build_schema() {
       bool_key("run.quiet", "suppress progress lines", FIELD(run.quiet)),
       string_key("data.path",
                  "directory holding train.tok and val.tok (an SFT data set: with their "
-                 "*.loss_mask.tok; docs/sft.md)",
+                 "*.loss_mask.tok; docs/sft.md); several, comma-separated, blend them in the "
+                 "shares data.weights gives (a mixture; docs/training.md)",
                  FIELD(data.path)),
+      string_key("data.weights",
+                 "a mixture's shares of the training sequences, comma-separated, one per "
+                 "data.path directory (\"3,1\" = 75 % and 25 %); \"\" = one data set",
+                 FIELD(data.weights)),
       bool_key("data.shuffle", "shuffle training windows each epoch", FIELD(data.shuffle)),
       choice_key<AttentionMaskKind>(
           "data.attention_mask",
@@ -568,6 +574,44 @@ void check_run_dir(const std::string& dir) {
   }
 }
 
+std::vector<std::string> data_paths(const DataConfig& data) {
+  auto paths = split_list("data.path", data.path);
+  if (paths.empty()) input_error("config key 'data.path' is empty");
+  return paths;
+}
+
+std::vector<double> data_weights(const DataConfig& data) {
+  const size_t n = data_paths(data).size();
+  auto weights = parse_real_list("data.weights", data.weights, 0);
+  if (weights.empty() && n == 1) return {1.0};
+  if (weights.size() != n)
+    input_error("config key 'data.weights' = \"", data.weights, "\" gives ", weights.size(),
+                " weights for the ", n, " data set", n == 1 ? "" : "s", " of data.path",
+                n == 1 ? "" : " (a mixture needs one weight per data set)");
+  double sum = 0;
+  for (double w : weights) {
+    if (w <= 0)
+      input_error("config key 'data.weights' = \"", data.weights,
+                  "\": every weight must be "
+                  "positive (leave a data set out of data.path instead)");
+    sum += w;
+  }
+  for (double& w : weights) w /= sum;
+  return weights;
+}
+
+std::vector<std::string> data_names(const DataConfig& data) {
+  const auto paths = data_paths(data);
+  std::vector<std::string> names;
+  for (const auto& p : paths) {
+    const std::string trimmed = p.substr(0, p.find_last_not_of('/') + 1);
+    names.push_back(std::filesystem::path(trimmed.empty() ? p : trimmed).filename().string());
+  }
+  for (size_t i = 0; i < names.size(); ++i)
+    if (std::count(names.begin(), names.end(), names[i]) > 1) names[i] = paths[i];
+  return names;
+}
+
 void validate(const Config& c) {
   auto positive = [](const char* name, int64_t v) {
     if (v < 1) input_error("config key '", name, "' must be at least 1, got ", v);
@@ -576,6 +620,7 @@ void validate(const Config& c) {
     if (v < 0) input_error("config key '", name, "' must not be negative, got ", v);
   };
   model::validate(c.model);
+  data_weights(c.data);
   positive("train.steps", c.train.steps);
   positive("train.seq_len", c.train.seq_len);
   positive("train.micro_batch", c.train.micro_batch);

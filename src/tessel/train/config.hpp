@@ -29,12 +29,21 @@ enum class AttentionMaskKind { causal_document, causal };
 
 struct DataConfig {
   // Directory with train.tok and val.tok (`tessel prepare`); with train.loss_mask.tok and
-  // val.loss_mask.tok beside them an SFT data set (data/packing.hpp).
+  // val.loss_mask.tok beside them an SFT data set (data/packing.hpp). Several, comma-separated:
+  // a mixture (data/mixture.hpp), with `weights` their shares of the training sequences.
   std::string path = "data/bible";
+  std::string weights;  // comma-separated, one per path; "" = one data set
   bool shuffle = true;
   AttentionMaskKind attention_mask = AttentionMaskKind::causal_document;
   data::Overlong overlong = data::Overlong::drop;  // SFT samples longer than train.seq_len
 };
+
+// data.path's directories (more than one: a mixture) and their normalized shares ({1} for one).
+std::vector<std::string> data_paths(const DataConfig& data);
+std::vector<double> data_weights(const DataConfig& data);
+// Each directory's short name in logs and metrics: its last path component, or the whole
+// path where two directories share that.
+std::vector<std::string> data_names(const DataConfig& data);
 
 struct TrainLoopConfig {
   int64_t steps = 1000;

@@ -438,13 +438,14 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   return this->step(step, before_update);
 }
 
-std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches,
-                                                       MoeMetrics& moe,
-                                                       const std::function<void()>& on_batch) {
+std::vector<double> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches,
+                                                     std::span<const int64_t> source,
+                                                     int64_t data_sets, MoeMetrics& moe,
+                                                     const std::function<void()>& on_batch) {
   // Between executor runs no message is in flight, so any tag is free.
   constexpr int kTag = 0;
   std::vector<float> input, output;
-  double sums[2] = {0, 0};
+  std::vector<double> sums(size_t(2 * data_sets), 0.0);
   // An MoE stage's forwards exchange tokens over its ep group: every rank runs as many as
   // the one with the most validation batches, the others on batches without loss tokens
   // (the same count on every stage: each stage's ep group spans the same dp coordinates).
@@ -460,15 +461,19 @@ std::array<double, 2> PipelineTrainer::validation_sums(const std::vector<data::B
     const StageWindow r = work_.evaluate(b, input, output);
     if (!output.empty()) pp_.send(output, stage_ + 1, kTag);
     on_batch();
-    if (work_.last_stage()) sums[0] += r.loss_sum, sums[1] += r.loss_tokens;
-    if (i < int64_t(batches.size())) moe.add(*r.activations);
+    if (i >= int64_t(batches.size())) continue;
+    if (work_.last_stage()) {
+      const auto d = size_t(source[size_t(i)]);
+      sums[2 * d] += r.loss_sum, sums[2 * d + 1] += r.loss_tokens;
+    }
+    moe.add(*r.activations);
   }
-  pp_.all_reduce(std::span<double>(sums, 2));  // the last stage's sums; + 0 is exact
+  pp_.all_reduce(std::span<double>(sums));  // the last stage's sums; + 0 is exact
   if (!moe.empty()) {  // each stage's blocks over dp x cp, then the stages' joined
     grad_group_.all_reduce(moe.values());
     pp_.all_reduce(moe.values());
   }
-  return {sums[0], sums[1]};
+  return sums;
 }
 
 std::vector<float> PipelineTrainer::next_token_logits(std::span<const int32_t> window) {

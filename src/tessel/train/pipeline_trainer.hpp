@@ -104,12 +104,14 @@ class PipelineTrainer {
   PipelineStep step(int64_t step, const std::function<void()>& before_update);
   // Validation through the stages, forward only: the first stage embeds, each runs its
   // blocks on what the previous one sent, the last computes the loss. [loss sum, loss tokens]
-  // over `batches` (this dp rank's), summed in batch order as one process sums them, on every
-  // rank of the pp group. MoE models: `moe` gets every batch's forward of the stage's blocks,
+  // of each data set d < data_sets, at [2d, 2d + 1], over `batches` (this dp rank's; batch i
+  // from data set source[i]), summed in batch order as one process sums them, on every rank
+  // of the pp group. MoE models: `moe` gets every batch's forward of the stage's blocks,
   // summed over dp x cp and joined over pp. Collective over pp, ep, cp and dp x cp; call
   // between steps (no message in flight). `on_batch` runs after each batch's forward (progress).
-  std::array<double, 2> validation_sums(const std::vector<data::Batch>& batches, MoeMetrics& moe,
-                                        const std::function<void()>& on_batch);
+  std::vector<double> validation_sums(const std::vector<data::Batch>& batches,
+                                      std::span<const int64_t> source, int64_t data_sets,
+                                      MoeMetrics& moe, const std::function<void()>& on_batch);
   // Logits [V] of the token after `window` (one sequence, all of it on every cp rank), its
   // forward run through the stages and the last stage's logits broadcast, so every rank of
   // the pp group returns them (and can draw the same token). Collective over pp; call

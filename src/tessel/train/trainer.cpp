@@ -100,10 +100,15 @@ bool same_setting(const std::string& key, const nlohmann::json& have, const nloh
              : have == want;
 }
 
+// The compatibility record's entry of the data sets' normalized shares (data.weights), "1"
+// for one data set.
+constexpr const char* kDataWeightsKey = "data sets (normalized data.weights)";
+
 // Config keys of the compatibility record added after checkpoints without them were written,
 // each with the setting every earlier tessel ran as. A key added from now on goes here, and
 // its value never changes.
-const std::map<std::string, std::string> kAddedKeys = {{"model.attention_window", "0"}};
+const std::map<std::string, std::string> kAddedKeys = {{"model.attention_window", "0"},
+                                                       {kDataWeightsKey, "1.0"}};
 
 // "" when this run's `value` of config key `key` matches a compatibility record written by an
 // older tessel that had no such key (kAddedKeys), else why not.
@@ -172,6 +177,46 @@ constexpr std::string_view kGlobalBatchKey =
 // The compatibility record's entry of a run on an SFT data set (its packed rows); text runs
 // have none, so their older checkpoints still resume.
 constexpr const char* kSftRowsKey = "SFT packed rows of data.path/train.tok";
+
+// The compatibility record's name of a fact about data set d's training shard: data set 0
+// keeps the name it had before mixtures, so single-data-set checkpoints still resume.
+std::string data_set_key(const std::string& prefix, int64_t d, const std::string& fact) {
+  return prefix + (d == 0 ? "data.path" : detail::concat("data.path[", d, "]")) + "/train.tok" +
+         fact;
+}
+
+// Every data set's shard of `split` ("train" or "val"), in data.path's order.
+std::vector<std::string> split_shards(const DataConfig& data, const std::string& split) {
+  std::vector<std::string> shards;
+  for (const auto& dir : data_paths(data)) shards.push_back(dir + "/" + split + ".tok");
+  return shards;
+}
+
+// This dp rank's validation batches of every data set, in data.path's order.
+struct ValidationSet {
+  std::vector<data::Batch> batches;
+  std::vector<int64_t> data_set;  // of each batch
+};
+
+ValidationSet validation_set(const Config& c, const comm::Mesh& mesh) {
+  ValidationSet v;
+  const auto shards = split_shards(c.data, "val");
+  for (size_t d = 0; d < shards.size(); ++d)
+    for (auto& b : data::validation_batches(shards[d], c.train.seq_len, c.train.micro_batch,
+                                            c.train.eval_sequences, mesh.coordinate(comm::Axis::dp),
+                                            mesh.size(comm::Axis::dp), c.data.overlong)) {
+      v.batches.push_back(std::move(b));
+      v.data_set.push_back(int64_t(d));
+    }
+  return v;
+}
+
+// Shares as one exact text ("0.75,0.25"): what the compatibility record compares.
+std::string weights_text(const std::vector<double>& weights) {
+  std::string text;
+  for (double w : weights) text += detail::concat(text.empty() ? "" : ",", json_text(w));
+  return text;
+}
 
 // Model keys that train.init_from may change: how training treats the weights, not what
 // they compute (and under rotary positions, the context length).
@@ -263,7 +308,7 @@ struct Trainer::State {
   PhaseMark data_mark;
   data::DataLoader loader;
   std::unique_ptr<PipelineTrainer> pipeline;  // parallel.pp > 1 or pipeline.schedule set
-  std::vector<data::Batch> val_batches;
+  ValidationSet validation;
   CheckpointStore store;
   std::unique_ptr<comm::Communicator> ckpt_comm;  // the checkpointer's own collectives
   AsyncCheckpointer checkpointer;
@@ -303,7 +348,7 @@ struct Trainer::State {
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
                                        : std::jthread()),
         data_mark(ledger, Phase::data_warmup),
-        loader(config.data.path + "/train.tok",
+        loader(split_shards(config.data, "train"), data_weights(config.data),
                data::LoaderOptions{config.train.seq_len, config.train.micro_batch,
                                    micro_batches_per_step(config), mesh.coordinate(comm::Axis::dp),
                                    mesh.size(comm::Axis::dp), uint64_t(config.run.seed),
@@ -311,10 +356,7 @@ struct Trainer::State {
         pipeline(pipeline_enabled(config) ? std::make_unique<PipelineTrainer>(
                                                 config, mesh, model, loader, *optimizer, schedule)
                                           : nullptr),
-        val_batches(data::validation_batches(config.data.path + "/val.tok", config.train.seq_len,
-                                             config.train.micro_batch, config.train.eval_sequences,
-                                             mesh.coordinate(comm::Axis::dp),
-                                             mesh.size(comm::Axis::dp), config.data.overlong)),
+        validation(validation_set(config, mesh)),
         store(config.run.dir + "/checkpoints", config.train.keep_checkpoints),
         ckpt_comm(w.split(0, w.rank())),
         checkpointer(store, *ckpt_comm),
@@ -323,17 +365,20 @@ struct Trainer::State {
       input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
                   " is not a rank of this job (world size ", w.size(), ")");
     model.set_expert_comm(&experts);
+    const auto dirs = data_paths(config.data);
     if (loader.packed() && config.data.attention_mask != AttentionMaskKind::causal_document)
-      input_error(config.data.path,
+      input_error(dirs[0],
                   " is an SFT data set (it has loss-mask shards): its packed samples need "
                   "data.attention_mask = \"causal_document\"; under \"causal\" they would "
                   "attend to each other");
-    const std::string val_path = config.data.path + "/val.tok";
-    if (data::has_loss_mask(val_path) != bool(loader.packed()))
-      input_error(config.data.path, ": ", loader.packed() ? "train.tok" : "val.tok",
-                  " has a loss-mask shard and ", loader.packed() ? "val.tok" : "train.tok",
-                  " has none; prepare the data set again");
-    int64_t data_vocab = loader.shard().vocab_size();
+    for (int64_t d = 0; d < loader.sources(); ++d) {
+      const bool sft = loader.packed(d);
+      if (data::has_loss_mask(dirs[size_t(d)] + "/val.tok") != sft)
+        input_error(dirs[size_t(d)], ": ", sft ? "train.tok" : "val.tok",
+                    " has a loss-mask shard and ", sft ? "val.tok" : "train.tok",
+                    " has none; prepare the data set again");
+    }
+    int64_t data_vocab = loader.shard().vocab_size();  // the same in every data set
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
@@ -438,12 +483,16 @@ struct Trainer::State {
     for (const auto& k : config_schema())
       if (k.name.rfind("model.", 0) == 0 || order_keys.count(k.name)) keys[k.name] = k.get(config);
     keys[std::string(kGlobalBatchKey)] = loader.sequences_per_step();
-    keys["data.path/train.tok tokens"] = loader.shard().num_tokens();
-    keys["data.path/train.tok documents"] = loader.shard().num_documents();
+    keys[kDataWeightsKey] = weights_text(loader.weights());
+    for (int64_t d = 0; d < loader.sources(); ++d) {
+      keys[data_set_key("", d, " tokens")] = loader.shard(d).num_tokens();
+      keys[data_set_key("", d, " documents")] = loader.shard(d).num_documents();
+    }
     // The stage optimizers name their state per stage: only the same stages can resume it.
     if (pipeline) keys[kPipelineKey] = pipeline_boundaries(config);
     if (loader.packed()) {
-      keys[kSftRowsKey] = loader.windows();
+      for (int64_t d = 0; d < loader.sources(); ++d)
+        keys[data_set_key("SFT packed rows of ", d, "")] = loader.windows(d);
       keys["data.overlong"] = data::overlong_name(config.data.overlong);
     }
     return keys;
@@ -635,33 +684,50 @@ struct Trainer::State {
     ledger.event({{"event", "init"}, {"step", loaded->content.step}, {"dir", dir}});
   }
 
-  double validate_loss() {
-    double stats[2] = {0, 0};
+  // Each data set's validation loss, in data.path's order.
+  std::vector<double> validate() {
+    const int64_t data_sets = loader.sources();
+    std::vector<double> sums(size_t(2 * data_sets), 0.0);  // [loss sum, loss tokens] per data set
     moe_val.clear();
     if (pipeline) {
-      const auto sums = pipeline->validation_sums(val_batches, moe_val, [&] { ledger.beat(); });
-      stats[0] = sums[0], stats[1] = sums[1];
+      sums = pipeline->validation_sums(validation.batches, validation.data_set, data_sets, moe_val,
+                                       [&] { ledger.beat(); });
     } else {
       // Every forward exchanges tokens over the ep group: its ranks run as many as the one
       // with the most validation batches, the others on batches without loss tokens.
-      int64_t rounds = int64_t(val_batches.size());
+      const auto& batches = validation.batches;
+      int64_t rounds = int64_t(batches.size());
       mesh.group(comm::Axis::ep).all_reduce(std::span<int64_t>(&rounds, 1), comm::ReduceOp::max);
       const data::Batch idle = idle_batch(config.train.seq_len);
       for (int64_t i = 0; i < rounds; ++i) {
-        const bool real = i < int64_t(val_batches.size());
-        const data::Batch& b = real ? val_batches[size_t(i)] : idle;
+        const bool real = i < int64_t(batches.size());
+        const data::Batch& b = real ? batches[size_t(i)] : idle;
         const RankBatchInputs rank_in(b, config, mesh.group(comm::Axis::cp));  // as in training
         const model::ModelInputs& in = rank_in.inputs();
-        stats[0] += model.forward(activations(in.B, in.T), in);
+        const double loss_sum = model.forward(activations(in.B, in.T), in);
         ledger.beat();
         if (!real) continue;
-        stats[1] += rank_in.loss_weight_sum();
+        const auto d = size_t(validation.data_set[size_t(i)]);
+        sums[2 * d] += loss_sum;
+        sums[2 * d + 1] += rank_in.loss_weight_sum();
         moe_val.add(activations(in.B, in.T));
       }
     }
-    grad_group.all_reduce(std::span<double>(stats, 2));
+    grad_group.all_reduce(std::span<double>(sums));
     if (!moe_val.empty() && !pipeline) grad_group.all_reduce(moe_val.values());  // pipeline: done
-    return stats[1] > 0 ? stats[0] / stats[1] : 0.0;
+    std::vector<double> losses;
+    for (int64_t d = 0; d < data_sets; ++d) {
+      const double tokens = sums[size_t(2 * d + 1)];
+      losses.push_back(tokens > 0 ? sums[size_t(2 * d)] / tokens : 0.0);
+    }
+    return losses;
+  }
+
+  // The mixture's validation loss: the data sets' weighted by data.weights (one: its own).
+  double mixture_loss(const std::vector<double>& losses) const {
+    double loss = 0;
+    for (size_t d = 0; d < losses.size(); ++d) loss += loader.weights()[d] * losses[d];
+    return loss;
   }
 
   // Rank 0's text sample, on the ranks samples() names. With ep = 1 and no pipeline rank 0
@@ -811,16 +877,41 @@ TrainResult Trainer::run() {
                        : 0.0);
   // Input positions per step; an SFT data set's padding is not counted (tokens/s and MFU).
   const int64_t global_tokens = s.loader.sequences_per_step() * c.train.seq_len;
-  const data::PackedSamples* packed = s.loader.packed();
+  const bool packed = s.loader.packed();
   auto step_tokens = [&](int64_t step) { return s.loader.step_tokens(step - 1); };  // from 1
+  // An SFT run's packing, summed over its data sets.
+  int64_t samples = 0, rows = 0, overlong = 0, untrained = 0;
+  for (int64_t d = 0; packed && d < s.loader.sources(); ++d) {
+    samples += s.loader.packed(d)->samples(), rows += s.loader.packed(d)->rows();
+    overlong += s.loader.packed(d)->overlong(), untrained += s.loader.packed(d)->untrained();
+  }
   const std::string sft =
-      packed ? detail::concat(" (SFT: ", packed->samples(), " samples packed into ", packed->rows(),
-                              " rows; ", packed->overlong(),
-                              c.data.overlong == data::Overlong::cut
-                                  ? " cut to seq_len"
-                                  : " too long for seq_len left out (data.overlong)",
-                              ", ", packed->untrained(), " without a trained token left out)")
-             : "";
+      packed
+          ? detail::concat(" (SFT: ", samples, " samples packed into ", rows, " rows; ", overlong,
+                           c.data.overlong == data::Overlong::cut
+                               ? " cut to seq_len"
+                               : " too long for seq_len left out (data.overlong)",
+                           ", ", untrained, " without a trained token left out)")
+          : "";
+  // Each data set's share, rows and how often the whole run reads it over.
+  const std::vector<std::string> data_set_names = data_names(c.data);
+  nlohmann::json data_sets = nlohmann::json::array();
+  std::string mixture;
+  for (int64_t d = 0; d < s.loader.sources(); ++d) {
+    const double weight = s.loader.weights()[size_t(d)];
+    const double epochs = double(c.train.steps * s.loader.sequences_per_step()) * weight /
+                          double(s.loader.windows(d));
+    data_sets.push_back({{"path", data_paths(c.data)[size_t(d)]},
+                         {"weight", weight},
+                         {"rows", s.loader.windows(d)},
+                         {"epochs", epochs}});
+    char share[96];
+    std::snprintf(share, sizeof share, " %.1f %% (%.3g epochs)", 100 * weight, epochs);
+    mixture += (d == 0 ? ", mixture of " + std::to_string(s.loader.sources()) + " data sets: "
+                       : std::string(", ")) +
+               data_set_names[size_t(d)] + share;
+  }
+  if (s.loader.sources() == 1) mixture.clear();
   // A pipeline stage allocates its micro-batches' activations as its schedule needs them.
   const int64_t activation_bytes =
       s.pipeline ? 0
@@ -843,7 +934,7 @@ TrainResult Trainer::run() {
         std::to_string(s.model.num_parameters()) + " on rank 0), " +
         std::to_string(s.world.size()) + " rank(s) x " + std::to_string(num_threads()) +
         " thread(s)" + oversubscribed + ", " + mesh_text(s.mesh.shape()) + ", " +
-        (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft +
+        (packed ? "up to " : "") + std::to_string(global_tokens) + " tokens/step" + sft + mixture +
         std::string(activations) + ", GEMM peak " + std::to_string(int(peak)) +
         " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : "") +
@@ -872,12 +963,13 @@ TrainResult Trainer::run() {
                           {"threads", num_threads()},
                           {"start_step", s.start_step}};
   if (!s.pipeline) start["activation_bytes"] = activation_bytes;
+  start["data"] = data_sets;
   if (packed)
-    start["sft"] = {{"samples", packed->samples()},
-                    {"rows", packed->rows()},
-                    {"overlong", packed->overlong()},
+    start["sft"] = {{"samples", samples},
+                    {"rows", rows},
+                    {"overlong", overlong},
                     {"overlong_policy", data::overlong_name(c.data.overlong)},
-                    {"untrained", packed->untrained()}};
+                    {"untrained", untrained}};
   write_metrics(start);
   // Checkpoint interval: fixed multiples of train.checkpoint_every, or (young, daly) from
   // the blocking time of the previous save and the MTBF, decided by rank 0 for all ranks.
@@ -1044,15 +1136,25 @@ TrainResult Trainer::run() {
     }
     if ((c.train.eval_every > 0 && rec.step % c.train.eval_every == 0) || last) {
       s.ledger.enter(Phase::eval);
-      double val = s.validate_loss();
+      const std::vector<double> losses = s.validate();
+      const double val = s.mixture_loss(losses);
       result.validation.emplace_back(rec.step, val);
+      result.data_set_validation.push_back(losses);
       nlohmann::json val_record = {{"step", rec.step}, {"val_loss", val}};
+      std::string per_data_set;
+      if (losses.size() > 1)
+        for (size_t d = 0; d < losses.size(); ++d) {
+          val_record["val_loss_by_data_set"][data_set_names[d]] = losses[d];
+          char loss[32];
+          std::snprintf(loss, sizeof loss, " %.4f", losses[d]);
+          per_data_set += (d == 0 ? " | " : ", ") + data_set_names[d] + loss;
+        }
       if (!s.moe_val.empty()) val_record["moe"] = s.moe_val.validation_json();
       write_metrics(val_record);
       char line[128];
       std::snprintf(line, sizeof line, "step %5lld | validation loss %.4f nats/token (%.3f bits)",
                     static_cast<long long>(rec.step), val, val / std::log(2.0));
-      s.log(line);
+      s.log(line + per_data_set);
     }
     if (adaptive && rec.step == decide_at) {
       int64_t interval = 0;

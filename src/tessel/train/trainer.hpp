@@ -30,9 +30,12 @@ struct TrainResult {
   int64_t resumed_from = -1;      // checkpoint step the run continued from; -1 = fresh start
   std::vector<StepRecord> steps;  // the steps this run took
   std::vector<std::pair<int64_t, double>> validation;  // (step, loss in nats per token)
-  std::string sample;                                  // final text sample (rank 0)
-  double peak_gflops = 0;                              // per-rank MFU denominator
-  int64_t peak_resident_bytes = 0;                     // the largest rank's peak resident set size
+  // Per validation: each data set's loss, in data.path's order; `validation` has their
+  // mixture's, weighted by data.weights (one data set: the same loss).
+  std::vector<std::vector<double>> data_set_validation;
+  std::string sample;               // final text sample (rank 0)
+  double peak_gflops = 0;           // per-rank MFU denominator
+  int64_t peak_resident_bytes = 0;  // the largest rank's peak resident set size
 };
 
 // When the process started and when MPI was ready (monotonic_ns of ett.hpp; -1 = not

@@ -34,5 +34,7 @@ TEST(Recipes, SftFineTunesTheDemoModel) {
   const auto sft = tessel::train::load_config((configs_dir() / "sft.toml").string(), {});
   EXPECT_EQ(sft.train.init_from, demo.run.dir);
   for (const auto& key : tessel::train::config_schema())
-    if (key.name.rfind("model.", 0) == 0) EXPECT_EQ(key.get(sft), key.get(demo)) << key.name;
+    if (key.name.rfind("model.", 0) == 0) {
+      EXPECT_EQ(key.get(sft), key.get(demo)) << key.name;
+    }
 }

@@ -88,7 +88,7 @@ TEST_F(Loader, RowsAreWindowsWithShiftedTargetsAndDocumentStarts) {
     ASSERT_EQ(b.T, 32);
     ASSERT_EQ(b.tokens.size(), 96u);
     for (int64_t r = 0; r < 3; ++r)
-      expect_row_is_window(b, r, loader.window_of(step * 3 + r), shard_);
+      expect_row_is_window(b, r, loader.row_of(step * 3 + r).row, shard_);
   }
 }
 
@@ -110,8 +110,8 @@ TEST_F(Loader, EachEpochIsAPermutationAndEpochsDiffer) {
   DataLoader loader(shard_.path, options());
   const int64_t W = loader.windows();
   std::vector<int64_t> e0, e1;
-  for (int64_t g = 0; g < W; ++g) e0.push_back(loader.window_of(g));
-  for (int64_t g = W; g < 2 * W; ++g) e1.push_back(loader.window_of(g));
+  for (int64_t g = 0; g < W; ++g) e0.push_back(loader.row_of(g).row);
+  for (int64_t g = W; g < 2 * W; ++g) e1.push_back(loader.row_of(g).row);
   EXPECT_NE(e0, e1);
   std::vector<int64_t> identity(static_cast<size_t>(W));
   std::iota(identity.begin(), identity.end(), int64_t(0));
@@ -121,12 +121,12 @@ TEST_F(Loader, EachEpochIsAPermutationAndEpochsDiffer) {
   EXPECT_EQ(e0, identity);
   EXPECT_EQ(e1, identity);
   // Going back to an earlier epoch recomputes the same permutation.
-  EXPECT_EQ(loader.window_of(5), DataLoader(shard_.path, options()).window_of(5));
+  EXPECT_EQ(loader.row_of(5).row, DataLoader(shard_.path, options()).row_of(5).row);
 
   auto plain = options();
   plain.shuffle = false;
   DataLoader unshuffled(shard_.path, plain);
-  for (int64_t g = 0; g < 2 * W + 3; ++g) EXPECT_EQ(unshuffled.window_of(g), g % W);
+  for (int64_t g = 0; g < 2 * W + 3; ++g) EXPECT_EQ(unshuffled.row_of(g).row, g % W);
 }
 
 TEST_F(Loader, DataParallelRanksSplitWhatAccumulationWouldSee) {
@@ -160,7 +160,8 @@ TEST_F(Loader, MicroBatchesFollowTheShardingFormula) {
         const Batch b = ranks[size_t(r)].next();
         ASSERT_TRUE(same(b, flat[size_t(r * accum + m)])) << "step " << step;
         for (int64_t i = 0; i < mb; ++i)
-          expect_row_is_window(b, i, single.window_of(step * G + (r * accum + m) * mb + i), shard_);
+          expect_row_is_window(b, i, single.row_of(step * G + (r * accum + m) * mb + i).row,
+                               shard_);
       }
     }
   }
@@ -194,7 +195,7 @@ TEST_F(Loader, EpochWrapAround) {
   for (int step = 0; step < 10; ++step) {
     const Batch b = loader.next();
     for (int64_t r = 0; r < 3; ++r) {
-      const int64_t w = loader.window_of(step * 3 + r);
+      const int64_t w = loader.row_of(step * 3 + r).row;
       expect_row_is_window(b, r, w, small);
       seen.push_back(w);
     }
@@ -216,6 +217,93 @@ TEST_F(Loader, Errors) {
   expect_input_error([&] { DataLoader(shard_.path, options(32, 2, 1, 4, 4)); }, {"dp_rank 4"});
   expect_input_error([&] { DataLoader(shard_.path, options(32, 0)); }, {"micro_batch"});
   expect_input_error([&] { DataLoader(dir_.file("none.tok"), options()); }, {"tessel prepare"});
+}
+
+// A mixture 3 : 1 of two shards: every row is the window of the data set MixtureOrder names,
+// data set 0 is read in the order a loader of it alone reads it, data set 1 (smaller, so it
+// wraps epochs sooner) takes each window once per epoch, and the rows split 3 : 1.
+TEST_F(Loader, AMixtureReadsEachDataSetInItsOwnOrderAtItsShare) {
+  const TestShard other = make_shard(dir_, "other.tok", 700, 5);
+  const std::vector<const TestShard*> shards = {&shard_, &other};
+  DataLoader mixture({shard_.path, other.path}, {3, 1}, options(16, 4));
+  DataLoader alone(shard_.path, options(16, 4));
+  EXPECT_EQ(mixture.sources(), 2);
+  EXPECT_EQ(mixture.weights(), (std::vector<double>{0.75, 0.25}));
+  EXPECT_EQ(mixture.windows(1), int64_t(other.tokens.size() - 1) / 16);
+  MixtureOrder order({3, 1});
+  std::vector<std::vector<int64_t>> rows(2);
+  const int64_t steps = 100;
+  for (int64_t step = 0; step < steps; ++step) {
+    const Batch b = mixture.next();
+    for (int64_t r = 0; r < 4; ++r) {
+      const int64_t g = step * 4 + r;
+      const auto row = mixture.row_of(g);
+      const auto slot = order.locate(g);
+      ASSERT_EQ(row.source, slot.source);
+      ASSERT_EQ(int64_t(rows[size_t(row.source)].size()), slot.index);
+      expect_row_is_window(b, r, row.row, *shards[size_t(row.source)]);
+      rows[size_t(row.source)].push_back(row.row);
+    }
+  }
+  EXPECT_EQ(rows[0].size(), size_t(steps * 4 * 3 / 4));
+  for (size_t i = 0; i < rows[0].size(); ++i) ASSERT_EQ(rows[0][i], alone.row_of(int64_t(i)).row);
+  const int64_t W1 = mixture.windows(1);
+  ASSERT_GE(int64_t(rows[1].size()), 2 * W1);  // two whole epochs of data set 1
+  for (int64_t e = 0; e < 2; ++e) {
+    std::vector<int64_t> epoch(rows[1].begin() + e * W1, rows[1].begin() + (e + 1) * W1);
+    std::sort(epoch.begin(), epoch.end());
+    for (int64_t w = 0; w < W1; ++w) ASSERT_EQ(epoch[size_t(w)], w) << "epoch " << e;
+  }
+  // Its own seed: not data set 0's permutation of the same windows.
+  EXPECT_NE(std::vector<int64_t>(rows[1].begin(), rows[1].begin() + W1), [&] {
+    std::vector<int64_t> own;
+    DataLoader other_alone(other.path, options(16, 4));
+    for (int64_t i = 0; i < W1; ++i) own.push_back(other_alone.row_of(i).row);
+    return own;
+  }());
+}
+
+// A mixture's batches depend on the layout only through the global batch, and it resumes
+// bitwise, as a single data set does.
+TEST_F(Loader, AMixtureSplitsOverRanksAndResumesBitwise) {
+  const TestShard other = make_shard(dir_, "other.tok", 700, 5);
+  const std::vector<std::string> paths = {shard_.path, other.path};
+  DataLoader single(paths, {1, 2}, options(16, 3, 4, 0, 1));
+  std::vector<DataLoader> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back(paths, std::vector<double>{1, 2}, options(16, 3, 2, r, 2));
+  std::vector<Batch> seen;
+  for (int step = 0; step < 20; ++step)
+    for (int m = 0; m < 4; ++m) {
+      seen.push_back(single.next());
+      ASSERT_TRUE(same(seen.back(), ranks[size_t(m / 2)].next())) << "step " << step;
+    }
+  DataLoader resumed(paths, {1, 2}, options(16, 3, 4, 0, 1));
+  resumed.restore({11, 2});
+  for (size_t i = 11 * 4 + 2; i < seen.size(); ++i) ASSERT_TRUE(same(resumed.next(), seen[i]));
+}
+
+TEST_F(Loader, AMixtureNeedsOneWeightPerDataSetAndOneVocabulary) {
+  const TestShard other = make_shard(dir_, "other.tok", 700, 5);
+  expect_input_error(
+      [&] {
+        DataLoader({shard_.path, other.path}, {1}, options());
+      },
+      {"2 data sets but 1 weights"});
+  expect_input_error(
+      [&] {
+        DataLoader({shard_.path, other.path}, {1, 0}, options());
+      },
+      {"positive"});
+  const std::string wide = dir_.file("wide.tok");
+  ShardWriter w(wide, TokenDtype::u16, 300);
+  w.add_document(std::vector<int32_t>(100, 299));
+  w.finish();
+  expect_input_error(
+      [&] {
+        DataLoader({shard_.path, wide}, {1, 1}, options());
+      },
+      {wide, "token vocabulary 300", "256", "one tokenizer"});
 }
 
 TEST_F(Loader, ValidationUnionIsTheFirstWindowsForAnyLayout) {

@@ -325,7 +325,7 @@ TEST_F(SftLoader, AnEpochOfRowsHoldsEveryKeptSampleOnce) {
         --it->second;
         used += end - begin;
       }
-      EXPECT_EQ(used, packed->row_tokens(loader.window_of(g)));
+      EXPECT_EQ(used, packed->row_tokens(loader.row_of(g).row));
     }
     for (const auto& [piece, left] : expected) EXPECT_EQ(left, 0);
   }
@@ -386,6 +386,60 @@ TEST_F(SftLoader, StepTokensCountTheRowsOfEveryRankWithoutPadding) {
     EXPECT_EQ(ranks[0].step_tokens(step), nonpad) << "step " << step;
     EXPECT_EQ(ranks[1].step_tokens(step), nonpad);
   }
+}
+
+// A mixture of two SFT data sets: each row is its data set's packed row with its padding,
+// step_tokens counts the positions without padding over all ranks, and a mixture with a text
+// data set is refused.
+TEST_F(SftLoader, AMixtureOfSftDataSetsKeepsEachRowsPaddingAndRefusesText) {
+  const int64_t T = 64;
+  TempDir other_dir;
+  PrepareOptions o;
+  o.corpus = "chat:other";
+  o.output_dir = other_dir.path().string();
+  o.val_fraction = 0.1;
+  prepare_samples(random_samples(60, 4), o);
+  const std::vector<std::string> paths = {dir_.file("train.tok"), other_dir.file("train.tok")};
+  std::vector<DataLoader> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back(paths, std::vector<double>{1, 1}, options(T, 2, 2, r, 2));
+  const std::vector<ShardReader> shards = [&] {
+    std::vector<ShardReader> v;
+    for (const auto& p : paths) v.emplace_back(p);
+    return v;
+  }();
+  for (int64_t step = 0; step < 10; ++step) {
+    int64_t nonpad = 0;
+    for (int64_t r = 0; r < 2; ++r)
+      for (int64_t m = 0; m < 2; ++m) {
+        const Batch b = ranks[size_t(r)].next();
+        ASSERT_EQ(b.padding.size(), size_t(2 * T));
+        nonpad += std::count(b.padding.begin(), b.padding.end(), uint8_t(0));
+        for (int64_t i = 0; i < 2; ++i) {
+          const auto row = ranks[0].row_of(step * 8 + (r * 2 + m) * 2 + i);
+          const int64_t one[] = {row.row};
+          const Batch alone = ranks[0].packed(row.source)->batch(shards[size_t(row.source)], one);
+          ASSERT_TRUE(
+              std::equal(alone.tokens.begin(), alone.tokens.end(), b.tokens.begin() + i * T));
+          ASSERT_TRUE(std::equal(alone.loss_mask.begin(), alone.loss_mask.end(),
+                                 b.loss_mask.begin() + i * T));
+          ASSERT_TRUE(
+              std::equal(alone.padding.begin(), alone.padding.end(), b.padding.begin() + i * T));
+          ASSERT_EQ(alone.doc_starts[0], b.doc_starts[size_t(i)]);
+        }
+      }
+    EXPECT_EQ(ranks[1].step_tokens(step), nonpad) << "step " << step;
+  }
+  TempDir text_dir;
+  const std::string text = text_dir.file("train.tok");
+  ShardWriter w(text, TokenDtype::u8, 256);
+  w.add_document(std::vector<int32_t>(200, 7));
+  w.finish();
+  expect_input_error(
+      [&] {
+        DataLoader({paths[0], text}, {1, 1}, options(T));
+      },
+      {text, "all SFT data sets or all text ones", "this one text"});
 }
 
 TEST_F(SftLoader, ValidationRowsAreThePackedRowsOfValTok) {

@@ -1,0 +1,56 @@
+#include "tessel/data/mixture.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "tessel/core/error.hpp"
+
+namespace tessel::data {
+
+MixtureOrder::MixtureOrder(std::vector<double> weights) : weights_(std::move(weights)) {
+  if (weights_.empty()) input_error("data mixture: no data set");
+  double sum = 0;
+  for (double w : weights_) {
+    if (!(w > 0) || !std::isfinite(w))
+      input_error("data mixture: every weight must be positive and finite, got ", w);
+    sum += w;
+  }
+  for (double& w : weights_) w /= sum;
+  counts_.assign(weights_.size(), 0);
+  blocks_.push_back(counts_);
+}
+
+int64_t MixtureOrder::pick(int64_t g) const {
+  int64_t best = 0;
+  double best_deficit = 0;
+  for (size_t d = 0; d < weights_.size(); ++d) {
+    const double deficit = weights_[d] * double(g + 1) - double(counts_[d]);
+    if (d == 0 || deficit > best_deficit) best = int64_t(d), best_deficit = deficit;
+  }
+  return best;
+}
+
+void MixtureOrder::advance() {
+  ++counts_[size_t(pick(next_))];
+  if (++next_ % kBlock == 0 && next_ / kBlock == int64_t(blocks_.size()))
+    blocks_.push_back(counts_);
+}
+
+MixtureOrder::Slot MixtureOrder::locate(int64_t g) {
+  TESSEL_CHECK(g >= 0, "global sequence ", g);
+  if (weights_.size() == 1) return {0, g};
+  // Restart from the last remembered block start at or before g when g lies behind the
+  // cursor, or when that block start lies ahead of it.
+  const int64_t from = std::min(g / kBlock, int64_t(blocks_.size()) - 1);
+  if (g < next_ || from * kBlock > next_) {
+    counts_ = blocks_[size_t(from)];
+    next_ = from * kBlock;
+  }
+  while (next_ < g) advance();
+  const int64_t source = pick(g);
+  const Slot slot{source, counts_[size_t(source)]};
+  advance();
+  return slot;
+}
+
+}  // namespace tessel::data
