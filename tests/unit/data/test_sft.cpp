@@ -439,7 +439,7 @@ TEST_F(SftLoader, AMixtureOfSftDataSetsKeepsEachRowsPaddingAndRefusesText) {
       [&] {
         DataLoader({paths[0], text}, {1, 1}, options(T));
       },
-      {text, "all SFT data sets or all text ones", "this one text"});
+      {text, "all be SFT data sets or all text ones", "this one text"});
 }
 
 TEST_F(SftLoader, ValidationRowsAreThePackedRowsOfValTok) {
