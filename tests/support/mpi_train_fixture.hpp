@@ -43,6 +43,12 @@ inline std::string shared_dataset(comm::Communicator& world) {
   return shared_once(world, dir, make_dataset);
 }
 
+// The second synthetic dataset (make_other_dataset), made once per test binary by rank 0.
+inline std::string shared_other_dataset(comm::Communicator& world) {
+  static std::string dir;
+  return shared_once(world, dir, make_other_dataset);
+}
+
 // The synthetic SFT data set (make_sft_dataset), made once per test binary by rank 0.
 inline std::string shared_sft_dataset(comm::Communicator& world) {
   static std::string dir;

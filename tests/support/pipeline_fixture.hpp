@@ -36,6 +36,7 @@ inline void expect_same_steps(const train::TrainResult& a, const train::TrainRes
     }
   }
   EXPECT_EQ(a.validation, b.validation);
+  EXPECT_EQ(a.data_set_validation, b.data_set_validation);
 }
 
 // Gradient norms of every step within 1e-12 relative: a run with MoE blocks adds the

@@ -50,6 +50,12 @@ inline std::string make_dataset(const std::string& dir) {
   return dir;
 }
 
+// A second, smaller data set of other documents (mixtures): train.tok / val.tok under `dir`.
+inline std::string make_other_dataset(const std::string& dir) {
+  data::prepare_documents(synthetic_documents(150, 21), test_prepare_options(dir, "synthetic"));
+  return dir;
+}
+
 // Questions of 2..9 of the same words, each answered by its words in reverse order: enough
 // structure for fine-tuning to learn.
 inline std::vector<data::SftSample> synthetic_conversations(int count, uint64_t seed) {

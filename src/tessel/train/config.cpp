@@ -607,9 +607,10 @@ std::vector<std::string> data_names(const DataConfig& data) {
     const std::string trimmed = p.substr(0, p.find_last_not_of('/') + 1);
     names.push_back(std::filesystem::path(trimmed.empty() ? p : trimmed).filename().string());
   }
+  std::vector<std::string> unique = names;
   for (size_t i = 0; i < names.size(); ++i)
-    if (std::count(names.begin(), names.end(), names[i]) > 1) names[i] = paths[i];
-  return names;
+    if (std::count(names.begin(), names.end(), names[i]) > 1) unique[i] = paths[i];
+  return unique;
 }
 
 void validate(const Config& c) {

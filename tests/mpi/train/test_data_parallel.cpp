@@ -153,6 +153,28 @@ TEST(Sft, DataAndContextParallelFollowSingleRankAccumulation) {
   }
 }
 
+// A mixture of two data sets 2 : 1 over P ranks follows the single process that accumulates
+// the same global batch, each data set's validation loss too, and resumes bitwise.
+TEST(DataParallel, AMixtureFollowsSingleRankAccumulationAndResumesBitwise) {
+  comm::Communicator& world = comm::world();
+  const std::string run = shared_temp_dir(world, "tessel-dp-mixture");
+  train::Config c = fixture::tiny_config(fixture::shared_dataset(world), run);
+  c.data.path += "," + fixture::shared_other_dataset(world);
+  c.data.weights = "2,1";
+  c.train.steps = 20;
+  c.train.eval_every = 10;
+  c.train.checkpoint_every = 10;
+  const auto full = expect_resume_continues_bitwise(
+      world, c, 10, [&] { fs::remove_all(run + "/checkpoints/step-00000020"); });
+  const auto ref = run_on_one_process(c, world.size());
+  expect_losses_near(full, ref);
+  ASSERT_EQ(full.data_set_validation.size(), 2u);
+  for (size_t i = 0; i < 2; ++i)
+    for (size_t d = 0; d < 2; ++d)
+      EXPECT_NEAR(full.data_set_validation[i][d], ref.data_set_validation[i][d],
+                  1e-5 * ref.data_set_validation[i][d]);
+}
+
 TEST(DataParallel, ResumeContinuesBitwise) {
   comm::Communicator& world = comm::world();
   std::string run = shared_temp_dir(world, "tessel-dp-resume");

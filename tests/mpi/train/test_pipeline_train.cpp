@@ -295,6 +295,18 @@ TEST(PipelineTrain, AnAttentionWindowOverStagesEqualsTheSingleProcessRun) {
   expect_1f1b_equals(world, c, ref, "tessel-pp-window");
 }
 
+// A mixture's validation runs through the stages per data set: 1F1B over the stages on two
+// data sets 1 : 3 equals the single process run, bitwise, each data set's loss included.
+TEST(PipelineTrain, AMixtureOverStagesEqualsTheSingleProcessRun) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-mixture");
+  c.data.path += "," + fixture::shared_other_dataset(world);
+  c.data.weights = "1,3";
+  const Reference ref = single_process(c);
+  ASSERT_EQ(ref.result.data_set_validation.size(), 2u);
+  expect_1f1b_equals(world, c, ref, "tessel-pp-mixture");
+}
+
 // Activation recomputation inside each stage (train.recompute = blocks) changes nothing: GPipe
 // and 1F1B (also with first and last stages that hold no block), and PACI with the stash
 // (K = P - 1, so that backwards are stale and recompute against the stashed weights), give

@@ -390,6 +390,39 @@ TEST_F(CliTest, EvalRepeatsTheRunsValidationLoss) {
   expect_one_line_error(run_tessel("eval --run " + run + "/nonexistent"), {"nonexistent"});
 }
 
+// A mixture run's eval: each data set's loss and their mixture weighted by data.weights, which
+// repeat the run's last validation (one process: bitwise).
+TEST_F(CliTest, EvalOfAMixtureReportsEachDataSetAndTheRunsValidationLoss) {
+  const std::string run = temp_dir("eval-mixture");
+  const std::string other = tessel::fixture::make_other_dataset(temp_dir("other-data"));
+  const Outcome trained = run_tessel(train_args(run) + " --set data.path=" + data + "," + other +
+                                     " --set data.weights=1,4 --set train.eval_sequences=6");
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  nlohmann::json validation;
+  std::ifstream metrics(run + "/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) validation = j;
+  }
+  ASSERT_EQ(validation["val_loss_by_data_set"].size(), 2u);
+  const Outcome o = run_tessel("eval --json --run " + run);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const auto e = nlohmann::json::parse(o.out);
+  EXPECT_EQ(e["loss"].get<double>(), validation["val_loss"].get<double>());
+  ASSERT_EQ(e["data_sets"].size(), 2u);
+  const std::string names[2] = {std::filesystem::path(data).filename().string(),
+                                std::filesystem::path(other).filename().string()};
+  for (size_t d = 0; d < 2; ++d) {
+    EXPECT_EQ(e["data_sets"][d]["loss"].get<double>(),
+              validation["val_loss_by_data_set"][names[d]].get<double>());
+    EXPECT_EQ(e["data_sets"][d]["sequences"].get<int64_t>(), 6);
+  }
+  EXPECT_EQ(e["data_sets"][1]["weight"].get<double>(), 0.8);
+  const Outcome text = run_tessel("eval --run " + run);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("on its mixture of 2 data sets"), std::string::npos) << text.out;
+}
+
 // Token ids from another tokenizer through the binary: a u16 file (nanoGPT's format) of 40
 // documents, each ending with the eot id 299, is prepared into shards of vocabulary 300 and
 // trains a model of that vocabulary (not one of the byte vocabulary); without --vocab it is one

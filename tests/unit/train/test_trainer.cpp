@@ -228,6 +228,7 @@ TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
   const std::string manifest = run + "/checkpoints/step-00000010/manifest.json";
   nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
   ASSERT_EQ(m["state"]["compatibility"].erase("model.attention_window"), 1u);
+  ASSERT_EQ(m["state"]["compatibility"].erase("data sets (normalized data.weights)"), 1u);
   std::ofstream(manifest) << m.dump();
   c.train.steps = 12;
   c.model.attention_window = 4;
@@ -235,6 +236,14 @@ TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
                               {"has no model.attention_window", "an older tessel",
                                "model.attention_window = 0, and this run has 4"});
   c.model.attention_window = 0;
+  c.data.path = data_dir + "," + data_dir;
+  c.data.weights = "1,1";
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"has no data sets (normalized data.weights)",
+                               "data sets (normalized data.weights) = 1.0, and this run has "
+                               "0.5,0.5"});
+  c.data.path = data_dir;
+  c.data.weights = "";
   EXPECT_EQ(train_run(c).resumed_from, 10);
 }
 
