@@ -273,7 +273,8 @@ int main(int argc, char** argv) {
   prepare
       ->add_option("--corpus", prep.corpus,
                    "text: bible (Debian bible-kjv, one document per chapter), fortunes (one per "
-                   "fortune) or file:PATH (documents separated by blank lines); token ids from "
+                   "fortune), file:PATH (documents separated by blank lines) or jsonl:PATH "
+                   "(JSON Lines, a document's {\"text\": ...} per line); token ids from "
                    "another tokenizer: tokens:PATH (raw ids, e.g. nanoGPT's train.bin, with "
                    "--vocab and --eot); SFT, trained "
                    "on the assistant replies only (docs/sft.md): bible-quotes (\"Quote Genesis "

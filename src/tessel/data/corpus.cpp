@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "tessel/core/error.hpp"
+#include "tessel/data/json_lines.hpp"
 
 namespace tessel::data {
 
@@ -148,6 +149,12 @@ std::vector<std::string> load_text_file(const std::string& path) {
   return docs;
 }
 
+std::vector<std::string> load_jsonl_file(const std::string& path) {
+  auto docs = parse_text_jsonl(read_corpus_file(path, "jsonl"), path);
+  if (docs.empty()) input_error(path, ": no documents (no line has a non-empty \"text\")");
+  return docs;
+}
+
 }  // namespace
 
 std::string read_corpus_file(const std::string& path, const std::string& kind) {
@@ -209,13 +216,29 @@ std::vector<std::string> parse_paragraphs(std::string_view text) {
   return split_documents(text, is_blank);
 }
 
+std::vector<std::string> parse_text_jsonl(std::string_view text, const std::string& source) {
+  std::vector<std::string> docs;
+  for_each_json_line(text, source, [&](const nlohmann::json& line, const std::string& where) {
+    if (!line.is_object() || !line.contains("text"))
+      input_error(
+          where, ": expected an object with a \"text\" string, got ",
+          line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).substr(0, 80));
+    if (!line["text"].is_string())
+      input_error(where, ": \"text\" must be a string, got ", line["text"].type_name());
+    if (!line["text"].get_ref<const std::string&>().empty())
+      docs.push_back(line["text"].get<std::string>());
+  });
+  return docs;
+}
+
 std::vector<std::string> load_corpus(const std::string& name) {
   if (name == "bible") return load_bible();
   if (name == "fortunes") return load_fortunes();
   if (name.starts_with("file:") && name.size() > 5) return load_text_file(name.substr(5));
-  input_error(
-      "unknown corpus \"", name,
-      "\" (expected bible, fortunes, file:PATH or tokens:PATH; SFT: bible-quotes or chat:PATH)");
+  if (name.starts_with("jsonl:") && name.size() > 6) return load_jsonl_file(name.substr(6));
+  input_error("unknown corpus \"", name,
+              "\" (expected bible, fortunes, file:PATH, jsonl:PATH or tokens:PATH; SFT: "
+              "bible-quotes or chat:PATH)");
 }
 
 }  // namespace tessel::data

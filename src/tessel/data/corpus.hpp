@@ -1,6 +1,6 @@
 #pragma once
-// Built-in text corpora, each a list of documents. Every document is non-empty and is a
-// sequence of lines, each ending in '\n'.
+// Built-in text corpora, each a list of documents. Every document is non-empty; except for
+// "jsonl:PATH" it is a sequence of lines, each ending in '\n'.
 //
 //  - "bible": the King James Bible from the Debian package bible-kjv (`bible
 //    gen1:1-rev22:21`), one document per chapter (1189). A document is the chapter heading
@@ -11,6 +11,9 @@
 //    one document per fortune (fortunes are separated by lines holding only "%").
 //  - "file:PATH": a UTF-8 text file, one document per paragraph: a run of non-blank lines,
 //    paragraphs separated by one or more blank (empty or whitespace-only) lines.
+//  - "jsonl:PATH": JSON Lines, one document per line: the "text" string of the line's object
+//    (the layout of exported Hugging Face data sets; other keys are ignored), exactly as given:
+//    it may hold blank lines and need not end in '\n'. Empty texts and blank lines are skipped.
 //
 // A missing package or file is an InputError that names it (scripts/setup.sh installs the
 // packages).
@@ -48,5 +51,8 @@ std::vector<std::string> parse_bible(std::string_view text, const std::string& s
 std::vector<std::string> parse_fortunes(std::string_view text);
 // Plain text -> one document per blank-line-separated paragraph.
 std::vector<std::string> parse_paragraphs(std::string_view text);
+// JSON Lines -> one document per line's non-empty "text"; InputError naming the line for a
+// line that is not an object with a "text" string.
+std::vector<std::string> parse_text_jsonl(std::string_view text, const std::string& source);
 
 }  // namespace tessel::data

@@ -2,10 +2,10 @@
 
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 
 #include "tessel/core/error.hpp"
 #include "tessel/data/corpus.hpp"
+#include "tessel/data/json_lines.hpp"
 
 namespace tessel::data {
 
@@ -86,34 +86,7 @@ SftSample render_conversation(std::span<const ChatMessage> messages, const std::
 
 std::vector<SftSample> parse_chat_jsonl(std::string_view text, const std::string& source) {
   std::vector<SftSample> samples;
-  size_t line_no = 0;
-  for_each_line(text, [&](std::string_view line) {
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string_view::npos) return;
-    const std::string where = source + ":" + std::to_string(line_no);
-    // nlohmann's parser would stop at a NUL byte and ignore the rest of the line.
-    if (line.find('\0') != std::string_view::npos) input_error(where, ": holds a NUL byte");
-    nlohmann::json json;
-    // nlohmann keeps the last of two equal keys of an object; two "prompt"s on one line are
-    // more likely a mistake than meant, so the parse tracks each open object's keys.
-    std::vector<std::set<std::string>> keys;
-    std::string duplicate;
-    auto track_keys = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-      using Event = nlohmann::json::parse_event_t;
-      if (event == Event::object_start) keys.emplace_back();
-      if (event == Event::object_end) keys.pop_back();
-      if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second &&
-          duplicate.empty())
-        duplicate = parsed.get<std::string>();
-      return true;
-    };
-    try {
-      json = nlohmann::json::parse(line, track_keys);
-    } catch (const nlohmann::json::exception& e) {  // parse errors, number overflows
-      input_error(where, ": not valid JSON (", e.what(), ")");
-    }
-    if (!duplicate.empty())
-      input_error(where, ": key \"", duplicate, "\" appears twice in one object");
+  for_each_json_line(text, source, [&](const nlohmann::json& json, const std::string& where) {
     samples.push_back(render_conversation(conversation_of(json, where), where));
   });
   if (samples.empty()) input_error(source, ": no conversations (the file is empty or blank)");

@@ -94,6 +94,40 @@ TEST(Corpus, FileParagraphs) {
             (std::vector<std::string>{"First\n", "second \xEF\xBB\xBF\n"}));
 }
 
+// JSON Lines: each line's "text" exactly as given (blank lines inside, no final newline,
+// escapes decoded), other keys ignored, blank lines and empty texts skipped.
+TEST(Corpus, JsonLinesTexts) {
+  TempDir dir;
+  const std::string path = dir.file("docs.jsonl");
+  std::ofstream(path) << "\xEF\xBB\xBF{\"text\": \"First.\\n\\nAfter a blank line.\", \"id\": 1}\n"
+                         "\n"
+                         "  \n"
+                         "{\"text\": \"\", \"id\": 2}\r\n"
+                         "{\"meta\": {\"text\": 5}, \"text\": \"caf\\u00e9 \\\"quoted\\\"\"}";
+  EXPECT_EQ(load_corpus("jsonl:" + path),
+            (std::vector<std::string>{"First.\n\nAfter a blank line.", "caf\xC3\xA9 \"quoted\""}));
+}
+
+// Each bad line is named by its number.
+TEST(Corpus, JsonLinesErrorsNameTheLine) {
+  auto parse = [](const std::string& text) { return parse_text_jsonl(text, "in.jsonl"); };
+  expect_input_error([&] { parse("{\"text\": \"a\"}\n[\"text\"]\n"); },
+                     {"in.jsonl:2", "an object with a \"text\" string"});
+  expect_input_error([&] { parse("\n{\"body\": \"a\"}"); }, {"in.jsonl:2", "\"text\" string"});
+  expect_input_error([&] { parse("{\"text\": [\"a\"]}"); },
+                     {"in.jsonl:1", "\"text\" must be a string, got array"});
+  expect_input_error([&] { parse("{\"text\": \"a\"\n"); }, {"in.jsonl:1", "not valid JSON"});
+  expect_input_error([&] { parse("{\"text\": \"a\", \"text\": \"b\"}"); },
+                     {"in.jsonl:1", "key \"text\" appears twice"});
+  expect_input_error([&] { parse(std::string("{\"text\": \"a\"}\0", 14)); },
+                     {"in.jsonl:1", "NUL byte"});
+  EXPECT_TRUE(parse("{\"text\": \"\"}\n\n").empty());
+  TempDir dir;
+  const std::string empty = dir.file("empty.jsonl");
+  std::ofstream(empty) << "{\"text\": \"\"}\n";
+  expect_input_error([&] { load_corpus("jsonl:" + empty); }, {empty, "no documents"});
+}
+
 TEST(Corpus, Errors) {
   TempDir dir;
   expect_input_error([] { load_corpus("shakespeare"); }, {"unknown corpus \"shakespeare\""});
