@@ -25,6 +25,7 @@
 #include "tessel/core/error.hpp"
 #include "tessel/core/threading.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
+#include "tessel/data/mixture.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
@@ -146,10 +147,11 @@ int run_eval(const std::string& run_dir, const std::string& data_dir, const std:
   train::RunModel run = train::load_run_model(run_dir);
   const auto dirs =
       data_dir.empty() ? train::data_paths(run.config.data) : std::vector<std::string>{data_dir};
-  const auto weights =
-      data_dir.empty() ? train::data_weights(run.config.data) : std::vector<double>{1.0};
+  const auto weights = data::MixtureOrder(data_dir.empty() ? train::data_weights(run.config.data)
+                                                           : std::vector<double>{1.0})
+                           .weights();
   nlohmann::json data_sets = nlohmann::json::array();
-  double mixture = 0;
+  std::vector<double> losses;
   for (size_t d = 0; d < dirs.size(); ++d) {
     const std::string shard = dirs[d] + "/" + split + ".tok";
     if (data_dir.empty() && !std::filesystem::exists(shard))
@@ -158,7 +160,7 @@ int run_eval(const std::string& run_dir, const std::string& data_dir, const std:
                   "pass --data)");
     const train::Evaluation e =
         train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
-    mixture += weights[d] * e.loss;
+    losses.push_back(e.loss);
     const double bits = e.loss / std::log(2.0), perplexity = std::exp(e.loss);
     data_sets.push_back({{"shard", shard},
                          {"sequences", e.sequences},
@@ -174,6 +176,7 @@ int run_eval(const std::string& run_dir, const std::string& data_dir, const std:
           run.checkpoint.c_str(), static_cast<long long>(run.step), shard.c_str(),
           static_cast<long long>(e.sequences), e.loss_tokens, e.loss, bits, perplexity);
   }
+  const double mixture = data::mixture_mean(weights, losses);
   const double bits = mixture / std::log(2.0), perplexity = std::exp(mixture);
   if (!json && dirs.size() > 1)
     std::printf(

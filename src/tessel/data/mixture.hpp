@@ -12,6 +12,7 @@
 // data set d the c_d(g)-th sequence is taken, so each data set is read in its own order,
 // repeating it (epochs) as often as its share asks.
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace tessel::data {
@@ -26,8 +27,9 @@ class MixtureOrder {
     int64_t index = 0;   // its sequence number within that data set
     bool operator==(const Slot&) const = default;
   };
-  // Global sequence g >= 0. Amortized O(data sets) for increasing g; a jump back costs at most
-  // kBlock steps from the nearest remembered block start.
+  // Global sequence g >= 0. O(data sets) per call for increasing g; a jump back costs at most
+  // kBlock steps from the nearest remembered block start. The first call at a large g (a
+  // resumed run) walks the order from 0: O(g * data sets), once.
   Slot locate(int64_t g);
 
   const std::vector<double>& weights() const { return weights_; }  // normalized, sum 1
@@ -35,12 +37,16 @@ class MixtureOrder {
 
  private:
   static constexpr int64_t kBlock = 1024;
-  int64_t pick(int64_t g) const;  // the data set of sequence g given counts_ before it
-  void advance();                 // takes sequence next_ into counts_
+  int64_t advance();  // takes sequence next_ into counts_; returns its data set
   std::vector<double> weights_;
-  int64_t next_ = 0;                          // the counts_ are those before sequence next_
-  std::vector<int64_t> counts_;               // per data set
-  std::vector<std::vector<int64_t>> blocks_;  // counts_ before sequence b * kBlock
+  int64_t next_ = 0;             // the counts_ are those before sequence next_
+  std::vector<int64_t> counts_;  // per data set
+  // counts_ before sequence b * kBlock: data set d's at [b * sources() + d]
+  std::vector<int64_t> blocks_;
 };
+
+// Σ weights[d] · values[d] in data set order: a mixture's loss from its data sets' losses.
+// One compiled function, so the run's validation and `tessel eval` round it alike.
+double mixture_mean(std::span<const double> weights, std::span<const double> values);
 
 }  // namespace tessel::data

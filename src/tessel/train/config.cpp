@@ -577,6 +577,15 @@ void check_run_dir(const std::string& dir) {
 std::vector<std::string> data_paths(const DataConfig& data) {
   auto paths = split_list("data.path", data.path);
   if (paths.empty()) input_error("config key 'data.path' is empty");
+  // The same directory twice would only double its share: data.weights says that.
+  std::vector<std::filesystem::path> seen;
+  for (const auto& p : paths) {
+    const auto normal = (std::filesystem::path(p) / "").lexically_normal();
+    if (std::find(seen.begin(), seen.end(), normal) != seen.end())
+      input_error("config key 'data.path' = \"", data.path, "\" lists ", p,
+                  " twice; give a data set a larger share in data.weights instead");
+    seen.push_back(normal);
+  }
   return paths;
 }
 
@@ -592,11 +601,11 @@ std::vector<double> data_weights(const DataConfig& data) {
   for (double w : weights) {
     if (w <= 0)
       input_error("config key 'data.weights' = \"", data.weights,
-                  "\": every weight must be "
-                  "positive (leave a data set out of data.path instead)");
+                  "\": every weight must be positive (leave a data set out of data.path instead)");
     sum += w;
   }
-  for (double& w : weights) w /= sum;
+  if (!std::isfinite(sum))
+    input_error("config key 'data.weights' = \"", data.weights, "\": the weights' sum overflows");
   return weights;
 }
 
@@ -605,7 +614,8 @@ std::vector<std::string> data_names(const DataConfig& data) {
   std::vector<std::string> names;
   for (const auto& p : paths) {
     const std::string trimmed = p.substr(0, p.find_last_not_of('/') + 1);
-    names.push_back(std::filesystem::path(trimmed.empty() ? p : trimmed).filename().string());
+    const std::string last = std::filesystem::path(trimmed).filename().string();
+    names.push_back(last.empty() ? p : last);
   }
   std::vector<std::string> unique = names;
   for (size_t i = 0; i < names.size(); ++i)

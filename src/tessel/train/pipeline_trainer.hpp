@@ -25,7 +25,6 @@
 // sample's forwards run through the stages too (next_token_logits). MoE blocks: the stage's
 // experts sharded over ep as without pipeline (dense gradients over dp x cp, experts over
 // edp x cp).
-#include <array>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -33,6 +32,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 

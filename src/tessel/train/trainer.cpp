@@ -100,7 +100,7 @@ bool same_setting(const std::string& key, const nlohmann::json& have, const nloh
              : have == want;
 }
 
-// The compatibility record's entry of the data sets' normalized shares (data.weights), "1"
+// The compatibility record's entry of the data sets' normalized shares (data.weights), "1.0"
 // for one data set.
 constexpr const char* kDataWeightsKey = "data sets (normalized data.weights)";
 
@@ -174,15 +174,17 @@ constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pi
 // Written into every checkpoint's compatibility record: renaming it breaks resuming them.
 constexpr std::string_view kGlobalBatchKey =
     "global batch (sequences per step: dp * accum * micro_batch)";
-// The compatibility record's entry of a run on an SFT data set (its packed rows); text runs
-// have none, so their older checkpoints still resume.
-constexpr const char* kSftRowsKey = "SFT packed rows of data.path/train.tok";
-
 // The compatibility record's name of a fact about data set d's training shard: data set 0
 // keeps the name it had before mixtures, so single-data-set checkpoints still resume.
 std::string data_set_key(const std::string& prefix, int64_t d, const std::string& fact) {
   return prefix + (d == 0 ? "data.path" : detail::concat("data.path[", d, "]")) + "/train.tok" +
          fact;
+}
+
+// The compatibility record's entry of a run on SFT data sets (each one's packed rows); text
+// runs have none, so their older checkpoints still resume.
+std::string sft_rows_key(int64_t d) {
+  return data_set_key("SFT packed rows of ", d, "");
 }
 
 // Every data set's shard of `split` ("train" or "val"), in data.path's order.
@@ -491,8 +493,7 @@ struct Trainer::State {
     // The stage optimizers name their state per stage: only the same stages can resume it.
     if (pipeline) keys[kPipelineKey] = pipeline_boundaries(config);
     if (loader.packed()) {
-      for (int64_t d = 0; d < loader.sources(); ++d)
-        keys[data_set_key("SFT packed rows of ", d, "")] = loader.windows(d);
+      for (int64_t d = 0; d < loader.sources(); ++d) keys[sft_rows_key(d)] = loader.windows(d);
       keys["data.overlong"] = data::overlong_name(config.data.overlong);
     }
     return keys;
@@ -579,13 +580,13 @@ struct Trainer::State {
     const CheckpointContent& content = loaded->content;
     nlohmann::json want = compatibility();
     const nlohmann::json& have = content.state.at("compatibility");
-    if (have.contains(kSftRowsKey) != want.contains(kSftRowsKey))
-      input_error(chosen, ": checkpoint was trained on ",
-                  have.contains(kSftRowsKey) ? "an SFT data set"
-                                             : "a text data set (or by an older tessel)",
-                  " but this run's data.path ", config.data.path, " is ",
-                  want.contains(kSftRowsKey) ? "an SFT data set" : "a text data set",
-                  "; use a new run.dir");
+    const std::string sft_key = sft_rows_key(0);
+    if (have.contains(sft_key) != want.contains(sft_key))
+      input_error(
+          chosen, ": checkpoint was trained on ",
+          have.contains(sft_key) ? "an SFT data set" : "a text data set (or by an older tessel)",
+          " but this run's data.path ", config.data.path, " is ",
+          want.contains(sft_key) ? "an SFT data set" : "a text data set", "; use a new run.dir");
     for (const auto& [key, value] : want.items())
       if (!have.contains(key)) {
         const std::string why = absent_key_mismatch(key, value);
@@ -721,13 +722,6 @@ struct Trainer::State {
       losses.push_back(tokens > 0 ? sums[size_t(2 * d)] / tokens : 0.0);
     }
     return losses;
-  }
-
-  // The mixture's validation loss: the data sets' weighted by data.weights (one: its own).
-  double mixture_loss(const std::vector<double>& losses) const {
-    double loss = 0;
-    for (size_t d = 0; d < losses.size(); ++d) loss += loader.weights()[d] * losses[d];
-    return loss;
   }
 
   // Rank 0's text sample, on the ranks samples() names. With ep = 1 and no pipeline rank 0
@@ -1137,7 +1131,7 @@ TrainResult Trainer::run() {
     if ((c.train.eval_every > 0 && rec.step % c.train.eval_every == 0) || last) {
       s.ledger.enter(Phase::eval);
       const std::vector<double> losses = s.validate();
-      const double val = s.mixture_loss(losses);
+      const double val = data::mixture_mean(s.loader.weights(), losses);
       result.validation.emplace_back(rec.step, val);
       result.data_set_validation.push_back(losses);
       nlohmann::json val_record = {{"step", rec.step}, {"val_loss", val}};

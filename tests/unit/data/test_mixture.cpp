@@ -22,7 +22,7 @@ std::vector<MixtureOrder::Slot> first_slots(MixtureOrder order, int64_t n) {
 
 }  // namespace
 
-// In every prefix no data set is a whole sequence ahead of its share, none is more than two
+// In every prefix no data set is a whole sequence ahead of its share, none is more than 1.25
 // behind (what random weights for up to 8 data sets showed: 1.22), two data sets stay within
 // half a sequence of theirs, and each data set's sequences are numbered 0, 1, 2, ... in the
 // order they are taken.
@@ -44,7 +44,7 @@ TEST(MixtureOrder, EveryPrefixKeepsTheShares) {
       for (size_t d = 0; d < weights.size(); ++d) {
         const double ahead = double(counts[d]) - weights[d] / sum * double(g + 1);
         ASSERT_LT(ahead, 1.0) << "data set " << d << " after " << g + 1 << " sequences";
-        ASSERT_GT(ahead, -2.0) << "data set " << d << " after " << g + 1 << " sequences";
+        ASSERT_GT(ahead, -1.25) << "data set " << d << " after " << g + 1 << " sequences";
         if (weights.size() == 2) ASSERT_LE(std::abs(ahead), 0.5 + 1e-9);
       }
     }

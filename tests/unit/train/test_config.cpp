@@ -143,22 +143,23 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
             optim::LrScheduleKind::cosine);
 }
 
-// --set takes a value that starts with a quote as one TOML string, as a config file would;
-// any other value as written.
 // data.path lists a mixture's directories, data.weights one positive share per directory.
 TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
   auto load = [](std::string path, std::string weights) {
     return train::load_config("", {"data.path=" + path, "data.weights=" + weights});
   };
   EXPECT_EQ(train::data_weights(load("a", "").data), std::vector<double>{1.0});
-  EXPECT_EQ(train::data_weights(load("a", "7").data), std::vector<double>{1.0});
-  const auto mixture = load(" data/web , data/code,x/code/ ", "3, 1,4");
+  EXPECT_EQ(train::data_weights(load("a", "7").data), std::vector<double>{7.0});
+  const auto mixture = load(" data/web , data/code,x/code/,/ ", "3, 1,4,2");
   EXPECT_EQ(train::data_paths(mixture.data),
-            (std::vector<std::string>{"data/web", "data/code", "x/code/"}));
-  EXPECT_EQ(train::data_weights(mixture.data), (std::vector<double>{0.375, 0.125, 0.5}));
-  // Two directories named code: their whole paths tell them apart.
+            (std::vector<std::string>{"data/web", "data/code", "x/code/", "/"}));
+  EXPECT_EQ(train::data_weights(mixture.data), (std::vector<double>{3, 1, 4, 2}));
+  // Two directories named code: their whole paths tell them apart; "/" has no last component.
   EXPECT_EQ(train::data_names(mixture.data),
-            (std::vector<std::string>{"web", "data/code", "x/code/"}));
+            (std::vector<std::string>{"web", "data/code", "x/code/", "/"}));
+  expect_input_error([&] { load("data/a,b,./data/a/", "1,1,1"); },
+                     {"data.path", "lists ./data/a/ twice", "larger share in data.weights"});
+  expect_input_error([&] { load("a,b", "1e308,1e308"); }, {"data.weights", "sum overflows"});
   expect_input_error([&] { load("a,b", ""); },
                      {"data.weights", "0 weights for the 2 data sets", "one weight per data set"});
   expect_input_error([&] { load("a,b", "1,2,3"); }, {"3 weights for the 2 data sets"});
@@ -169,6 +170,8 @@ TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
   expect_input_error([&] { load("", ""); }, {"data.path", "empty"});
 }
 
+// --set takes a value that starts with a quote as one TOML string, as a config file would;
+// any other value as written.
 TEST(Config, QuotedOverridesAreTomlStrings) {
   Config c =
       train::load_config("", {"run.dir='runs/q2'", "train.sample_stop=\"\\n\"",

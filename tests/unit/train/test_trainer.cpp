@@ -236,7 +236,7 @@ TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
                               {"has no model.attention_window", "an older tessel",
                                "model.attention_window = 0, and this run has 4"});
   c.model.attention_window = 0;
-  c.data.path = data_dir + "," + data_dir;
+  c.data.path = data_dir + "," + fixture::make_other_dataset(fixture::temp_dir("tessel-data"));
   c.data.weights = "1,1";
   fixture::expect_input_error([&] { train_run(c); },
                               {"has no data sets (normalized data.weights)",
