@@ -131,10 +131,39 @@ TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
   EXPECT_EQ(choices(sinkhorn, generate), choices(none, generate));
 }
 
+// expert_choice: forwards with targets let each expert take its top-C tokens of the
+// micro-batch; forwards without (generation, not causal otherwise) route each token to its
+// top-k experts with the scores as gates and no capacity: a model without balancing, gates
+// unnormalized and dropless.
+TEST(GptMoe, ExpertChoiceRoutesForwardsWithoutTargetsByTopK) {
+  GptConfig c = moe_config(swiglu_config(), "all");  // sigmoid scores, capacity 1
+  c.moe.balance = moe::Balance::expert_choice;
+  GptConfig plain = c;
+  plain.moe.balance = moe::Balance::none;
+  plain.moe.normalize_gates = false;
+  plain.moe.capacity = 0;
+  Gpt chooser(c, 3), top_k(plain, 3);
+  randomize_parameters(chooser, 4, 0.4f);
+  randomize_parameters(top_k, 4, 0.4f);
+  const Batch batch = random_batch(c, 2, 8, 5, false);
+  auto logits = [&](const Gpt& gpt, const ModelInputs& in) {
+    auto acts = gpt.make_activations(batch.B, batch.T);
+    gpt.forward(*acts, in);
+    const float* v = acts->logits.f32();
+    return std::vector<float>(v, v + acts->logits.numel());
+  };
+  EXPECT_NE(logits(chooser, batch.inputs()), logits(top_k, batch.inputs()));
+  ModelInputs generate = batch.inputs();
+  generate.targets = nullptr;
+  generate.loss_weight = nullptr;
+  EXPECT_EQ(logits(chooser, generate), logits(top_k, generate));
+}
+
 TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
   for (auto balance :
        {moe::Balance::none, moe::Balance::aux, moe::Balance::seq_aux, moe::Balance::bias,
-        moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei, moe::Balance::sinkhorn}) {
+        moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei, moe::Balance::sinkhorn,
+        moe::Balance::expert_choice}) {
     SCOPED_TRACE(moe::to_string(balance));
     GptConfig c = moe_config(gelu_config(), "all");
     c.moe.balance = balance;
