@@ -102,16 +102,12 @@ TEST(GptMoe, SeqAuxTakesEachRowAsASequence) {
   }
 }
 
-// sinkhorn: forwards with targets (training, validation) select from the balanced scores;
-// forwards without (generation) by the plain top-k, so they equal a model without balancing.
-TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
-  GptConfig c = moe_config(gelu_config(), "all");
-  c.moe.balance = moe::Balance::sinkhorn;
-  GptConfig plain = c;
-  plain.moe.balance = moe::Balance::none;
-  Gpt sinkhorn(c, 3), none(plain, 3);
-  randomize_parameters(sinkhorn, 4, 0.4f);
-  randomize_parameters(none, 4, 0.4f);
+// The model of `c` routes forwards with targets (training, validation) otherwise than that of
+// `plain`, and forwards without (generation) exactly as it: the same choices and logits.
+static void expect_only_forwards_with_targets_differ(const GptConfig& c, const GptConfig& plain) {
+  Gpt model(c, 3), twin(plain, 3);
+  randomize_parameters(model, 4, 0.4f);
+  randomize_parameters(twin, 4, 0.4f);
   const Batch batch = random_batch(c, 2, 8, 5, false);
   auto choices = [&](const Gpt& gpt, const ModelInputs& in) {
     auto acts = gpt.make_activations(batch.B, batch.T);
@@ -124,11 +120,21 @@ TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
     const float* logits = acts->logits.f32();
     return std::pair(all, std::vector<float>(logits, logits + acts->logits.numel()));
   };
-  EXPECT_NE(choices(sinkhorn, batch.inputs()).first, choices(none, batch.inputs()).first);
+  EXPECT_NE(choices(model, batch.inputs()).first, choices(twin, batch.inputs()).first);
   ModelInputs generate = batch.inputs();
   generate.targets = nullptr;
   generate.loss_weight = nullptr;
-  EXPECT_EQ(choices(sinkhorn, generate), choices(none, generate));
+  EXPECT_EQ(choices(model, generate), choices(twin, generate));
+}
+
+// sinkhorn: forwards with targets select from the balanced scores; forwards without by the
+// plain top-k, so they equal a model without balancing.
+TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
+  GptConfig c = moe_config(gelu_config(), "all");
+  c.moe.balance = moe::Balance::sinkhorn;
+  GptConfig plain = c;
+  plain.moe.balance = moe::Balance::none;
+  expect_only_forwards_with_targets_differ(c, plain);
 }
 
 // expert_choice: forwards with targets let each expert take its top-C tokens of the
@@ -142,21 +148,7 @@ TEST(GptMoe, ExpertChoiceRoutesForwardsWithoutTargetsByTopK) {
   plain.moe.balance = moe::Balance::none;
   plain.moe.normalize_gates = false;
   plain.moe.capacity = 0;
-  Gpt chooser(c, 3), top_k(plain, 3);
-  randomize_parameters(chooser, 4, 0.4f);
-  randomize_parameters(top_k, 4, 0.4f);
-  const Batch batch = random_batch(c, 2, 8, 5, false);
-  auto logits = [&](const Gpt& gpt, const ModelInputs& in) {
-    auto acts = gpt.make_activations(batch.B, batch.T);
-    gpt.forward(*acts, in);
-    const float* v = acts->logits.f32();
-    return std::vector<float>(v, v + acts->logits.numel());
-  };
-  EXPECT_NE(logits(chooser, batch.inputs()), logits(top_k, batch.inputs()));
-  ModelInputs generate = batch.inputs();
-  generate.targets = nullptr;
-  generate.loss_weight = nullptr;
-  EXPECT_EQ(logits(chooser, generate), logits(top_k, generate));
+  expect_only_forwards_with_targets_differ(c, plain);
 }
 
 TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
