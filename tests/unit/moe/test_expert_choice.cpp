@@ -2,8 +2,8 @@
 // takes (its top-C of the micro-batch, ties to the lowest token), the gates, the tokens no
 // expert takes at the run's, 1.0 and 1.25 capacity factors, and the refused drop policy.
 // Sigmoid scores through the identity router (C = E): a column's order is its logits' order,
-// and equal logits give bitwise equal scores. The naive twin and finite differences run in
-// test_layer.cpp (cases expert_choice*).
+// and equal logits give bitwise equal scores; the naive twin on these ties. The naive twin on
+// random scores and finite differences run in test_layer.cpp (cases expert_choice*).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -110,6 +110,42 @@ TEST(ExpertChoice, AnUnservedTokenGetsNoExpertOutput) {
     bool zero = true;
     for (int64_t i = 0; i < kE; ++i) zero = zero && y[size_t(n * kE + i)] == 0.0f;
     EXPECT_EQ(zero, n == 3 || n == 4) << "token " << n;
+  }
+}
+
+TEST(ExpertChoice, NaiveTwinBreaksTiesAsTheLayer) {
+  // The hand-built scores are full of ties; the twin (f64) must pick the same tokens: equal
+  // outputs and gradients, at cf 1 and 1.25 (kFastVsNaive, relative to max |ref|).
+  for (double cf : {1.0, 1.25}) {
+    SCOPED_TRACE("capacity " + std::to_string(cf));
+    const Layout l = ec_layout(cf);
+    std::vector<float> params = testing::random_params(l, 3);
+    std::fill(params.begin(), params.begin() + kE * kE, 0.0f);  // the identity router
+    for (int64_t e = 0; e < kE; ++e) params[size_t(e * kE + e)] = 1.0f;
+    Rng rng(5);
+    const VecF dy = kernels::test::randn(rng, kLogits.size());
+    const VecF beta(size_t(kE), 0.0f);
+    MoeLayer layer(l.config, l.shape);
+    LocalExpertComm comm;
+    LayerCache c;
+    BalanceState state;
+    VecF y(kLogits.size()), dx(kLogits.size(), 0.0f), grads(params.size(), 0.0f);
+    auto g = testing::bind<float>(grads.data(), l);
+    const auto w = testing::bind<const float>(params.data(), l);
+    layer.forward(c, y.data(), kLogits.data(), kN, w, beta.data(), comm);
+    layer.backward(c, dx.data(), g, dy.data(), kLogits.data(), w, 1.0f, state, comm);
+
+    using kernels::test::to_f64;
+    const auto pd = to_f64(params), xd = to_f64(kLogits), dyd = to_f64(dy), bd = to_f64(beta);
+    kernels::test::VecD yd(xd.size()), dxd(xd.size(), 0.0), gd(pd.size(), 0.0);
+    auto gw = testing::bind<double>(gd.data(), l);
+    const auto wd = testing::bind<const double>(pd.data(), l);
+    naive::moe_forward<double>(yd.data(), xd.data(), kN, wd, bd.data(), l.config, l.shape);
+    naive::moe_backward<double>(dxd.data(), gw, dyd.data(), xd.data(), kN, wd, bd.data(), 1.0,
+                                l.config, l.shape);
+    EXPECT_LT(kernels::test::rel_error(y, yd), kernels::test::kFastVsNaive);
+    EXPECT_LT(kernels::test::rel_error(dx, dxd), kernels::test::kFastVsNaive);
+    EXPECT_LT(kernels::test::rel_error(grads, gd), kernels::test::kFastVsNaive);
   }
 }
 
