@@ -2,12 +2,16 @@
 # MoE load balancing A/B (docs/benchmarks.md, "MoE balancing"): configs/moe.toml trained
 # once per balancing method at equal tokens, on 2 ranks x 1 thread, then one table of
 # MaxVio global (validation set), MaxVio micro (per micro-batch and ep group), MaxVio of the
-# global batch, the fractions capacity factors 1.0 and 1.25 would drop, the normalized load
-# entropy of the validation set, and the final validation loss; then tokens/s with
-# parallel.ep = 2 against ep = 1 (eqb_lei), with the parameters rank 0 holds (experts sharded).
-#   [SEEDS="1234 2 3"] bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
+# global batch, the fractions capacity factors 1.0 and 1.25 would drop (expert_choice: of the
+# tokens, no expert would take), the normalized load entropy of the validation set, the final
+# validation loss and the EP step-time skew (max / median over the ep group of the expert MLP
+# seconds and of the dispatch bytes received; 1 at ep = 1); then tokens/s with parallel.ep = 2
+# against ep = 1 (eqb_lei), with the parameters rank 0 holds (experts sharded) and the skew.
+#   [SEEDS="1234 2 3"] [EP=1] bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
 # Defaults: 300 steps, 60 throughput steps (0 = no throughput runs), methods aux bias
-# eqb_lei, seed 1234. A method METHOD:RATE also sets model.moe_bias_rate (bias:1e-2);
+# eqb_lei, seed 1234, the methods run at parallel.ep = EP = 1 (EP=2 splits the experts over
+# the two ranks, where the skew columns measure something). A method METHOD:RATE also sets
+# model.moe_bias_rate (bias:1e-2);
 # METHOD:KEY=VALUE[,KEY=VALUE...] sets model.moe_KEY (eqb_lei:eqb_step=0.2,lei_coeff=0.03).
 # Every method runs once per seed in SEEDS (run.seed: initialization and data order). Needs
 # `tessel prepare` and jq. Metrics of the last 50 steps are averaged.
@@ -39,11 +43,13 @@ summary() {
        ($s | map(.moe | blockmean(.dropped_cf1)) | add / length),
        ($s | map(.moe | blockmean(.dropped_cf1_25)) | add / length),
        ($v.moe | blockmean(.entropy_global)),
-       $v.val_loss]
+       $v.val_loss,
+       ($s | map(.ep_skew.expert_time) | add / length),
+       ($s | map(.ep_skew.recv_bytes) | add / length)]
     | map(. * 10000 | round / 10000) | @tsv' "$1/metrics.jsonl"
 }
 read -r -a seeds <<<"${SEEDS:-1234}"
-printf "method\tseed\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tdropped_cf1_25\tentropy_global\tval_loss\n"
+printf "method\tseed\tmaxvio_global\tmaxvio_micro\tmaxvio_batch\tdropped_cf1\tdropped_cf1_25\tentropy_global\tval_loss\tskew_time\tskew_bytes\n"
 for m in "${methods[@]}"; do
   method=${m%%:*}
   sets=()
@@ -56,7 +62,7 @@ for m in "${methods[@]}"; do
   for seed in "${seeds[@]}"; do
     dir="$runs/${m//[:=,]/_}-$seed"
     train "$dir" --set model.moe_balance="$method" "${sets[@]}" --set run.seed="$seed" \
-      --set train.steps="$steps"
+      --set train.steps="$steps" --set parallel.ep="${EP:-1}"
     printf "%s\t%s\t%s\n" "$m" "$seed" "$(summary "$dir")"
   done
 done
@@ -68,7 +74,9 @@ done
     (map(select(.event == "start")) | first | .rank_parameters) as $p
     | map(select(.tokens_per_s and .step > 5)) | (map(.tokens_per_s) | sort | .[length / 2 | floor])
       as $t | (map(.all_to_all_bytes) | add / length) as $b
-    | "ep=\($ep)\tmedian tokens/s \($t | round)\tall-to-all bytes/step \($b | round)\tparameters on rank 0 \($p)"' \
+    | (map(.ep_skew.expert_time) | add / length * 1000 | round / 1000) as $st
+    | (map(.ep_skew.recv_bytes) | add / length * 1000 | round / 1000) as $sb
+    | "ep=\($ep)\tmedian tokens/s \($t | round)\tall-to-all bytes/step \($b | round)\tparameters on rank 0 \($p)\tskew time \($st) bytes \($sb)"' \
     "$runs/ep$ep/metrics.jsonl"
 done
 rm -rf "$runs"

@@ -65,7 +65,9 @@ std::vector<float> last_position_logits(const Gpt& gpt, std::span<const int32_t>
 
 bool kv_cache_applies(const GptConfig& config) {
   const std::vector<bool> moe = config.moe_mask();
-  return config.moe.capacity <= 0 || std::find(moe.begin(), moe.end(), true) == moe.end();
+  // Expert choice's forwards without targets route by top-k without capacity (Gpt).
+  return config.moe.capacity <= 0 || config.moe.balance == moe::Balance::expert_choice ||
+         std::find(moe.begin(), moe.end(), true) == moe.end();
 }
 
 std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context) {

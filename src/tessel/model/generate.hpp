@@ -28,7 +28,8 @@ std::vector<float> last_position_logits(const Gpt& gpt, std::span<const int32_t>
 
 // Whether generate() through the whole model uses the KV cache: not for MoE blocks with an
 // expert capacity, which counts the tokens of one forward (a forward of the new positions
-// alone would drop other assignments than the whole window's).
+// alone would drop other assignments than the whole window's); expert choice generates
+// without one.
 bool kv_cache_applies(const GptConfig& config);
 
 // Logits [V] of the token after `window` (1 to max_seq tokens), from some forward: the whole

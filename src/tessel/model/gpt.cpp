@@ -211,9 +211,16 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange b
       if (!moe_) {
         moe_.emplace(config_.moe, moe_shape);
         // Inference (no targets) selects by plain top-k under sinkhorn, as Megatron-LM's
-        // router: Sinkhorn balances a batch, and a generated token has none.
+        // router: Sinkhorn balances a batch, and a generated token has none. Expert choice
+        // is not causal either: each token takes its top-k experts, with expert choice's
+        // gates (the scores, unnormalized) and no capacity (dropless).
         moe::MoeConfig plain = config_.moe;
         if (plain.balance == moe::Balance::sinkhorn) plain.balance = moe::Balance::none;
+        if (plain.balance == moe::Balance::expert_choice) {
+          plain.balance = moe::Balance::none;
+          plain.normalize_gates = false;
+          plain.capacity = 0;
+        }
         moe_inference_.emplace(plain, moe_shape);
       }
       continue;

@@ -43,6 +43,10 @@ void validate(const MoeConfig& c) {
   if (uses_eqb(c.balance) && c.top_k == c.experts)
     input_error("model.moe_balance = \"", to_string(c.balance),
                 "\" needs model.moe_top_k < model.moe_experts (every token takes every expert)");
+  if (c.balance == Balance::expert_choice && c.drop == DropPolicy::position)
+    input_error(
+        "model.moe_balance = \"expert_choice\" needs model.moe_drop = \"probability\" (each "
+        "expert takes the tokens with the highest scores; there is no later token to drop)");
 }
 
 bool uses_eqb(Balance b) {
@@ -74,6 +78,8 @@ const char* to_string(Balance v) {
       return "eqb_lei";
     case Balance::sinkhorn:
       return "sinkhorn";
+    case Balance::expert_choice:
+      return "expert_choice";
   }
   return "?";
 }

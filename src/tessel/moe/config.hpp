@@ -10,7 +10,19 @@ enum class ExpertMlp { gelu, swiglu };            // the expert MLPs (= model.ml
 enum class ScoreFn { softmax, sigmoid };          // router probabilities from the logits
 enum class DropPolicy { probability, position };  // which assignments over capacity go
 // How the layer keeps the experts' loads even (docs/model.md, "Balancing").
-enum class Balance { none, aux, aux_global, seq_aux, bias, qb_avg, eqb, lei, eqb_lei, sinkhorn };
+enum class Balance {
+  none,
+  aux,
+  aux_global,
+  seq_aux,
+  bias,
+  qb_avg,
+  eqb,
+  lei,
+  eqb_lei,
+  sinkhorn,
+  expert_choice
+};
 enum class LeiKernel { rectangle, triangle, tanh, identity };
 
 struct MoeConfig {
@@ -20,7 +32,7 @@ struct MoeConfig {
   int64_t shared = 0;   // hidden width of the shared expert; 0 = none
   ScoreFn score = ScoreFn::softmax;
   bool normalize_gates = true;  // gates of a token's k experts sum to 1
-  double capacity = 0.0;        // capacity factor cf; 0 = dropless
+  double capacity = 0.0;        // capacity factor cf; 0 = dropless (expert_choice: cf = 1)
   DropPolicy drop = DropPolicy::probability;
   Balance balance = Balance::none;
   double aux_coeff = 1e-2;  // Switch aux loss alpha (aux, aux_global, seq_aux)
@@ -41,7 +53,7 @@ bool uses_eqb(Balance b);  // eqb, eqb_lei
 bool uses_lei(Balance b);  // lei, eqb_lei
 
 // The name config files use: "none", "aux", "aux_global", "seq_aux", "bias", "qb_avg", "eqb",
-// "lei", "eqb_lei", "sinkhorn".
+// "lei", "eqb_lei", "sinkhorn", "expert_choice".
 const char* to_string(Balance v);
 
 }  // namespace tessel::moe

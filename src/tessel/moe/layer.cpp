@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/timer.hpp"
 #include "tessel/kernels/cpu/activations.hpp"
 #include "tessel/kernels/cpu/gemm.hpp"
 #include "tessel/kernels/cpu/softmax.hpp"
@@ -38,20 +39,32 @@ int64_t expert_capacity(int64_t N, int64_t k, int64_t E, double cf) {
   return int64_t(std::ceil(double(k) * double(N) * cf / double(E)));
 }
 
-int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
-                       double capacity, DropPolicy drop, uint8_t* kept) {
-  const int64_t cap = expert_capacity(N, k, E, capacity);
-  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E));
-  for (int64_t s = 0; s < N * k; ++s) slots[size_t(choice[s])].push_back(s);
-  int64_t dropped = 0;
-  for (auto& list : slots) {
-    if (int64_t(list.size()) <= cap) continue;
+double capacity_factor(const MoeConfig& config) {
+  return config.balance == Balance::expert_choice && config.capacity == 0 ? 1.0 : config.capacity;
+}
+
+void capacity_ranks(const int32_t* choice, const float* gate, int64_t N, int64_t slots, int64_t E,
+                    DropPolicy drop, int32_t* rank) {
+  std::vector<std::vector<int64_t>> by_expert(static_cast<size_t>(E));
+  for (int64_t s = 0; s < N * slots; ++s) by_expert[size_t(choice[s])].push_back(s);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<int64_t>& list = by_expert[size_t(e)];
     if (drop == DropPolicy::probability)
       std::stable_sort(list.begin(), list.end(),
                        [&](int64_t a, int64_t b) { return gate[a] > gate[b]; });
-    for (size_t i = size_t(cap); i < list.size(); ++i) kept[list[i]] = 0;
-    dropped += int64_t(list.size()) - cap;
+    for (size_t i = 0; i < list.size(); ++i) rank[list[i]] = int32_t(i);
   }
+}
+
+int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
+                       double capacity, DropPolicy drop, uint8_t* kept) {
+  const int64_t cap = expert_capacity(N, k, E, capacity);
+  std::vector<int32_t> rank(static_cast<size_t>(N * k));
+  capacity_ranks(choice, gate, N, k, E, drop, rank.data());
+  int64_t dropped = 0;
+  for (int64_t s = 0; s < N * k; ++s)
+    if (rank[size_t(s)] >= cap) kept[s] = 0, ++dropped;
   return dropped;
 }
 
@@ -270,12 +283,16 @@ void MoeLayer::run_experts(LayerCache& c, float* out, const LayerWeights& w,
   });
 }
 
-int64_t MoeLayer::micro_batch_capacity(const LayerCache& c, std::span<const int32_t> token_index,
-                                       ExpertComm& comm, uint8_t* kept) const {
+int64_t MoeLayer::slots() const {
+  return config_.balance == Balance::expert_choice ? config_.experts : config_.top_k;
+}
+
+int64_t MoeLayer::micro_batch_ranks(const LayerCache& c, std::span<const int32_t> token_index,
+                                    ExpertComm& comm, int32_t* rank) const {
   TESSEL_CHECK(int64_t(token_index.size()) == c.N, token_index.size(), " token indices for ", c.N,
                " tokens");
-  // Per token: its index, then its k choices and the bits of its k gates.
-  const int64_t N = c.N, k = config_.top_k, row = 1 + 2 * k;
+  // Per token: its index, then its k slots' experts and the bits of their gates.
+  const int64_t N = c.N, k = slots(), row = 1 + 2 * k;
   std::vector<int32_t> mine(size_t(N * row));
   for (int64_t n = 0; n < N; ++n) {
     int32_t* r = mine.data() + n * row;
@@ -302,16 +319,11 @@ int64_t MoeLayer::micro_batch_capacity(const LayerCache& c, std::span<const int3
     if (size_t(r[0]) >= place.size()) place.resize(size_t(r[0]) + 1, -1);
     place[size_t(r[0])] = i;
   }
-  std::vector<uint8_t> kept_all(size_t(Nb * k), 1);
-  apply_capacity(choice.data(), gate.data(), Nb, k, config_.experts, config_.capacity, config_.drop,
-                 kept_all.data());
-  int64_t dropped = 0;
+  std::vector<int32_t> rank_all(static_cast<size_t>(Nb * k));
+  capacity_ranks(choice.data(), gate.data(), Nb, k, config_.experts, config_.drop, rank_all.data());
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < k; ++j) {
-      kept[n * k + j] = kept_all[size_t(place[size_t(token_index[n])] * k + j)];
-      dropped += kept[n * k + j] == 0;
-    }
-  return dropped;
+    std::copy_n(rank_all.data() + place[size_t(token_index[n])] * k, k, rank + n * k);
+  return Nb;
 }
 
 void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const LayerWeights& w,
@@ -321,12 +333,13 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
   const int64_t E = config_.experts, k = config_.top_k, C = shape_.C;
   const int64_t ep = comm.ep_size();
   TESSEL_CHECK(E % ep == 0, "model.moe_experts = ", E, " must be divisible by parallel.ep = ", ep);
-  const int64_t El = E / ep;
+  const int64_t El = E / ep, S = slots();
+  const bool ec = config_.balance == Balance::expert_choice;
   c.N = N;
   c.logits.resize(size_t(N * E));
   c.probs.resize(size_t(N * E));
-  c.choice.resize(size_t(N * k));
-  c.gate.resize(size_t(N * k));
+  c.choice.resize(size_t(N * S));
+  c.gate.resize(size_t(N * S));
   kn::linear_forward(c.logits.data(), x, w.router, nullptr, N, C, E);
   if (config_.score == ScoreFn::softmax)
     kn::softmax_forward(c.probs.data(), c.logits.data(), N, E);
@@ -347,6 +360,11 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* lg = c.logits.data() + n * E;
+    if (ec) {  // every expert is offered the token at its score; the experts choose below
+      std::iota(c.choice.begin() + n * E, c.choice.begin() + (n + 1) * E, 0);
+      std::copy(c.probs.begin() + n * E, c.probs.begin() + (n + 1) * E, c.gate.begin() + n * E);
+      continue;
+    }
     float* s = sel.data() + n * E;
     for (int64_t e = 0; e < E; ++e) s[e] = lg[e] - sel_bias[size_t(e)];
     float kth = 0, kplus1 = 0;
@@ -366,25 +384,48 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
       for (int64_t e = 0; e < E; ++e) c.qb_margin[size_t(n * E + e)] = lg[e] - kplus1;
   }
 
-  c.loads.assign(size_t(E), 0);
-  for (int32_t e : c.choice) ++c.loads[size_t(e)];
-  std::vector<uint8_t> kept(size_t(N * k), 1);
-  if (config_.capacity > 0)
-    c.dropped = token_index ? micro_batch_capacity(c, *token_index, comm, kept.data())
-                            : apply_capacity(c.choice.data(), c.gate.data(), N, k, E,
-                                             config_.capacity, config_.drop, kept.data());
-  else
-    c.dropped = 0;
+  // Capacity: each expert keeps its slots of rank < cap in the micro-batch (all of it under
+  // context parallelism, gathered).
+  std::vector<uint8_t> kept(size_t(N * S), 1);
+  c.dropped = c.unserved_cf1 = c.unserved_cf1_25 = 0;
+  if (const double cf = capacity_factor(config_); cf > 0) {
+    std::vector<int32_t> rank(static_cast<size_t>(N * S));
+    int64_t Nb = N;
+    if (token_index)
+      Nb = micro_batch_ranks(c, *token_index, comm, rank.data());
+    else
+      capacity_ranks(c.choice.data(), c.gate.data(), N, S, E, config_.drop, rank.data());
+    const int64_t cap = expert_capacity(Nb, k, E, cf);
+    for (int64_t s = 0; s < N * S; ++s) kept[size_t(s)] = rank[size_t(s)] < cap;
+    if (ec) {
+      // A token is served at capacity c when one of its slots ranks below c.
+      const int64_t cap1 = expert_capacity(Nb, k, E, 1.0), cap125 = expert_capacity(Nb, k, E, 1.25);
+      for (int64_t n = 0; n < N; ++n) {
+        const int32_t best = *std::min_element(rank.begin() + n * S, rank.begin() + (n + 1) * S);
+        c.dropped += best >= cap;
+        c.unserved_cf1 += best >= cap1;
+        c.unserved_cf1_25 += best >= cap125;
+      }
+    } else {
+      c.dropped = std::count(kept.begin(), kept.end(), uint8_t(0));
+    }
+  }
   // Permute: kept slots by expert, then by token (a counting sort).
   c.counts.assign(size_t(E), 0);
-  for (int64_t s = 0; s < N * k; ++s)
+  for (int64_t s = 0; s < N * S; ++s)
     if (kept[size_t(s)]) ++c.counts[size_t(c.choice[size_t(s)])];
+  // Loads: the assignments before drops, i.e. the tokens each expert took under expert choice.
+  c.loads.assign(size_t(E), 0);
+  if (ec)
+    c.loads = c.counts;
+  else
+    for (int32_t e : c.choice) ++c.loads[size_t(e)];
   std::vector<int64_t> next(size_t(E), 0);
   for (int64_t e = 1; e < E; ++e) next[size_t(e)] = next[size_t(e - 1)] + c.counts[size_t(e - 1)];
   const int64_t A = std::accumulate(c.counts.begin(), c.counts.end(), int64_t(0));
   c.order.resize(static_cast<size_t>(A));
-  c.position.assign(size_t(N * k), -1);
-  for (int64_t s = 0; s < N * k; ++s) {
+  c.position.assign(size_t(N * S), -1);
+  for (int64_t s = 0; s < N * S; ++s) {
     if (!kept[size_t(s)]) continue;
     const int64_t pos = next[size_t(c.choice[size_t(s)])]++;
     c.order[size_t(pos)] = int32_t(s);
@@ -412,14 +453,17 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
   std::vector<float> send(size_t(A * C)), recv(size_t(z.rows_in * C));
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < A; ++i) {
-    const float* row = x + int64_t(c.order[size_t(i)]) / k * C;
+    const float* row = x + int64_t(c.order[size_t(i)]) / S * C;
     std::copy(row, row + C, send.data() + i * C);
   }
   comm.exchange_rows(send.data(), z.send, recv.data(), z.recv);
   c.expert_in.resize(recv.size());
   reorder_blocks(c.expert_in.data(), recv.data(), c.recv_counts, ep, El, C, true);
   std::vector<float> out(recv.size());
+  c.received_rows = z.rows_in;
+  const Timer experts;
   run_experts(c, out.data(), w, expert_offsets(c, ep, El), comm.ep_rank() * El);
+  c.expert_seconds = experts.seconds();
   reorder_blocks(recv.data(), out.data(), c.recv_counts, ep, El, C, false);
   c.combined.resize(size_t(A * C));
   comm.exchange_rows(recv.data(), z.recv, c.combined.data(), z.send);
@@ -435,8 +479,8 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
   } else {
     std::fill(y, y + N * C, 0.0f);
   }
-  for_each_kept(c, k, [&](int64_t n, int64_t j, int64_t pos) {
-    const float g = c.gate[size_t(n * k + j)];
+  for_each_kept(c, S, [&](int64_t n, int64_t j, int64_t pos) {
+    const float g = c.gate[size_t(n * S + j)];
     const float* row = c.combined.data() + pos * C;
 #pragma omp simd
     for (int64_t i = 0; i < C; ++i) y[n * C + i] += g * row[i];
@@ -493,13 +537,13 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
                         ExpertComm& comm) const {
   const int64_t N = c.N, E = config_.experts, k = config_.top_k, C = shape_.C;
   const int64_t F = shape_.F, Fi = shape_.fc_in_rows(F);
-  const int64_t ep = comm.ep_size(), El = E / ep, A = int64_t(c.order.size());
+  const int64_t ep = comm.ep_size(), El = E / ep, A = int64_t(c.order.size()), S = slots();
   const Sizes z = exchange_sizes(c, ep, El, C);
 
   // Through the unpermute: row gradients and gate gradients.
-  std::vector<float> d_rows(size_t(A * C)), d_gate(size_t(N * k), 0.0f);
-  for_each_kept(c, k, [&](int64_t n, int64_t j, int64_t pos) {
-    const float gj = c.gate[size_t(n * k + j)];
+  std::vector<float> d_rows(size_t(A * C)), d_gate(size_t(N * S), 0.0f);
+  for_each_kept(c, S, [&](int64_t n, int64_t j, int64_t pos) {
+    const float gj = c.gate[size_t(n * S + j)];
     const float* row = c.combined.data() + pos * C;
     float* d = d_rows.data() + pos * C;
     float dot = 0;
@@ -507,7 +551,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
       d[i] = gj * dy[n * C + i];
       dot += dy[n * C + i] * row[i];
     }
-    d_gate[size_t(n * k + j)] = dot;
+    d_gate[size_t(n * S + j)] = dot;
   });
 
   // The experts' backward on the rows they saw, by the same exchanges as forward.
@@ -518,6 +562,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
   const int64_t R = off.back();
   std::vector<float> d_act(size_t(R * F), 0.0f), d_fc(size_t(R * Fi), 0.0f);
   const int64_t first = comm.ep_rank() * El;
+  const Timer experts;
   for_each_local_expert(off, first, [&](size_t e, int64_t o, int64_t n) {
     kn::linear_backward(d_act.data() + o * F, g.experts[e].fc_out_w, g.experts[e].fc_out_b,
                         d_out.data() + o * C, c.expert_act.data() + o * F, w.experts[e].fc_out_w, n,
@@ -529,9 +574,10 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
                         d_fc.data() + o * Fi, c.expert_in.data() + o * C, w.experts[e].fc_in_w, n,
                         C, Fi);
   });
+  c.expert_seconds += experts.seconds();
   reorder_blocks(recv.data(), d_in.data(), c.recv_counts, ep, El, C, false);
   comm.exchange_rows(recv.data(), z.recv, d_rows.data(), z.send);
-  for_each_kept(c, k, [&](int64_t n, int64_t, int64_t pos) {
+  for_each_kept(c, S, [&](int64_t n, int64_t, int64_t pos) {
     const float* d = d_rows.data() + pos * C;
 #pragma omp simd
     for (int64_t i = 0; i < C; ++i) dx[n * C + i] += d[i];
@@ -550,11 +596,11 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
   // Router: gates -> probabilities, plus the balancing gradients.
   std::vector<float> dp(size_t(N * E), 0.0f), dl(size_t(N * E), 0.0f);
   for (int64_t n = 0; n < N; ++n) {
-    const int32_t* ch = c.choice.data() + n * k;
-    const float* dg = d_gate.data() + n * k;
+    const int32_t* ch = c.choice.data() + n * S;
+    const float* dg = d_gate.data() + n * S;
     float* d = dp.data() + n * E;
-    if (!config_.normalize_gates) {
-      for (int64_t j = 0; j < k; ++j) d[ch[j]] += dg[j];
+    if (!config_.normalize_gates || config_.balance == Balance::expert_choice) {
+      for (int64_t j = 0; j < S; ++j) d[ch[j]] += dg[j];
       continue;
     }
     float sum = 0, dot = 0;

@@ -10,6 +10,10 @@
 //   capacity (cf > 0): each expert keeps ceil(k N cf / E) of the micro-batch's assignments, by
 //              gate or by token position; the rest are dropped (gate 0, no renormalization)
 //   y[n] = sum over kept j of g_j * expert_{e_j}(x[n])  (+ shared(x[n]))
+// expert_choice (Zhou et al. 2022): every token offers all E experts a slot (E slots per token
+// instead of k) with gate p[n, e] (never normalized, beta unused), and each expert keeps the
+// ceil(k N cf / E) slots of highest gate (cf = 1 when the capacity is 0; ties: lowest token),
+// i.e. takes the top-C tokens of the micro-batch by score; a token is taken by 0..E experts.
 //
 // Dispatch: kept assignments are permuted into expert order, counts then rows are exchanged
 // with the ep group through ExpertComm (expert e lives on ep rank e / (E / ep)), each local
@@ -62,15 +66,16 @@ struct LayerShape {
 struct LayerCache {
   int64_t N = 0;
   std::vector<float> logits, probs;  // [N, E]
-  std::vector<int32_t> choice;       // [N, k] selected experts, best first
-  std::vector<float> gate;           // [N, k] gates before drops
-  std::vector<int32_t> position;     // [N, k] row of the slot in the permuted order; -1 dropped
+  // Slots: k per token, E under expert_choice (slot n E + e offers token n to expert e).
+  std::vector<int32_t> choice;       // [N, slots] selected experts, best first
+  std::vector<float> gate;           // [N, slots] gates before drops
+  std::vector<int32_t> position;     // [N, slots] row of the slot in the permuted order; -1 dropped
   std::vector<float> lei_margin;     // [N, E] (lei): selection score minus the token's boundary
   std::vector<float> qb_margin;      // [N, E] (qb_avg, eqb): logits minus alpha_t (spec 2.2)
   std::vector<int32_t> sequence;     // [N] (seq_aux): each token's sequence
   std::vector<double> seq_aux_grad;  // [S, E] (seq_aux): N dL/dp[n, e] for sequence s's tokens
   // Dispatch: this rank's kept assignments in expert order, then what the ep group sent.
-  std::vector<int32_t> order;                // [A] slot n*k+j of each permuted row
+  std::vector<int32_t> order;                // [A] slot of each permuted row
   std::vector<int64_t> counts;               // [E] kept assignments per expert (this rank's tokens)
   std::vector<int64_t> recv_counts;          // [ep, E/ep] rows from ep rank s for local expert l
   std::vector<float> expert_in;              // [R, C] rows of the local experts, expert-major
@@ -79,9 +84,17 @@ struct LayerCache {
   std::vector<float> combined;               // [A, C] expert outputs in the permuted order
   std::vector<float> shared_fc, shared_act;  // [N, Fsi], [N, Fs]
   // Statistics.
-  std::vector<int64_t> loads;  // [E] this rank's assignments before drops
-  int64_t dropped = 0;         // this rank's dropped assignments
-  double balance_loss = 0;     // value of the aux, z and LEI terms (per-token means)
+  std::vector<int64_t> loads;  // [E] this rank's assignments before drops (expert_choice: kept)
+  int64_t dropped = 0;         // this rank's dropped assignments (expert_choice: tokens no expert
+                               // took)
+  // expert_choice: this rank's tokens no expert would take at capacity factors 1.0 and 1.25.
+  int64_t unserved_cf1 = 0, unserved_cf1_25 = 0;
+  double balance_loss = 0;  // value of the aux, z and LEI terms (per-token means)
+  // For the EP step-time skew: seconds this rank's expert MLPs ran (forward, then backward
+  // adds its own; a recomputing forward starts over) and the rows they received in forward's
+  // dispatch (from every ep rank, this one included).
+  double expert_seconds = 0;
+  int64_t received_rows = 0;
   // The whole micro-batch's (summed over the micro-batch group):
   std::vector<double> batch_loads;        // [E] assignments before drops
   std::vector<double> batch_group_loads;  // [E] the ep groups' assignments before drops
@@ -135,10 +148,12 @@ class MoeLayer {
   void update(BalanceState& state, float* beta, ExpertComm& comm) const;
 
  private:
-  // Capacity over the whole micro-batch (forward's token_index): marks kept[N * k]; returns
-  // this rank's dropped assignments.
-  int64_t micro_batch_capacity(const LayerCache& c, std::span<const int32_t> token_index,
-                               ExpertComm& comm, uint8_t* kept) const;
+  // k, or E under expert_choice: the assignment slots per token.
+  int64_t slots() const;
+  // capacity_ranks over the whole micro-batch (forward's token_index): fills rank[N * slots()]
+  // with this rank's slots' places; returns the micro-batch's token count.
+  int64_t micro_batch_ranks(const LayerCache& c, std::span<const int32_t> token_index,
+                            ExpertComm& comm, int32_t* rank) const;
   // Runs local expert l (global first + l) on rows [off[l], off[l+1]) of c.expert_in into out.
   void run_experts(LayerCache& c, float* out, const LayerWeights& w,
                    const std::vector<int64_t>& off, int64_t first) const;
@@ -153,8 +168,15 @@ class MoeLayer {
 void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1);
 // Assignments each expert keeps at capacity factor cf: ceil(k N cf / E).
 int64_t expert_capacity(int64_t N, int64_t k, int64_t E, double cf);
+// The capacity factor the layer applies: model.moe_capacity, but 1 for expert_choice at 0.
+double capacity_factor(const MoeConfig& config);
+// rank[s] = the place of slot s of `choice` [N, slots] in its expert's priority order (by
+// gate, highest first, ties by slot; or by slot): an expert of capacity cap keeps the slots
+// of rank < cap.
+void capacity_ranks(const int32_t* choice, const float* gate, int64_t N, int64_t slots, int64_t E,
+                    DropPolicy drop, int32_t* rank);
 // Marks the slots of `choice` [N, k] over capacity: kept[s] = 0 for the assignments each
-// expert drops (priority by gate, ties by slot, or by slot); returns the number dropped.
+// expert drops (capacity_ranks' order); returns the number dropped.
 int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
                        double capacity, DropPolicy drop, uint8_t* kept);
 // phi'(m) of the LEI kernels (rectangle, triangle, tanh) of width w.
@@ -175,7 +197,8 @@ std::vector<double> sinkhorn_log_scale(const T* logits, int64_t N, int64_t E, co
 namespace naive {
 // Per-token loops in T, all experts local, no permutation: the twin of MoeLayer's forward
 // and of its backward (including the aux, seq_aux, z and LEI gradients; aux_global counts as
-// aux); sequence as MoeLayer::forward's.
+// aux; expert_choice's selection by a per-expert scan of the tokens); sequence as
+// MoeLayer::forward's.
 template <class T>
 void moe_forward(T* y, const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
                  const MoeConfig& config, const LayerShape& shape);

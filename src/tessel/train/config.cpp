@@ -186,9 +186,11 @@ std::vector<ConfigKey> build_schema() {
       choice_key<ScoreFn>("model.moe_score", "router probabilities from the logits",
                           {{"softmax", ScoreFn::softmax}, {"sigmoid", ScoreFn::sigmoid}},
                           FIELD(model.moe.score)),
-      bool_key("model.moe_normalize_gates", "a token's k gates are divided by their sum",
+      bool_key("model.moe_normalize_gates",
+               "a token's k gates are divided by their sum (not under expert_choice)",
                FIELD(model.moe.normalize_gates)),
-      float_key("model.moe_capacity", "capacity factor per expert and micro-batch; 0 = dropless",
+      float_key("model.moe_capacity",
+                "capacity factor per expert and micro-batch; 0 = dropless (expert_choice: 1)",
                 FIELD(model.moe.capacity)),
       choice_key<DropPolicy>(
           "model.moe_drop", "over capacity, drop the lowest gates or the latest tokens",
@@ -199,7 +201,9 @@ std::vector<ConfigKey> build_schema() {
                           "counts or per sequence (DeepSeek-V3), sign bias update, averaged "
                           "per-micro-batch quantile, exact global quantile (EQB), load-error "
                           "injection (LEI), EQB + LEI, Sinkhorn-balanced selection per "
-                          "micro-batch",
+                          "micro-batch, expert choice (each expert takes its top-C tokens of the "
+                          "micro-batch, C = ceil(k N cf / E), cf = 1 at capacity 0; not causal: "
+                          "generation routes by top-k)",
                           {{"none", Balance::none},
                            {"aux", Balance::aux},
                            {"aux_global", Balance::aux_global},
@@ -209,7 +213,8 @@ std::vector<ConfigKey> build_schema() {
                            {"eqb", Balance::eqb},
                            {"lei", Balance::lei},
                            {"eqb_lei", Balance::eqb_lei},
-                           {"sinkhorn", Balance::sinkhorn}},
+                           {"sinkhorn", Balance::sinkhorn},
+                           {"expert_choice", Balance::expert_choice}},
                           FIELD(model.moe.balance)),
       float_key("model.moe_aux_coeff", "aux loss coefficient alpha (aux, aux_global, seq_aux)",
                 FIELD(model.moe.aux_coeff)),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "tessel/moe/layer.hpp"
@@ -38,6 +39,16 @@ double load_entropy(std::span<const double> loads) {
   return h / std::log(double(loads.size()));
 }
 
+double max_over_median(std::span<const double> values) {
+  if (values.empty()) return 1.0;
+  std::vector<double> v(values.begin(), values.end());
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  const double median = v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+  if (median > 0) return v.back() / median;
+  return v.back() > 0 ? std::numeric_limits<double>::infinity() : 1.0;
+}
+
 double capacity_excess(std::span<const double> loads, int64_t tokens, int64_t k, double cf) {
   const double cap = double(moe::expert_capacity(tokens, k, int64_t(loads.size()), cf));
   double over = 0;
@@ -46,7 +57,10 @@ double capacity_excess(std::span<const double> loads, int64_t tokens, int64_t k,
 }
 
 MoeMetrics::MoeMetrics(const model::Gpt& model)
-    : E_(model.config().moe.experts), k_(model.config().moe.top_k) {
+    : E_(model.config().moe.experts),
+      k_(model.config().moe.top_k),
+      C_(model.config().width),
+      expert_choice_(model.config().moe.balance == moe::Balance::expert_choice) {
   const auto& mask = model.moe_blocks();
   for (size_t l = 0; l < mask.size(); ++l)
     if (mask[l]) blocks_.push_back(int64_t(l));
@@ -55,6 +69,7 @@ MoeMetrics::MoeMetrics(const model::Gpt& model)
 
 void MoeMetrics::clear() {
   std::fill(values_.begin(), values_.end(), 0.0);
+  ep_load_ = {0, 0};
 }
 
 void MoeMetrics::add(const model::Activations& acts) {
@@ -67,14 +82,31 @@ void MoeMetrics::add(const model::Activations& acts) {
     for (int64_t e = 0; e < E_; ++e) v[e] += double(c.loads[size_t(e)]);
     const double share = c.N < c.batch_tokens ? double(c.N) / double(c.batch_tokens) : 1.0;
     double* s = v + E_;
-    s[kAssigned] += double(c.N * k_);
     s[kDropped] += double(c.dropped);
-    s[kDroppedCf1] += share * capacity_excess(c.batch_loads, c.batch_tokens, k_, 1.0);
-    s[kDroppedCf125] += share * capacity_excess(c.batch_loads, c.batch_tokens, k_, 1.25);
+    if (expert_choice_) {  // tokens no expert takes, over the tokens
+      s[kAssigned] += double(c.N);
+      s[kDroppedCf1] += double(c.unserved_cf1);
+      s[kDroppedCf125] += double(c.unserved_cf1_25);
+    } else {
+      s[kAssigned] += double(c.N * k_);
+      s[kDroppedCf1] += share * capacity_excess(c.batch_loads, c.batch_tokens, k_, 1.0);
+      s[kDroppedCf125] += share * capacity_excess(c.batch_loads, c.batch_tokens, k_, 1.25);
+    }
     s[kMaxvioMicro] += max_violation(c.batch_group_loads);
     s[kForwards] += 1;
     s[kBalanceLoss] += c.balance_loss;
+    ep_load_[0] += c.expert_seconds;
+    ep_load_[1] += double(c.received_rows * C_) * sizeof(float);
   }
+}
+
+nlohmann::json ep_skew(comm::Communicator& ep_group, double expert_seconds, double recv_bytes) {
+  const size_t P = size_t(ep_group.size());
+  const std::array<double, 2> mine = {expert_seconds, recv_bytes};
+  std::vector<double> all(2 * P), seconds(P), bytes(P);
+  ep_group.all_gather(mine, all);
+  for (size_t r = 0; r < P; ++r) seconds[r] = all[2 * r], bytes[r] = all[2 * r + 1];
+  return {{"expert_time", max_over_median(seconds)}, {"recv_bytes", max_over_median(bytes)}};
 }
 
 void MoeMetrics::add_all_to_all_bytes(double bytes) {

@@ -1023,6 +1023,7 @@ TrainResult Trainer::run() {
       s.ledger.enter(Phase::productive, step + 1);
     };
     std::optional<PipelineStep> piped;
+    nlohmann::json ep_skew;  // MoE without pipeline: max / median over the ep group
     if (s.pipeline) {
       piped = s.pipeline->step(step, wait_staged);
       stats[0] = piped->loss_sum, stats[1] = piped->loss_tokens, grad_norm = piped->grad_norm;
@@ -1043,6 +1044,7 @@ TrainResult Trainer::run() {
       }
       s.grad_group.all_reduce(std::span<double>(stats, 2));
       if (!s.moe_step.empty()) {
+        ep_skew = s.moe_step.ep_skew_json(s.mesh.group(comm::Axis::ep));
         s.moe_step.add_all_to_all_bytes(
             double(s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all - a2a_bytes));
         s.grad_group.all_reduce(s.moe_step.values());
@@ -1106,6 +1108,7 @@ TrainResult Trainer::run() {
       record["moe"] = moe->step_json();
       record["all_to_all_bytes"] = moe->all_to_all_bytes();
     }
+    if (!ep_skew.is_null()) record["ep_skew"] = ep_skew;
     write_metrics(record);
     if (skipped)
       s.log(detail::concat("step ", rec.step, ": gradient norm ", grad_norm, " is ",

@@ -70,13 +70,24 @@ Outcome run(const Layout& l, const VecF& params, const VecF& x, const VecF& dy, 
 TEST(ExpertParallel, ForwardBackwardEqualsAllExpertsLocal) {
   comm::Communicator& world = comm::world();
   using moe::Balance;
+  // Expert choice selects over each rank's own micro-batch, so its experts' tokens arrive
+  // through the same exchange (cf 0 = 1, and 0.5: tokens that no expert takes).
+  auto expert_choice = [](double cf) {
+    Layout l =
+        ep_layout(moe::ExpertMlp::swiglu, moe::ScoreFn::softmax, 0, cf, Balance::expert_choice);
+    l.config.drop = moe::DropPolicy::probability;
+    return l;
+  };
   const Layout layouts[] = {
       ep_layout(moe::ExpertMlp::swiglu, moe::ScoreFn::softmax, 5, 0, Balance::aux),
       ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::sigmoid, 0, 1.0, Balance::lei),
       ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::softmax, 0, 0, Balance::eqb),
+      expert_choice(0),
+      expert_choice(0.5),
   };
   for (const Layout& l : layouts) {
-    SCOPED_TRACE(moe::to_string(l.config.balance));
+    SCOPED_TRACE(std::string(moe::to_string(l.config.balance)) + ", capacity " +
+                 std::to_string(l.config.capacity));
     const VecF params = moe::testing::random_params(l, 77);  // the same on every rank
     Rng rng(100 + uint64_t(world.rank()));
     const int64_t N = 5 + 3 * world.rank();  // uneven token counts
@@ -93,6 +104,7 @@ TEST(ExpertParallel, ForwardBackwardEqualsAllExpertsLocal) {
     world.all_reduce(a.grads);
     world.all_reduce(b.grads);
     EXPECT_LT(kernels::test::rel_error(a.grads, kernels::test::to_f64(b.grads)), 1e-6);
+    EXPECT_EQ(a.dropped, b.dropped);
   }
 }
 
@@ -121,7 +133,9 @@ TEST(ExpertParallel, AMicroBatchSplitOverRanksEqualsTheWholeMicroBatch) {
                         {Balance::bias, 0, moe::DropPolicy::position},
                         {Balance::eqb_lei, 0, moe::DropPolicy::position},
                         {Balance::eqb_lei, 1.0, moe::DropPolicy::position},
-                        {Balance::aux, 1.0, moe::DropPolicy::probability}};
+                        {Balance::aux, 1.0, moe::DropPolicy::probability},
+                        {Balance::expert_choice, 0, moe::DropPolicy::probability},
+                        {Balance::expert_choice, 0.5, moe::DropPolicy::probability}};
   for (const auto& [balance, capacity, drop] : cases) {
     SCOPED_TRACE(std::string(moe::to_string(balance)) + ", capacity " + std::to_string(capacity));
     Layout l = ep_layout(moe::ExpertMlp::gelu, moe::ScoreFn::softmax, 5, capacity, balance);

@@ -292,6 +292,18 @@ std::vector<nlohmann::json> moe_field(const std::string& run_dir, const char* fi
   return out;
 }
 
+// `field` of every training step record of a run's metrics.jsonl.
+std::vector<nlohmann::json> step_field(const std::string& run_dir, const char* field) {
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss") && j.contains("step") && !j.contains("val_loss"))
+      out.push_back(j.value(field, nlohmann::json()));
+  }
+  return out;
+}
+
 std::vector<nlohmann::json> moe_loads(const std::string& run_dir) {
   return moe_field(run_dir, "loads");
 }
@@ -340,9 +352,22 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
         EXPECT_NEAR(epP.validation[i].second, ref.validation[i].second,
                     1e-5 * ref.validation[i].second);
       // The MoE metrics count the same routing: per-block expert loads of every step and of
-      // the validation set (idle forwards not counted) equal ep = 1's exactly.
+      // the validation set (idle forwards not counted) equal ep = 1's exactly. Every step
+      // reports the EP skew: max / median >= 1 over the ep group, exactly 1 at ep = 1.
       if (world.rank() == 0) {
         EXPECT_EQ(moe_loads(ep.run.dir), moe_loads(c.run.dir));
+        for (const auto& [dir, one] : {std::pair{ep.run.dir, false}, {c.run.dir, true}}) {
+          const auto skews = step_field(dir, "ep_skew");
+          ASSERT_EQ(skews.size(), 12u);
+          for (const auto& s : skews)
+            for (const char* key : {"expert_time", "recv_bytes"}) {
+              const double v = s.at(key).get<double>();
+              EXPECT_GE(v, 1.0) << key;
+              if (one) {
+                EXPECT_EQ(v, 1.0) << key;
+              }
+            }
+        }
       }
     }
   }
@@ -352,9 +377,10 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
 // balancing sums run over dp x cp and the per-micro-batch terms over cp, expert gradients sum
 // over edp x cp. So cp = 2 (dp = P / 2; with 4 ranks also ep = 2: experts sharded inside each
 // cp coordinate) follows one process accumulating the same global batch: losses, gradient
-// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss, qb_avg and Sinkhorn
-// selection (its column sums over the cp parts), and with expert capacity 1 (dropped by
-// position over the whole micro-batch: the same drops).
+// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss, qb_avg, Sinkhorn
+// selection (its column sums over the cp parts) and expert choice (each expert's top-C over
+// the micro-batch's gathered scores), and with expert capacity 1 (dropped by position over the
+// whole micro-batch: the same drops).
 TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
@@ -362,12 +388,15 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
                                           {"aux", "0"},
                                           {"qb_avg", "0"},
                                           {"sinkhorn", "0"},
+                                          {"expert_choice", "0"},
                                           {"eqb_lei", "1"}}) {
     SCOPED_TRACE(std::string(balance) + ", capacity " + capacity);
     train::Config c = moe_config(world, "tessel-cp-moe");
     train::apply_override(c, std::string("model.moe_balance=") + balance);
     train::apply_override(c, std::string("model.moe_capacity=") + capacity);
-    train::apply_override(c, "model.moe_drop=position");
+    // Expert choice has no drop policy but by score.
+    if (std::string(balance) != "expert_choice")
+      train::apply_override(c, "model.moe_drop=position");
     c.model.moe.z_coeff = 0.001;
     c.data.attention_mask = train::AttentionMaskKind::causal_document;
     c.train.eval_every = 6;
@@ -375,9 +404,11 @@ TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
     // peer's cp partner) runs one without loss tokens.
     c.train.eval_sequences = 2 * P + 1;
     c.train.sample_tokens = 8;  // with ep = 2 every rank generates, each ep group together
-    // Capacity and Sinkhorn count per forward: the validation batches must group the
-    // sequences as one process's do (whole micro-batches per dp rank, no idle forward).
-    if (std::string(capacity) != "0" || std::string(balance) == "sinkhorn")
+    // Capacity, Sinkhorn and expert choice count per forward: the validation batches must
+    // group the sequences as one process's do (whole micro-batches per dp rank, no idle
+    // forward).
+    if (std::string(capacity) != "0" || std::string(balance) == "sinkhorn" ||
+        std::string(balance) == "expert_choice")
       c.train.eval_sequences = 4 * c.train.micro_batch;
     train::Config one = c;
     one.train.accum *= P / 2;

@@ -190,14 +190,18 @@ TEST(Generate, AKvCacheAcrossTilesGivesTheWholePrefixsLogits) {
 }
 
 // generate() caches unless MoE blocks have an expert capacity, and then still draws the
-// tokens of the whole windows' logits (greedy: their argmax).
+// tokens of the whole windows' logits (greedy: their argmax). Expert choice generates by
+// top-k without capacity (a causal routing), so it caches, at any capacity factor.
 TEST(Generate, MoeWithCapacityRunsTheWholeWindow) {
   const GptConfig dropless = moe_config(gelu_config(), "1");
   const GptConfig capacity = moe_config(swiglu_config(), "all");  // capacity factor 1
+  GptConfig expert_choice = capacity;
+  expert_choice.moe.balance = moe::Balance::expert_choice;
   EXPECT_TRUE(kv_cache_applies(gelu_config()));
   EXPECT_TRUE(kv_cache_applies(dropless));
   EXPECT_FALSE(kv_cache_applies(capacity));
-  for (const GptConfig& c : {dropless, capacity}) {
+  EXPECT_TRUE(kv_cache_applies(expert_choice));
+  for (const GptConfig& c : {dropless, capacity, expert_choice}) {
     Gpt gpt(c, 31);
     randomize_parameters(gpt, 32, 0.5f);
     Rng rng(1);

@@ -102,16 +102,12 @@ TEST(GptMoe, SeqAuxTakesEachRowAsASequence) {
   }
 }
 
-// sinkhorn: forwards with targets (training, validation) select from the balanced scores;
-// forwards without (generation) by the plain top-k, so they equal a model without balancing.
-TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
-  GptConfig c = moe_config(gelu_config(), "all");
-  c.moe.balance = moe::Balance::sinkhorn;
-  GptConfig plain = c;
-  plain.moe.balance = moe::Balance::none;
-  Gpt sinkhorn(c, 3), none(plain, 3);
-  randomize_parameters(sinkhorn, 4, 0.4f);
-  randomize_parameters(none, 4, 0.4f);
+// The model of `c` routes forwards with targets (training, validation) otherwise than that of
+// `plain`, and forwards without (generation) exactly as it: the same choices and logits.
+static void expect_only_forwards_with_targets_differ(const GptConfig& c, const GptConfig& plain) {
+  Gpt model(c, 3), twin(plain, 3);
+  randomize_parameters(model, 4, 0.4f);
+  randomize_parameters(twin, 4, 0.4f);
   const Batch batch = random_batch(c, 2, 8, 5, false);
   auto choices = [&](const Gpt& gpt, const ModelInputs& in) {
     auto acts = gpt.make_activations(batch.B, batch.T);
@@ -124,17 +120,42 @@ TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
     const float* logits = acts->logits.f32();
     return std::pair(all, std::vector<float>(logits, logits + acts->logits.numel()));
   };
-  EXPECT_NE(choices(sinkhorn, batch.inputs()).first, choices(none, batch.inputs()).first);
+  EXPECT_NE(choices(model, batch.inputs()).first, choices(twin, batch.inputs()).first);
   ModelInputs generate = batch.inputs();
   generate.targets = nullptr;
   generate.loss_weight = nullptr;
-  EXPECT_EQ(choices(sinkhorn, generate), choices(none, generate));
+  EXPECT_EQ(choices(model, generate), choices(twin, generate));
+}
+
+// sinkhorn: forwards with targets select from the balanced scores; forwards without by the
+// plain top-k, so they equal a model without balancing.
+TEST(GptMoe, SinkhornBalancesOnlyForwardsWithTargets) {
+  GptConfig c = moe_config(gelu_config(), "all");
+  c.moe.balance = moe::Balance::sinkhorn;
+  GptConfig plain = c;
+  plain.moe.balance = moe::Balance::none;
+  expect_only_forwards_with_targets_differ(c, plain);
+}
+
+// expert_choice: forwards with targets let each expert take its top-C tokens of the
+// micro-batch; forwards without (generation, not causal otherwise) route each token to its
+// top-k experts with the scores as gates and no capacity: a model without balancing, gates
+// unnormalized and dropless.
+TEST(GptMoe, ExpertChoiceRoutesForwardsWithoutTargetsByTopK) {
+  GptConfig c = moe_config(swiglu_config(), "all");  // sigmoid scores, capacity 1
+  c.moe.balance = moe::Balance::expert_choice;
+  GptConfig plain = c;
+  plain.moe.balance = moe::Balance::none;
+  plain.moe.normalize_gates = false;
+  plain.moe.capacity = 0;
+  expect_only_forwards_with_targets_differ(c, plain);
 }
 
 TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
   for (auto balance :
        {moe::Balance::none, moe::Balance::aux, moe::Balance::seq_aux, moe::Balance::bias,
-        moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei, moe::Balance::sinkhorn}) {
+        moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei, moe::Balance::sinkhorn,
+        moe::Balance::expert_choice}) {
     SCOPED_TRACE(moe::to_string(balance));
     GptConfig c = moe_config(gelu_config(), "all");
     c.moe.balance = balance;

@@ -99,6 +99,8 @@ void expect_same(const GptConfig& config, bool with_padding) {
     EXPECT_EQ(kept.moe[i].batch_group_loads, recomputed.moe[i].batch_group_loads);
     EXPECT_EQ(kept.moe[i].batch_f, recomputed.moe[i].batch_f);
     EXPECT_EQ(kept.moe[i].dropped, recomputed.moe[i].dropped);
+    EXPECT_EQ(kept.moe[i].unserved_cf1_25, recomputed.moe[i].unserved_cf1_25);
+    EXPECT_EQ(kept.moe[i].received_rows, recomputed.moe[i].received_rows);
     EXPECT_EQ(kept.moe[i].balance_loss, recomputed.moe[i].balance_loss);
   }
   if (!kept.moe.empty()) {
@@ -117,13 +119,14 @@ TEST(Recompute, DenseBlocksGiveTheSameLossesAndGradientsBitwise) {
 }
 
 // MoE blocks: EQB (beta updated from what backward recorded), the aux losses and LEI (loss
-// terms with gradients), Sinkhorn selection, capacity drops (the swiglu config), and padding
-// rows left out of the MoE.
+// terms with gradients), Sinkhorn and expert-choice selection, capacity drops (the swiglu
+// config), and padding rows left out of the MoE.
 TEST(Recompute, MoeBlocksGiveTheSameLossesGradientsStatisticsAndBalanceBitwise) {
   for (const GptConfig& base : {moe_config(gelu_config(), "1"), moe_config(swiglu_config(), "all")})
-    for (moe::Balance balance : {moe::Balance::eqb, moe::Balance::aux, moe::Balance::aux_global,
-                                 moe::Balance::seq_aux, moe::Balance::bias, moe::Balance::qb_avg,
-                                 moe::Balance::lei, moe::Balance::eqb_lei, moe::Balance::sinkhorn})
+    for (moe::Balance balance :
+         {moe::Balance::eqb, moe::Balance::aux, moe::Balance::aux_global, moe::Balance::seq_aux,
+          moe::Balance::bias, moe::Balance::qb_avg, moe::Balance::lei, moe::Balance::eqb_lei,
+          moe::Balance::sinkhorn, moe::Balance::expert_choice})
       for (bool padding : {false, true}) {
         // seq_aux takes softmax scores only
         if (balance == moe::Balance::seq_aux && base.moe.score != moe::ScoreFn::softmax) continue;

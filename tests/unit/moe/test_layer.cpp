@@ -82,6 +82,12 @@ std::vector<Case> cases() {
        10,
        {0, 0, 0, 1, 1, 2, 2, 2, 2, 2}},
       {"sinkhorn", layout(swiglu, sm, true, 0, true, 0, D::probability, B::sinkhorn), 11},
+      // cf 0 = 1: ceil(2 * 11 / 6) = 4 tokens per expert; normalize_gates does not apply.
+      {"expert_choice", layout(gelu, sm, true, 4, true, 0, D::probability, B::expert_choice, 0.01),
+       11},
+      // cf 0.5: 2 tokens per expert of 13, so some tokens go to no expert.
+      {"expert_choice_sigmoid_cf",
+       layout(swiglu, sg, false, 0, false, 0.5, D::probability, B::expert_choice), 13},
   };
 }
 
@@ -222,7 +228,8 @@ double objective(const Layout& l, const VecD& params, const VecD& x, const VecD&
 }
 
 TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
-  for (int i : {0, 1, 5, 8, 9}) {  // plain, shared + sigmoid, aux + z, seq_aux + z, sinkhorn
+  // plain, shared + sigmoid, aux + z, seq_aux + z, sinkhorn, both expert_choice cases
+  for (int i : {0, 1, 5, 8, 9, 10, 11}) {
     const Case c = cases()[size_t(i)];
     SCOPED_TRACE(c.name);
     const Layout& l = c.layout;

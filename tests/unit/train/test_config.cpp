@@ -119,6 +119,19 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
             "", {"model.moe_layers=all", "model.moe_balance=seq_aux", "model.moe_score=sigmoid"});
       },
       {"seq_aux", "softmax"});
+  // Expert choice composes with cp and ep (its selection gathers the micro-batch's scores);
+  // it has no later token to drop by position.
+  EXPECT_EQ(
+      train::load_config("", {"parallel.cp=2", "train.seq_len=64", "model.moe_layers=all",
+                              "parallel.ep=2", "parallel.dp=2", "model.moe_balance=expert_choice"})
+          .model.moe.balance,
+      moe::Balance::expert_choice);
+  expect_input_error(
+      [&] {
+        train::load_config("", {"model.moe_layers=all", "model.moe_balance=expert_choice",
+                                "model.moe_drop=position"});
+      },
+      {"expert_choice", "model.moe_drop", "probability"});
 }
 
 // Gradient-spike skipping and its fault are whole-step settings: refused under a pipeline,

@@ -1,8 +1,9 @@
-// The MoE balance metrics' closed forms: MaxVio, the normalized load entropy and the
-// assignments a capacity factor would drop, on hand-computed loads.
+// The MoE balance metrics' closed forms: MaxVio, the normalized load entropy, the
+// assignments a capacity factor would drop and the EP skew's max / median, on hand values.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "tessel/train/moe_metrics.hpp"
@@ -40,6 +41,16 @@ TEST(MoeMetrics, CapacityExcessAtCf1AndCf125) {
   const std::vector<double> skewed{14, 10, 6, 2};
   EXPECT_EQ(capacity_excess(skewed, 16, 2, 1.0), 6.0 + 2.0);
   EXPECT_EQ(capacity_excess(skewed, 16, 2, 1.25), 4.0);
+}
+
+TEST(MoeMetrics, MaxOverMedianOfHandValues) {
+  // Odd count: the middle value; even: the mean of the middle two.
+  EXPECT_DOUBLE_EQ(max_over_median(std::vector<double>{3, 9, 6}), 9.0 / 6.0);
+  EXPECT_DOUBLE_EQ(max_over_median(std::vector<double>{11, 5}), 11.0 / 8.0);
+  EXPECT_DOUBLE_EQ(max_over_median(std::vector<double>{4, 1, 2, 8}), 8.0 / 3.0);
+  EXPECT_EQ(max_over_median(std::vector<double>{7}), 1.0);     // one ep rank
+  EXPECT_EQ(max_over_median(std::vector<double>{0, 0}), 1.0);  // nothing measured
+  EXPECT_EQ(max_over_median(std::vector<double>{0, 0, 5}), std::numeric_limits<double>::infinity());
 }
 
 }  // namespace

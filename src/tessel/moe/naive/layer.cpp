@@ -15,23 +15,50 @@ namespace knn = tessel::kernels::naive;
 
 namespace {
 
+// Slots per token: k, or E under expert_choice (slot n E + e: token n offered to expert e).
 template <class T>
 struct Routing {
+  int64_t slots = 0;
   std::vector<T> logits, probs;  // [N, E]
-  std::vector<int32_t> choice;   // [N, k]
-  std::vector<T> gate;           // [N, k]
-  std::vector<uint8_t> kept;     // [N, k]
+  std::vector<int32_t> choice;   // [N, slots]
+  std::vector<T> gate;           // [N, slots]
+  std::vector<uint8_t> kept;     // [N, slots]
   std::vector<T> margin;         // [N, E] LEI margins
   std::vector<int64_t> loads;    // [E]
 };
+
+// Expert choice: each expert in turn takes, C times, the highest-scoring token it has not
+// taken yet (the first on ties): C = ceil(k N cf / E), cf = 1 when the capacity is 0.
+template <class T>
+void experts_choose(Routing<T>& r, int64_t N, const MoeConfig& cfg) {
+  const int64_t E = cfg.experts;
+  const int64_t cap = expert_capacity(N, cfg.top_k, E, capacity_factor(cfg));
+  std::fill(r.kept.begin(), r.kept.end(), uint8_t(0));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t taken = 0; taken < std::min(cap, N); ++taken) {
+      int64_t best = -1;
+      for (int64_t n = 0; n < N; ++n)
+        if (!r.kept[size_t(n * E + e)] &&
+            (best < 0 || r.probs[size_t(n * E + e)] > r.probs[size_t(best * E + e)]))
+          best = n;
+      r.kept[size_t(best * E + e)] = 1;
+      ++r.loads[size_t(e)];
+    }
+}
 
 template <class T>
 Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
                  const MoeConfig& cfg, int64_t C) {
   const int64_t E = cfg.experts, k = cfg.top_k;
-  Routing<T> r{std::vector<T>(size_t(N * E)),          std::vector<T>(size_t(N * E)),
-               std::vector<int32_t>(size_t(N * k)),    std::vector<T>(size_t(N * k)),
-               std::vector<uint8_t>(size_t(N * k), 1), std::vector<T>(size_t(N * E)),
+  const bool ec = cfg.balance == Balance::expert_choice;
+  const int64_t S = ec ? E : k;
+  Routing<T> r{S,
+               std::vector<T>(size_t(N * E)),
+               std::vector<T>(size_t(N * E)),
+               std::vector<int32_t>(size_t(N * S)),
+               std::vector<T>(size_t(N * S)),
+               std::vector<uint8_t>(size_t(N * S), 1),
+               std::vector<T>(size_t(N * E)),
                std::vector<int64_t>(size_t(E), 0)};
   for (int64_t n = 0; n < N; ++n) {
     T* lg = r.logits.data() + n * E;
@@ -57,6 +84,11 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
     } else {
       for (int64_t e = 0; e < E; ++e) p[e] = T(1) / (T(1) + std::exp(-lg[e]));
     }
+    if (ec) {  // gate = score, for every expert; experts_choose decides which count
+      for (int64_t e = 0; e < E; ++e) r.choice[size_t(n * E + e)] = int32_t(e);
+      std::copy(p, p + E, r.gate.begin() + n * E);
+      continue;
+    }
     std::vector<float> sel(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) sel[size_t(e)] = float(lg[e] - sel_bias[size_t(e)]);
     float kth_f = 0, kp1_f = 0;
@@ -75,7 +107,9 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
     const T boundary = k < E ? (kth + kp1) / 2 : T(-1e30);
     for (int64_t e = 0; e < E; ++e) r.margin[size_t(n * E + e)] = lg[e] - beta[e] - boundary;
   }
-  if (cfg.capacity > 0) {
+  if (ec) {
+    experts_choose(r, N, cfg);
+  } else if (cfg.capacity > 0) {
     std::vector<float> g(r.gate.begin(), r.gate.end());
     apply_capacity(r.choice.data(), g.data(), N, k, E, cfg.capacity, cfg.drop, r.kept.data());
   }
@@ -119,8 +153,9 @@ void mlp_row_backward(T* dx, MlpWeightsT<T>& g, const MlpWeightsT<const T>& m, c
 template <class T>
 void moe_forward(T* y, const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
                  const MoeConfig& cfg, const LayerShape& shape) {
-  const int64_t k = cfg.top_k, C = shape.C;
+  const int64_t C = shape.C;
   const Routing<T> r = route(x, N, w, beta, cfg, C);
+  const int64_t k = r.slots;
   std::vector<T> fc, act, out;
   for (int64_t n = 0; n < N; ++n) {
     T* yn = y + n * C;
@@ -143,9 +178,10 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
                   const LayerWeightsT<const T>& w, const T* beta, T loss_scale,
                   const MoeConfig& cfg, const LayerShape& shape,
                   std::span<const int32_t> sequence) {
-  const int64_t E = cfg.experts, k = cfg.top_k, C = shape.C;
+  const int64_t E = cfg.experts, C = shape.C;
   const Routing<T> r = route(x, N, w, beta, cfg, C);
-  const T Tk = T(N * k);
+  const int64_t k = r.slots;  // = top_k but under expert_choice
+  const T Tk = T(N * cfg.top_k);
   // seq_aux: each sequence's tokens and loads, and how many sequences have tokens.
   auto seq_of = [&](int64_t n) { return sequence.empty() ? int64_t(0) : int64_t(sequence[n]); };
   std::vector<T> seq_tokens, seq_loads;
@@ -187,8 +223,9 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
     for (int64_t j = 0; j < k; ++j)
       for (int64_t i = 0; i < k; ++i) {
         // d gate_j / d p[e_i]
-        T dgdp = cfg.normalize_gates ? ((i == j ? T(1) / S : T(0)) - p[ch[j]] / (S * S))
-                                     : (i == j ? T(1) : T(0));
+        const bool normalized = cfg.normalize_gates && cfg.balance != Balance::expert_choice;
+        T dgdp =
+            normalized ? ((i == j ? T(1) / S : T(0)) - p[ch[j]] / (S * S)) : (i == j ? T(1) : T(0));
         dp[size_t(ch[i])] += d_gate[size_t(j)] * dgdp;
       }
     for (int64_t e = 0; e < E; ++e) {
@@ -198,11 +235,11 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
       if (cfg.balance == Balance::seq_aux) {
         // (N / S) times d/dp of alpha E f_s P_s, P_s a mean over the sequence's T_s tokens.
         const int64_t s = seq_of(n);
-        const T Ts = seq_tokens[size_t(s)], fs = seq_loads[size_t(s * E + e)] / (T(k) * Ts);
+        const T Ts = seq_tokens[size_t(s)], fs = seq_loads[size_t(s * E + e)] / (T(cfg.top_k) * Ts);
         dp[size_t(e)] += loss_scale * T(cfg.aux_coeff) * T(E) * fs * T(N) / (sequences * Ts);
       }
       if (uses_lei(cfg.balance)) {
-        const T a = loss_scale * T(cfg.lei_coeff) * T(2 * E) / T(k) * (f - T(1) / T(E));
+        const T a = loss_scale * T(cfg.lei_coeff) * T(2 * E) / T(cfg.top_k) * (f - T(1) / T(E));
         if (cfg.lei_kernel == LeiKernel::identity)
           dp[size_t(e)] += a;
         else
