@@ -670,19 +670,21 @@ void validate(const Config& c) {
   optim::validate(c.optim);
   optim::lr_schedule(c.optim, c.train.steps);
   optim::SpikeFilter(c.train.spike_factor, c.train.spike_window);
-  if (c.fault.spike_step > 0 && pipeline_enabled(c))
-    input_error("fault.spike_step = ", c.fault.spike_step,
-                " scales the gradients of a whole step, which pipeline schedules do not have; use "
-                "it with parallel.pp = 1 and no pipeline.schedule");
-  if (c.train.spike_factor > 0 && pipeline_enabled(c))
-    input_error("train.spike_factor = ", c.train.spike_factor,
-                " skips whole updates, which pipeline schedules step per stage; use it with "
-                "parallel.pp = 1 and no pipeline.schedule");
   non_negative("parallel.dp", double(c.parallel.dp));
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
   validate_pipeline(c);
+  const bool paci = pipeline_enabled(c) && pipeline_schedule(c) == pipeline::ScheduleKind::paci;
+  if (c.fault.spike_step > 0 && paci)
+    input_error("fault.spike_step = ", c.fault.spike_step,
+                " scales the gradients of a whole step, which PACI's stages do not share; use it "
+                "with a flush schedule (pipeline.schedule = \"gpipe\" or \"1f1b\") or none");
+  if (c.train.spike_factor > 0 && paci)
+    input_error("train.spike_factor = ", c.train.spike_factor,
+                " skips whole updates, which PACI's stages step on their own, each with its own "
+                "gradient norm; use it with a flush schedule (pipeline.schedule = \"gpipe\" or "
+                "\"1f1b\") or none");
   positive("parallel.cp_chunks", c.parallel.cp_chunks);
   if (c.parallel.cp > 1 && c.parallel.cp_layout == CpLayoutKind::zigzag &&
       c.train.seq_len % (2 * c.parallel.cp) != 0)

@@ -264,8 +264,9 @@ void PipelineTrainer::on_step(int64_t version) {
   double stats[2] = {w.loss_sum, w.loss_tokens};
   grad_group_.all_reduce(std::span<double>(stats, 2));
   TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
-  reducer_->reduce(float(1.0 / stats[1]));
-  if (expert_reducer_) expert_reducer_->reduce(float(1.0 / stats[1]));
+  const float scale = float(1.0 / stats[1]) * hooks_.gradient_scale(update);
+  reducer_->reduce(scale);
+  if (expert_reducer_) expert_reducer_->reduce(scale);
   const bool experts = expert_reducer_.has_value();
   double norm = 0;
   if (flush) {
@@ -306,9 +307,14 @@ void PipelineTrainer::on_step(int64_t version) {
       norm, "step " + std::to_string(update) + ": stage " + std::to_string(stage_),
       " (a lower optim.lr or a tighter train.grad_clip may avoid it)");
   optim::scale_to_max_norm(own_params_, norm, config_.train.grad_clip);
-  before_update_();
-  optimizer_.step(schedule_.scale(update));
-  model_.update_balance();  // MoE balancing: beta from this window's micro-batches
+  const bool apply = hooks_.before_update(update, norm);
+  TESSEL_CHECK(apply || flush, "PACI skipped update ", update);
+  if (apply) {
+    optimizer_.step(schedule_.scale(update));
+    model_.update_balance();  // MoE balancing: beta from this window's micro-batches
+  } else {
+    model_.discard_balance();  // a spike's loads must not reach the next update
+  }
   model_.zero_grads();
   if (tied_ && end_stage) {
     Tensor e = model_.parameter("embed.weight").value;
@@ -317,7 +323,7 @@ void PipelineTrainer::on_step(int64_t version) {
   run_windows_.push_back({stats[0], stats[1], norm, 0, {}, std::nullopt});
 }
 
-PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& before_update) {
+PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
   if (!pending_.empty()) {
     TESSEL_CHECK(step == next_step_, "pipeline step ", step, ", expected ", next_step_);
     PipelineStep r = std::move(pending_.front());
@@ -338,7 +344,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
   const int64_t windows = end - step;
   run_step_ = step;
   run_version_ = executor_.version();
-  before_update_ = before_update;
+  hooks_ = hooks;
   run_windows_.clear();
   if (const MoeMetrics moe(model_); !moe.empty()) run_moe_.assign(size_t(windows), moe);
   const uint64_t all_to_all_bytes = ep_.traffic().bytes.all_to_all;
@@ -435,7 +441,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const std::function<void()>& be
     pending_.push_back(std::move(r));
   }
   next_step_ = step;
-  return this->step(step, before_update);
+  return this->step(step, hooks);
 }
 
 std::vector<double> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches,

@@ -98,10 +98,19 @@ class PipelineTrainer {
   PipelineTrainer(const Config& config, const comm::Mesh& mesh, model::Gpt& model,
                   data::DataLoader& loader, optim::Optimizer& optimizer,
                   const optim::LrSchedule& schedule);
+  // What the trainer decides around each optimizer step. `gradient_scale(update)` multiplies
+  // the reduced gradients of update `update` (from 1; fault.spike_step). `before_update(update,
+  // grad_norm)` runs before every optimizer step (the trainer waits for a checkpoint's staging
+  // copy there) and returns whether to apply it: under a flush schedule a gradient spike
+  // (train.spike_factor) is not applied, and the optimizer and MoE balancing do not step. The
+  // norm is the same on every rank, so all stages decide alike; PACI must apply every update.
+  struct UpdateHooks {
+    std::function<float(int64_t)> gradient_scale;
+    std::function<bool(int64_t, double)> before_update;
+  };
   // Trainer step `step` (0-based, consecutive): flush schedules run it; PACI returns its
-  // window, running the horizon that starts there first. `before_update` runs before every
-  // optimizer step (the trainer waits for a checkpoint's staging copy there).
-  PipelineStep step(int64_t step, const std::function<void()>& before_update);
+  // window, running the horizon that starts there first.
+  PipelineStep step(int64_t step, const UpdateHooks& hooks);
   // Validation through the stages, forward only: the first stage embeds, each runs its
   // blocks on what the previous one sent, the last computes the loss. [loss sum, loss tokens]
   // of each data set d < data_sets, at [2d, 2d + 1], over `batches` (this dp rank's; batch i
@@ -155,7 +164,7 @@ class PipelineTrainer {
   pipeline::StageExecutor executor_;
   // The run in progress: its first trainer step, the executor version then, the hook.
   int64_t run_step_ = 0, run_version_ = 0;
-  std::function<void()> before_update_;
+  UpdateHooks hooks_;                      // of the current step() call
   std::vector<PipelineStep> run_windows_;  // this stage's view of each STEP of the run
   std::vector<MoeMetrics> run_moe_;        // MoE models: each window's forwards on this rank
   std::deque<PipelineStep> pending_;       // PACI: windows done, not yet returned

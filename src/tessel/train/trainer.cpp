@@ -1025,7 +1025,17 @@ TrainResult Trainer::run() {
     std::optional<PipelineStep> piped;
     nlohmann::json ep_skew;  // MoE without pipeline: max / median over the ep group
     if (s.pipeline) {
-      piped = s.pipeline->step(step, wait_staged);
+      // Under PACI the stages step on their own, each with its own norm: no spike skipping
+      // (config validation), and its windows' norms stay out of the spike window.
+      const bool flush = pipeline_schedule(c) != pipeline::ScheduleKind::paci;
+      piped = s.pipeline->step(
+          step, {.gradient_scale = [&](int64_t update) { return s.faults.gradient_scale(update); },
+                 .before_update =
+                     [&](int64_t, double norm) {
+                       if (flush) skipped = s.spikes.skip(norm, &spike_median);
+                       wait_staged();
+                       return !skipped;
+                     }});
       stats[0] = piped->loss_sum, stats[1] = piped->loss_tokens, grad_norm = piped->grad_norm;
     } else {
       s.model.zero_grads();

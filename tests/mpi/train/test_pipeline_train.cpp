@@ -295,6 +295,33 @@ TEST(PipelineTrain, AnAttentionWindowOverStagesEqualsTheSingleProcessRun) {
   expect_1f1b_equals(world, c, ref, "tessel-pp-window");
 }
 
+// Gradient-spike skipping over flush schedules: an injected spike (fault.spike_step, x1000) is
+// skipped on every stage, as one process skips it. GPipe and 1F1B over the stages equal the
+// single process bitwise; the spike step alone is skipped.
+TEST(PipelineTrain, AGradientSpikeIsSkippedOnEveryStageAsInOneProcess) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-spike");
+  c.train.steps = 10;
+  c.train.spike_factor = 5;
+  c.train.spike_window = 4;
+  c.fault.spike_step = 7;
+  const Reference ref = single_process(c);
+  for (size_t i = 0; i < ref.result.steps.size(); ++i)
+    EXPECT_EQ(ref.result.steps[i].skipped, i + 1 == 7) << "step " << i + 1;
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    SCOPED_TRACE(schedule);
+    train::Config piped = c;
+    piped.parallel.pp = world.size();
+    piped.pipeline.schedule = schedule;
+    piped.run.dir = shared_temp_dir(world, "tessel-pp-spike");
+    const auto r = run_on(world, piped);
+    fixture::expect_same_steps(r, ref.result);
+    for (size_t i = 0; i < r.steps.size(); ++i)
+      EXPECT_EQ(r.steps[i].skipped, i + 1 == 7) << "step " << i + 1;
+    fixture::expect_same_weights(fixture::final_weights(piped.run.dir), ref.weights);
+  }
+}
+
 // A mixture's validation runs through the stages per data set: 1F1B over the stages on two
 // data sets 1 : 3 equals the single process run, bitwise, each data set's loss included.
 TEST(PipelineTrain, AMixtureOverStagesEqualsTheSingleProcessRun) {

@@ -137,12 +137,18 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
 // Gradient-spike skipping and its fault are whole-step settings: refused under a pipeline,
 // and the schedule settings are checked where they apply.
 TEST(Config, SpikeSkippingAndScheduleSettings) {
-  for (const char* key : {"train.spike_factor=5", "fault.spike_step=3"})
+  // Under PACI each stage steps with its own norm; the flush schedules share one.
+  for (const char* key : {"train.spike_factor=5", "fault.spike_step=3"}) {
     expect_input_error(
         [&] {
-          train::load_config("", {key, "parallel.pp=2"});
+          train::load_config("", {key, "parallel.pp=2", "pipeline.schedule=paci",
+                                  "model.tied_head=false", "train.accum=2"});
         },
-        {std::string(key).substr(0, std::string(key).find('=')), "pipeline"});
+        {std::string(key).substr(0, std::string(key).find('=')), "PACI", "flush schedule"});
+    EXPECT_EQ(train::load_config("", {key, "parallel.pp=2"}).parallel.pp, 2);
+    EXPECT_EQ(train::load_config("", {key, "parallel.pp=2", "pipeline.schedule=gpipe"}).parallel.pp,
+              2);
+  }
   expect_input_error([] { train::load_config("", {"train.spike_factor=0.5"}); },
                      {"train.spike_factor = 0.5"});
   EXPECT_EQ(train::load_config("", {"train.spike_factor=5"}).train.spike_factor, 5);
