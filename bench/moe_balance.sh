@@ -44,8 +44,8 @@ summary() {
        ($s | map(.moe | blockmean(.dropped_cf1_25)) | add / length),
        ($v.moe | blockmean(.entropy_global)),
        $v.val_loss,
-       ($s | map(.ep_skew.expert_time) | add / length),
-       ($s | map(.ep_skew.recv_bytes) | add / length)]
+       ($s | map(.ep_skew.expert_time | select(. != null)) | add / length),
+       ($s | map(.ep_skew.recv_bytes | select(. != null)) | add / length)]
     | map(. * 10000 | round / 10000) | @tsv' "$1/metrics.jsonl"
 }
 read -r -a seeds <<<"${SEEDS:-1234}"

@@ -220,9 +220,16 @@ std::string weights_text(const std::vector<double>& weights) {
   return text;
 }
 
-// Model keys that train.init_from may change: how training treats the weights, not what
-// they compute (and under rotary positions, the context length).
-bool init_may_differ(const std::string& key, const model::GptConfig& model) {
+// Model keys that train.init_from may change from `have` to `want` (their compatibility
+// texts): how training treats the weights, not what they compute (and under rotary positions,
+// the context length). Expert choice computes another function (its gates are the raw router
+// scores), so switching to or from it is not a training setting.
+bool init_may_differ(const std::string& key, const nlohmann::json& have, const nlohmann::json& want,
+                     const model::GptConfig& model) {
+  auto expert_choice = [](const nlohmann::json& v) {
+    return v.is_string() && v.get<std::string>().find("expert_choice") != std::string::npos;
+  };
+  if (key == "model.moe_balance" && expert_choice(have) != expert_choice(want)) return false;
   static const std::set<std::string> training_settings = {
       "model.init_std",       "model.moe_aux_coeff", "model.moe_balance",  "model.moe_bias_rate",
       "model.moe_capacity",   "model.moe_drop",      "model.moe_eqb_step", "model.moe_lei_coeff",
@@ -666,7 +673,9 @@ struct Trainer::State {
     const nlohmann::json want = compatibility();  // a named object: items() refers into it
     std::string differences;
     for (const auto& [key, value] : want.items()) {
-      if (key.rfind("model.", 0) != 0 || init_may_differ(key, config.model)) continue;
+      if (key.rfind("model.", 0) != 0 ||
+          init_may_differ(key, have.value(key, nlohmann::json()), value, config.model))
+        continue;
       if (!have.contains(key)) {
         const std::string why = absent_key_mismatch(key, value);
         if (!why.empty()) input_error("train.init_from: ", dir, why);

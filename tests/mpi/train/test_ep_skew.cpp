@@ -31,6 +31,7 @@ int64_t tokens_of(int r) {
 TEST(EpSkew, DispatchBytesSkewIsTheClosedFormOfTheLoads) {
   comm::Communicator& world = comm::world();
   const int P = world.size(), me = world.rank();
+  if (P % 2 != 0) GTEST_SKIP() << "the closed form below takes the median of an even count";
   moe::testing::Layout l;
   l.config.experts = kE;
   l.config.top_k = kK;

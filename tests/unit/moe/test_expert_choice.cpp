@@ -94,7 +94,8 @@ TEST(ExpertChoice, LargerCapacityServesMoreTokensAndAllTakeEveryToken) {
 }
 
 TEST(ExpertChoice, AnUnservedTokenGetsNoExpertOutput) {
-  // Token 4 (cf 1) has no expert: its output is 0 (no shared expert), the others' is not.
+  // Tokens 3 and 4 (cf 1) have no expert: their output is 0 (no shared expert), the others'
+  // is not.
   Layout l = ec_layout(1.0);
   std::vector<float> params = testing::random_params(l, 3);
   std::fill(params.begin(), params.begin() + kE * kE, 0.0f);  // the identity router

@@ -355,6 +355,28 @@ TEST_F(TrainerTest, ASkippedSpikeLeavesNoMoeBalancingBehind) {
   }
 }
 
+// train.init_from may change how MoE balancing trains (aux -> eqb_lei) but not switch to
+// expert choice, whose gates (raw router scores) make the same weights compute another function.
+TEST_F(TrainerTest, FineTuningMayChangeTheBalanceButNotSwitchToExpertChoice) {
+  auto config = [&](const std::string& balance, const std::string& run, const std::string& from) {
+    train::Config c = fixture::tiny_config(data_dir, run);
+    c.train.steps = 3;
+    c.optim.warmup_steps = 1;
+    c.train.init_from = from;
+    for (const std::string& kv :
+         {std::string("model.moe_layers=all"), std::string("model.moe_experts=4"),
+          "model.moe_balance=" + balance})
+      train::apply_override(c, kv);
+    return c;
+  };
+  const std::string base = fixture::temp_dir("tessel-run");
+  train_run(config("aux", base, ""));
+  EXPECT_EQ(train_run(config("eqb_lei", fixture::temp_dir("tessel-run"), base)).steps.size(), 3u);
+  fixture::expect_input_error(
+      [&] { train_run(config("expert_choice", fixture::temp_dir("tessel-run"), base)); },
+      {"holds another model", "model.moe_balance"});
+}
+
 TEST_F(TrainerTest, MissingDatasetNamesTheFile) {
   train::Config c = fixture::tiny_config("/nonexistent/data", fixture::temp_dir("tessel-run"));
   fixture::expect_input_error([&] { train_run(c); }, {"/nonexistent/data/train.tok"});
