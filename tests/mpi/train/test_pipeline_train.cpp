@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "support/expect_input_error.hpp"
 #include "support/mpi_train_fixture.hpp"
 #include "support/pipeline_fixture.hpp"
 #include "support/train_fixture.hpp"
@@ -906,6 +907,52 @@ TEST(PipelineTrain, ATiedHeadCheckpointResumesOnOneProcessToRounding) {
           << "step " << 5 + i;
   }
   world.barrier();
+}
+
+// Stages that took different numbers of optimizer steps (no tessel schedule saves so: each
+// saves where every stage has stepped once per step or window; the checkpoint is rewritten
+// here, stage 1's AdamW counter one behind, its file's size and checksum updated) cannot
+// continue as one optimizer: resuming on one process is refused naming both counters and the
+// settings to keep, while the checkpoint's own split resumes it.
+TEST(PipelineTrain, StagesWithDifferentStepCountsResumeOnlyUnderTheirSplit) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-steps-differ");
+  c.parallel.pp = world.size();
+  c.train.checkpoint_every = 4;
+  run_on(world, c);
+  const std::string checkpoint = c.run.dir + "/checkpoints/step-00000004";
+  if (world.rank() == 0) {
+    fs::remove_all(c.run.dir + "/checkpoints/step-00000008");
+    const std::string manifest_path = checkpoint + "/manifest.json";
+    nlohmann::json manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+    bool rewritten = false;
+    for (auto& f : manifest["files"]) {
+      const std::string path = checkpoint + "/" + f["name"].get<std::string>();
+      if (f["name"].get<std::string>().rfind("optimizer-", 0) != 0) continue;
+      train::SafetensorsFile file = train::read_safetensors(path);
+      for (auto& t : file.tensors)
+        if (t.name == "stage1/adamw.step") {
+          t.tensor.i32()[0] -= 1;
+          uint32_t crc = 0;
+          train::write_safetensors(path, file.tensors, file.metadata, &crc);
+          f["crc32"] = crc;
+          f["bytes"] = fs::file_size(path);
+          rewritten = true;
+        }
+    }
+    ASSERT_TRUE(rewritten);
+    std::ofstream(manifest_path) << manifest.dump(2);
+    comm::SingleCommunicator self;
+    train::Config one = without_pipeline(c);
+    one.run.dir = copy_to_resume(self, c.run.dir, 4);
+    fixture::expect_input_error(
+        [&] { run_on(self, one); },
+        {checkpoint.substr(checkpoint.rfind('/')), "'stage0/adamw.step' and 'stage1/adamw.step'",
+         "one tensor 'adamw.step'", "different numbers of optimizer steps",
+         "resume with the checkpoint's parallel.pp and pipeline.layout"});
+  }
+  world.barrier();
+  EXPECT_EQ(run_on(world, c).resumed_from, 4);
 }
 
 // Each rank's model holds only its stage's parameters (a tied embedding also on the last
