@@ -912,6 +912,43 @@ TEST(PipelineTrain, ATiedHeadCheckpointResumesOnOneProcessToRounding) {
   if (world.rank() == 0) fixture::expect_follows_to_rounding(one.result, full, 4);
 }
 
+// An MoE block's expert state moves with its block: block 1's experts (and the expert
+// optimizer's step counters) live on stage 0 under layout "3,1" and on stage 1 under "1,3"
+// (np 4: ep 2, each expert's state saved by the rank holding it). 1F1B resumed under the other
+// layout, and on np 2 also on one process, continues the uninterrupted run: losses, validation
+// and weights bitwise, gradient norms to 1e-12 (as MoeStagesEqualThePlainExpertParallelRun:
+// the pipeline adds per-parameter sums in registry order, the plain run the dense ones, then
+// the experts'; no clipping, so that this rounding never reaches the weights).
+TEST(PipelineTrain, AnExpertsStateMovesWithItsBlockUnderAnotherSplit) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-ppmoe-resplit");
+  for (const char* s : {"model.moe_experts=4", "model.moe_top_k=2", "model.moe_balance=eqb_lei"})
+    train::apply_override(c, s);
+  c.model.moe_layers = "1";
+  c.parallel.pp = 2;
+  c.parallel.ep = world.size() / 2;
+  c.pipeline.schedule = "1f1b";
+  c.pipeline.layout = "3,1";
+  c.train.grad_clip = 0;
+  c.train.checkpoint_every = 4;
+  const auto full = run_on(world, c);
+  const auto weights = fixture::final_weights(c.run.dir);
+  auto expect_continues_moe = [&](const train::TrainResult& resumed, const std::string& dir) {
+    EXPECT_EQ(resumed.resumed_from, 4);
+    const auto rest = fixture::after_step(full, 4);
+    fixture::expect_same_steps(resumed, rest, /*norms_too=*/false);
+    fixture::expect_norms_near(resumed, rest);
+    fixture::expect_same_weights(fixture::final_weights(dir), weights);
+  };
+  train::Config relaid = c;
+  relaid.pipeline.layout = "1,3";
+  relaid.run.dir = copy_to_resume(world, c.run.dir, 4);
+  expect_continues_moe(run_on(world, relaid), relaid.run.dir);
+  if (world.size() != 2) return;
+  const auto one = resume_on_one_process(world, c, c.run.dir);
+  if (world.rank() == 0) expect_continues_moe(one.result, one.run_dir);
+}
+
 // Stages that took different numbers of optimizer steps (no tessel schedule saves so: each
 // saves where every stage has stepped once per step or window; the checkpoint is rewritten
 // here, stage 1's AdamW counter one behind, its file's size and checksum updated) cannot
