@@ -225,16 +225,16 @@ void copy_rows(const Tensor& src, int64_t src_row0, const RowShard& to, int64_t 
               size_t(count) * row);
 }
 
-// The candidates of one optimizer state tensor under another stage split: the names in `from`
-// whose stage-free name is `key`, whole tensors and row shards.
-std::vector<std::string> names_without_stage(const CheckpointContent& from,
-                                             const std::string& key) {
+// Every optimizer state name of `from` (whole tensors and row shards) by its stage_free_name:
+// the candidates of a tensor under another stage split.
+using NamesByStageFreeName = std::map<std::string, std::vector<std::string>>;
+NamesByStageFreeName names_by_stage_free_name(const CheckpointContent& from) {
   std::set<std::string> names;
-  for (const NamedTensor& t : from.optimizer)
-    if (stage_free_name(t.name) == key) names.insert(t.name);
-  for (const ShardLocation& s : from.shard_locations)
-    if (stage_free_name(s.name) == key) names.insert(s.name);
-  return {names.begin(), names.end()};
+  for (const NamedTensor& t : from.optimizer) names.insert(t.name);
+  for (const ShardLocation& s : from.shard_locations) names.insert(s.name);
+  NamesByStageFreeName out;
+  for (const std::string& n : names) out[stage_free_name(n)].push_back(n);
+  return out;
 }
 
 // The name under which `from` holds the optimizer state `name`: `name` itself, else the one
@@ -242,11 +242,14 @@ std::vector<std::string> names_without_stage(const CheckpointContent& from,
 // checkpoint resumed without one, or the reverse). Several stages hold a per-optimizer scalar
 // (a step counter) each: they must agree, since one optimizer of the new split continues them
 // all. `name` when there is none (the caller reports it missing).
-std::string checkpoint_state_name(const CheckpointContent& from, const std::string& name,
+std::string checkpoint_state_name(const CheckpointContent& from,
+                                  const NamesByStageFreeName& candidates, const std::string& name,
                                   const std::string& source) {
-  const std::vector<std::string> names = names_without_stage(from, stage_free_name(name));
+  const auto found = candidates.find(stage_free_name(name));
+  if (found == candidates.end()) return name;
+  const std::vector<std::string>& names = found->second;
   if (names.size() == 1) return names.front();
-  if (names.empty() || std::find(names.begin(), names.end(), name) != names.end()) return name;
+  if (std::find(names.begin(), names.end(), name) != names.end()) return name;
   auto whole = [&](const std::string& n) -> const NamedTensor* {
     for (const NamedTensor& t : from.optimizer)
       if (t.name == n) return &t;
@@ -310,9 +313,10 @@ void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard
                        const std::string& source) {
   // The shards to copy from, by file, so that each file is read once.
   std::map<std::string, std::vector<std::pair<const ShardLocation*, const RowShard*>>> reads;
+  const NamesByStageFreeName candidates = names_by_stage_free_name(from);
   for (const RowShard& w : wanted) {
     const int64_t n = leading(w.tensor), rows = w.rows > 0 ? w.rows : n;
-    const std::string name = checkpoint_state_name(from, w.name, source);
+    const std::string name = checkpoint_state_name(from, candidates, w.name, source);
     auto whole = std::find_if(from.optimizer.begin(), from.optimizer.end(),
                               [&](const NamedTensor& t) { return t.name == name; });
     if (whole != from.optimizer.end() && w.rows == 0) {
