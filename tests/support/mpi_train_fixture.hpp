@@ -72,4 +72,17 @@ inline train::TrainResult expect_resume_continues_bitwise(
   return full;
 }
 
+// A run resumed from step `from` follows `full` from there up to summation order: losses
+// within 1e-5 relative (a wrong data position or a lost optimizer tensor moves them by far
+// more).
+inline void expect_follows_to_rounding(const train::TrainResult& resumed,
+                                       const train::TrainResult& full, int64_t from) {
+  EXPECT_EQ(resumed.resumed_from, from);
+  ASSERT_EQ(int64_t(resumed.steps.size()), int64_t(full.steps.size()) - from);
+  for (size_t i = 0; i < resumed.steps.size(); ++i) {
+    const double want = full.steps[size_t(from) + i].loss;
+    EXPECT_NEAR(resumed.steps[i].loss, want, 1e-5 * want) << "step " << from + 1 + int64_t(i);
+  }
+}
+
 }  // namespace tessel::fixture

@@ -3,6 +3,7 @@
 // the bitwise comparisons of two runs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <string>
@@ -37,6 +38,17 @@ inline void expect_same_steps(const train::TrainResult& a, const train::TrainRes
   }
   EXPECT_EQ(a.validation, b.validation);
   EXPECT_EQ(a.data_set_validation, b.data_set_validation);
+}
+
+// `r` after step `from`: what a run resumed from step `from`'s checkpoint repeats (its steps
+// and validations after `from`).
+inline train::TrainResult after_step(train::TrainResult r, int64_t from) {
+  r.steps.erase(r.steps.begin(), r.steps.begin() + std::min<int64_t>(from, r.steps.size()));
+  size_t done = 0;
+  while (done < r.validation.size() && r.validation[done].first <= from) ++done;
+  r.validation.erase(r.validation.begin(), r.validation.begin() + done);
+  r.data_set_validation.erase(r.data_set_validation.begin(), r.data_set_validation.begin() + done);
+  return r;
 }
 
 // Gradient norms of every step within 1e-12 relative: a run with MoE blocks adds the

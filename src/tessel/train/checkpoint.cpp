@@ -225,7 +225,62 @@ void copy_rows(const Tensor& src, int64_t src_row0, const RowShard& to, int64_t 
               size_t(count) * row);
 }
 
+// Every optimizer state name of `from` (whole tensors and row shards) by its stage_free_name:
+// the candidates of a tensor under another stage split.
+using NamesByStageFreeName = std::map<std::string, std::vector<std::string>>;
+NamesByStageFreeName names_by_stage_free_name(const CheckpointContent& from) {
+  std::set<std::string> names;
+  for (const NamedTensor& t : from.optimizer) names.insert(t.name);
+  for (const ShardLocation& s : from.shard_locations) names.insert(s.name);
+  NamesByStageFreeName out;
+  for (const std::string& n : names) out[stage_free_name(n)].push_back(n);
+  return out;
+}
+
+// The name under which `from` holds the optimizer state `name`: `name` itself, else the one
+// name that differs from it only in the stage prefix (another stage split, or a pipeline
+// checkpoint resumed without one, or the reverse). Several stages hold a per-optimizer scalar
+// (a step counter) each: they must agree, since one optimizer of the new split continues them
+// all. `name` when there is none (the caller reports it missing).
+std::string checkpoint_state_name(const CheckpointContent& from,
+                                  const NamesByStageFreeName& candidates, const std::string& name,
+                                  const std::string& source) {
+  const auto found = candidates.find(stage_free_name(name));
+  if (found == candidates.end()) return name;
+  const std::vector<std::string>& names = found->second;
+  if (names.size() == 1) return names.front();
+  if (std::find(names.begin(), names.end(), name) != names.end()) return name;
+  auto whole = [&](const std::string& n) -> const NamedTensor* {
+    for (const NamedTensor& t : from.optimizer)
+      if (t.name == n) return &t;
+    return nullptr;
+  };
+  const NamedTensor* first = whole(names.front());
+  for (size_t i = 1; i < names.size(); ++i) {
+    const NamedTensor* other = whole(names[i]);
+    const bool same =
+        first && other && first->tensor.shape() == other->tensor.shape() &&
+        first->tensor.dtype() == other->tensor.dtype() &&
+        std::memcmp(first->tensor.raw(), other->tensor.raw(), first->tensor.bytes()) == 0;
+    if (!same)
+      input_error(source, ": optimizer state '", names.front(), "' and '", names[i],
+                  "' differ, but this run's stage split continues them as one tensor '",
+                  stage_free_name(name),
+                  "' (the stages took different numbers of optimizer steps); resume with the "
+                  "checkpoint's parallel.pp and pipeline.layout");
+  }
+  return names.front();
+}
+
 }  // namespace
+
+std::string stage_free_name(const std::string& name) {
+  constexpr std::string_view stage = "stage";
+  if (name.rfind(stage, 0) != 0) return name;
+  size_t i = stage.size();
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9') ++i;
+  return i > stage.size() && i < name.size() && name[i] == '/' ? name.substr(i + 1) : name;
+}
 
 uint32_t file_crc32(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -258,12 +313,14 @@ void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard
                        const std::string& source) {
   // The shards to copy from, by file, so that each file is read once.
   std::map<std::string, std::vector<std::pair<const ShardLocation*, const RowShard*>>> reads;
+  const NamesByStageFreeName candidates = names_by_stage_free_name(from);
   for (const RowShard& w : wanted) {
     const int64_t n = leading(w.tensor), rows = w.rows > 0 ? w.rows : n;
+    const std::string name = checkpoint_state_name(from, candidates, w.name, source);
     auto whole = std::find_if(from.optimizer.begin(), from.optimizer.end(),
-                              [&](const NamedTensor& t) { return t.name == w.name; });
+                              [&](const NamedTensor& t) { return t.name == name; });
     if (whole != from.optimizer.end() && w.rows == 0) {
-      restore_tensor(from.optimizer, w.name, w.tensor, source);
+      restore_tensor(from.optimizer, name, w.tensor, source);
       continue;
     }
     if (whole != from.optimizer.end()) {
@@ -275,7 +332,7 @@ void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard
     }
     bool found = false;
     for (const ShardLocation& s : from.shard_locations) {
-      if (s.name != w.name) continue;
+      if (s.name != name) continue;
       if (s.shape[0] != rows)
         input_error(source, ": tensor '", w.name, "' has ", s.shape[0], " rows, expected ", rows);
       found = true;

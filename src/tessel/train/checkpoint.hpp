@@ -207,11 +207,19 @@ class AsyncCheckpointer {
 void restore_tensor(const std::vector<NamedTensor>& from, const std::string& name, Tensor to,
                     const std::string& source);
 
+// `name` without the "stage<s>/" a pipeline stage's optimizer puts before its state
+// (make_stage_optimizer): the same under any stage split, and without a pipeline.
+std::string stage_free_name(const std::string& name);
+
 // Restores each of `wanted` (a whole tensor, or a row shard this rank holds) from the loaded
 // checkpoint `from`, whether it saved that tensor whole or in row shards of any split: a
 // checkpoint of P ranks resumes on any number. Reads each shard file holding wanted rows
-// once, verifying its checksum, and no other. InputError naming `source` (the checkpoint) or
-// the file when a tensor is missing or its rows, shape or dtype differ.
+// once, verifying its checksum, and no other. A tensor missing under its own name is taken
+// from the one that has the same stage_free_name, so a checkpoint resumes under another
+// pipeline stage split, or without a pipeline; a per-optimizer scalar that several stages
+// saved (their step counters) must be equal in all of them. InputError naming `source` (the
+// checkpoint) or the file when a tensor is missing, stages' copies of it differ, or its rows,
+// shape or dtype differ.
 void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard>& wanted,
                        const std::string& source);
 

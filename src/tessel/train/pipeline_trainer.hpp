@@ -76,7 +76,9 @@ std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int
 // The optimizer of the pipeline path: this rank's stage's parameters only (its dense ones
 // over dp, its experts over edp), its state named "stage<s>/..." and held by that stage's
 // ranks alone (checkpoints write it as their own tensors, ZeRO-1 row shards by each dp or edp
-// rank).
+// rank). The prefix keeps each stage's step counters apart in a checkpoint (older tessel
+// reads them back by these names); a resume matches state without it (stage_free_name), so
+// any stage split, or none, continues it.
 std::unique_ptr<parallel::ExpertShardedOptimizer> make_stage_optimizer(
     const Config& config, const model::Gpt& model, const comm::Mesh& mesh,
     const std::map<std::string, std::vector<int64_t>>& row_blocks);

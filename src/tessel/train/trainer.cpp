@@ -169,7 +169,9 @@ struct PhaseMark {
   PhaseMark(EttLedger& ledger, Phase phase) { ledger.enter(phase); }
 };
 
-// The compatibility record's entry of a pipeline run.
+// The compatibility record's entry of a pipeline run: the stage split it saved with. Recorded,
+// not compared (restore_optimizer finds each stage's state under any split), so that an older
+// tessel, which compares it, still resumes the checkpoint with the same split.
 constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pipeline.layout)";
 // Written into every checkpoint's compatibility record: renaming it breaks resuming them.
 constexpr std::string_view kGlobalBatchKey =
@@ -484,7 +486,8 @@ struct Trainer::State {
   // the model, everything that decides the data order, and the optimizer. The data order
   // depends on the layout only through the global batch (data/loader.hpp), so dp, accum
   // and micro_batch may change if their product does: the optimizer state is stored whole
-  // or in row shards, and restore_optimizer re-cuts it for the new dp group.
+  // or in row shards, and restore_optimizer re-cuts it for the new dp group. The pipeline's
+  // stage split may change too (kPipelineKey).
   nlohmann::json compatibility() const {
     static const std::set<std::string> order_keys = {"run.seed", "data.shuffle", "train.seq_len",
                                                      "optim.name"};
@@ -497,7 +500,6 @@ struct Trainer::State {
       keys[data_set_key("", d, " tokens")] = loader.shard(d).num_tokens();
       keys[data_set_key("", d, " documents")] = loader.shard(d).num_documents();
     }
-    // The stage optimizers name their state per stage: only the same stages can resume it.
     if (pipeline) keys[kPipelineKey] = pipeline_boundaries(config);
     if (loader.packed()) {
       for (int64_t d = 0; d < loader.sources(); ++d) keys[sft_rows_key(d)] = loader.windows(d);
@@ -594,6 +596,7 @@ struct Trainer::State {
           have.contains(sft_key) ? "an SFT data set" : "a text data set (or by an older tessel)",
           " but this run's data.path ", config.data.path, " is ",
           want.contains(sft_key) ? "an SFT data set" : "a text data set", "; use a new run.dir");
+    want.erase(kPipelineKey);  // any stage split resumes: restore_optimizer maps the stages
     for (const auto& [key, value] : want.items())
       if (!have.contains(key)) {
         const std::string why = absent_key_mismatch(key, value);
@@ -605,11 +608,6 @@ struct Trainer::State {
                         ? " (under PACI pipeline.paci_k, when set, counts as accum)"
                         : "",
                     "; resume with the checkpoint's setting or use a new run.dir");
-    // A pipeline checkpoint's stage-named optimizer state cannot resume without the pipeline.
-    if (have.contains(kPipelineKey) && !want.contains(kPipelineKey))
-      input_error(chosen, ": checkpoint has ", kPipelineKey, " = ", json_text(have[kPipelineKey]),
-                  " but this run has no pipeline; resume with the checkpoint's setting or use a "
-                  "new run.dir");
     // Only a resume that is accepted drops the damaged newer ones: the run redoes those steps.
     if (is_root) store.discard_newer_than(chosen);
     finish_warmup();  // its forward reads the weights restored here

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "support/expect_input_error.hpp"
 #include "support/mpi_train_fixture.hpp"
 #include "support/pipeline_fixture.hpp"
 #include "support/train_fixture.hpp"
@@ -756,6 +757,269 @@ TEST(PipelineTrain, ResumeContinuesBitwise) {
           world, c, 4, [&] { fs::remove_all(run + "/checkpoints/step-00000008"); });
       EXPECT_EQ(full.steps.size(), 8u);
     }
+}
+
+namespace {
+
+// A copy of `run_dir` without its checkpoints after step `step` (a run directory that resumes
+// from step `step`), made by rank 0 and known to every rank.
+std::string copy_to_resume(comm::Communicator& world, const std::string& run_dir, int64_t step) {
+  const std::string copy = shared_temp_dir(world, "tessel-pp-resplit-copy");
+  if (world.rank() == 0) {
+    fs::copy(run_dir, copy, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    char kept[32];
+    std::snprintf(kept, sizeof kept, "step-%08lld", static_cast<long long>(step));
+    for (const auto& e : fs::directory_iterator(copy + "/checkpoints"))
+      if (e.is_directory() && e.path().filename().string() > kept) fs::remove_all(e.path());
+  }
+  world.barrier();
+  return copy;
+}
+
+// `c` without a pipeline.
+train::Config without_pipeline(train::Config c) {
+  c.parallel.pp = 1;
+  c.pipeline.schedule.clear();
+  c.pipeline.layout.clear();
+  return c;
+}
+
+// `c` resumed without a pipeline on one process (rank 0; the others wait) from a copy of
+// `run_dir` cut at step 4: rank 0's result (the others' is empty) and its run directory.
+struct OneProcessResume {
+  train::TrainResult result;
+  std::string run_dir;
+};
+OneProcessResume resume_on_one_process(comm::Communicator& world, const train::Config& c,
+                                       const std::string& run_dir) {
+  train::Config one = without_pipeline(c);
+  one.run.dir = copy_to_resume(world, run_dir, 4);
+  OneProcessResume r{{}, one.run.dir};
+  if (world.rank() == 0) {
+    comm::SingleCommunicator self;
+    r.result = run_on(self, one);
+  }
+  world.barrier();
+  return r;
+}
+
+// `resumed`, run from `full`'s step-4 checkpoint into `run_dir`, repeats `full` bitwise from
+// there: losses, norms, validation and final weights.
+void expect_continues(const train::TrainResult& resumed, const std::string& run_dir,
+                      const train::TrainResult& full,
+                      const std::map<std::string, std::vector<float>>& full_weights) {
+  EXPECT_EQ(resumed.resumed_from, 4);
+  fixture::expect_same_steps(resumed, fixture::after_step(full, 4));
+  fixture::expect_same_weights(fixture::final_weights(run_dir), full_weights);
+}
+
+}  // namespace
+
+// A checkpoint resumes under another stage split (docs/training.md section 6). The stages'
+// optimizers save their state as "stage<s>/..." with the split in the compatibility record
+// (the format older tessel wrote, and reads back under the same split); a resume finds each
+// tensor by its name without the stage. Untied head, so GPipe and 1F1B over any split equal
+// the single process bitwise: with Muon (the demo's optimizer) and AdamW, a 1F1B run over
+// pp = P stages saved at step 4 continues bitwise as the uninterrupted run when resumed on one
+// process (pp = 1), and under another layout at pp = P; a single-process checkpoint does so
+// under GPipe over P stages. np 4 also: pp 2 x dp 2, Muon's momentum in ZeRO-1 row shards of
+// each stage's dp group, resumes as plain dp 2 on two ranks, and plain dp 2 as pp 2 x dp 2
+// under another layout.
+TEST(PipelineTrain, ResumesWithAnotherStageSplitBitwise) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  comm::SingleCommunicator self;
+  const std::string layout = P == 2 ? "3,1" : "1,1,1,1", other = P == 2 ? "1,3" : "0,2,2,0";
+  for (const char* optimizer : {"muon", "adamw"}) {
+    SCOPED_TRACE(optimizer);
+    train::Config c = pipeline_config(world, "tessel-pp-resplit");
+    c.optim.name = optimizer;
+    c.train.checkpoint_every = 4;
+    c.parallel.pp = P;
+    c.pipeline.schedule = "1f1b";
+    c.pipeline.layout = layout;
+    const auto full = run_on(world, c);
+    const auto weights = fixture::final_weights(c.run.dir);
+    if (world.rank() == 0) {
+      nlohmann::json manifest;
+      std::ifstream(c.run.dir + "/checkpoints/step-00000004/manifest.json") >> manifest;
+      for (const auto& name : manifest["tensors"]["optimizer"])
+        EXPECT_EQ(name.get<std::string>().rfind("stage", 0), 0u) << name;
+      EXPECT_EQ(manifest["state"]["compatibility"]
+                        ["pipeline stage boundaries (parallel.pp, pipeline.layout)"],
+                nlohmann::json(train::pipeline_boundaries(c)));
+    }
+
+    const auto one = resume_on_one_process(world, c, c.run.dir);
+    if (world.rank() == 0) expect_continues(one.result, one.run_dir, full, weights);
+
+    train::Config relaid = c;
+    relaid.pipeline.layout = other;
+    relaid.run.dir = copy_to_resume(world, c.run.dir, 4);
+    expect_continues(run_on(world, relaid), relaid.run.dir, full, weights);
+
+    train::Config single = without_pipeline(c);
+    single.run.dir = shared_temp_dir(world, "tessel-pp-resplit");
+    if (world.rank() == 0) run_on(self, single);
+    world.barrier();
+    train::Config gpipe = relaid;
+    gpipe.pipeline.schedule = "gpipe";
+    gpipe.run.dir = copy_to_resume(world, single.run.dir, 4);
+    expect_continues(run_on(world, gpipe), gpipe.run.dir, full, weights);
+
+    if (P != 4) continue;
+    auto half = world.split(world.rank() < 2 ? 0 : 1, world.rank());
+    train::Config wide = c;  // pp 2 x dp 2: the global batch of plain dp 2
+    wide.parallel.pp = 2;
+    wide.pipeline.layout = "3,1";
+    wide.run.dir = shared_temp_dir(world, "tessel-pp-resplit");
+    const auto wide_full = run_on(world, wide);
+    const auto wide_weights = fixture::final_weights(wide.run.dir);
+    if (world.rank() == 0 && std::string(optimizer) == "muon") {
+      nlohmann::json manifest;
+      std::ifstream(wide.run.dir + "/checkpoints/step-00000004/manifest.json") >> manifest;
+      ASSERT_FALSE(manifest["shards"].empty());
+      for (const auto& shard : manifest["shards"])
+        EXPECT_EQ(shard["name"].get<std::string>().rfind("stage", 0), 0u) << shard["name"];
+    }
+    train::Config plain = without_pipeline(wide);
+    plain.run.dir = copy_to_resume(world, wide.run.dir, 4);
+    if (world.rank() < 2)
+      expect_continues(run_on(*half, plain), plain.run.dir, wide_full, wide_weights);
+    world.barrier();
+    plain.run.dir = shared_temp_dir(world, "tessel-pp-resplit");
+    if (world.rank() < 2) run_on(*half, plain);
+    world.barrier();
+    wide.pipeline.layout = "1,3";
+    wide.run.dir = copy_to_resume(world, plain.run.dir, 4);
+    expect_continues(run_on(world, wide), wide.run.dir, wide_full, wide_weights);
+  }
+}
+
+// PACI saves at a drain, where every stage has taken one step per window and no backward is
+// in flight: its state is one consistent version, whichever stage holds it. A PACI checkpoint
+// over pp = P stages resumed on one process continues bitwise as the same checkpoint resumed
+// by 1F1B under its own split (the schedule may change at a resume), so the re-split loses
+// nothing; the uninterrupted PACI run itself cannot be matched by another split, whose
+// stages' staleness and clipping differ.
+TEST(PipelineTrain, APaciCheckpointResumesOnOneProcessAsUnderItsOwnSplit) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-paci-resplit");
+  c.parallel.pp = world.size();
+  c.pipeline.schedule = "paci";
+  c.train.eval_every = 0;
+  c.train.checkpoint_every = 4;
+  run_on(world, c);
+  train::Config flush = c;
+  flush.pipeline.schedule = "1f1b";
+  flush.run.dir = copy_to_resume(world, c.run.dir, 4);
+  const auto own_split = run_on(world, flush);
+  const auto own_weights = fixture::final_weights(flush.run.dir);
+  EXPECT_EQ(own_split.resumed_from, 4);
+  const auto one = resume_on_one_process(world, flush, c.run.dir);
+  if (world.rank() != 0) return;
+  EXPECT_EQ(one.result.resumed_from, 4);
+  fixture::expect_same_steps(one.result, own_split);
+  fixture::expect_same_weights(fixture::final_weights(one.run_dir), own_weights);
+}
+
+// A tied head's checkpoint over pp = P stages (the embedding's optimizer state on the first
+// stage) resumed on one process follows the uninterrupted pipeline run to rounding, as that run
+// follows the single process (TiedHeadOverStagesFollowsTheSingleProcessRun: the tied weight's
+// two gradient parts are summed in another order, 1e-5 relative on the loss over these few
+// steps; a lost or misplaced state tensor moves it by far more).
+TEST(PipelineTrain, ATiedHeadCheckpointResumesOnOneProcessToRounding) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-tied-resplit");
+  c.model.tied_head = true;
+  c.parallel.pp = world.size();
+  c.train.checkpoint_every = 4;
+  const auto full = run_on(world, c);
+  const auto one = resume_on_one_process(world, c, c.run.dir);
+  if (world.rank() == 0) fixture::expect_follows_to_rounding(one.result, full, 4);
+}
+
+// An MoE block's expert state moves with its block: block 1's experts (and the expert
+// optimizer's step counters) live on stage 0 under layout "3,1" and on stage 1 under "1,3"
+// (np 4: ep 2, each expert's state saved by the rank holding it). 1F1B resumed under the other
+// layout, and on np 2 also on one process, continues the uninterrupted run: losses, validation
+// and weights bitwise, gradient norms to 1e-12 (as MoeStagesEqualThePlainExpertParallelRun:
+// the pipeline adds per-parameter sums in registry order, the plain run the dense ones, then
+// the experts'; no clipping, so that this rounding never reaches the weights).
+TEST(PipelineTrain, AnExpertsStateMovesWithItsBlockUnderAnotherSplit) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-ppmoe-resplit");
+  for (const char* s : {"model.moe_experts=4", "model.moe_top_k=2", "model.moe_balance=eqb_lei"})
+    train::apply_override(c, s);
+  c.model.moe_layers = "1";
+  c.parallel.pp = 2;
+  c.parallel.ep = world.size() / 2;
+  c.pipeline.schedule = "1f1b";
+  c.pipeline.layout = "3,1";
+  c.train.grad_clip = 0;
+  c.train.checkpoint_every = 4;
+  const auto full = run_on(world, c);
+  const auto weights = fixture::final_weights(c.run.dir);
+  auto expect_continues_moe = [&](const train::TrainResult& resumed, const std::string& dir) {
+    EXPECT_EQ(resumed.resumed_from, 4);
+    const auto rest = fixture::after_step(full, 4);
+    fixture::expect_same_steps(resumed, rest, /*norms_too=*/false);
+    fixture::expect_norms_near(resumed, rest);
+    fixture::expect_same_weights(fixture::final_weights(dir), weights);
+  };
+  train::Config relaid = c;
+  relaid.pipeline.layout = "1,3";
+  relaid.run.dir = copy_to_resume(world, c.run.dir, 4);
+  expect_continues_moe(run_on(world, relaid), relaid.run.dir);
+  if (world.size() != 2) return;
+  const auto one = resume_on_one_process(world, c, c.run.dir);
+  if (world.rank() == 0) expect_continues_moe(one.result, one.run_dir);
+}
+
+// Stages that took different numbers of optimizer steps (no tessel schedule saves so: each
+// saves where every stage has stepped once per step or window; the checkpoint is rewritten
+// here, stage 1's AdamW counter one behind, its file's size and checksum updated) cannot
+// continue as one optimizer: resuming on one process is refused naming both counters and the
+// settings to keep, while the checkpoint's own split resumes it.
+TEST(PipelineTrain, StagesWithDifferentStepCountsResumeOnlyUnderTheirSplit) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-steps-differ");
+  c.parallel.pp = world.size();
+  c.train.checkpoint_every = 4;
+  run_on(world, c);
+  const std::string checkpoint = c.run.dir + "/checkpoints/step-00000004";
+  if (world.rank() == 0) {
+    fs::remove_all(c.run.dir + "/checkpoints/step-00000008");
+    const std::string manifest_path = checkpoint + "/manifest.json";
+    nlohmann::json manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+    bool rewritten = false;
+    for (auto& f : manifest["files"]) {
+      const std::string path = checkpoint + "/" + f["name"].get<std::string>();
+      if (f["name"].get<std::string>().rfind("optimizer-", 0) != 0) continue;
+      train::SafetensorsFile file = train::read_safetensors(path);
+      for (auto& t : file.tensors)
+        if (t.name == "stage1/adamw.step") {
+          t.tensor.i32()[0] -= 1;
+          uint32_t crc = 0;
+          train::write_safetensors(path, file.tensors, file.metadata, &crc);
+          f["crc32"] = crc;
+          f["bytes"] = fs::file_size(path);
+          rewritten = true;
+        }
+    }
+    ASSERT_TRUE(rewritten);
+    std::ofstream(manifest_path) << manifest.dump(2);
+    comm::SingleCommunicator self;
+    train::Config one = without_pipeline(c);
+    one.run.dir = copy_to_resume(self, c.run.dir, 4);
+    fixture::expect_input_error(
+        [&] { run_on(self, one); },
+        {checkpoint.substr(checkpoint.rfind('/')), "'stage0/adamw.step' and 'stage1/adamw.step'",
+         "one tensor 'adamw.step'", "different numbers of optimizer steps",
+         "resume with the checkpoint's parallel.pp and pipeline.layout"});
+  }
+  world.barrier();
+  EXPECT_EQ(run_on(world, c).resumed_from, 4);
 }
 
 // Each rank's model holds only its stage's parameters (a tied embedding also on the last

@@ -265,3 +265,69 @@ TEST(Checkpoint, WritersSplitTheTensorsByBytes) {
   EXPECT_EQ(assign_writers(t, 1), (std::vector<int>{0, 0, 0, 0}));
   EXPECT_EQ(assign_writers(t, 5), (std::vector<int>{0, 1, 2, 3}));
 }
+
+// Optimizer state is found by its stage-free name: a pipeline stage's "stage<k>/..." restores
+// one optimizer without a pipeline or another stage's under another split, and a plain
+// optimizer's restores a stage's; a stage's own name wins where it is saved. Step counters
+// that several stages saved must be equal: stages that took different numbers of steps cannot
+// continue as one optimizer, refused naming both tensors and the settings to keep.
+TEST(Checkpoint, OptimizerStateIsFoundUnderAnotherStageSplit) {
+  auto counter = [](int32_t steps) {
+    Tensor t({1}, DType::i32);
+    t.i32()[0] = steps;
+    return t;
+  };
+  auto moment = [](float first) {
+    Tensor t({3});
+    for (int i = 0; i < 3; ++i) t.f32()[i] = first + float(i);
+    return t;
+  };
+  CheckpointContent piped;  // two stages, each with its own optimizer
+  piped.optimizer = {{"stage0/adamw.step", counter(7)},
+                     {"stage0/adamw.m/embed.weight", moment(1)},
+                     {"stage1/adamw.step", counter(7)},
+                     {"stage1/adamw.m/head.weight", moment(2)}};
+  Tensor step({1}, DType::i32), embed({3}), head({3});
+  restore_optimizer(
+      piped, {{"adamw.step", step}, {"adamw.m/embed.weight", embed}, {"adamw.m/head.weight", head}},
+      "ckpt");
+  EXPECT_EQ(step.i32()[0], 7);
+  expect_equal_bytes(embed, moment(1));
+  expect_equal_bytes(head, moment(2));
+  embed = Tensor({3});
+  restore_optimizer(piped, {{"stage1/adamw.step", step}, {"stage1/adamw.m/embed.weight", embed}},
+                    "ckpt");
+  expect_equal_bytes(embed, moment(1));
+
+  CheckpointContent plain;
+  plain.optimizer = {{"adamw.step", counter(5)}, {"adamw.m/head.weight", moment(3)}};
+  restore_optimizer(plain, {{"stage2/adamw.step", step}, {"stage2/adamw.m/head.weight", head}},
+                    "ckpt");
+  EXPECT_EQ(step.i32()[0], 5);
+  expect_equal_bytes(head, moment(3));
+
+  piped.optimizer[2].tensor = counter(6);
+  const std::string error = input_error_of([&] {
+    restore_optimizer(piped, {{"adamw.step", step}}, "ckpt");
+  });
+  for (const char* part : {"ckpt: optimizer state 'stage0/adamw.step' and 'stage1/adamw.step' "
+                           "differ",
+                           "one tensor 'adamw.step'", "different numbers of optimizer steps",
+                           "parallel.pp and pipeline.layout"})
+    EXPECT_NE(error.find(part), std::string::npos) << error;
+  restore_optimizer(piped, {{"stage1/adamw.step", step}}, "ckpt");  // the same split
+  EXPECT_EQ(step.i32()[0], 6);
+  EXPECT_NE(input_error_of([&] {
+              restore_optimizer(piped, {{"stage1/adamw.v/head.weight", head}}, "ckpt");
+            }).find("tensor 'stage1/adamw.v/head.weight' missing from the checkpoint"),
+            std::string::npos);
+}
+
+TEST(Checkpoint, StageFreeNamesDropOnlyAStagePrefix) {
+  EXPECT_EQ(stage_free_name("stage12/muon.m/blocks.0.attn.qkv.weight"),
+            "muon.m/blocks.0.attn.qkv.weight");
+  EXPECT_EQ(stage_free_name("stage0/experts/adamw.step"), "experts/adamw.step");
+  for (const char* kept : {"adamw.step", "experts/muon.step", "stage/adamw.step", "stage1",
+                           "stages1/adamw.step", "stage1x/adamw.step"})
+    EXPECT_EQ(stage_free_name(kept), kept);
+}

@@ -2,6 +2,7 @@
 // every schedule through the stage executor equals the plain trainer bitwise (spec C1).
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -137,20 +138,27 @@ TEST_F(PipelineTrainerTest, ParametersBelongToTheStageOfTheirPiece) {
   }
 }
 
-// A checkpoint names its pipeline stages: resuming it without them, or a plain checkpoint
-// with them, is refused with a message naming the stage boundaries.
-TEST_F(PipelineTrainerTest, ResumeNeedsTheCheckpointsPipelineStages) {
+// A pipeline checkpoint resumes without the pipeline and a plain one with it: the stage's
+// optimizer state, saved as "stage0/...", is found by its name without the stage, so with
+// AdamW and Muon either continues bitwise as the uninterrupted run (at pp = 1 every schedule
+// equals the plain trainer): losses, norms, validation and the final weights.
+TEST_F(PipelineTrainerTest, ResumesAcrossThePipelineAndThePlainLoopBitwise) {
   config.train.checkpoint_every = 4;
-  for (bool piped_first : {true, false}) {
-    SCOPED_TRACE(piped_first);
-    train::Config first = config;
-    first.run.dir = fresh_dir();
-    if (piped_first) first.pipeline.schedule = "1f1b";
-    train_run(first);
-    train::Config second = first;
-    second.train.steps = 12;
-    second.pipeline.schedule = piped_first ? "" : "1f1b";
-    fixture::expect_input_error([&] { train_run(second); },
-                                {"pipeline stage boundaries", "run.dir"});
-  }
+  for (const char* optimizer : {"adamw", "muon"})
+    for (bool piped_first : {true, false}) {
+      SCOPED_TRACE(std::string(optimizer) + (piped_first ? ", pipeline first" : ", plain first"));
+      train::Config first = config;
+      first.optim.name = optimizer;
+      first.run.dir = fresh_dir();
+      if (piped_first) first.pipeline.schedule = "1f1b";
+      const auto full = train_run(first);
+      const auto full_weights = fixture::final_weights(first.run.dir);
+      std::filesystem::remove_all(first.run.dir + "/checkpoints/step-00000008");
+      train::Config second = first;
+      second.pipeline.schedule = piped_first ? "" : "1f1b";
+      const auto resumed = train_run(second);
+      EXPECT_EQ(resumed.resumed_from, 4);
+      fixture::expect_same_steps(resumed, fixture::after_step(full, 4));
+      fixture::expect_same_weights(fixture::final_weights(second.run.dir), full_weights);
+    }
 }
