@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tessel/comm/communicator.hpp"
+#include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/train/config.hpp"
@@ -102,6 +103,12 @@ inline train::Config tiny_config(const std::string& data_dir, const std::string&
 inline train::TrainResult run_on(comm::Communicator& comm, train::Config c) {
   train::Trainer trainer(std::move(c), comm);
   return trainer.run();
+}
+
+// Trains `c` to its end on this process alone.
+inline train::TrainResult train_run(const train::Config& c) {
+  comm::SingleCommunicator self;
+  return run_on(self, c);
 }
 
 // A fresh directory under the system temp dir, removed when the test binary exits.

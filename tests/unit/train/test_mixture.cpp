@@ -15,13 +15,9 @@
 using namespace tessel;
 namespace fs = std::filesystem;
 
-namespace {
+using fixture::train_run;
 
-train::TrainResult train_run(const train::Config& config) {
-  comm::SingleCommunicator world;
-  train::Trainer trainer(config, world);
-  return trainer.run();
-}
+namespace {
 
 struct MixtureTest : ::testing::Test {
   static void SetUpTestSuite() {

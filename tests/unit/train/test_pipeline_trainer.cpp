@@ -15,12 +15,9 @@
 
 using namespace tessel;
 
-namespace {
+using fixture::train_run;
 
-train::TrainResult train_run(const train::Config& config) {
-  comm::SingleCommunicator world;
-  return fixture::run_on(world, config);
-}
+namespace {
 
 struct PipelineTrainerTest : ::testing::Test {
   std::string data = fixture::make_dataset(fixture::temp_dir("tessel-ptrain") + "/data");

@@ -281,15 +281,10 @@ Config sft_config(const std::string& run_dir) {
   return c;
 }
 
-TrainResult train_alone(const Config& c) {
-  comm::SingleCommunicator self;
-  return fixture::run_on(self, c);
-}
-
 // Fine-tuning trains on the replies and its tokens/s counts the packed tokens, never padding.
 TEST(SftTraining, LossFallsAndThroughputCountsNoPadding) {
   const Config c = sft_config(fixture::temp_dir("tessel-sft-run"));
-  const TrainResult r = train_alone(c);
+  const TrainResult r = fixture::train_run(c);
   ASSERT_EQ(r.steps.size(), 30u);
   EXPECT_LT(r.steps.back().loss, r.steps.front().loss - 1.0);
   // The loader's step tokens, recounted from its batches: positions before each row's padding.
@@ -325,7 +320,7 @@ TEST(SftTraining, LossFallsAndThroughputCountsNoPadding) {
 TEST(SftTraining, ACausalMaskOverPackedSamplesIsRefused) {
   Config c = sft_config(fixture::temp_dir("tessel-sft-run"));
   c.data.attention_mask = AttentionMaskKind::causal;
-  fixture::expect_input_error([&] { train_alone(c); },
+  fixture::expect_input_error([&] { fixture::train_run(c); },
                               {"SFT data set", "causal_document", "attend to each other"});
 }
 
@@ -337,13 +332,13 @@ TEST(SftTraining, InitFromStartsFromTheCheckpointWeights) {
   Config pre = fixture::tiny_config(fixture::shared_dataset(self), fixture::temp_dir("tessel-pre"));
   pre.model.max_seq = 128;
   pre.train.steps = 10;
-  train_alone(pre);
+  fixture::train_run(pre);
 
   Config tune = sft_config(fixture::temp_dir("tessel-tune"));
   tune.train.init_from = pre.run.dir;
   tune.train.steps = 6;
   tune.train.checkpoint_every = 3;
-  const TrainResult tuned = train_alone(tune);
+  const TrainResult tuned = fixture::train_run(tune);
 
   const auto loaded = load_run_checkpoint(pre.run.dir);
   model::Gpt gpt(tune.model, 0);
@@ -365,7 +360,8 @@ TEST(SftTraining, InitFromStartsFromTheCheckpointWeights) {
   Config scratch = tune;
   scratch.train.init_from.clear();
   scratch.run.dir = fixture::temp_dir("tessel-scratch");
-  EXPECT_GT(std::fabs(train_alone(scratch).steps.front().loss - tuned.steps.front().loss), 0.1);
+  EXPECT_GT(std::fabs(fixture::train_run(scratch).steps.front().loss - tuned.steps.front().loss),
+            0.1);
 
   // The resume takes the run's own step-3 checkpoint, not the init again.
   fixture::expect_resume_continues_bitwise(self, tune, 3, [&] {
@@ -378,15 +374,16 @@ TEST(SftTraining, InitFromStartsFromTheCheckpointWeights) {
   other.model.width = 64;
   other.model.bias = true;
   other.model.init_std = 0.05;
-  fixture::expect_input_error([&] { train_alone(other); },
+  fixture::expect_input_error([&] { fixture::train_run(other); },
                               {"train.init_from", "model.width = 32 (this run: 64)",
                                "model.bias = false (this run: true)"});
   other.model.width = 32;
   other.model.bias = false;
-  EXPECT_EQ(train_alone(other).steps.size(), 30u) << "init_std may differ";
+  EXPECT_EQ(fixture::train_run(other).steps.size(), 30u) << "init_std may differ";
   other.run.dir = fixture::temp_dir("tessel-tune");
   other.train.init_from = pre.run.dir + "/nowhere";
-  fixture::expect_input_error([&] { train_alone(other); }, {"train.init_from = ", "nowhere"});
+  fixture::expect_input_error([&] { fixture::train_run(other); },
+                              {"train.init_from = ", "nowhere"});
 }
 
 // A restarted attempt before the run's first checkpoint starts from the checkpoint the first
@@ -399,14 +396,14 @@ TEST(SftTraining, InitFromIsPinnedAcrossAttempts) {
   pre.train.steps = 4;
   pre.train.checkpoint_every = 2;
   pre.optim.warmup_steps = 1;
-  train_alone(pre);  // checkpoints at 2 and 4
+  fixture::train_run(pre);  // checkpoints at 2 and 4
 
   Config tune = sft_config(fixture::temp_dir("tessel-tune"));
   tune.train.init_from = pre.run.dir;
   tune.train.steps = 2;
   tune.optim.warmup_steps = 1;
   tune.train.save_final = false;  // a run that never saved: its restart inits again
-  const TrainResult first = train_alone(tune);
+  const TrainResult first = fixture::train_run(tune);
   std::ifstream in(tune.run.dir + "/init.json");
   const auto pin = nlohmann::json::parse(in);
   EXPECT_EQ(pin["step"], 4);
@@ -414,27 +411,27 @@ TEST(SftTraining, InitFromIsPinnedAcrossAttempts) {
 
   // The base run moves on to step 6; the restart still starts from step 4.
   pre.train.steps = 6;
-  train_alone(pre);
-  const TrainResult again = train_alone(tune);
+  fixture::train_run(pre);
+  const TrainResult again = fixture::train_run(tune);
   EXPECT_EQ(again.resumed_from, -1);
   EXPECT_EQ(again.steps.front().loss, first.steps.front().loss);
   // A fresh run with the same init_from takes step 6.
   Config fresh = tune;
   fresh.run.dir = fixture::temp_dir("tessel-tune");
-  EXPECT_NE(train_alone(fresh).steps.front().loss, first.steps.front().loss);
+  EXPECT_NE(fixture::train_run(fresh).steps.front().loss, first.steps.front().loss);
 
   std::filesystem::remove_all(pin["checkpoint"].get<std::string>());
-  fixture::expect_input_error([&] { train_alone(tune); },
+  fixture::expect_input_error([&] { fixture::train_run(tune); },
                               {"first attempt started from", "init.json", "remove"});
   // A fresh start (train.resume = false) does not read the pin: it takes step 6 (and pins it).
   Config unpinned = tune;
   unpinned.train.resume = false;
-  EXPECT_NE(train_alone(unpinned).steps.front().loss, first.steps.front().loss);
+  EXPECT_NE(fixture::train_run(unpinned).steps.front().loss, first.steps.front().loss);
 
   // The run's first checkpoint ends the pin: from then on a restart resumes.
   std::filesystem::remove(tune.run.dir + "/init.json");
   tune.train.save_final = true;
-  train_alone(tune);
+  fixture::train_run(tune);
   EXPECT_TRUE(std::filesystem::exists(tune.run.dir + "/checkpoints/step-00000002"));
   EXPECT_FALSE(std::filesystem::exists(tune.run.dir + "/init.json"));
 }
@@ -446,20 +443,20 @@ TEST(SftTraining, SwitchingDataKindsIsRefused) {
   text.data.path = fixture::shared_dataset(self);
   text.train.steps = 2;
   text.optim.warmup_steps = 1;
-  train_alone(text);
+  fixture::train_run(text);
   Config sft = text;
   sft.data.path = sft_dataset();
   sft.train.steps = 4;
-  fixture::expect_input_error([&] { train_alone(sft); },
+  fixture::expect_input_error([&] { fixture::train_run(sft); },
                               {"trained on a text data set", "is an SFT data set"});
   // Nor with another data.overlong (it decides the rows).
   Config tuned = sft_config(fixture::temp_dir("tessel-sft-run"));
   tuned.train.steps = 2;
   tuned.optim.warmup_steps = 1;
-  train_alone(tuned);
+  fixture::train_run(tuned);
   tuned.data.overlong = data::Overlong::cut;
   tuned.train.steps = 4;
-  fixture::expect_input_error([&] { train_alone(tuned); }, {"data.overlong", "drop"});
+  fixture::expect_input_error([&] { fixture::train_run(tuned); }, {"data.overlong", "drop"});
 }
 
 }  // namespace

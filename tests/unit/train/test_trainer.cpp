@@ -22,13 +22,9 @@
 using namespace tessel;
 namespace fs = std::filesystem;
 
-namespace {
+using fixture::train_run;
 
-train::TrainResult train_run(const train::Config& config) {
-  comm::SingleCommunicator world;
-  train::Trainer trainer(config, world);
-  return trainer.run();
-}
+namespace {
 
 struct TrainerTest : ::testing::Test {
   static void SetUpTestSuite() {
