@@ -241,15 +241,17 @@ NamesByStageFreeName names_by_stage_free_name(const CheckpointContent& from) {
 // name that differs from it only in the stage prefix (another stage split, or a pipeline
 // checkpoint resumed without one, or the reverse). Several stages hold a per-optimizer scalar
 // (a step counter) each: they must agree, since one optimizer of the new split continues them
-// all. `name` when there is none (the caller reports it missing).
+// all; under the checkpoint's own split (`same_stage_split`) each stage keeps its own. `name`
+// when there is none (the caller reports it missing).
 std::string checkpoint_state_name(const CheckpointContent& from,
                                   const NamesByStageFreeName& candidates, const std::string& name,
-                                  const std::string& source) {
+                                  const std::string& source, bool same_stage_split) {
   const auto found = candidates.find(stage_free_name(name));
   if (found == candidates.end()) return name;
   const std::vector<std::string>& names = found->second;
   if (names.size() == 1) return names.front();
-  if (std::find(names.begin(), names.end(), name) != names.end()) return name;
+  const bool own = std::find(names.begin(), names.end(), name) != names.end();
+  if (own && same_stage_split) return name;
   auto whole = [&](const std::string& n) -> const NamedTensor* {
     for (const NamedTensor& t : from.optimizer)
       if (t.name == n) return &t;
@@ -258,8 +260,15 @@ std::string checkpoint_state_name(const CheckpointContent& from,
   const NamedTensor* first = whole(names.front());
   for (size_t i = 1; i < names.size(); ++i) {
     const NamedTensor* other = whole(names[i]);
+    if (!first || !other)
+      input_error(source, ": optimizer state '", names.front(), "' and '", names[i],
+                  "' are saved in row shards by two stages, but this run's stage split continues "
+                  "them as one tensor '",
+                  stage_free_name(name),
+                  "'; resume with the checkpoint's parallel.pp and "
+                  "pipeline.layout");
     const bool same =
-        first && other && first->tensor.shape() == other->tensor.shape() &&
+        first->tensor.shape() == other->tensor.shape() &&
         first->tensor.dtype() == other->tensor.dtype() &&
         std::memcmp(first->tensor.raw(), other->tensor.raw(), first->tensor.bytes()) == 0;
     if (!same)
@@ -269,7 +278,7 @@ std::string checkpoint_state_name(const CheckpointContent& from,
                   "' (the stages took different numbers of optimizer steps); resume with the "
                   "checkpoint's parallel.pp and pipeline.layout");
   }
-  return names.front();
+  return own ? name : names.front();
 }
 
 }  // namespace
@@ -310,13 +319,14 @@ void restore_tensor(const std::vector<NamedTensor>& from, const std::string& nam
 }
 
 void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard>& wanted,
-                       const std::string& source) {
+                       const std::string& source, bool same_stage_split) {
   // The shards to copy from, by file, so that each file is read once.
   std::map<std::string, std::vector<std::pair<const ShardLocation*, const RowShard*>>> reads;
   const NamesByStageFreeName candidates = names_by_stage_free_name(from);
   for (const RowShard& w : wanted) {
     const int64_t n = leading(w.tensor), rows = w.rows > 0 ? w.rows : n;
-    const std::string name = checkpoint_state_name(from, candidates, w.name, source);
+    const std::string name =
+        checkpoint_state_name(from, candidates, w.name, source, same_stage_split);
     auto whole = std::find_if(from.optimizer.begin(), from.optimizer.end(),
                               [&](const NamedTensor& t) { return t.name == name; });
     if (whole != from.optimizer.end() && w.rows == 0) {

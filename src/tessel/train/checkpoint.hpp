@@ -217,11 +217,12 @@ std::string stage_free_name(const std::string& name);
 // once, verifying its checksum, and no other. A tensor missing under its own name is taken
 // from the one that has the same stage_free_name, so a checkpoint resumes under another
 // pipeline stage split, or without a pipeline; a per-optimizer scalar that several stages
-// saved (their step counters) must be equal in all of them. InputError naming `source` (the
-// checkpoint) or the file when a tensor is missing, stages' copies of it differ, or its rows,
-// shape or dtype differ.
+// saved (their step counters) must be equal in all of them unless `same_stage_split` (the
+// run has the checkpoint's stage boundaries: each stage continues its own). InputError naming
+// `source` (the checkpoint) or the file when a tensor is missing, stages' copies of it differ,
+// or its rows, shape or dtype differ.
 void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard>& wanted,
-                       const std::string& source);
+                       const std::string& source, bool same_stage_split = true);
 
 // CRC-32 (zlib) of a file's bytes; InputError if it cannot be read.
 uint32_t file_crc32(const std::string& path);

@@ -426,7 +426,7 @@ std::vector<ConfigKey> build_schema() {
               FIELD(fault.corrupt_step)),
       int_key("fault.spike_step",
               "multiply this step's gradients by 1000, a synthetic spike for train.spike_factor "
-              "(0 = none; not under a pipeline)",
+              "(0 = none; not under PACI)",
               FIELD(fault.spike_step)),
       float_key("fault.init_delay_seconds",
                 "synthetic slow start: every attempt sleeps this long while building the "

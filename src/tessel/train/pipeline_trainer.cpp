@@ -357,6 +357,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
                                     paci ? micro_per_step_ : 1};
   work_.begin_run(step * micro_per_step_);
   const pipeline::StageStats stats = executor_.run(options, step * micro_per_step_);
+  hooks_ = {};  // they refer to the caller's step: only this run's updates may call them
   TESSEL_CHECK(int64_t(run_windows_.size()) == windows, "stage ", stage_, " took ",
                run_windows_.size(), " steps in a run of ", windows);
 

@@ -596,6 +596,8 @@ struct Trainer::State {
           have.contains(sft_key) ? "an SFT data set" : "a text data set (or by an older tessel)",
           " but this run's data.path ", config.data.path, " is ",
           want.contains(sft_key) ? "an SFT data set" : "a text data set", "; use a new run.dir");
+    const bool same_stage_split =
+        have.value(kPipelineKey, nlohmann::json()) == want.value(kPipelineKey, nlohmann::json());
     want.erase(kPipelineKey);  // any stage split resumes: restore_optimizer maps the stages
     for (const auto& [key, value] : want.items())
       if (!have.contains(key)) {
@@ -618,7 +620,7 @@ struct Trainer::State {
     for (auto& st : optimizer->state()) wanted.push_back({st.name, st.tensor, st.row0, st.rows});
     std::string failure;
     try {
-      restore_optimizer(content, wanted, chosen);
+      restore_optimizer(content, wanted, chosen, same_stage_split);
     } catch (const std::exception& e) {
       failure = e.what();
     }

@@ -317,6 +317,12 @@ TEST(Checkpoint, OptimizerStateIsFoundUnderAnotherStageSplit) {
     EXPECT_NE(error.find(part), std::string::npos) << error;
   restore_optimizer(piped, {{"stage1/adamw.step", step}}, "ckpt");  // the same split
   EXPECT_EQ(step.i32()[0], 6);
+  // The same names under other stage boundaries (same pp, another layout) are one counter too.
+  EXPECT_NE(input_error_of([&] {
+              restore_optimizer(piped, {{"stage1/adamw.step", step}}, "ckpt",
+                                /*same_stage_split=*/false);
+            }).find("different numbers of optimizer steps"),
+            std::string::npos);
   EXPECT_NE(input_error_of([&] {
               restore_optimizer(piped, {{"stage1/adamw.v/head.weight", head}}, "ckpt");
             }).find("tensor 'stage1/adamw.v/head.weight' missing from the checkpoint"),

@@ -134,8 +134,8 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
       {"expert_choice", "model.moe_drop", "probability"});
 }
 
-// Gradient-spike skipping and its fault are whole-step settings: refused under a pipeline,
-// and the schedule settings are checked where they apply.
+// Gradient-spike skipping and its fault are whole-step settings: refused under PACI, and the
+// schedule settings are checked where they apply.
 TEST(Config, SpikeSkippingAndScheduleSettings) {
   // Under PACI each stage steps with its own norm; the flush schedules share one.
   for (const char* key : {"train.spike_factor=5", "fault.spike_step=3"}) {
