@@ -878,7 +878,7 @@ TEST(PipelineTrain, ResumesWithAnotherStageSplitBitwise) {
     if (world.rank() == 0 && std::string(optimizer) == "muon") {
       nlohmann::json manifest;
       std::ifstream(wide.run.dir + "/checkpoints/step-00000004/manifest.json") >> manifest;
-      ASSERT_FALSE(manifest["shards"].empty());
+      EXPECT_FALSE(manifest["shards"].empty());  // not ASSERT: the other ranks go on to collectives
       for (const auto& shard : manifest["shards"])
         EXPECT_EQ(shard["name"].get<std::string>().rfind("stage", 0), 0u) << shard["name"];
     }
@@ -1007,7 +1007,7 @@ TEST(PipelineTrain, StagesWithDifferentStepCountsResumeOnlyUnderTheirSplit) {
           rewritten = true;
         }
     }
-    ASSERT_TRUE(rewritten);
+    EXPECT_TRUE(rewritten);  // not ASSERT: the other ranks wait at the barrier below
     std::ofstream(manifest_path) << manifest.dump(2);
     comm::SingleCommunicator self;
     train::Config one = without_pipeline(c);
