@@ -627,8 +627,10 @@ struct Trainer::State {
     agree(failure, chosen + ": another rank could not restore its optimizer state");
     const auto& ls = content.state.at("loader");
     loader.restore({ls.at("step").get<int64_t>(), ls.at("micro").get<int64_t>()});
-    // Older checkpoints have none: their run did not skip.
-    spikes.restore(content.state.value("spike_norms", std::vector<double>{}));
+    // Older checkpoints have none: their run did not skip. PACI keeps no window: a later
+    // resume without it must not compare with norms from before its PACI steps.
+    if (!per_stage_updates())
+      spikes.restore(content.state.value("spike_norms", std::vector<double>{}));
     start_step = resumed_from = content.step;
     ledger.event({{"event", "resume"}, {"step", content.step}, {"dir", chosen}});
   }
@@ -753,6 +755,11 @@ struct Trainer::State {
                               t.sample_top_k, rng, stop);
     model.set_expert_comm(&experts);
     return tok.decode(ids);
+  }
+
+  // PACI: each stage updates on its own, with its own gradient norm.
+  bool per_stage_updates() const {
+    return pipeline && pipeline_schedule(config) == pipeline::ScheduleKind::paci;
   }
 
   // The first rank of a pipeline stage's replicas (dp and cp coordinate 0): it writes the
@@ -1031,20 +1038,20 @@ TrainResult Trainer::run() {
       block_on([&] { s.checkpointer.wait_staged(); });
       s.ledger.enter(Phase::productive, step + 1);
     };
+    // Whether to apply the update of gradient norm `norm`: not a gradient spike's
+    // (train.spike_factor). PACI's stages step on their own, each with its own norm: they
+    // never skip (config validation) and their norms stay out of the spike window.
+    auto decide_update = [&](double norm) {
+      if (!s.per_stage_updates()) skipped = s.spikes.skip(norm, &spike_median);
+      wait_staged();
+      return !skipped;
+    };
     std::optional<PipelineStep> piped;
     nlohmann::json ep_skew;  // MoE without pipeline: max / median over the ep group
     if (s.pipeline) {
-      // Under PACI the stages step on their own, each with its own norm: no spike skipping
-      // (config validation), and its windows' norms stay out of the spike window.
-      const bool flush = pipeline_schedule(c) != pipeline::ScheduleKind::paci;
       piped = s.pipeline->step(
           step, {.gradient_scale = [&](int64_t update) { return s.faults.gradient_scale(update); },
-                 .before_update =
-                     [&](int64_t, double norm) {
-                       if (flush) skipped = s.spikes.skip(norm, &spike_median);
-                       wait_staged();
-                       return !skipped;
-                     }});
+                 .before_update = [&](int64_t, double norm) { return decide_update(norm); }});
       stats[0] = piped->loss_sum, stats[1] = piped->loss_tokens, grad_norm = piped->grad_norm;
     } else {
       s.model.zero_grads();
@@ -1075,9 +1082,7 @@ TrainResult Trainer::run() {
           grad_norm, "step " + std::to_string(step + 1),
           " (newest checkpoint: " + s.store.latest().value_or("none") +
               "; a lower optim.lr or a tighter train.grad_clip may avoid it)");
-      skipped = s.spikes.skip(grad_norm, &spike_median);
-      wait_staged();
-      if (!skipped) {
+      if (decide_update(grad_norm)) {
         s.optimizer->step(s.schedule.scale(step + 1));
         s.model.update_balance();  // MoE balancing: beta from this step's micro-batches
       } else {

@@ -65,6 +65,31 @@ TEST_F(PipelineTrainerTest, OneStageEqualsThePlainTrainerUnderEverySchedule) {
   }
 }
 
+// PACI keeps no spike window: resumed from a 1F1B checkpoint that holds one, its own
+// checkpoint holds none, so a later resume without PACI does not compare the norm with norms
+// from before the PACI steps (PACI's stages have no common norm to add to it).
+TEST_F(PipelineTrainerTest, PaciKeepsNoSpikeWindow) {
+  config.run.dir = fresh_dir();
+  config.pipeline.schedule = "1f1b";
+  config.train.spike_factor = 1000;  // never skips; the window fills all the same
+  config.train.spike_window = 2;
+  config.optim.warmup_steps = 1;
+  config.train.checkpoint_every = 4;
+  config.train.steps = 4;
+  train_run(config);
+  auto window = [&](const char* step) {
+    const std::string manifest =
+        config.run.dir + "/checkpoints/step-0000000" + step + "/manifest.json";
+    return nlohmann::json::parse(std::ifstream(manifest))["state"]["spike_norms"].size();
+  };
+  EXPECT_EQ(window("4"), 2u);
+  config.pipeline.schedule = "paci";
+  config.train.spike_factor = 0;
+  config.train.steps = 8;
+  EXPECT_EQ(train_run(config).resumed_from, 4);
+  EXPECT_EQ(window("8"), 0u);
+}
+
 TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
   config.run.dir = fresh_dir();
   auto with = [&](std::vector<std::string> overrides) {
