@@ -314,6 +314,28 @@ std::vector<nlohmann::json> moe_loads(const std::string& run_dir) {
 // gradients sum over edp, the optimizer of the experts runs over edp, the clipping norm adds
 // the ep ranks' expert norms, validation runs through the token exchange. With AdamW and
 // with Muon (ZeRO-1 sharded over dp for the dense matrices, over edp for the experts).
+// A mixture's validation under expert parallelism: the ep ranks run idle forwards where one
+// holds more validation batches (of either data set); each data set's loss still follows the
+// single process that accumulates the same global batch.
+TEST(DataParallel, ExpertParallelMoeValidatesEachDataSetOfAMixture) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  train::Config c = moe_config(world, "tessel-ep-mixture");
+  c.data.path += "," + fixture::shared_other_dataset(world);
+  c.data.weights = "1,2";
+  c.train.eval_every = 6;
+  c.train.eval_sequences = 2 * P + 1;  // uneven over the ranks, in each data set
+  const auto ref = run_on_one_process(c, P);
+  c.parallel.ep = P;
+  const auto ep = run_on(world, c);
+  expect_losses_near(ep, ref);
+  ASSERT_EQ(ep.data_set_validation.size(), 2u);
+  for (size_t i = 0; i < 2; ++i)
+    for (size_t d = 0; d < 2; ++d)
+      EXPECT_NEAR(ep.data_set_validation[i][d], ref.data_set_validation[i][d],
+                  1e-5 * ref.data_set_validation[i][d]);
+}
+
 TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
