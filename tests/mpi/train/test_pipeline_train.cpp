@@ -323,6 +323,35 @@ TEST(PipelineTrain, AGradientSpikeIsSkippedOnEveryStageAsInOneProcess) {
   }
 }
 
+// The same with MoE blocks balanced by the sign bias: a skipped spike's expert loads must not
+// move the bias on any stage (discard_balance), so 1F1B over the stages keeps the single
+// process's losses and weights (the bias included) bitwise; gradient norms to 1e-12, as
+// MoeStagesEqualThePlainExpertParallelRun (no clipping, so that rounding never reaches the
+// weights).
+TEST(PipelineTrain, AGradientSpikeLeavesTheMoeBalanceOfEveryStageAlone) {
+  comm::Communicator& world = comm::world();
+  train::Config c = pipeline_config(world, "tessel-pp-spike-moe");
+  for (const char* s : {"model.moe_layers=all", "model.moe_experts=4", "model.moe_top_k=2",
+                        "model.moe_balance=bias", "model.moe_bias_rate=0.01"})
+    train::apply_override(c, s);
+  c.train.steps = 10;
+  c.train.grad_clip = 0;
+  c.train.spike_factor = 5;
+  c.train.spike_window = 4;
+  c.fault.spike_step = 7;
+  const Reference ref = single_process(c);
+  ASSERT_TRUE(ref.result.steps[6].skipped);
+  c.parallel.pp = world.size();
+  c.pipeline.schedule = "1f1b";
+  c.run.dir = shared_temp_dir(world, "tessel-pp-spike-moe");
+  const auto r = run_on(world, c);
+  fixture::expect_same_steps(r, ref.result, /*norms_too=*/false);
+  fixture::expect_norms_near(r, ref.result);
+  for (size_t i = 0; i < r.steps.size(); ++i)
+    EXPECT_EQ(r.steps[i].skipped, i + 1 == 7) << "step " << i + 1;
+  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+}
+
 // A mixture's validation runs through the stages per data set: 1F1B over the stages on two
 // data sets 1 : 3 equals the single process run, bitwise, each data set's loss included.
 TEST(PipelineTrain, AMixtureOverStagesEqualsTheSingleProcessRun) {
