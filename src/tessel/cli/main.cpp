@@ -147,9 +147,8 @@ int run_eval(const std::string& run_dir, const std::string& data_dir, const std:
   train::RunModel run = train::load_run_model(run_dir);
   const auto dirs =
       data_dir.empty() ? train::data_paths(run.config.data) : std::vector<std::string>{data_dir};
-  const auto weights = data::MixtureOrder(data_dir.empty() ? train::data_weights(run.config.data)
-                                                           : std::vector<double>{1.0})
-                           .weights();
+  const auto weights = data::normalized_weights(
+      data_dir.empty() ? train::data_weights(run.config.data) : std::vector<double>{1.0});
   nlohmann::json data_sets = nlohmann::json::array();
   std::vector<double> losses;
   for (size_t d = 0; d < dirs.size(); ++d) {

@@ -8,15 +8,20 @@
 
 namespace tessel::data {
 
-MixtureOrder::MixtureOrder(std::vector<double> weights) : weights_(std::move(weights)) {
-  if (weights_.empty()) input_error("data mixture: no data set");
+std::vector<double> normalized_weights(std::vector<double> weights) {
+  if (weights.empty()) input_error("data mixture: no data set");
   double sum = 0;
-  for (double w : weights_) {
+  for (double w : weights) {
     if (!(w > 0) || !std::isfinite(w))
       input_error("data mixture: every weight must be positive and finite, got ", w);
     sum += w;
   }
-  for (double& w : weights_) w /= sum;
+  for (double& w : weights) w /= sum;
+  return weights;
+}
+
+MixtureOrder::MixtureOrder(std::vector<double> weights)
+    : weights_(normalized_weights(std::move(weights))) {
   counts_.assign(weights_.size(), 0);
   blocks_ = counts_;
 }

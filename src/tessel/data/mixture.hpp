@@ -17,9 +17,14 @@
 
 namespace tessel::data {
 
+// `weights` divided by their sum: the one place shares are normalized, so the run and `tessel
+// eval` weight with the same rounded shares. InputError unless there is at least one and each
+// is positive and finite.
+std::vector<double> normalized_weights(std::vector<double> weights);
+
 class MixtureOrder {
  public:
-  // `weights`: one positive, finite share per data set, normalized here; InputError otherwise.
+  // `weights`: one share per data set, as normalized_weights takes them.
   explicit MixtureOrder(std::vector<double> weights);
 
   struct Slot {

@@ -1,8 +1,7 @@
 #include "tessel/optim/spike_filter.hpp"
 
-#include <algorithm>
-
 #include "tessel/core/error.hpp"
+#include "tessel/core/median.hpp"
 
 namespace tessel::optim {
 
@@ -15,10 +14,7 @@ SpikeFilter::SpikeFilter(double factor, int64_t window) : factor_(factor), windo
 
 double SpikeFilter::median() const {
   if (int64_t(norms_.size()) < window_) return 0;
-  std::vector<double> sorted(norms_.begin(), norms_.end());
-  std::sort(sorted.begin(), sorted.end());
-  const size_t n = sorted.size();
-  return n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  return tessel::median({norms_.begin(), norms_.end()});
 }
 
 bool SpikeFilter::skip(double norm, double* compared) {

@@ -40,8 +40,8 @@ struct DataConfig {
 
 // data.path's directories (more than one: a mixture; InputError for one listed twice) and
 // data.weights' shares of them as given ({1} for one directory without weights); InputError
-// unless there is one positive share per directory with a finite sum. data::MixtureOrder
-// normalizes them (the one place that does, so every user sums the same rounded shares).
+// unless there is one positive share per directory with a finite sum. data::normalized_weights
+// normalizes them.
 std::vector<std::string> data_paths(const DataConfig& data);
 std::vector<double> data_weights(const DataConfig& data);
 // Each directory's short name in logs and metrics: its last path component, or the whole

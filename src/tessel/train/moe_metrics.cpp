@@ -5,6 +5,7 @@
 #include <limits>
 #include <numeric>
 
+#include "tessel/core/median.hpp"
 #include "tessel/moe/layer.hpp"
 
 namespace tessel::train {
@@ -41,12 +42,10 @@ double load_entropy(std::span<const double> loads) {
 
 double max_over_median(std::span<const double> values) {
   if (values.empty()) return 1.0;
-  std::vector<double> v(values.begin(), values.end());
-  std::sort(v.begin(), v.end());
-  const size_t h = v.size() / 2;
-  const double median = v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
-  if (median > 0) return v.back() / median;
-  return v.back() > 0 ? std::numeric_limits<double>::infinity() : 1.0;
+  const double typical = median({values.begin(), values.end()});
+  const double max = *std::max_element(values.begin(), values.end());
+  if (typical > 0) return max / typical;
+  return max > 0 ? std::numeric_limits<double>::infinity() : 1.0;
 }
 
 double capacity_excess(std::span<const double> loads, int64_t tokens, int64_t k, double cf) {

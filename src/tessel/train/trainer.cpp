@@ -903,25 +903,27 @@ TrainResult Trainer::run() {
                                : " too long for seq_len left out (data.overlong)",
                            ", ", untrained, " without a trained token left out)")
           : "";
-  // Each data set's share, rows and how often the whole run reads it over.
-  const std::vector<std::string> data_set_names = data_names(c.data);
+  // Each data set's share, rows and how often the whole run reads it over; the start line
+  // names them for a mixture.
+  const std::vector<std::string> data_dirs = data_paths(c.data),
+                                 data_set_names = data_names(c.data);
   nlohmann::json data_sets = nlohmann::json::array();
   std::string mixture;
   for (int64_t d = 0; d < s.loader.sources(); ++d) {
     const double weight = s.loader.weights()[size_t(d)];
     const double epochs = double(c.train.steps * s.loader.sequences_per_step()) * weight /
                           double(s.loader.windows(d));
-    data_sets.push_back({{"path", data_paths(c.data)[size_t(d)]},
+    data_sets.push_back({{"path", data_dirs[size_t(d)]},
                          {"weight", weight},
                          {"rows", s.loader.windows(d)},
                          {"epochs", epochs}});
+    if (s.loader.sources() == 1) continue;
     char share[96];
     std::snprintf(share, sizeof share, " %.1f %% (%.3g epochs)", 100 * weight, epochs);
     mixture += (d == 0 ? ", mixture of " + std::to_string(s.loader.sources()) + " data sets: "
                        : std::string(", ")) +
                data_set_names[size_t(d)] + share;
   }
-  if (s.loader.sources() == 1) mixture.clear();
   // A pipeline stage allocates its micro-batches' activations as its schedule needs them.
   const int64_t activation_bytes =
       s.pipeline ? 0

@@ -296,19 +296,35 @@ TEST(PipelineTrain, AnAttentionWindowOverStagesEqualsTheSingleProcessRun) {
   expect_1f1b_equals(world, c, ref, "tessel-pp-window");
 }
 
+namespace {
+
+// A 10-step run of `c` with a x1000 gradient spike injected at step kSpikeStep
+// (fault.spike_step) and train.spike_factor = 5 over a window of 4, which skips it.
+constexpr int64_t kSpikeStep = 7;
+train::Config with_a_spike(train::Config c) {
+  c.train.steps = 10;
+  c.train.spike_factor = 5;
+  c.train.spike_window = 4;
+  c.fault.spike_step = kSpikeStep;
+  return c;
+}
+
+// Step kSpikeStep of `r` was skipped, and no other.
+void expect_only_the_spike_skipped(const train::TrainResult& r) {
+  for (size_t i = 0; i < r.steps.size(); ++i)
+    EXPECT_EQ(r.steps[i].skipped, int64_t(i) + 1 == kSpikeStep) << "step " << i + 1;
+}
+
+}  // namespace
+
 // Gradient-spike skipping over flush schedules: an injected spike (fault.spike_step, x1000) is
 // skipped on every stage, as one process skips it. GPipe and 1F1B over the stages equal the
 // single process bitwise; the spike step alone is skipped.
 TEST(PipelineTrain, AGradientSpikeIsSkippedOnEveryStageAsInOneProcess) {
   comm::Communicator& world = comm::world();
-  train::Config c = pipeline_config(world, "tessel-pp-spike");
-  c.train.steps = 10;
-  c.train.spike_factor = 5;
-  c.train.spike_window = 4;
-  c.fault.spike_step = 7;
+  const train::Config c = with_a_spike(pipeline_config(world, "tessel-pp-spike"));
   const Reference ref = single_process(c);
-  for (size_t i = 0; i < ref.result.steps.size(); ++i)
-    EXPECT_EQ(ref.result.steps[i].skipped, i + 1 == 7) << "step " << i + 1;
+  expect_only_the_spike_skipped(ref.result);
   for (const char* schedule : {"gpipe", "1f1b"}) {
     SCOPED_TRACE(schedule);
     train::Config piped = c;
@@ -317,8 +333,7 @@ TEST(PipelineTrain, AGradientSpikeIsSkippedOnEveryStageAsInOneProcess) {
     piped.run.dir = shared_temp_dir(world, "tessel-pp-spike");
     const auto r = run_on(world, piped);
     fixture::expect_same_steps(r, ref.result);
-    for (size_t i = 0; i < r.steps.size(); ++i)
-      EXPECT_EQ(r.steps[i].skipped, i + 1 == 7) << "step " << i + 1;
+    expect_only_the_spike_skipped(r);
     fixture::expect_same_weights(fixture::final_weights(piped.run.dir), ref.weights);
   }
 }
@@ -330,25 +345,20 @@ TEST(PipelineTrain, AGradientSpikeIsSkippedOnEveryStageAsInOneProcess) {
 // weights).
 TEST(PipelineTrain, AGradientSpikeLeavesTheMoeBalanceOfEveryStageAlone) {
   comm::Communicator& world = comm::world();
-  train::Config c = pipeline_config(world, "tessel-pp-spike-moe");
+  train::Config c = with_a_spike(pipeline_config(world, "tessel-pp-spike-moe"));
   for (const char* s : {"model.moe_layers=all", "model.moe_experts=4", "model.moe_top_k=2",
                         "model.moe_balance=bias", "model.moe_bias_rate=0.01"})
     train::apply_override(c, s);
-  c.train.steps = 10;
   c.train.grad_clip = 0;
-  c.train.spike_factor = 5;
-  c.train.spike_window = 4;
-  c.fault.spike_step = 7;
   const Reference ref = single_process(c);
-  ASSERT_TRUE(ref.result.steps[6].skipped);
+  ASSERT_TRUE(ref.result.steps[kSpikeStep - 1].skipped);
   c.parallel.pp = world.size();
   c.pipeline.schedule = "1f1b";
   c.run.dir = shared_temp_dir(world, "tessel-pp-spike-moe");
   const auto r = run_on(world, c);
   fixture::expect_same_steps(r, ref.result, /*norms_too=*/false);
   fixture::expect_norms_near(r, ref.result);
-  for (size_t i = 0; i < r.steps.size(); ++i)
-    EXPECT_EQ(r.steps[i].skipped, i + 1 == 7) << "step " << i + 1;
+  expect_only_the_spike_skipped(r);
   fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
 }
 

@@ -45,7 +45,9 @@ TEST(MixtureOrder, EveryPrefixKeepsTheShares) {
         const double ahead = double(counts[d]) - weights[d] / sum * double(g + 1);
         ASSERT_LT(ahead, 1.0) << "data set " << d << " after " << g + 1 << " sequences";
         ASSERT_GT(ahead, -1.25) << "data set " << d << " after " << g + 1 << " sequences";
-        if (weights.size() == 2) ASSERT_LE(std::abs(ahead), 0.5 + 1e-9);
+        if (weights.size() == 2) {
+          ASSERT_LE(std::abs(ahead), 0.5 + 1e-9);
+        }
       }
     }
   }
