@@ -602,8 +602,8 @@ void Gpt::backward_head(Activations& acts, float loss_scale) {
   kn::cross_entropy_backward(acts.d_logits.f32(), acts.logits.f32(), acts.lse.f32(),
                              acts.targets.i32(), acts.loss_weight.f32(), loss_scale, N, V);
   acts.d_norm.fill_zero();
-  kn::linear_backward(acts.d_norm.f32(), grad(head_), nullptr, acts.d_logits.f32(),
-                      acts.final_norm.f32(), value(head_), N, C_, V);
+  linear_backward(acts, acts.d_norm.f32(), head_, -1, acts.d_logits.f32(), acts.final_norm.f32(), N,
+                  C_, V);
   float* dx = acts.residual_grad(L).f32();
   std::fill(dx, dx + N * C_, 0.0f);
   norm_backward(dx, final_norm_w_, final_norm_b_, acts.d_norm.f32(), acts.residual(L).f32(),
@@ -656,8 +656,8 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
     }
   } else {
     acts.d_act.fill_zero();
-    kn::linear_backward(acts.d_act.f32(), grad(p.fc_out_w), grad(p.fc_out_b), dy,
-                        acts.act.f32() + c * N * F_, value(p.fc_out_w), N, F_, C);
+    linear_backward(acts, acts.d_act.f32(), p.fc_out_w, p.fc_out_b, dy, acts.act.f32() + c * N * F_,
+                    N, F_, C);
     const float* fc = acts.fc.f32() + c * N * Fi_;
     acts.d_fc.fill_zero();
     if (config_.mlp == MlpType::gelu)
@@ -665,16 +665,15 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
     else
       kn::swiglu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N, F_);
     acts.d_norm.fill_zero();
-    kn::linear_backward(d_norm, grad(p.fc_in_w), grad(p.fc_in_b), acts.d_fc.f32(),
-                        acts.mlp_norm.f32() + c * N * C, value(p.fc_in_w), N, C, Fi_);
+    linear_backward(acts, d_norm, p.fc_in_w, p.fc_in_b, acts.d_fc.f32(),
+                    acts.mlp_norm.f32() + c * N * C, N, C, Fi_);
   }
   norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, c * N),
                 acts.mlp_norm_rstd.f32() + c * N, N);
 
   // Attention branch; dx gains the path through attn_norm and becomes d x_l.
   acts.d_attn.fill_zero();
-  kn::linear_backward(acts.d_attn.f32(), grad(p.out_w), grad(p.out_b), dx, o, value(p.out_w), N, Q,
-                      C);
+  linear_backward(acts, acts.d_attn.f32(), p.out_w, p.out_b, dx, o, N, Q, C);
   acts.d_split.fill_zero();
   float* dq = acts.d_split.f32();
   float* dk = dq + N * Q;
@@ -699,8 +698,8 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   float* d_qkv = acts.qkv.f32();
   merge_qkv(d_qkv, dq, dk, dv, N, Q, KV);
   acts.d_norm.fill_zero();
-  kn::linear_backward(d_norm, grad(p.qkv_w), grad(p.qkv_b), d_qkv, acts.attn_norm.f32() + c * N * C,
-                      value(p.qkv_w), N, C, QKV_);
+  linear_backward(acts, d_norm, p.qkv_w, p.qkv_b, d_qkv, acts.attn_norm.f32() + c * N * C, N, C,
+                  QKV_);
   norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, c * N),
                 acts.attn_norm_rstd.f32() + c * N, N);
 }
@@ -736,10 +735,39 @@ void Gpt::backward_embedding(Activations& acts) {
   TESSEL_CHECK(holds_embedding(), "backward_embedding: the model does not hold the embedding");
   TESSEL_CHECK(acts.has_tokens, "backward_embedding needs inputs.tokens");
   const int64_t N = acts.B * acts.T;
+  auto add_grads = [this, &acts, N](const float* dx) {
+    kn::embedding_backward(grad(embed_), dx, acts.tokens.i32(), N, config_.vocab, C_);
+    if (pos_embed_ >= 0)
+      kn::embedding_backward(grad(pos_embed_), dx, acts.positions.i32(), N, config_.max_seq, C_);
+  };
   const float* dx = acts.residual_grad(0).f32();
-  kn::embedding_backward(grad(embed_), dx, acts.tokens.i32(), N, config_.vocab, C_);
-  if (pos_embed_ >= 0)
-    kn::embedding_backward(grad(pos_embed_), dx, acts.positions.i32(), N, config_.max_seq, C_);
+  if (!acts.defer_weight_grads) return add_grads(dx);
+  // residual_grad(0) is shared scratch: the queued gradient reads its own copy.
+  acts.deferred_weight_grads.push_back(
+      [add_grads, d = std::vector<float>(dx, dx + N * C_)] { add_grads(d.data()); });
+}
+
+void Gpt::linear_backward(Activations& acts, float* dx, int w, int b, const float* dy,
+                          const float* x, int64_t N, int64_t in, int64_t out) {
+  kn::linear_backward_input(dx, dy, value(w), N, in, out);
+  if (!acts.defer_weight_grads)
+    return kn::linear_backward_weights(grad(w), grad(b), dy, x, N, in, out);
+  // The queued gradient keeps copies of what later backwards overwrite: dy is always scratch
+  // or a residual-stream gradient, x under recomputation the one block cache (the next
+  // block's rebuild); otherwise x is this micro-batch's forward cache, kept until its W.
+  std::vector<float> x_copy;
+  if (acts.recompute == Recompute::blocks) x_copy.assign(x, x + N * in);
+  acts.deferred_weight_grads.push_back([this, w, b, N, in, out, x,
+                                        dy_copy = std::vector<float>(dy, dy + N * out),
+                                        x_copy = std::move(x_copy)] {
+    kn::linear_backward_weights(grad(w), grad(b), dy_copy.data(),
+                                x_copy.empty() ? x : x_copy.data(), N, in, out);
+  });
+}
+
+void Gpt::backward_weights(Activations& acts) {
+  for (auto& queued : acts.deferred_weight_grads) queued();
+  acts.deferred_weight_grads.clear();
 }
 
 }  // namespace tessel::model

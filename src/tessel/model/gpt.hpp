@@ -12,6 +12,7 @@
 // once per step with zero_grads(), so micro-batches accumulate) and OVERWRITE the
 // residual-stream gradients in Activations.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -120,6 +121,14 @@ struct Activations {
   // model.moe_balance = seq_aux: the sequence (row of B) of each routed row; empty otherwise.
   std::vector<int32_t> routed_sequence;
   std::vector<float> moe_x, moe_y, moe_dx;
+
+  // A backward split in two (ZB-H1's B and W): with defer_weight_grads set, backward computes
+  // the input gradients and queues the weight gradients of the matrices (with their biases)
+  // and of the embeddings, each with copies of the gradients it reads, for
+  // Gpt::backward_weights. Norm weights and MoE layers (router and experts) still add theirs
+  // in backward: they are a small share of the work or interleaved with the input gradient.
+  bool defer_weight_grads = false;
+  std::vector<std::function<void()>> deferred_weight_grads;
 
   // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole
   // model by default): per-layer buffers stack only those, and the head's (final norm,
@@ -260,6 +269,10 @@ class Gpt {
   void backward_head(Activations& acts, float loss_scale);  // -> residual_grad(L)
   void backward_blocks(Activations& acts, int64_t first, int64_t last);
   void backward_embedding(Activations& acts);  // residual_grad(0) -> embedding grads
+  // Adds the weight gradients a backward with acts.defer_weight_grads queued, in the order it
+  // queued them (so a tied head and embedding add as in the plain backward), and empties the
+  // queue: backward then backward_weights adds bitwise what the plain backward adds.
+  void backward_weights(Activations& acts);
 
   // Mixture of experts (docs/model.md). The token exchange and the balancing sums go
   // through `comm` (null: every expert local, one process); the caller owns it and keeps
@@ -287,6 +300,10 @@ class Gpt {
                     int64_t N) const;
   void norm_backward(float* dx, int w, int b, const float* dy, const float* x, const float* mean,
                      const float* rstd, int64_t N);
+  // Parameter w's (and bias b's, -1: none) linear backward: dx now; the weight gradients now
+  // or queued (Activations::defer_weight_grads).
+  void linear_backward(Activations& acts, float* dx, int w, int b, const float* dy, const float* x,
+                       int64_t N, int64_t in, int64_t out);
   attention::AttentionShape attention_shape(const Activations& acts) const {
     return {acts.B, acts.T, acts.T, H_, Hkv_, D_};
   }

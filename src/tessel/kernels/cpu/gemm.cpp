@@ -69,7 +69,17 @@ void linear_forward(float* y, const float* x, const float* W, const float* b, in
 
 void linear_backward(float* dx, float* dW, float* db, const float* dy, const float* x,
                      const float* W, int64_t N, int64_t in, int64_t out) {
+  linear_backward_input(dx, dy, W, N, in, out);
+  linear_backward_weights(dW, db, dy, x, N, in, out);
+}
+
+void linear_backward_input(float* dx, const float* dy, const float* W, int64_t N, int64_t in,
+                           int64_t out) {
   gemm(false, false, N, in, out, 1.0f, dy, out, W, in, 1.0f, dx, in);
+}
+
+void linear_backward_weights(float* dW, float* db, const float* dy, const float* x, int64_t N,
+                             int64_t in, int64_t out) {
   gemm(true, false, out, in, N, 1.0f, dy, out, x, in, 1.0f, dW, in);
   if (db)
     detail::add_column_sums(db, N, out, [=](int64_t n, int64_t j) { return dy[n * out + j]; });

@@ -12,9 +12,14 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 // Linear layer y = x W^T (+ b): x [N, in], W [out, in], b [out] or null, y [N, out].
 void linear_forward(float* y, const float* x, const float* W, const float* b, int64_t N, int64_t in,
                     int64_t out);
-// Adds dx += dy W, dW += dy^T x, db += sum_n dy (db may be null).
+// Adds dx += dy W, dW += dy^T x, db += sum_n dy (db may be null): linear_backward_input,
+// then linear_backward_weights (the halves a split backward runs apart, e.g. ZB-H1's B and W).
 void linear_backward(float* dx, float* dW, float* db, const float* dy, const float* x,
                      const float* W, int64_t N, int64_t in, int64_t out);
+void linear_backward_input(float* dx, const float* dy, const float* W, int64_t N, int64_t in,
+                           int64_t out);
+void linear_backward_weights(float* dW, float* db, const float* dy, const float* x, int64_t N,
+                             int64_t in, int64_t out);
 
 namespace naive {
 template <class T>
