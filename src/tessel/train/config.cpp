@@ -382,8 +382,10 @@ std::vector<ConfigKey> build_schema() {
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
       string_key("pipeline.schedule",
-                 "pipeline schedule: gpipe, 1f1b or paci (no flush: a local step every "
-                 "paci_k backwards); \"\" = 1f1b when parallel.pp > 1, the plain loop at pp = 1",
+                 "pipeline schedule: gpipe, 1f1b, zb-h1 (1f1b with each backward's weight "
+                 "gradients run later, filling the flush bubble) or paci (no flush: a local step "
+                 "every paci_k backwards); \"\" = 1f1b when parallel.pp > 1, the plain loop at "
+                 "pp = 1",
                  FIELD(pipeline.schedule)),
       int_key("pipeline.paci_k",
               "paci: micro-batches per local step (and per logged step); 0 = train.accum",
@@ -679,12 +681,12 @@ void validate(const Config& c) {
   if (c.fault.spike_step > 0 && paci)
     input_error("fault.spike_step = ", c.fault.spike_step,
                 " scales the gradients of a whole step, which PACI's stages do not share; use it "
-                "with a flush schedule (pipeline.schedule = \"gpipe\" or \"1f1b\") or none");
+                "with a flush schedule (pipeline.schedule = \"gpipe\", \"1f1b\" or \"zb-h1\") or none");
   if (c.train.spike_factor > 0 && paci)
     input_error("train.spike_factor = ", c.train.spike_factor,
                 " skips whole updates, which PACI's stages step on their own, each with its own "
-                "gradient norm; use it with a flush schedule (pipeline.schedule = \"gpipe\" or "
-                "\"1f1b\") or none");
+                "gradient norm; use it with a flush schedule (pipeline.schedule = \"gpipe\", "
+                "\"1f1b\" or \"zb-h1\") or none");
   positive("parallel.cp_chunks", c.parallel.cp_chunks);
   if (c.parallel.cp > 1 && c.parallel.cp_layout == CpLayoutKind::zigzag &&
       c.train.seq_len % (2 * c.parallel.cp) != 0)

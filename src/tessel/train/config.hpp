@@ -96,7 +96,7 @@ struct ParallelConfig {
 
 // Pipeline parallelism over the pp axis (pipeline_trainer.hpp, docs/training.md).
 struct PipelineConfig {
-  std::string schedule;     // gpipe | 1f1b | paci; "" = 1f1b when parallel.pp > 1
+  std::string schedule;     // gpipe | 1f1b | zb-h1 | paci; "" = 1f1b when parallel.pp > 1
   int64_t paci_k = 0;       // PACI: local backwards per local step; 0 = train.accum
   bool paci_stash = false;  // PACI: inconsistent backwards use their forward's weights
   double paci_predict = 0;  // PACI: stale forwards extrapolate this share of the last step

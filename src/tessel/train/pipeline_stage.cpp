@@ -126,15 +126,37 @@ std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,
 
 void GptStage::backward(int64_t micro, std::span<const float> output_grad,
                         std::span<float> input_grad) {
+  run_backward(micro, output_grad, input_grad, false);
+  finish(micro);
+}
+
+void GptStage::backward_input(int64_t micro, std::span<const float> output_grad,
+                              std::span<float> input_grad) {
+  run_backward(micro, output_grad, input_grad, true);
+}
+
+void GptStage::backward_weights(int64_t micro) {
+  model_.backward_weights(*slots_[in_flight(micro).slot]);
+  finish(micro);
+}
+
+GptStage::Live& GptStage::in_flight(int64_t micro) {
   auto it = live_.find(micro);
   TESSEL_CHECK(it != live_.end(), "stage ", stage_, ": backward of micro-batch ", micro,
                " without its forward");
-  model::Activations& acts = *slots_[it->second.slot];
-  const int64_t gap = steps_ - it->second.steps;
+  return it->second;
+}
+
+void GptStage::run_backward(int64_t micro, std::span<const float> output_grad,
+                            std::span<float> input_grad, bool defer_weight_grads) {
+  const Live& started = in_flight(micro);
+  model::Activations& acts = *slots_[started.slot];
+  const int64_t gap = steps_ - started.steps;
   const bool stashed = stale_.mode == StaleWeights::Mode::stash && gap > 0;
   TESSEL_CHECK(!stashed || gap == 1, "stage ", stage_, ": micro-batch ", micro, " is ", gap,
                " steps old; the stash keeps one version");
   if (stashed) swap_stashed();
+  acts.defer_weight_grads = defer_weight_grads;
   if (last_stage())
     model_.backward_head(acts, 1.0f);
   else
@@ -147,11 +169,15 @@ void GptStage::backward(int64_t micro, std::span<const float> output_grad,
     std::copy(dx, dx + input_grad.size(), input_grad.begin());
   }
   if (stashed) swap_stashed();
-  window_.loss_sum += it->second.loss_sum;
-  window_.loss_tokens += it->second.loss_tokens;
+}
+
+void GptStage::finish(int64_t micro) {
+  const Live& done = in_flight(micro);
+  window_.loss_sum += done.loss_sum;
+  window_.loss_tokens += done.loss_tokens;
   ++window_.micro_batches;
-  free_.push_back(it->second.slot);
-  live_.erase(it);
+  free_.push_back(done.slot);
+  live_.erase(micro);
 }
 
 void GptStage::step(int64_t version) {

@@ -17,7 +17,7 @@
 // instruction list, so their attention exchanges pair up.
 //
 // Activations live in a pool, one set per micro-batch between its forward and its
-// backward, at most `max_live` at once (1F1B / PACI: P - s; GPipe: M).
+// backward (ZB-H1: its W), at most `max_live` at once (1F1B / PACI: P - s; GPipe: M; ZB-H1: P).
 //
 // PACI's stale micro-batches (StaleWeights): a forward that runs g STEPs before its backward
 // sees weights g versions older than the backward will.
@@ -84,6 +84,11 @@ class GptStage final : public pipeline::StageWork {
   void forward(int64_t micro, std::span<const float> input, std::span<float> output) override;
   void backward(int64_t micro, std::span<const float> output_grad,
                 std::span<float> input_grad) override;
+  // ZB-H1: the model's split backward (Activations::defer_weight_grads); the micro-batch's
+  // activations stay in flight until its backward_weights.
+  void backward_input(int64_t micro, std::span<const float> output_grad,
+                      std::span<float> input_grad) override;
+  void backward_weights(int64_t micro) override;
   void step(int64_t version) override;
 
   // Before each executor run: its first micro-batch (the run starts drained).
@@ -125,6 +130,10 @@ class GptStage final : public pipeline::StageWork {
   double forward_stage(model::Activations& acts, const model::ModelInputs& in,
                        std::span<const float> input, std::span<float> output) const;
   model::BlockRange range() const { return {first_, last_, first_stage(), last_stage()}; }
+  Live& in_flight(int64_t micro);  // the micro-batch between its forward and its end (checked)
+  void run_backward(int64_t micro, std::span<const float> output_grad, std::span<float> input_grad,
+                    bool defer_weight_grads);
+  void finish(int64_t micro);  // its loss into the window, its activations freed
   void swap_stashed();
   // Prediction: how many STEPs will run between micro-batch `micro`'s forward (now) and its
   // backward; 0 when there is no last STEP of this run to extrapolate along.

@@ -49,9 +49,9 @@ void validate_pipeline(const Config& c) {
     return;
   }
   const std::string& name = c.pipeline.schedule;
-  if (!name.empty() && name != "gpipe" && name != "1f1b" && name != "paci")
+  if (!name.empty() && name != "gpipe" && name != "1f1b" && name != "zb-h1" && name != "paci")
     input_error("config key 'pipeline.schedule' = \"", name,
-                "\": expected gpipe, 1f1b or paci (or \"\" for 1f1b)");
+                "\": expected gpipe, 1f1b, zb-h1 or paci (or \"\" for 1f1b)");
   if (c.pipeline.paci_k < 0)
     input_error("config key 'pipeline.paci_k' must be >= 0 (0 = train.accum), got ",
                 c.pipeline.paci_k);
@@ -210,7 +210,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       ends_(tied_ ? pp_.split(stage_ == 0 || stage_ == stages_ - 1 ? 0 : 1, stage_) : nullptr),
       work_(
           model, pipeline_boundaries(config), stage_, loader, config, mesh.group(comm::Axis::cp),
-          kind_ == pipeline::ScheduleKind::gpipe ? micro_per_step_ : stages_ - stage_,
+          max_live_activations(),
           [this](int64_t version) { on_step(version); }, own_stale_weights(config),
           [this](int64_t micro, const model::Activations& acts) {
             if (!run_moe_.empty())
@@ -227,6 +227,17 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
   reducer_.emplace(grad_group_, model.flat_grads().view(begin, {end - begin}), bucket_bytes);
   if (!own_experts_.empty())  // every expert held is this stage's: summed over edp x cp
     expert_reducer_.emplace(mesh.group(comm::Axis::edp_cp), model.expert_grads(), bucket_bytes);
+}
+
+int64_t PipelineTrainer::max_live_activations() const {
+  switch (kind_) {
+    case pipeline::ScheduleKind::gpipe:
+      return micro_per_step_;
+    case pipeline::ScheduleKind::zb_h1:  // P - s forwards awaiting B, s backwards awaiting W
+      return stages_;
+    default:
+      return stages_ - stage_;
+  }
 }
 
 StaleWeights PipelineTrainer::own_stale_weights(const Config& config) const {
@@ -362,20 +373,23 @@ PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
                run_windows_.size(), " steps in a run of ", windows);
 
   // Every stage's record: busy and waiting seconds, version gaps, live activations.
-  constexpr size_t kFields = 10;
+  constexpr size_t kFields = 11;
   std::vector<double> per_stage(kFields * size_t(stages_), 0.0);
   double* mine = per_stage.data() + kFields * size_t(stage_);
   const double own_step_seconds = stats.step_seconds - sync_seconds_;
-  mine[0] = stats.forward_seconds + stats.backward_seconds + own_step_seconds;
+  // backward_seconds is the whole backward; under ZB-H1 weight_seconds is its W part.
+  const double backward_seconds = stats.backward_seconds + stats.weight_seconds;
+  mine[0] = stats.forward_seconds + backward_seconds + own_step_seconds;
   mine[1] = stats.wait_seconds;
   mine[2] = double(stats.max_version_gap);
   mine[3] = double(stats.inconsistent_backwards);
   mine[4] = double(stats.peak_live_activations);
   mine[5] = stats.forward_seconds;
-  mine[6] = stats.backward_seconds;
+  mine[6] = backward_seconds;
   mine[7] = own_step_seconds;
   mine[8] = sync_seconds_;
   mine[9] = double(work_.activation_bytes());
+  mine[10] = stats.weight_seconds;
   // PACI: the last stage's loss sums, the first's token counts, each stage's norms.
   const size_t fields = 2 + size_t(stages_);
   std::vector<double> window_values(paci ? fields * size_t(windows) : 0, 0.0);
@@ -419,7 +433,8 @@ PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
                                  {"backward_seconds", r[6]},
                                  {"optimizer_seconds", r[7]},
                                  {"sync_seconds", r[8]},
-                                 {"activation_bytes", int64_t(r[9])}});
+                                 {"activation_bytes", int64_t(r[9])},
+                                 {"weight_seconds", r[10]}});
   }
   const double seconds = timer.seconds();
   if (!paci) {

@@ -3,7 +3,7 @@
 // GPT split over the pp axis of the mesh (stage_partition.hpp), each rank one stage of its
 // dp replica, run by the stage executor with a GptStage (pipeline_stage.hpp).
 //
-// Flush schedules (gpipe, 1f1b): one trainer step is one executor run over train.accum
+// Flush schedules (gpipe, 1f1b, zb-h1): one trainer step is one executor run over train.accum
 // micro-batches, ending in a STEP on every stage: a tied embedding's two gradient parts
 // (lookups on the first stage, head on the last) summed over pp; [loss sum, loss tokens]
 // and this stage's gradients all-reduced over dp and scaled by 1 / global loss tokens; the
@@ -142,6 +142,7 @@ class PipelineTrainer {
   void on_step(int64_t version);
   // pipeline.paci_stash / paci_predict: what GptStage needs for them; else plain.
   StaleWeights own_stale_weights(const Config& config) const;
+  int64_t max_live_activations() const;  // micro-batches this stage holds at once (GptStage)
 
   const Config& config_;
   comm::Communicator& pp_;

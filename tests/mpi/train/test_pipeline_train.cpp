@@ -1,4 +1,4 @@
-// Pipeline parallelism on real MPI ranks (spec pipeline.md C2, C3): GPipe and 1F1B over pp
+// Pipeline parallelism on real MPI ranks (spec pipeline.md C2, C3): GPipe, 1F1B and ZB-H1 over pp
 // stages give bitwise the losses, gradient norms, validation losses and final weights of
 // the single-process run; pp x dp those of the plain dp run, pp x cp those of the plain cp
 // run; PACI drained after every window equals 1F1B; undrained PACI equals a sequential
@@ -247,7 +247,7 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
   bool clipped = false;
   for (const auto& s : ref.result.steps) clipped = clipped || s.grad_norm > c.train.grad_clip;
   EXPECT_TRUE(clipped);
-  for (const char* schedule : {"gpipe", "1f1b"})
+  for (const std::string schedule : {"gpipe", "1f1b", "zb-h1"})
     // Balanced, explicit, and first and last stage without blocks.
     for (const std::string layout : {"", P == 2 ? "3,1" : "1,1,1,1", P == 2 ? "0,4" : "0,2,2,0"}) {
       SCOPED_TRACE(std::string(schedule) + ", layout '" + layout + "'");
@@ -266,9 +266,10 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
         ASSERT_EQ(r["stages"].size(), size_t(P));
         for (int s = 0; s < P; ++s) {
           EXPECT_EQ(r["stages"][s]["max_version_gap"], 0);
-          // 1F1B keeps P - s micro-batches in flight at most, GPipe all M = 4.
+          // 1F1B keeps P - s micro-batches in flight at most, GPipe all M = 4, ZB-H1 P (with
+          // the s whose W lags).
           EXPECT_EQ(r["stages"][s]["peak_live_activations"],
-                    std::string(schedule) == "gpipe" ? 4 : std::min(4, P - s));
+                    schedule == "gpipe" ? 4 : schedule == "zb-h1" ? P : std::min(4, P - s));
           // The busy time is reported with its three parts; every stage does all three.
           const auto& st = r["stages"][s];
           const double parts = st["forward_seconds"].get<double>() +
@@ -277,6 +278,12 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
           EXPECT_NEAR(st["busy_seconds"].get<double>(), parts, 1e-12 + 1e-12 * parts);
           for (const char* part : {"forward_seconds", "backward_seconds", "optimizer_seconds"})
             EXPECT_GT(st[part].get<double>(), 0.0) << part;
+          // ZB-H1's W ops, a part of the backward; the other schedules run none.
+          const double w = st["weight_seconds"].get<double>();
+          if (schedule == "zb-h1")
+            EXPECT_TRUE(w > 0 && w < st["backward_seconds"].get<double>()) << w;
+          else
+            EXPECT_EQ(w, 0.0);
           // The flush step's global-norm all-reduce is timed apart from the step's own work.
           EXPECT_GT(st["sync_seconds"].get<double>(), 0.0);
         }
@@ -318,14 +325,14 @@ void expect_only_the_spike_skipped(const train::TrainResult& r) {
 }  // namespace
 
 // Gradient-spike skipping over flush schedules: an injected spike (fault.spike_step, x1000) is
-// skipped on every stage, as one process skips it. GPipe and 1F1B over the stages equal the
-// single process bitwise; the spike step alone is skipped.
+// skipped on every stage, as one process skips it. GPipe, 1F1B and ZB-H1 over the stages equal
+// the single process bitwise; the spike step alone is skipped.
 TEST(PipelineTrain, AGradientSpikeIsSkippedOnEveryStageAsInOneProcess) {
   comm::Communicator& world = comm::world();
   const train::Config c = with_a_spike(pipeline_config(world, "tessel-pp-spike"));
   const Reference ref = single_process(c);
   expect_only_the_spike_skipped(ref.result);
-  for (const char* schedule : {"gpipe", "1f1b"}) {
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
     SCOPED_TRACE(schedule);
     train::Config piped = c;
     piped.parallel.pp = world.size();
@@ -478,7 +485,7 @@ TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
     plain.run.dir = shared_temp_dir(*half, "tessel-ppdp-ref");
     const auto ref = run_on(*half, plain);
     const auto ref_weights = fixture::final_weights(plain.run.dir);
-    for (const char* schedule : {"gpipe", "1f1b"}) {
+    for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
       SCOPED_TRACE(std::string(optimizer) + ", " + schedule);
       c.parallel.pp = 2;
       c.pipeline.schedule = schedule;
@@ -557,8 +564,9 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
 // (idle rounds). np 2: pp 2 against one process; np 4: pp 2 x dp 2 with ep 2 against the plain
 // dp 2 x ep 2 run; the step and validation records' MoE statistics are the plain run's.
 // Also with MoE in the last stage only (1F1B), on SFT data (1F1B: each stage leaves the
-// padding out of its MoE blocks), with activation recomputation (GPipe and 1F1B: the
-// micro-batches in flight share the one block cache, rebuilt through the token exchange),
+// padding out of its MoE blocks), with activation recomputation (GPipe, 1F1B and ZB-H1: the
+// micro-batches in flight share the one block cache, rebuilt through the token exchange; ZB-H1's
+// W reads its own copies of the cache),
 // and undrained PACI's per-window statistics.
 TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
   comm::Communicator& world = comm::world();
@@ -570,7 +578,7 @@ TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
   const Case cases[] = {{"all", {"gpipe", "1f1b", "paci"}, false, false},
                         {"3", {"1f1b"}, false, false},
                         {"all", {"1f1b"}, true, false},
-                        {"all", {"gpipe", "1f1b"}, false, true}};
+                        {"all", {"gpipe", "1f1b", "zb-h1"}, false, true}};
   for (const auto& [moe_layers, schedules, sft, recompute] : cases) {
     SCOPED_TRACE(std::string("moe_layers = ") + moe_layers + (sft ? ", SFT" : "") +
                  (recompute ? ", recompute" : ""));
