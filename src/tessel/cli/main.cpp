@@ -211,8 +211,10 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
                           {"micro_batches", M},
                           {"steps", steps}};
     for (const auto& c : p.costs)
-      out["stage_costs"].push_back(
-          {{"forward", c.forward}, {"backward", c.backward}, {"step", c.step}});
+      out["stage_costs"].push_back({{"forward", c.forward},
+                                    {"backward", c.backward},
+                                    {"weight", c.weight},
+                                    {"step", c.step}});
     for (const auto& s : sims)
       out["simulated"][s.name] = {{"step_seconds", s.step_seconds},
                                   {"bubble", s.bubble},
@@ -225,10 +227,12 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
               run_dir.c_str(), p.schedule.c_str(), p.costs.size(),
               static_cast<long long>(p.micro_batches), static_cast<long long>(p.first_step),
               static_cast<long long>(p.last_step));
-  std::printf("stage  forward/micro-batch  backward/micro-batch  optimizer step  (seconds)\n");
+  std::printf(
+      "stage  forward/micro-batch  backward/micro-batch  of which W  optimizer step  "
+      "(seconds)\n");
   for (size_t s = 0; s < p.costs.size(); ++s)
-    std::printf("%5zu  %19.4f  %20.4f  %14.4f\n", s, p.costs[s].forward, p.costs[s].backward,
-                p.costs[s].step);
+    std::printf("%5zu  %19.4f  %20.4f  %10.4f  %14.4f\n", s, p.costs[s].forward,
+                p.costs[s].backward, p.costs[s].weight, p.costs[s].step);
   std::printf("measured %s step: %.4f s\n", p.schedule.c_str(), p.step_seconds);
   std::printf("simulated, %lld steps of %lld micro-batches (PACI: K = %lld), no link latency:\n",
               static_cast<long long>(steps), static_cast<long long>(M), static_cast<long long>(M));
@@ -240,6 +244,10 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     std::printf("%-8s  %8.4f  %6.3f  %18.3f  %s\n", s.name.c_str(), s.step_seconds, s.bubble,
                 one_f_one_b / s.step_seconds, peaks.c_str());
   }
+  if (sims.back().name != "zb-h1")
+    std::printf(
+        "zb-h1: not simulated, the run measured no W (weight-gradient) ops; a run with "
+        "pipeline.schedule = \"zb-h1\" measures them\n");
   return 0;
 }
 
@@ -421,7 +429,8 @@ int main(int argc, char** argv) {
   bool sim_json = false;
   auto* simc = app.add_subcommand(
       "simulate",
-      "GPipe, 1F1B and PACI(K = M) simulated from the stage costs a pipeline run measured");
+      "GPipe, 1F1B, PACI(K = M) and (from a run that measured its W ops) ZB-H1 simulated from "
+      "the stage costs a pipeline run measured");
   simc->add_option("RUN_DIR", sim_run, "run directory of a pipeline run (parallel.pp > 1)")
       ->required();
   simc->add_option("--skip", sim_skip,

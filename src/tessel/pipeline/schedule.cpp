@@ -9,14 +9,18 @@ namespace tessel::pipeline {
 namespace {
 
 // The 1F1B pattern of stage s over micro-batches first .. first + n - 1; with `step_every`
-// > 0 a STEP follows every step_every-th backward (PACI), counting from `first`.
+// > 0 a STEP follows every step_every-th backward (PACI), counting from `first`. With
+// `weight_lag` >= 0 the backwards are ZB-H1's B and a W follows for the oldest micro-batches
+// while more than weight_lag wait for theirs; the list ends with the remaining Ws.
 void one_f_one_b(std::vector<Op>& ops, int stages, int stage, int64_t first, int64_t n,
-                 int64_t step_every) {
+                 int64_t step_every, int64_t weight_lag = -1) {
   const int64_t warmup = std::min<int64_t>(stages - 1 - stage, n);
-  int64_t next_f = first, next_b = first, backwards = 0;
+  int64_t next_f = first, next_b = first, next_w = first, backwards = 0;
   auto backward = [&] {
     ops.push_back({OpKind::backward, next_b++});
     if (step_every > 0 && ++backwards % step_every == 0) ops.push_back({OpKind::step});
+    while (weight_lag >= 0 && next_b - next_w > weight_lag)
+      ops.push_back({OpKind::weight, next_w++});
   };
   for (int64_t i = 0; i < warmup; ++i) ops.push_back({OpKind::forward, next_f++});
   while (next_f < first + n) {
@@ -24,6 +28,7 @@ void one_f_one_b(std::vector<Op>& ops, int stages, int stage, int64_t first, int
     backward();
   }
   while (next_b < first + n) backward();
+  while (weight_lag >= 0 && next_w < next_b) ops.push_back({OpKind::weight, next_w++});
 }
 
 }  // namespace
@@ -50,7 +55,9 @@ std::vector<Op> stage_ops(const ScheduleOptions& o, int stage) {
       for (int64_t m = 0; m < o.micro_batches; ++m) ops.push_back({OpKind::forward, first + m});
       for (int64_t m = 0; m < o.micro_batches; ++m) ops.push_back({OpKind::backward, first + m});
     } else {
-      one_f_one_b(ops, o.stages, stage, first, o.micro_batches, 0);
+      // ZB-H1's W lags s micro-batches on stage s.
+      one_f_one_b(ops, o.stages, stage, first, o.micro_batches, 0,
+                  o.kind == ScheduleKind::zb_h1 ? stage : -1);
     }
     ops.push_back({OpKind::step});
   }
@@ -61,7 +68,8 @@ ScheduleKind parse_schedule(const std::string& name) {
   if (name == "gpipe") return ScheduleKind::gpipe;
   if (name == "1f1b") return ScheduleKind::one_f_one_b;
   if (name == "paci") return ScheduleKind::paci;
-  input_error("pipeline schedule: expected gpipe, 1f1b or paci, got '", name, "'");
+  if (name == "zb-h1") return ScheduleKind::zb_h1;
+  input_error("pipeline schedule: expected gpipe, 1f1b, paci or zb-h1, got '", name, "'");
 }
 
 const char* schedule_name(ScheduleKind kind) {
@@ -72,6 +80,8 @@ const char* schedule_name(ScheduleKind kind) {
       return "1f1b";
     case ScheduleKind::paci:
       return "paci";
+    case ScheduleKind::zb_h1:
+      return "zb-h1";
   }
   return "?";
 }

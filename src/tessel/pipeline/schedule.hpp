@@ -4,6 +4,16 @@
 //   GPipe   all forwards of the step, then all backwards, then a flush STEP;
 //   1F1B    min(P - 1 - s, M) warm-up forwards, then F(next) / B(oldest) pairs, then the
 //           remaining backwards, then a flush STEP (peak live activations min(P - s, M));
+//   ZB-H1   Zero Bubble's H1 (arXiv 2401.10241): 1F1B with each backward split into B (the
+//           input gradient, on the critical path) and W (the weight gradient, filling the
+//           gaps). Stage s runs 1F1B's list with B for backward; after every B it runs W for
+//           the oldest micro-batches whose W is pending while more than s are (W lags s
+//           micro-batches on stage s); before the STEP every remaining W. Peak live
+//           activations min(P, M) (a micro-batch lives from its F to its W). With M >= P and
+//           W <= F, W <= B on every stage (uniform costs) the step takes
+//           M (F + B + W) + (P - 1)(F + B - W), a bubble of (P - 1)(F + B - W) against 1F1B's
+//           (P - 1)(F + B + W); with W > F or W > B it takes longer than that, and for M < P
+//           the closed form does not apply;
 //   PACI(K) the 1F1B pattern over the endless micro-batch stream, never flushed: a local
 //           STEP after every K-th backward of the stage. A finite horizon of n micro-batches
 //           ends with the remaining backwards (the drain a real run does only at its end).
@@ -14,13 +24,15 @@
 
 namespace tessel::pipeline {
 
-enum class ScheduleKind { gpipe, one_f_one_b, paci };
+enum class ScheduleKind { gpipe, one_f_one_b, paci, zb_h1 };
 
-enum class OpKind { forward, backward, step };
+// `weight` is ZB-H1's W, the weight-gradient half of a backward; in a ZB-H1 list `backward` is
+// its B, the input-gradient half. The other schedules run whole backwards and no W.
+enum class OpKind { forward, backward, weight, step };
 
 struct Op {
   OpKind kind;
-  int64_t micro = -1;  // the micro-batch of a forward or backward; -1 for a step
+  int64_t micro = -1;  // the micro-batch of a forward, backward or weight; -1 for a step
   bool operator==(const Op&) const = default;
 };
 
@@ -28,7 +40,7 @@ struct ScheduleOptions {
   ScheduleKind kind = ScheduleKind::one_f_one_b;
   int stages = 1;             // P
   int64_t micro_batches = 1;  // M per flush step; PACI: the horizon n
-  int64_t steps = 1;          // flush steps (GPipe, 1F1B); ignored by PACI
+  int64_t steps = 1;          // flush steps (GPipe, 1F1B, ZB-H1); ignored by PACI
   int64_t paci_k = 1;         // PACI: local backwards per local step
 };
 
@@ -36,7 +48,7 @@ struct ScheduleOptions {
 void validate(const ScheduleOptions& options);
 // The instruction list of stage s (0 = first) for the whole horizon.
 std::vector<Op> stage_ops(const ScheduleOptions& options, int stage);
-ScheduleKind parse_schedule(const std::string& name);  // gpipe | 1f1b | paci
+ScheduleKind parse_schedule(const std::string& name);  // gpipe | 1f1b | paci | zb-h1
 const char* schedule_name(ScheduleKind kind);
 
 }  // namespace tessel::pipeline

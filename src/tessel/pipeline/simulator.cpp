@@ -22,7 +22,12 @@ SimResult simulate(const SimOptions& o) {
   auto cost = [&](int s) -> const StageCosts& {
     return o.costs[o.costs.size() == 1 ? 0 : size_t(s)];
   };
+  for (const StageCosts& c : o.costs)
+    if (!(c.weight >= 0 && c.weight <= c.backward))
+      input_error("pipeline simulator: a stage's weight cost ", c.weight,
+                  " is not within [0, its backward ", c.backward, "]");
   const bool flush = sched.kind != ScheduleKind::paci;
+  const bool split = sched.kind == ScheduleKind::zb_h1;  // B and W instead of whole backwards
   const int64_t micros = flush ? sched.micro_batches * sched.steps : sched.micro_batches;
 
   std::vector<std::vector<Op>> ops(static_cast<size_t>(P));
@@ -69,12 +74,17 @@ SimResult simulate(const SimOptions& o) {
           const bool last = s == P - 1;
           double dep = last ? f_end[size_t(s)][m] : b_end[size_t(s + 1)][m];
           if (dep == kNotDone || f_end[size_t(s)][m] == kNotDone) break;
-          b_end[size_t(s)][m] = run(s, last ? dep : dep + o.link_latency, cost(s).backward);
-          --live[size_t(s)];
+          b_end[size_t(s)][m] = run(s, last ? dep : dep + o.link_latency,
+                                    cost(s).backward - (split ? cost(s).weight : 0));
+          live[size_t(s)] -= !split;
           ++backwards[size_t(s)];
           const int64_t gap = version[size_t(s)] - f_version[size_t(s)][m];
           r.max_version_gap[size_t(s)] = std::max(r.max_version_gap[size_t(s)], gap);
           gapped[size_t(s)] += gap != 0;
+        } else if (op.kind == OpKind::weight) {
+          if (b_end[size_t(s)][m] == kNotDone) break;
+          run(s, b_end[size_t(s)][m], cost(s).weight);
+          --live[size_t(s)];
         } else if (!flush) {
           run(s, 0, cost(s).step);
           ++version[size_t(s)];
@@ -118,9 +128,10 @@ nlohmann::json chrome_trace(const std::vector<OpTiming>& timeline, int stages,
                       {"tid", s},
                       {"args", {{"name", "stage " + std::to_string(s)}}}});
   for (const auto& t : timeline) {
-    std::string name = t.op.kind == OpKind::step
-                           ? std::string("STEP")
-                           : std::string(t.op.kind == OpKind::forward ? "F" : "B");
+    const char* letter = t.op.kind == OpKind::forward    ? "F"
+                         : t.op.kind == OpKind::backward ? "B"
+                                                         : "W";
+    std::string name = t.op.kind == OpKind::step ? "STEP" : letter;
     if (t.op.kind != OpKind::step) name += std::to_string(t.op.micro);
     events.push_back({{"name", name},
                       {"ph", "X"},

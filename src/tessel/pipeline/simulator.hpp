@@ -2,7 +2,8 @@
 // Event-driven pipeline simulator (spec pipeline.md §4.3) over the schedules' instruction
 // lists: each stage runs its list in order, one op at a time; F_s(m) waits for F_{s-1}(m)
 // plus the link latency, B_s(m) for B_{s+1}(m) plus the latency (the last stage: for its own
-// F(m)); a flush STEP is a barrier of all stages, a PACI STEP is local. Reports makespan,
+// F(m)), ZB-H1's W_s(m) for the stage's own B_s(m); a flush STEP is a barrier of all stages,
+// a PACI STEP is local. Reports makespan,
 // bubble = 1 - sum(busy) / (P * makespan), throughput, peak live activations per stage and
 // the forward/backward weight-version gaps (versions = local steps taken).
 #include <cstdint>
@@ -17,6 +18,9 @@ struct StageCosts {
   double forward = 1;
   double backward = 2;  // the whole backward (input and weight gradients)
   double step = 0;      // optimizer step
+  // The weight-gradient part of `backward`, in [0, backward]: ZB-H1 runs B = backward - weight
+  // and W = weight; the other schedules run the whole backward.
+  double weight = 0;
 };
 
 struct SimOptions {
@@ -37,6 +41,7 @@ struct SimResult {
   double throughput = 0;                   // micro-batches per time unit
   std::vector<double> busy;                // per stage
   std::vector<int64_t> peak_activations;   // per stage: most forwards awaiting their backward
+                                           // (ZB-H1: their W)
   std::vector<int64_t> max_version_gap;    // per stage: max over micro-batches of v_B - v_F
   std::vector<double> inconsistent_share;  // per stage: share of backwards with v_B != v_F
   std::vector<OpTiming> timeline;          // every op, in execution order per stage

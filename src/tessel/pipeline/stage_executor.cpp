@@ -67,6 +67,7 @@ class StageRun {
         stage_(group.rank()),
         last_(group.rank() == group.size() - 1),
         ops_(stage_ops(schedule, group.rank())),
+        split_(schedule.kind == ScheduleKind::zb_h1),
         first_micro_(first_micro),
         upstream_(work.input_elems()),
         downstream_(work.output_elems()) {}
@@ -93,14 +94,17 @@ class StageRun {
         forward(op.micro + first_micro_);
       else if (op.kind == OpKind::backward)
         backward(op.micro + first_micro_);
+      else if (op.kind == OpKind::weight)
+        weight(op.micro + first_micro_);
       else
         step();
     }
     const double wait_start = now_seconds();
     for (Transfer& t : sends_) t.request.wait();
     stats_.wait_seconds += now_seconds() - wait_start;
-    TESSEL_CHECK(saved_versions_.empty(), "pipeline stage ", stage_, ": ", saved_versions_.size(),
-                 " forwards without their backward");
+    TESSEL_CHECK(saved_versions_.empty() && live_ == 0, "pipeline stage ", stage_, ": ",
+                 saved_versions_.size(), " forwards without their backward, ", live_,
+                 " without releasing their activations");
     stats_.total_seconds = now_seconds() - start;
     return std::move(stats_);
   }
@@ -203,26 +207,36 @@ class StageRun {
     if (!last_) send(std::move(output), downstream_, Msg::activation, stage_ + 1, micro);
     saved_versions_.push_back(version_);
     ++stats_.forwards;
-    stats_.peak_live_activations =
-        std::max(stats_.peak_live_activations, int64_t(saved_versions_.size()));
+    stats_.peak_live_activations = std::max(stats_.peak_live_activations, ++live_);
   }
 
   void backward(int64_t micro) {
     Transfer output_grad = last_ ? Transfer{} : receive(gradients_, micro);
     std::vector<float> input_grad = stage_ > 0 ? upstream_.take() : std::vector<float>{};
-    timed({OpKind::backward, micro}, stats_.backward_seconds,
-          [&] { work_.backward(micro, output_grad.data, input_grad); });
+    timed({OpKind::backward, micro}, stats_.backward_seconds, [&] {
+      if (split_)
+        work_.backward_input(micro, output_grad.data, input_grad);
+      else
+        work_.backward(micro, output_grad.data, input_grad);
+    });
     if (output_grad.pool) output_grad.pool->give(std::move(output_grad.data));
     if (stage_ > 0) send(std::move(input_grad), upstream_, Msg::gradient, stage_ - 1, micro);
     // Backwards run in forward order, so the oldest saved version is this micro-batch's.
     const int64_t gap = version_ - saved_versions_.front();
     saved_versions_.pop_front();
+    live_ -= !split_;  // ZB-H1: the W releases the activations
     ++stats_.backwards;
     stats_.backward_versions.push_back(version_);
     stats_.max_version_gap = std::max(stats_.max_version_gap, gap);
     stats_.inconsistent_backwards += gap != 0;
     if (stats_.gap_histogram.size() <= size_t(gap)) stats_.gap_histogram.resize(size_t(gap) + 1);
     ++stats_.gap_histogram[size_t(gap)];
+  }
+
+  void weight(int64_t micro) {
+    timed({OpKind::weight, micro}, stats_.weight_seconds, [&] { work_.backward_weights(micro); });
+    --live_;
+    ++stats_.weights;
   }
 
   void step() {
@@ -239,6 +253,7 @@ class StageRun {
   const int stage_;
   const bool last_;
   const std::vector<Op> ops_;
+  const bool split_;  // ZB-H1: backward_input for B ops, backward_weights for W ops
   const int64_t first_micro_;
   // Buffers of the messages exchanged with the previous stage (activations in, gradients
   // out) and with the next (activations out, gradients in).
@@ -247,7 +262,8 @@ class StageRun {
   Inbox gradients_{Msg::gradient, OpKind::backward, last_ ? -1 : stage_ + 1, 0, {}};
   std::vector<Transfer> sends_;
   std::deque<int64_t> saved_versions_;  // version of each forward awaiting its backward
-  double origin_ = 0;                   // the monotonic-clock time that the timeline counts from
+  int64_t live_ = 0;   // forwards whose activations are kept: until the backward (ZB-H1: W)
+  double origin_ = 0;  // the monotonic-clock time that the timeline counts from
   StageStats stats_;
 };
 
@@ -255,8 +271,9 @@ class StageRun {
 
 StageCosts StageStats::profiled_costs() const {
   auto mean = [](double seconds, int64_t n) { return n > 0 ? seconds / double(n) : 0.0; };
-  return {mean(forward_seconds, forwards), mean(backward_seconds, backwards),
-          mean(step_seconds, steps)};
+  const double weight = mean(weight_seconds, weights);
+  return {mean(forward_seconds, forwards), mean(backward_seconds, backwards) + weight,
+          mean(step_seconds, steps), weight};
 }
 
 StageExecutor::StageExecutor(comm::Communicator& pp_group, StageWork& work, ExecutorOptions options)
@@ -320,7 +337,8 @@ double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages) 
   int64_t waited = 0;
   for (const OpTiming& t : timeline) {
     const int from = t.op.kind == OpKind::forward ? t.stage - 1 : t.stage + 1;
-    if (t.op.kind != OpKind::step && from >= 0 && from < stages) {
+    const bool message = t.op.kind == OpKind::forward || t.op.kind == OpKind::backward;
+    if (message && from >= 0 && from < stages) {
       const double sent = ends.at({from, t.op.kind, t.op.micro});
       if (sent > free_at[size_t(t.stage)]) {
         sum += t.start - sent;

@@ -7,7 +7,9 @@
 // stage), so the executor knows nothing of models.
 //
 // Versions: a stage's weight version is the number of STEPs it has run. Each forward records
-// the version it used; each backward measures the gap (version now - version at its forward).
+// the version it used; each backward (ZB-H1: each B) measures the gap (version now - version
+// at its forward). Under ZB-H1 the executor calls StageWork::backward_input for B ops and
+// backward_weights for W ops; under the other schedules backward.
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -37,6 +39,14 @@ class StageWork {
   // buffer and releases what the forward kept.
   virtual void backward(int64_t micro, std::span<const float> output_grad,
                         std::span<float> input_grad) = 0;
+  // ZB-H1 splits a backward in two: backward_input (B: the input gradient, plus any weight
+  // gradients the stage does not defer) and later backward_weights (W: the deferred weight
+  // gradients; releases what the forward kept). Together they must add into each gradient
+  // buffer what backward adds, in the same order, so ZB-H1 equals 1F1B bitwise. A stage's Ws
+  // run in micro-batch order, each after its B, with no STEP between a B and its W.
+  virtual void backward_input(int64_t micro, std::span<const float> output_grad,
+                              std::span<float> input_grad) = 0;
+  virtual void backward_weights(int64_t micro) = 0;
   // Optimizer step of this stage's parameters with the accumulated gradients, which it then
   // zeroes. `version` is the number of steps this stage has taken before this one. Flush
   // schedules reach STEP on every stage for the same micro-batches, so it may use
@@ -53,19 +63,23 @@ struct ExecutorOptions {
 };
 
 struct StageStats {
-  int64_t forwards = 0, backwards = 0, steps = 0;
-  int64_t peak_live_activations = 0;       // most forwards awaiting their backward at once
+  int64_t forwards = 0, backwards = 0, steps = 0;  // backwards: ZB-H1's Bs
+  int64_t weights = 0;                             // ZB-H1's Ws
+  // Most forwards awaiting their backward (ZB-H1: their W) at once.
+  int64_t peak_live_activations = 0;
   int64_t max_version_gap = 0;             // over this run's backwards
   int64_t inconsistent_backwards = 0;      // backwards whose gap is not 0
   std::vector<int64_t> gap_histogram;      // [gap] -> backwards
   std::vector<int64_t> backward_versions;  // the weight version each backward ran under
-  double forward_seconds = 0, backward_seconds = 0, step_seconds = 0;  // compute
-  double wait_seconds = 0;                                             // blocked on messages
-  double total_seconds = 0;                                            // wall time of run()
+  // Compute; backward_seconds: ZB-H1's Bs alone, weight_seconds its Ws.
+  double forward_seconds = 0, backward_seconds = 0, weight_seconds = 0, step_seconds = 0;
+  double wait_seconds = 0;   // blocked on messages
+  double total_seconds = 0;  // wall time of run()
   // This stage's ops, in seconds since stage 0 left run()'s opening barrier (aligned across
   // stages through the system clock).
   std::vector<OpTiming> timeline;
-  // Mean per-op costs, for feeding the simulator with a measured run's profile.
+  // Mean per-op costs, for feeding the simulator with a measured run's profile. After Ws:
+  // backward = mean B + mean W and weight = mean W; otherwise weight = 0.
   StageCosts profiled_costs() const;
 };
 

@@ -1,5 +1,6 @@
 #include "tessel/train/pipeline_profile.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -58,7 +59,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   // The records' own count (config.toml is the last accepted attempt's, which may not be the
   // one whose records these are); records written before they held it: the config's.
   p.micro_batches = micro_batches_per_step(config);
-  std::vector<double> forward, backward, optimizer;  // sums per stage
+  std::vector<double> forward, backward, weight, optimizer;  // sums per stage
   int64_t steps = 0, micro_batches = 0;
   double seconds = 0;
   int64_t horizon_end = -1;  // PACI: the horizon whose totals were added last
@@ -79,7 +80,8 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
         p.micro_batches = pipe.value("micro_batches", p.micro_batches);
         p.first_step = step;
         const size_t stages = pipe.at("stages").size();
-        forward.assign(stages, 0.0), backward.assign(stages, 0.0), optimizer.assign(stages, 0.0);
+        forward.assign(stages, 0.0), backward.assign(stages, 0.0), weight.assign(stages, 0.0);
+        optimizer.assign(stages, 0.0);
       }
       p.last_step = step;
       ++steps;
@@ -94,6 +96,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
       for (size_t s = 0; s < stages.size(); ++s) {
         forward[s] += stages[s].at("forward_seconds").get<double>();
         backward[s] += stages[s].at("backward_seconds").get<double>();
+        weight[s] += stages[s].value("weight_seconds", 0.0);  // ZB-H1's Ws; absent elsewhere
         optimizer[s] += stages[s].at("optimizer_seconds").get<double>();
       }
     }
@@ -108,7 +111,8 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   p.step_seconds = seconds / double(steps);
   const auto m = double(micro_batches), windows = m / double(p.micro_batches);
   for (size_t s = 0; s < forward.size(); ++s)
-    p.costs.push_back({forward[s] / m, backward[s] / m, optimizer[s] / windows});
+    p.costs.push_back(
+        {forward[s] / m, (backward[s] + weight[s]) / m, optimizer[s] / windows, weight[s] / m});
   return p;
 }
 
@@ -116,9 +120,16 @@ std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::St
                                                   int64_t micro_batches, int64_t steps) {
   using pipeline::ScheduleKind;
   const int P = int(costs.size());
+  // ZB-H1 needs the split of each backward into B and W, which only a run of its own measures;
+  // any assumed split (half the backward for a GEMM's two gradients, say) would be wrong for
+  // the weightless attention, so without measured Ws it is left out and the caller says so.
+  const bool measured_w = std::any_of(costs.begin(), costs.end(),
+                                      [](const pipeline::StageCosts& c) { return c.weight > 0; });
+  std::vector<ScheduleKind> kinds = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
+                                     ScheduleKind::paci};
+  if (measured_w) kinds.push_back(ScheduleKind::zb_h1);
   std::vector<SimulatedSchedule> out;
-  for (const ScheduleKind kind :
-       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci}) {
+  for (const ScheduleKind kind : kinds) {
     pipeline::SimOptions sim;
     sim.schedule = kind == ScheduleKind::paci
                        ? pipeline::ScheduleOptions{kind, P, micro_batches * steps, 1, micro_batches}

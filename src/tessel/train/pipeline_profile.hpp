@@ -1,8 +1,10 @@
 #pragma once
 // The schedule simulator (pipeline/simulator.hpp) fed the per-stage costs a pipeline training
 // run measured (`tessel simulate RUN_DIR`): what GPipe, 1F1B and PACI would take per step on
-// this model, these stages and this machine, from one run of any of them. A run's step
-// records carry each stage's forward, backward and optimizer seconds (docs/training.md);
+// this model, these stages and this machine, from one run of any of them, and ZB-H1 from a
+// run that measured its W ops. A run's step records carry each stage's forward, backward and
+// optimizer seconds (docs/training.md), a ZB-H1 run's also `weight_seconds`, its Ws' seconds
+// (its `backward_seconds` are its Bs', as StageStats counts them);
 // the forward and backward are divided by the micro-batches they covered, so the costs
 // apply to any M or K at the run's micro-batch size (another M means another global batch).
 #include <cstdint>
@@ -14,11 +16,12 @@
 namespace tessel::train {
 
 struct PipelineProfile {
-  std::string schedule;                   // the run's: gpipe, 1f1b or paci
+  std::string schedule;                   // the run's: gpipe, 1f1b, paci or zb-h1
   int64_t micro_batches = 0;              // the run's per step: train.accum, or PACI's K
   int64_t first_step = 0, last_step = 0;  // the steps averaged
   double step_seconds = 0;                // measured: their mean
-  // Seconds, per stage: forward and backward of one micro-batch, one optimizer step.
+  // Seconds, per stage: forward and whole backward of one micro-batch, one optimizer step, and
+  // of the backward the W (0 unless the run measured Ws).
   std::vector<pipeline::StageCosts> costs;
 };
 
@@ -32,14 +35,15 @@ struct PipelineProfile {
 PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip);
 
 struct SimulatedSchedule {
-  std::string name;  // "gpipe", "1f1b", "paci"
+  std::string name;  // "gpipe", "1f1b", "paci", "zb-h1"
   double step_seconds = 0;
   double bubble = 0;
   std::vector<int64_t> peak_activations;  // per stage
 };
 
-// GPipe, 1F1B and PACI(K = M) over `steps` steps of M = `micro_batches` micro-batches, each
-// stage with `costs`, no link latency; PACI's step is a window (its fill and drain once).
+// GPipe, 1F1B, PACI(K = M) and, when some stage's costs have a weight (a run that measured
+// ZB-H1's Ws), ZB-H1, in that order, over `steps` steps of M = `micro_batches` micro-batches,
+// each stage with `costs`, no link latency; PACI's step is a window (its fill and drain once).
 std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::StageCosts>& costs,
                                                   int64_t micro_batches, int64_t steps);
 

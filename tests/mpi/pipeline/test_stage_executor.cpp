@@ -3,7 +3,9 @@
 // against single-process references run on every rank: the plain chain with gradient
 // accumulation for flush schedules, and a one-process replay of the same instruction lists
 // for PACI. Weights are compared bitwise; version gaps and peak activations against the
-// closed forms of spec pipeline.md §2.3, §2.4.
+// closed forms of spec pipeline.md §2.3, §2.4. ZB-H1 runs the toy stage's backward in its two
+// halves (B: dz and the input gradient; W: dz x^T into the gradient), which must give 1F1B's
+// weights bitwise.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +13,7 @@
 #include <map>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -54,7 +57,8 @@ class ToyStage : public StageWork {
   void forward(int64_t micro, std::span<const float> input, std::span<float> output) override {
     Saved s{
         stage_ == 0 ? micro_data(micro, in_, 1) : std::vector<float>(input.begin(), input.end()),
-        std::vector<float>(out_)};
+        std::vector<float>(out_),
+        {}};
     for (size_t o = 0; o < out_; ++o) {
       float z = 0;
       for (size_t i = 0; i < in_; ++i) z += weight_[o * in_ + i] * s.x[i];
@@ -64,23 +68,23 @@ class ToyStage : public StageWork {
     EXPECT_TRUE(saved_.emplace(micro, std::move(s)).second) << "forward twice: " << micro;
   }
 
+  // The whole backward is its two halves in a row.
   void backward(int64_t micro, std::span<const float> output_grad,
                 std::span<float> input_grad) override {
-    auto it = saved_.find(micro);
-    ASSERT_NE(it, saved_.end()) << "backward before forward: " << micro;
-    const Saved& s = it->second;
-    const std::vector<float> target = last_ ? micro_data(micro, out_, 2) : std::vector<float>{};
-    std::vector<float> dz(out_);
-    for (size_t o = 0; o < out_; ++o)
-      dz[o] = (last_ ? s.y[o] - target[o] : output_grad[o]) * (1 - s.y[o] * s.y[o]);
-    for (size_t o = 0; o < out_; ++o)
-      for (size_t i = 0; i < in_; ++i) grad_[o * in_ + i] += dz[o] * s.x[i];
-    for (size_t i = 0; i < input_grad.size(); ++i) {
-      float g = 0;
-      for (size_t o = 0; o < out_; ++o) g += weight_[o * in_ + i] * dz[o];
-      input_grad[i] = g;
-    }
-    saved_.erase(it);
+    ++backwards_;
+    input_gradient(micro, output_grad, input_grad);
+    weight_gradient(micro);
+  }
+  void backward_input(int64_t micro, std::span<const float> output_grad,
+                      std::span<float> input_grad) override {
+    ++backward_inputs_;
+    input_gradient(micro, output_grad, input_grad);
+  }
+  void backward_weights(int64_t micro) override {
+    EXPECT_GT(micro, last_weights_micro_) << "Ws in micro-batch order";
+    last_weights_micro_ = micro;
+    ++backward_weights_;
+    weight_gradient(micro);
   }
 
   void step(int64_t version) override {
@@ -95,17 +99,54 @@ class ToyStage : public StageWork {
   const std::vector<float>& weight() const { return weight_; }
   const std::vector<float>& grad() const { return grad_; }
   int64_t steps() const { return steps_; }
+  // Calls of backward, backward_input and backward_weights.
+  int64_t backwards() const { return backwards_; }
+  int64_t backward_inputs() const { return backward_inputs_; }
+  int64_t backward_weights() const { return backward_weights_; }
 
  private:
   struct Saved {
     std::vector<float> x, y;
+    std::vector<float> dz;  // from the input gradient, until the weight gradient
   };
+
+  // dz = dL/d(W x), kept, and the input gradient W^T dz.
+  void input_gradient(int64_t micro, std::span<const float> output_grad,
+                      std::span<float> input_grad) {
+    auto it = saved_.find(micro);
+    ASSERT_NE(it, saved_.end()) << "backward before forward: " << micro;
+    Saved& s = it->second;
+    ASSERT_TRUE(s.dz.empty()) << "input gradient twice: " << micro;
+    const std::vector<float> target = last_ ? micro_data(micro, out_, 2) : std::vector<float>{};
+    s.dz.resize(out_);
+    for (size_t o = 0; o < out_; ++o)
+      s.dz[o] = (last_ ? s.y[o] - target[o] : output_grad[o]) * (1 - s.y[o] * s.y[o]);
+    for (size_t i = 0; i < input_grad.size(); ++i) {
+      float g = 0;
+      for (size_t o = 0; o < out_; ++o) g += weight_[o * in_ + i] * s.dz[o];
+      input_grad[i] = g;
+    }
+  }
+
+  // grad += dz x^T; releases what the forward kept.
+  void weight_gradient(int64_t micro) {
+    auto it = saved_.find(micro);
+    ASSERT_NE(it, saved_.end()) << "weight gradient before forward: " << micro;
+    const Saved& s = it->second;
+    ASSERT_EQ(s.dz.size(), out_) << "weight gradient before the input gradient: " << micro;
+    for (size_t o = 0; o < out_; ++o)
+      for (size_t i = 0; i < in_; ++i) grad_[o * in_ + i] += s.dz[o] * s.x[i];
+    saved_.erase(it);
+  }
+
   int stage_;
   bool last_;
   size_t in_, out_;
   std::vector<float> weight_, grad_;
   std::map<int64_t, Saved> saved_;
   int64_t steps_ = 0;
+  int64_t backwards_ = 0, backward_inputs_ = 0, backward_weights_ = 0;
+  int64_t last_weights_micro_ = -1;
 };
 
 // A stage whose input size disagrees with its predecessor's output.
@@ -218,12 +259,20 @@ int64_t ceil_div(int64_t a, int64_t b) {
 TEST(StageExecutor, FlushSchedulesEqualTheSingleProcessChainBitwise) {
   comm::Communicator& pp = comm::world();
   const int P = pp.size(), s = pp.rank();
-  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe})
+  for (auto kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe, ScheduleKind::zb_h1})
     for (int64_t M : {int64_t(2), int64_t(5)}) {
+      SCOPED_TRACE(std::string(schedule_name(kind)) + " M " + std::to_string(M));
       ToyStage stage(s, P);
       StageExecutor executor(pp, stage);
       const auto stats = executor.run(flush(kind, P, M, 3));
+      const bool split = kind == ScheduleKind::zb_h1;
       EXPECT_EQ(stats.forwards, 3 * M);
+      EXPECT_EQ(stats.backwards, 3 * M);
+      EXPECT_EQ(stats.weights, split ? 3 * M : 0);
+      // ZB-H1 calls the two halves only, the others the whole backward only.
+      EXPECT_EQ(stage.backwards(), split ? 0 : 3 * M);
+      EXPECT_EQ(stage.backward_inputs(), split ? 3 * M : 0);
+      EXPECT_EQ(stage.backward_weights(), split ? 3 * M : 0);
       EXPECT_EQ(stats.steps, 3);
       EXPECT_EQ(executor.version(), 3);
       EXPECT_EQ(stats.max_version_gap, 0);
@@ -238,7 +287,7 @@ TEST(StageExecutor, OneStageUnderEveryScheduleIsGradientAccumulation) {
   const auto reference = chain_reference(1, M, steps);
   for (const ScheduleOptions& schedule :
        {flush(ScheduleKind::gpipe, 1, M, steps), flush(ScheduleKind::one_f_one_b, 1, M, steps),
-        paci(1, M * steps, M)}) {
+        flush(ScheduleKind::zb_h1, 1, M, steps), paci(1, M * steps, M)}) {
     ToyStage stage(0, 1);
     StageExecutor executor(*alone, stage);
     executor.run(schedule);
@@ -321,6 +370,62 @@ TEST(StageExecutor, PeakLiveActivationsFollowTheSchedule) {
   }
 }
 
+TEST(StageExecutor, ZbH1KeepsEachMicroBatchUntilItsW) {
+  // W lags s micro-batches on stage s, so once M >= P every stage holds P (all M below).
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  for (int64_t M : {int64_t(1), int64_t(2), int64_t(P), int64_t(P + 1), int64_t(2 * P)}) {
+    ToyStage stage(s, P);
+    StageExecutor executor(pp, stage);
+    EXPECT_EQ(executor.run(flush(ScheduleKind::zb_h1, P, M, 2)).peak_live_activations,
+              std::min<int64_t>(P, M))
+        << "M " << M;
+  }
+}
+
+TEST(StageExecutor, ZbH1StatsTimelineAndProfiledCosts) {
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  const int64_t M = P + 1, steps = 2;
+  const ScheduleOptions schedule = flush(ScheduleKind::zb_h1, P, M, steps);
+  ToyStage stage(s, P);
+  ExecutorOptions options;
+  options.record_timeline = true;
+  StageExecutor executor(pp, stage, options);
+  const StageStats stats = executor.run(schedule);
+  EXPECT_EQ(stats.forwards, M * steps);
+  EXPECT_EQ(stats.backwards, M * steps);
+  EXPECT_EQ(stats.weights, M * steps);
+  EXPECT_EQ(stats.steps, steps);
+  EXPECT_EQ(stats.max_version_gap, 0);
+  EXPECT_GT(stats.weight_seconds, 0);
+  // The timeline follows the list; W times add up to weight_seconds, B times to
+  // backward_seconds.
+  ASSERT_EQ(stats.timeline.size(), stage_ops(schedule, s).size());
+  double b = 0, w = 0;
+  for (size_t i = 0; i < stats.timeline.size(); ++i) {
+    const OpTiming& t = stats.timeline[i];
+    EXPECT_EQ(t.op, stage_ops(schedule, s)[i]);
+    b += t.op.kind == OpKind::backward ? t.end - t.start : 0;
+    w += t.op.kind == OpKind::weight ? t.end - t.start : 0;
+  }
+  EXPECT_NEAR(w, stats.weight_seconds, 1e-9);
+  EXPECT_NEAR(b, stats.backward_seconds, 1e-9);
+  const StageCosts costs = stats.profiled_costs();
+  EXPECT_NEAR(costs.weight, w / double(M * steps), 1e-12);
+  EXPECT_NEAR(costs.backward, (b + w) / double(M * steps), 1e-12);
+  // A run without Ws profiles no weight cost.
+  EXPECT_EQ(executor.run(flush(ScheduleKind::one_f_one_b, P, M, 1)).profiled_costs().weight, 0);
+
+  const nlohmann::json trace = nlohmann::json::parse(gather_chrome_trace(pp, stats).dump());
+  if (s != 0) return;
+  std::set<std::string> names;
+  for (const auto& e : trace.at("traceEvents"))
+    if (e.at("ph") == "X") names.insert(e.at("name").get<std::string>());
+  for (int64_t m = 0; m < M * steps; ++m)
+    EXPECT_TRUE(names.count("W" + std::to_string(m))) << "W" << m;
+}
+
 TEST(StageExecutor, NoDeadlockOverTenThousandMicroBatchesWithRandomDelays) {
   comm::Communicator& pp = comm::world();
   const int P = pp.size(), s = pp.rank();
@@ -331,12 +436,13 @@ TEST(StageExecutor, NoDeadlockOverTenThousandMicroBatchesWithRandomDelays) {
   const auto flushed = chain_reference(P, M, steps);
   for (const ScheduleOptions& schedule :
        {flush(ScheduleKind::gpipe, P, M, steps), flush(ScheduleKind::one_f_one_b, P, M, steps),
-        paci(P, n, P)}) {
+        flush(ScheduleKind::zb_h1, P, M, steps), paci(P, n, P)}) {
     ToyStage stage(s, P);
     StageExecutor executor(pp, stage, options);
     const auto stats = executor.run(schedule);
     EXPECT_EQ(stats.forwards, n);
     EXPECT_EQ(stats.backwards, n);
+    EXPECT_EQ(stats.weights, schedule.kind == ScheduleKind::zb_h1 ? n : 0);
     if (schedule.kind == ScheduleKind::paci) {
       auto reference = make_chain(P);
       replay(reference, schedule, 0);

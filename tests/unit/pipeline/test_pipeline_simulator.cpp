@@ -1,8 +1,10 @@
 // Pipeline schedules and the simulator against the closed forms of spec pipeline.md:
 // GPipe / 1F1B makespan (M + P - 1)(F + B) and bubble (P - 1)/(M + P - 1) per flush step,
+// ZB-H1's M (F + B + W) + (P - 1)(F + B - W) (B the input-gradient half of the backward),
 // PACI's version-gap bound ceil((P - 1 - s)/K) and inconsistent share, peak activations.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <map>
 #include <set>
@@ -27,7 +29,8 @@ SimOptions uniform(ScheduleKind kind, int P, int64_t M, int64_t steps, int64_t K
 }  // namespace
 
 TEST(PipelineSchedule, EveryStageRunsEachMicroBatchOnceForwardThenBackward) {
-  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci})
+  for (auto kind :
+       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci, ScheduleKind::zb_h1})
     for (int P : {1, 2, 4})
       for (int s = 0; s < P; ++s) {
         auto ops = stage_ops({kind, P, 6, 2, 4}, s);
@@ -103,17 +106,29 @@ TEST(PipelineSimulator, PaciHasNoFlushBubbleAndTheSpecsVersionGaps) {
 
 TEST(PipelineSimulator, RandomCostsRespectEveryDependency) {
   Rng rng(7);
-  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci}) {
+  for (auto kind :
+       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci, ScheduleKind::zb_h1}) {
     SimOptions o;
     o.schedule = {kind, 4, 8, 3, 3};
-    for (int s = 0; s < 4; ++s)
-      o.costs.push_back({0.5 + rng.uniform(), 1 + 2 * rng.uniform(), 0.1 * rng.uniform()});
+    for (int s = 0; s < 4; ++s) {
+      const double backward = 1 + 2 * rng.uniform();
+      o.costs.push_back(
+          {0.5 + rng.uniform(), backward, 0.1 * rng.uniform(), backward * rng.uniform()});
+    }
     o.link_latency = 0.25;
     SimResult r = simulate(o);
-    std::map<std::pair<int, int64_t>, OpTiming> f, b;
+    std::map<std::pair<int, int64_t>, OpTiming> f, b, w;
     for (const auto& t : r.timeline) {
       if (t.op.kind == OpKind::forward) f[{t.stage, t.op.micro}] = t;
       if (t.op.kind == OpKind::backward) b[{t.stage, t.op.micro}] = t;
+      if (t.op.kind == OpKind::weight) w[{t.stage, t.op.micro}] = t;
+    }
+    EXPECT_EQ(w.size(), kind == ScheduleKind::zb_h1 ? b.size() : 0u);
+    for (const auto& [key, t] : w) {
+      EXPECT_GE(t.start, b.at(key).end - 1e-12);
+      EXPECT_NEAR(t.end - t.start, o.costs[size_t(key.first)].weight, 1e-12);
+      EXPECT_NEAR(b.at(key).end - b.at(key).start,
+                  o.costs[size_t(key.first)].backward - o.costs[size_t(key.first)].weight, 1e-12);
     }
     for (const auto& [key, t] : f)
       if (key.first > 0) {
@@ -152,5 +167,136 @@ TEST(PipelineSimulator, ChromeTraceHasOneTrackPerStageAndOneSlicePerOp) {
 TEST(PipelineSchedule, BadOptionsAreInputErrors) {
   fixture::expect_input_error([] { stage_ops({ScheduleKind::paci, 2, 4, 1, 0}, 0); }, {"paci_k"});
   fixture::expect_input_error([] { stage_ops({ScheduleKind::gpipe, 0, 4, 1, 1}, 0); }, {"stages"});
-  fixture::expect_input_error([] { parse_schedule("zb"); }, {"gpipe, 1f1b or paci"});
+  fixture::expect_input_error([] { parse_schedule("zb"); }, {"gpipe, 1f1b, paci or zb-h1", "'zb'"});
+}
+
+TEST(PipelineSchedule, NamesRoundTrip) {
+  for (auto kind :
+       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci, ScheduleKind::zb_h1})
+    EXPECT_EQ(parse_schedule(schedule_name(kind)), kind);
+  EXPECT_STREQ(schedule_name(ScheduleKind::zb_h1), "zb-h1");
+}
+
+TEST(PipelineSchedule, ZbH1IsOneF1BWithEachBackwardSplitAndWLaggingSOnStageS) {
+  for (int P : {1, 2, 3, 4, 6})
+    for (int64_t M : {1, 2, 3, 4, 8})
+      for (int s = 0; s < P; ++s) {
+        SCOPED_TRACE("P=" + std::to_string(P) + " M=" + std::to_string(M) +
+                     " s=" + std::to_string(s));
+        const int64_t steps = 2;
+        const auto ops = stage_ops({ScheduleKind::zb_h1, P, M, steps, 1}, s);
+        // Without its Ws the list is 1F1B's.
+        std::vector<Op> without_w;
+        for (const Op& op : ops)
+          if (op.kind != OpKind::weight) without_w.push_back(op);
+        EXPECT_EQ(without_w, stage_ops({ScheduleKind::one_f_one_b, P, M, steps, 1}, s));
+        std::set<int64_t> forwarded, backwarded;
+        int64_t next_w = 0, step_count = 0, pending = 0, most_pending = 0;
+        for (const Op& op : ops) {
+          if (op.kind == OpKind::forward) forwarded.insert(op.micro);
+          if (op.kind == OpKind::backward) {
+            EXPECT_TRUE(forwarded.count(op.micro)) << "B before F";
+            backwarded.insert(op.micro);
+            ++pending;
+          }
+          if (op.kind == OpKind::weight) {
+            EXPECT_TRUE(backwarded.count(op.micro)) << "W before B";
+            EXPECT_EQ(op.micro, next_w++) << "Ws in micro-batch order, each once";
+            --pending;
+          }
+          if (op.kind == OpKind::step) {
+            EXPECT_EQ(pending, 0) << "every W before the STEP";
+            EXPECT_EQ(next_w, (step_count + 1) * M);
+            ++step_count;
+          }
+          // Only the Ws right after a B may wait; after them at most s are pending.
+          if (op.kind == OpKind::weight || op.kind == OpKind::step) {
+            EXPECT_LE(pending, s) << "W lags at most s micro-batches";
+          }
+          most_pending = std::max(most_pending, pending);
+        }
+        EXPECT_EQ(next_w, steps * M);
+        EXPECT_EQ(step_count, steps);
+        EXPECT_EQ(most_pending, std::min<int64_t>(s + 1, M)) << "W lags exactly s";
+      }
+}
+
+namespace {
+
+// ZB-H1's per-stage costs for input-gradient backward B and weight gradient W: the simulator
+// takes the whole backward B + W and its weight part W.
+SimOptions zb_h1(int P, int64_t M, int64_t steps, double F, double B, double W) {
+  SimOptions o;
+  o.schedule = {ScheduleKind::zb_h1, P, M, steps, 1};
+  o.costs = {{F, B + W, 0, W}};
+  return o;
+}
+
+}  // namespace
+
+TEST(PipelineSimulator, ZbH1MatchesTheClosedFormWhenWIsAtMostFAndB) {
+  // (F, B, W) with W <= F and W <= B, the closed form's precondition.
+  const std::vector<std::array<double, 3>> costs = {{1, 1, 1}, {1, 1, 0.5},       {1, 2, 1},
+                                                    {2, 1, 1}, {1.5, 1.25, 0.75}, {1, 1, 0}};
+  for (int P : {2, 3, 4, 6})
+    for (int64_t M : {int64_t(P), int64_t(P + 1), int64_t(2 * P), int64_t(16)})
+      for (const auto& [F, B, W] : costs) {
+        SCOPED_TRACE("P=" + std::to_string(P) + " M=" + std::to_string(M) + " F=" +
+                     std::to_string(F) + " B=" + std::to_string(B) + " W=" + std::to_string(W));
+        const int64_t steps = 3;
+        SimOptions o = zb_h1(P, M, steps, F, B, W);
+        const SimResult r = simulate(o);
+        const double step = double(M) * (F + B + W) + double(P - 1) * (F + B - W);
+        EXPECT_NEAR(r.makespan, double(steps) * step, 1e-9);
+        EXPECT_NEAR(r.bubble, double(P - 1) * (F + B - W) / step, 1e-9);
+        for (int s = 0; s < P; ++s) {
+          EXPECT_EQ(r.peak_activations[size_t(s)], P) << "stage " << s;
+          EXPECT_EQ(r.max_version_gap[size_t(s)], 0);
+        }
+        // 1F1B with the same whole backward B + W pays (P - 1)(F + B + W) per step.
+        o.schedule.kind = ScheduleKind::one_f_one_b;
+        const double flush = simulate(o).makespan;
+        EXPECT_NEAR(flush, double(steps * (M + P - 1)) * (F + B + W), 1e-9);
+        if (W > 0) {
+          EXPECT_LT(r.makespan, flush);
+        }
+      }
+}
+
+TEST(PipelineSimulator, ZbH1IsLongerThanTheClosedFormWhenWExceedsFOrB) {
+  for (const auto& [F, B, W] : std::vector<std::array<double, 3>>{{1, 1, 2}, {0.5, 1, 1}}) {
+    const int P = 4;
+    const int64_t M = 8;
+    const double closed = double(M) * (F + B + W) + double(P - 1) * (F + B - W);
+    EXPECT_GT(simulate(zb_h1(P, M, 1, F, B, W)).makespan, closed + 1e-9)
+        << "F " << F << " B " << B << " W " << W;
+  }
+}
+
+TEST(PipelineSimulator, ZbH1KeepsAtMostMinPMActivations) {
+  // A micro-batch lives from its F to its W: P per stage once M >= P, all M below.
+  for (int P : {1, 2, 4, 6})
+    for (int64_t M : {1, 2, 3, 5, 8}) {
+      const SimResult r = simulate(zb_h1(P, M, 2, 1, 1, 1));
+      for (int s = 0; s < P; ++s)
+        EXPECT_EQ(r.peak_activations[size_t(s)], std::min<int64_t>(P, M))
+            << "P " << P << " M " << M << " stage " << s;
+    }
+}
+
+TEST(PipelineSimulator, ChromeTraceNamesZbH1Ops) {
+  const SimResult r = simulate(zb_h1(2, 2, 1, 1, 1, 1));
+  const nlohmann::json trace = chrome_trace(r.timeline, 2, 1.0);
+  std::set<std::string> names;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X") names.insert(e["name"].get<std::string>());
+  EXPECT_EQ(names, (std::set<std::string>{"F0", "F1", "B0", "B1", "W0", "W1", "STEP"}));
+}
+
+TEST(PipelineSimulator, AWeightCostOutsideTheBackwardIsAnInputError) {
+  for (double weight : {2.5, -0.5}) {
+    SimOptions o = uniform(ScheduleKind::zb_h1, 2, 4, 1);
+    o.costs = {{1, 2, 0, 1}, {1, 2, 0, weight}};
+    fixture::expect_input_error([&] { simulate(o); }, {"weight cost", "backward 2"});
+  }
 }

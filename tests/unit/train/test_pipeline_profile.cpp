@@ -179,3 +179,44 @@ TEST(PipelineProfile, SimulatedSchedulesFollowTheClosedForms) {
       EXPECT_EQ(sims[0].peak_activations.front(), M);
     }
 }
+
+TEST(PipelineProfile, ZbH1RecordsGiveTheWeightCostAndTheWholeBackward) {
+  // A ZB-H1 record's backward_seconds are its Bs', weight_seconds its Ws'.
+  auto record = [](int64_t step, double f, double b, double w) {
+    nlohmann::json r = step_record(step, 1.0, "zb-h1", f, b, f / 4);
+    for (size_t s = 0; s < 2; ++s) r["pipeline"]["stages"][s]["weight_seconds"] = double(s + 1) * w;
+    return r;
+  };
+  const std::string dir = run_dir(
+      kFlushConfig, {record(1, 9, 9, 9), record(2, 0.4, 0.4, 0.3), record(3, 0.4, 0.4, 0.5)});
+  const train::PipelineProfile p = train::read_pipeline_profile(dir, 1);
+  EXPECT_EQ(p.schedule, "zb-h1");
+  expect_stage_costs(p, 0.8 / 8, (0.8 + 0.8) / 8, 0.2 / 2);
+  for (size_t s = 0; s < 2; ++s) EXPECT_DOUBLE_EQ(p.costs[s].weight, double(s + 1) * 0.8 / 8);
+  // Records without Ws (any other schedule) profile no weight.
+  const std::string plain = run_dir(
+      kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1), step_record(2, 1.0, "1f1b", 1, 1, 1)});
+  EXPECT_EQ(train::read_pipeline_profile(plain, 1).costs[1].weight, 0);
+}
+
+TEST(PipelineProfile, ZbH1IsSimulatedOnlyFromMeasuredWeightCosts) {
+  // With W <= F, B and M >= P a ZB-H1 step takes M (F + B + W) + (P - 1)(F + B - W) + o.
+  const double F = 0.01, B = 0.012, W = 0.008, o = 0.007;
+  for (const int P : {2, 4})
+    for (const int64_t M : {4, 8}) {
+      SCOPED_TRACE("P " + std::to_string(P) + ", M " + std::to_string(M));
+      const auto sims = train::simulate_schedules(
+          std::vector<pipeline::StageCosts>(size_t(P), {F, B + W, o, W}), M, 20);
+      ASSERT_EQ(sims.size(), 4u);
+      EXPECT_EQ(sims[3].name, "zb-h1");
+      EXPECT_NEAR(sims[3].step_seconds, double(M) * (F + B + W) + double(P - 1) * (F + B - W) + o,
+                  1e-12);
+      EXPECT_NEAR(sims[1].step_seconds, double(M + P - 1) * (F + B + W) + o, 1e-12);
+      EXPECT_EQ(sims[3].peak_activations, std::vector<int64_t>(size_t(P), P));
+    }
+  // Without measured Ws (weight 0 everywhere) there is no ZB-H1 to simulate.
+  const auto sims =
+      train::simulate_schedules(std::vector<pipeline::StageCosts>(2, {F, B + W, o}), 4, 20);
+  ASSERT_EQ(sims.size(), 3u);
+  EXPECT_EQ(sims.back().name, "paci");
+}
