@@ -679,9 +679,10 @@ void validate(const Config& c) {
   validate_pipeline(c);
   const bool paci = pipeline_enabled(c) && pipeline_schedule(c) == pipeline::ScheduleKind::paci;
   if (c.fault.spike_step > 0 && paci)
-    input_error("fault.spike_step = ", c.fault.spike_step,
-                " scales the gradients of a whole step, which PACI's stages do not share; use it "
-                "with a flush schedule (pipeline.schedule = \"gpipe\", \"1f1b\" or \"zb-h1\") or none");
+    input_error(
+        "fault.spike_step = ", c.fault.spike_step,
+        " scales the gradients of a whole step, which PACI's stages do not share; use it "
+        "with a flush schedule (pipeline.schedule = \"gpipe\", \"1f1b\" or \"zb-h1\") or none");
   if (c.train.spike_factor > 0 && paci)
     input_error("train.spike_factor = ", c.train.spike_factor,
                 " skips whole updates, which PACI's stages step on their own, each with its own "

@@ -96,7 +96,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
       for (size_t s = 0; s < stages.size(); ++s) {
         forward[s] += stages[s].at("forward_seconds").get<double>();
         backward[s] += stages[s].at("backward_seconds").get<double>();
-        weight[s] += stages[s].value("weight_seconds", 0.0);  // ZB-H1's Ws; absent elsewhere
+        weight[s] += stages[s].value("weight_seconds", 0.0);  // ZB-H1's Ws; 0 or absent elsewhere
         optimizer[s] += stages[s].at("optimizer_seconds").get<double>();
       }
     }
@@ -111,8 +111,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   p.step_seconds = seconds / double(steps);
   const auto m = double(micro_batches), windows = m / double(p.micro_batches);
   for (size_t s = 0; s < forward.size(); ++s)
-    p.costs.push_back(
-        {forward[s] / m, (backward[s] + weight[s]) / m, optimizer[s] / windows, weight[s] / m});
+    p.costs.push_back({forward[s] / m, backward[s] / m, optimizer[s] / windows, weight[s] / m});
   return p;
 }
 

@@ -3,8 +3,8 @@
 // run measured (`tessel simulate RUN_DIR`): what GPipe, 1F1B and PACI would take per step on
 // this model, these stages and this machine, from one run of any of them, and ZB-H1 from a
 // run that measured its W ops. A run's step records carry each stage's forward, backward and
-// optimizer seconds (docs/training.md), a ZB-H1 run's also `weight_seconds`, its Ws' seconds
-// (its `backward_seconds` are its Bs', as StageStats counts them);
+// optimizer seconds (docs/training.md), a ZB-H1 run's also `weight_seconds`, the part of its
+// `backward_seconds` (the whole backward, B + W) spent in its Ws;
 // the forward and backward are divided by the micro-batches they covered, so the costs
 // apply to any M or K at the run's micro-batch size (another M means another global batch).
 #include <cstdint>

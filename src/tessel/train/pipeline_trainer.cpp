@@ -210,8 +210,8 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       ends_(tied_ ? pp_.split(stage_ == 0 || stage_ == stages_ - 1 ? 0 : 1, stage_) : nullptr),
       work_(
           model, pipeline_boundaries(config), stage_, loader, config, mesh.group(comm::Axis::cp),
-          max_live_activations(),
-          [this](int64_t version) { on_step(version); }, own_stale_weights(config),
+          max_live_activations(), [this](int64_t version) { on_step(version); },
+          own_stale_weights(config),
           [this](int64_t micro, const model::Activations& acts) {
             if (!run_moe_.empty())
               run_moe_.at(size_t(micro / micro_per_step_ - run_step_)).add(acts);

@@ -268,8 +268,10 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
           EXPECT_EQ(r["stages"][s]["max_version_gap"], 0);
           // 1F1B keeps P - s micro-batches in flight at most, GPipe all M = 4, ZB-H1 P (with
           // the s whose W lags).
-          EXPECT_EQ(r["stages"][s]["peak_live_activations"],
-                    schedule == "gpipe" ? 4 : schedule == "zb-h1" ? P : std::min(4, P - s));
+          EXPECT_EQ(r["stages"][s]["peak_live_activations"], schedule == "gpipe" ? 4
+                                                             : schedule == "zb-h1"
+                                                                 ? P
+                                                                 : std::min(4, P - s));
           // The busy time is reported with its three parts; every stage does all three.
           const auto& st = r["stages"][s];
           const double parts = st["forward_seconds"].get<double>() +

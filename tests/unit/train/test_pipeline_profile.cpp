@@ -181,18 +181,18 @@ TEST(PipelineProfile, SimulatedSchedulesFollowTheClosedForms) {
 }
 
 TEST(PipelineProfile, ZbH1RecordsGiveTheWeightCostAndTheWholeBackward) {
-  // A ZB-H1 record's backward_seconds are its Bs', weight_seconds its Ws'.
+  // A ZB-H1 record's backward_seconds are the whole backward's, weight_seconds its Ws' part.
   auto record = [](int64_t step, double f, double b, double w) {
     nlohmann::json r = step_record(step, 1.0, "zb-h1", f, b, f / 4);
     for (size_t s = 0; s < 2; ++s) r["pipeline"]["stages"][s]["weight_seconds"] = double(s + 1) * w;
     return r;
   };
   const std::string dir = run_dir(
-      kFlushConfig, {record(1, 9, 9, 9), record(2, 0.4, 0.4, 0.3), record(3, 0.4, 0.4, 0.5)});
+      kFlushConfig, {record(1, 9, 9, 9), record(2, 0.4, 0.4, 0.1), record(3, 0.4, 0.4, 0.2)});
   const train::PipelineProfile p = train::read_pipeline_profile(dir, 1);
   EXPECT_EQ(p.schedule, "zb-h1");
-  expect_stage_costs(p, 0.8 / 8, (0.8 + 0.8) / 8, 0.2 / 2);
-  for (size_t s = 0; s < 2; ++s) EXPECT_DOUBLE_EQ(p.costs[s].weight, double(s + 1) * 0.8 / 8);
+  expect_stage_costs(p, 0.8 / 8, 0.8 / 8, 0.2 / 2);
+  for (size_t s = 0; s < 2; ++s) EXPECT_DOUBLE_EQ(p.costs[s].weight, double(s + 1) * 0.3 / 8);
   // Records without Ws (any other schedule) profile no weight.
   const std::string plain = run_dir(
       kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1), step_record(2, 1.0, "1f1b", 1, 1, 1)});
