@@ -1,5 +1,5 @@
 // Simulated PACI(K = M) and ZB-H1 against 1F1B-flush.
-// PACI(K = M) against 1F1B-flush at equal micro-batches and uniform stage costs
+// PACI(K = M): against 1F1B-flush at equal micro-batches and uniform stage costs
 // (forward 1, backward 2, and an optimizer step of the third argument in percent of one
 // micro-batch's forward + backward): the throughput ratio and each schedule's bubble, beside
 // the spec's ceiling (M + P - 1) / M, which leaves the step out, and the closed form with it,

@@ -602,8 +602,10 @@ void Gpt::backward_head(Activations& acts, float loss_scale) {
   kn::cross_entropy_backward(acts.d_logits.f32(), acts.logits.f32(), acts.lse.f32(),
                              acts.targets.i32(), acts.loss_weight.f32(), loss_scale, N, V);
   acts.d_norm.fill_zero();
+  // A deferred head gradient keeps d_logits in this micro-batch's logits, which B no longer
+  // needs (the largest copy a W reads), and reads final_norm, this micro-batch's own.
   linear_backward(acts, acts.d_norm.f32(), head_, -1, acts.d_logits.f32(), acts.final_norm.f32(), N,
-                  C_, V);
+                  C_, V, {true, acts.logits.f32()});
   float* dx = acts.residual_grad(L).f32();
   std::fill(dx, dx + N * C_, 0.0f);
   norm_backward(dx, final_norm_w_, final_norm_b_, acts.d_norm.f32(), acts.residual(L).f32(),
@@ -634,6 +636,9 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   const float* v = acts.v.f32() + c * N * KV;
   const float* o = acts.attn.f32() + c * N * Q;
   float* d_norm = acts.d_norm.f32();
+  // Whether the block's forward cache is this micro-batch's own until its W (deferred weight
+  // gradients read it then); under recomputation it is the one cache the next block rebuilds.
+  const bool own_cache = acts.recompute == Recompute::none;
 
   // MLP branch; dx first carries the residual path, then becomes d m.
   std::copy(dy, dy + N * C, dx);
@@ -657,7 +662,7 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   } else {
     acts.d_act.fill_zero();
     linear_backward(acts, acts.d_act.f32(), p.fc_out_w, p.fc_out_b, dy, acts.act.f32() + c * N * F_,
-                    N, F_, C);
+                    N, F_, C, {own_cache});
     const float* fc = acts.fc.f32() + c * N * Fi_;
     acts.d_fc.fill_zero();
     if (config_.mlp == MlpType::gelu)
@@ -666,14 +671,14 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
       kn::swiglu_backward(acts.d_fc.f32(), acts.d_act.f32(), fc, N, F_);
     acts.d_norm.fill_zero();
     linear_backward(acts, d_norm, p.fc_in_w, p.fc_in_b, acts.d_fc.f32(),
-                    acts.mlp_norm.f32() + c * N * C, N, C, Fi_);
+                    acts.mlp_norm.f32() + c * N * C, N, C, Fi_, {own_cache});
   }
   norm_backward(dx, p.mlp_norm_w, p.mlp_norm_b, d_norm, m, at(acts.mlp_norm_mean, c * N),
                 acts.mlp_norm_rstd.f32() + c * N, N);
 
   // Attention branch; dx gains the path through attn_norm and becomes d x_l.
   acts.d_attn.fill_zero();
-  linear_backward(acts, acts.d_attn.f32(), p.out_w, p.out_b, dx, o, N, Q, C);
+  linear_backward(acts, acts.d_attn.f32(), p.out_w, p.out_b, dx, o, N, Q, C, {own_cache});
   acts.d_split.fill_zero();
   float* dq = acts.d_split.f32();
   float* dk = dq + N * Q;
@@ -699,7 +704,7 @@ void Gpt::block_backward(Activations& acts, int64_t l) {
   merge_qkv(d_qkv, dq, dk, dv, N, Q, KV);
   acts.d_norm.fill_zero();
   linear_backward(acts, d_norm, p.qkv_w, p.qkv_b, d_qkv, acts.attn_norm.f32() + c * N * C, N, C,
-                  QKV_);
+                  QKV_, {own_cache});
   norm_backward(dx, p.attn_norm_w, p.attn_norm_b, d_norm, x, at(acts.attn_norm_mean, c * N),
                 acts.attn_norm_rstd.f32() + c * N, N);
 }
@@ -735,6 +740,7 @@ void Gpt::backward_embedding(Activations& acts) {
   TESSEL_CHECK(holds_embedding(), "backward_embedding: the model does not hold the embedding");
   TESSEL_CHECK(acts.has_tokens, "backward_embedding needs inputs.tokens");
   const int64_t N = acts.B * acts.T;
+  // A queued W reads the micro-batch's token and position ids, which live until its W.
   auto add_grads = [this, &acts, N](const float* dx) {
     kn::embedding_backward(grad(embed_), dx, acts.tokens.i32(), N, config_.vocab, C_);
     if (pos_embed_ >= 0)
@@ -743,24 +749,28 @@ void Gpt::backward_embedding(Activations& acts) {
   const float* dx = acts.residual_grad(0).f32();
   if (!acts.defer_weight_grads) return add_grads(dx);
   // residual_grad(0) is shared scratch: the queued gradient reads its own copy.
+  acts.deferred_bytes += N * C_ * int64_t(sizeof(float));
   acts.deferred_weight_grads.push_back(
       [add_grads, d = std::vector<float>(dx, dx + N * C_)] { add_grads(d.data()); });
 }
 
 void Gpt::linear_backward(Activations& acts, float* dx, int w, int b, const float* dy,
-                          const float* x, int64_t N, int64_t in, int64_t out) {
+                          const float* x, int64_t N, int64_t in, int64_t out, DeferredReads reads) {
   kn::linear_backward_input(dx, dy, value(w), N, in, out);
   if (!acts.defer_weight_grads)
     return kn::linear_backward_weights(grad(w), grad(b), dy, x, N, in, out);
-  // The queued gradient keeps copies of what later backwards overwrite: dy is always scratch
-  // or a residual-stream gradient, x under recomputation the one block cache (the next
-  // block's rebuild); otherwise x is this micro-batch's forward cache, kept until its W.
-  std::vector<float> x_copy;
-  if (acts.recompute == Recompute::blocks) x_copy.assign(x, x + N * in);
-  acts.deferred_weight_grads.push_back([this, w, b, N, in, out, x,
-                                        dy_copy = std::vector<float>(dy, dy + N * out),
-                                        x_copy = std::move(x_copy)] {
-    kn::linear_backward_weights(grad(w), grad(b), dy_copy.data(),
+  // dy is scratch or a residual-stream gradient, which later backwards overwrite: the queued
+  // gradient keeps it in reads.dy_home or a copy of its own; x it copies unless kept.
+  std::vector<float> dy_copy, x_copy;
+  if (reads.dy_home)
+    std::copy(dy, dy + N * out, reads.dy_home);
+  else
+    dy_copy.assign(dy, dy + N * out);
+  if (!reads.x_kept) x_copy.assign(x, x + N * in);
+  acts.deferred_bytes += int64_t((dy_copy.size() + x_copy.size()) * sizeof(float));
+  acts.deferred_weight_grads.push_back([this, w, b, N, in, out, x, dy = reads.dy_home,
+                                        dy_copy = std::move(dy_copy), x_copy = std::move(x_copy)] {
+    kn::linear_backward_weights(grad(w), grad(b), dy ? dy : dy_copy.data(),
                                 x_copy.empty() ? x : x_copy.data(), N, in, out);
   });
 }
@@ -768,6 +778,7 @@ void Gpt::linear_backward(Activations& acts, float* dx, int w, int b, const floa
 void Gpt::backward_weights(Activations& acts) {
   for (auto& queued : acts.deferred_weight_grads) queued();
   acts.deferred_weight_grads.clear();
+  acts.deferred_bytes = 0;
 }
 
 }  // namespace tessel::model

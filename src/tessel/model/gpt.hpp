@@ -124,11 +124,15 @@ struct Activations {
 
   // A backward split in two (ZB-H1's B and W): with defer_weight_grads set, backward computes
   // the input gradients and queues the weight gradients of the matrices (with their biases)
-  // and of the embeddings, each with copies of the gradients it reads, for
-  // Gpt::backward_weights. Norm weights and MoE layers (router and experts) still add theirs
-  // in backward: they are a small share of the work or interleaved with the input gradient.
+  // and of the embeddings for Gpt::backward_weights. A queued gradient reads this set's own
+  // forward cache and inputs (which must live until it runs), the head's d_logits from
+  // `logits` (no longer needed), and its own copies of the rest: the other gradients (shared
+  // scratch) and, under recomputation, the blocks' matrix inputs (the one shared block cache);
+  // deferred_bytes counts those copies. Norm weights and MoE layers (router and experts) still
+  // add theirs in backward: a small share of the work, or interleaved with the input gradient.
   bool defer_weight_grads = false;
   std::vector<std::function<void()>> deferred_weight_grads;
+  int64_t deferred_bytes = 0;
 
   // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole
   // model by default): per-layer buffers stack only those, and the head's (final norm,
@@ -246,7 +250,8 @@ class Gpt {
   // the new ones share its buffers that no forward leaves for a backward to read: the scratch
   // and the residual-stream gradients, and under Recompute::blocks also the block cache (a
   // backward rebuilds it). A pipeline stage's micro-batches in flight share them: each forward or
-  // backward runs whole before the next starts. tensor_bytes counts only its own buffers.
+  // backward runs whole before the next starts (a split backward's weight gradients, which run
+  // later, copy what they read of them). tensor_bytes counts only its own buffers.
   std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, BlockRange range,
                                                 Recompute recompute = Recompute::none,
                                                 const Activations* scratch_from = nullptr) const;
@@ -301,9 +306,14 @@ class Gpt {
   void norm_backward(float* dx, int w, int b, const float* dy, const float* x, const float* mean,
                      const float* rstd, int64_t N);
   // Parameter w's (and bias b's, -1: none) linear backward: dx now; the weight gradients now
-  // or queued (Activations::defer_weight_grads).
+  // or queued (Activations::defer_weight_grads). A queued one copies x unless `x_kept` (x is
+  // the micro-batch's own until its W) and keeps dy in `dy_home` (null: a copy of its own).
+  struct DeferredReads {
+    bool x_kept = false;
+    float* dy_home = nullptr;
+  };
   void linear_backward(Activations& acts, float* dx, int w, int b, const float* dy, const float* x,
-                       int64_t N, int64_t in, int64_t out);
+                       int64_t N, int64_t in, int64_t out, DeferredReads reads);
   attention::AttentionShape attention_shape(const Activations& acts) const {
     return {acts.B, acts.T, acts.T, H_, Hkv_, D_};
   }

@@ -64,12 +64,16 @@ std::vector<Op> stage_ops(const ScheduleOptions& o, int stage) {
   return ops;
 }
 
+std::optional<ScheduleKind> find_schedule(const std::string& name) {
+  for (ScheduleKind kind :
+       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::zb_h1, ScheduleKind::paci})
+    if (name == schedule_name(kind)) return kind;
+  return std::nullopt;
+}
+
 ScheduleKind parse_schedule(const std::string& name) {
-  if (name == "gpipe") return ScheduleKind::gpipe;
-  if (name == "1f1b") return ScheduleKind::one_f_one_b;
-  if (name == "paci") return ScheduleKind::paci;
-  if (name == "zb-h1") return ScheduleKind::zb_h1;
-  input_error("pipeline schedule: expected gpipe, 1f1b, paci or zb-h1, got '", name, "'");
+  if (const auto kind = find_schedule(name)) return *kind;
+  input_error("pipeline schedule: expected ", kScheduleNames, ", got '", name, "'");
 }
 
 const char* schedule_name(ScheduleKind kind) {

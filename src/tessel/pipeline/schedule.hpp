@@ -19,6 +19,7 @@
 //           ends with the remaining backwards (the drain a real run does only at its end).
 // Micro-batches are numbered globally 0, 1, 2, ...: flush step t holds t*M .. t*M + M - 1.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,9 @@ struct ScheduleOptions {
 void validate(const ScheduleOptions& options);
 // The instruction list of stage s (0 = first) for the whole horizon.
 std::vector<Op> stage_ops(const ScheduleOptions& options, int stage);
-ScheduleKind parse_schedule(const std::string& name);  // gpipe | 1f1b | paci | zb-h1
+inline constexpr const char* kScheduleNames = "gpipe, 1f1b, zb-h1 or paci";
+std::optional<ScheduleKind> find_schedule(const std::string& name);  // by schedule_name
+ScheduleKind parse_schedule(const std::string& name);  // find_schedule, else InputError
 const char* schedule_name(ScheduleKind kind);
 
 }  // namespace tessel::pipeline

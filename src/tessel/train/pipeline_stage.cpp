@@ -55,7 +55,7 @@ double GptStage::forward_stage(model::Activations& acts, const model::ModelInput
 }
 
 int64_t GptStage::activation_bytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = peak_deferred_bytes_;
   for (const auto& acts : slots_)
     if (acts) bytes += acts->tensor_bytes;
   return bytes;
@@ -133,6 +133,10 @@ void GptStage::backward(int64_t micro, std::span<const float> output_grad,
 void GptStage::backward_input(int64_t micro, std::span<const float> output_grad,
                               std::span<float> input_grad) {
   run_backward(micro, output_grad, input_grad, true);
+  int64_t deferred = 0;
+  for (const auto& acts : slots_)
+    if (acts) deferred += acts->deferred_bytes;
+  peak_deferred_bytes_ = std::max(peak_deferred_bytes_, deferred);
 }
 
 void GptStage::backward_weights(int64_t micro) {
@@ -142,7 +146,7 @@ void GptStage::backward_weights(int64_t micro) {
 
 GptStage::Live& GptStage::in_flight(int64_t micro) {
   auto it = live_.find(micro);
-  TESSEL_CHECK(it != live_.end(), "stage ", stage_, ": backward of micro-batch ", micro,
+  TESSEL_CHECK(it != live_.end(), "stage ", stage_, ": backward or W of micro-batch ", micro,
                " without its forward");
   return it->second;
 }

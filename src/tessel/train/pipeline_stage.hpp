@@ -112,7 +112,8 @@ class GptStage final : public pipeline::StageWork {
   bool last_stage() const { return stage_ == stages_ - 1; }
   // Bytes of the training activations allocated so far (one set per micro-batch the schedule
   // has had in flight at once; the scratch, and under recomputation the block cache, once for
-  // all of them), MoE caches not counted.
+  // all of them) plus, under ZB-H1, the most bytes the queued Ws' copies have held at once
+  // (Activations::deferred_bytes), MoE caches not counted.
   int64_t activation_bytes() const;
 
  private:
@@ -153,6 +154,7 @@ class GptStage final : public pipeline::StageWork {
   std::map<int64_t, Live> live_;  // by micro-batch
   StageWindow window_;
   int64_t steps_ = 0;
+  int64_t peak_deferred_bytes_ = 0;                   // ZB-H1: see activation_bytes()
   int64_t run_first_micro_ = 0, run_first_step_ = 0;  // of the current executor run
   StaleWeights stale_;
   std::vector<float> previous_;  // stash, predict: the weights before the last STEP

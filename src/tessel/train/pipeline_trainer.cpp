@@ -49,9 +49,9 @@ void validate_pipeline(const Config& c) {
     return;
   }
   const std::string& name = c.pipeline.schedule;
-  if (!name.empty() && name != "gpipe" && name != "1f1b" && name != "zb-h1" && name != "paci")
-    input_error("config key 'pipeline.schedule' = \"", name,
-                "\": expected gpipe, 1f1b, zb-h1 or paci (or \"\" for 1f1b)");
+  if (!name.empty() && !pipeline::find_schedule(name))
+    input_error("config key 'pipeline.schedule' = \"", name, "\": expected ",
+                pipeline::kScheduleNames, " (or \"\" for 1f1b)");
   if (c.pipeline.paci_k < 0)
     input_error("config key 'pipeline.paci_k' must be >= 0 (0 = train.accum), got ",
                 c.pipeline.paci_k);
@@ -92,7 +92,8 @@ void validate_pipeline(const Config& c) {
       input_error(
           "config key 'model.tied_head' = true is not available with pipeline.schedule = "
           "paci and parallel.pp > 1 (the first and last stage would have to sync the tied "
-          "weight at every local step); set model.tied_head = false or use gpipe / 1f1b");
+          "weight at every local step); set model.tied_head = false or use a flush schedule "
+          "(gpipe, 1f1b, zb-h1)");
     // A stale backward runs against newer weights than its forward did; only the stash puts
     // the forward's weights back before it, so that a recomputed forward is the forward.
     if (c.train.recompute != model::Recompute::none && c.parallel.pp > 1 && !c.pipeline.paci_stash)

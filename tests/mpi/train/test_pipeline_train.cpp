@@ -383,8 +383,8 @@ TEST(PipelineTrain, AMixtureOverStagesEqualsTheSingleProcessRun) {
   expect_1f1b_equals(world, c, ref, "tessel-pp-mixture");
 }
 
-// Activation recomputation inside each stage (train.recompute = blocks) changes nothing: GPipe
-// and 1F1B (also with first and last stages that hold no block), and PACI with the stash
+// Activation recomputation inside each stage (train.recompute = blocks) changes nothing: GPipe,
+// 1F1B and ZB-H1 (also with first and last stages that hold no block), and PACI with the stash
 // (K = P - 1, so that backwards are stale and recompute against the stashed weights), give
 // the same losses, norms, validation and weights bitwise.
 TEST(PipelineTrain, RecomputationEqualsKeepingTheCachesBitwise) {
@@ -394,6 +394,8 @@ TEST(PipelineTrain, RecomputationEqualsKeepingTheCachesBitwise) {
   for (const auto& [schedule, layout] : {std::pair<std::string, std::string>{"gpipe", ""},
                                          {"1f1b", ""},
                                          {"1f1b", empty_ends},
+                                         {"zb-h1", ""},
+                                         {"zb-h1", empty_ends},
                                          {"paci", ""}}) {
     SCOPED_TRACE(schedule + ", layout '" + layout + "'");
     train::Config c = pipeline_config(world, "tessel-pp-recompute");
@@ -463,15 +465,20 @@ TEST(PipelineTrain, TiedHeadOverStagesFollowsTheSingleProcessRun) {
   c.model.tied_head = true;
   const Reference ref = single_process(c);
   c.parallel.pp = world.size();
-  const auto piped = run_on(world, c);
-  ASSERT_EQ(piped.steps.size(), ref.result.steps.size());
-  for (size_t i = 0; i < piped.steps.size(); ++i)
-    EXPECT_NEAR(piped.steps[i].loss, ref.result.steps[i].loss, 1e-5 * ref.result.steps[i].loss)
-        << "step " << i + 1;
-  const auto weights = fixture::final_weights(c.run.dir);
-  for (const auto& [name, values] : ref.weights)
-    for (size_t i = 0; i < values.size(); ++i)
-      ASSERT_NEAR(weights.at(name)[i], values[i], 1e-4) << name << "[" << i << "]";
+  for (const char* schedule : {"1f1b", "zb-h1"}) {
+    SCOPED_TRACE(schedule);
+    c.pipeline.schedule = schedule;
+    c.run.dir = shared_temp_dir(world, "tessel-pp-tied");
+    const auto piped = run_on(world, c);
+    ASSERT_EQ(piped.steps.size(), ref.result.steps.size());
+    for (size_t i = 0; i < piped.steps.size(); ++i)
+      EXPECT_NEAR(piped.steps[i].loss, ref.result.steps[i].loss, 1e-5 * ref.result.steps[i].loss)
+          << "step " << i + 1;
+    const auto weights = fixture::final_weights(c.run.dir);
+    for (const auto& [name, values] : ref.weights)
+      for (size_t i = 0; i < values.size(); ++i)
+        ASSERT_NEAR(weights.at(name)[i], values[i], 1e-4) << name << "[" << i << "]";
+  }
 }
 
 TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
@@ -500,7 +507,7 @@ TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
 }
 
 // Context parallelism inside the stages: each stage runs its cp rank's chunks of every
-// micro-batch, so GPipe and 1F1B over the stages equal the plain cp run bitwise (losses,
+// micro-batch, so GPipe, 1F1B and ZB-H1 over the stages equal the plain cp run bitwise (losses,
 // norms, validation through the stages, weights), with the causal mask and zigzag chunks and
 // with the causal-document mask and the per-micro-batch balanced layout, and with MoE blocks
 // (EQB + LEI and the z-loss: their sums over dp x cp and cp; gradient norms to 1e-12, and the
@@ -535,7 +542,7 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
     plain.run.dir = shared_temp_dir(*pair, "tessel-ppcp-ref");
     const auto ref = run_on(*pair, plain);
     const auto ref_weights = fixture::final_weights(plain.run.dir);
-    for (const char* schedule : {"gpipe", "1f1b", "paci"}) {
+    for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "paci"}) {
       SCOPED_TRACE(schedule);
       c.parallel.pp = world.size() / 2;
       c.pipeline.schedule = schedule;
@@ -870,8 +877,8 @@ void expect_continues(const train::TrainResult& resumed, const std::string& run_
 // tensor by its name without the stage. Untied head, so GPipe and 1F1B over any split equal
 // the single process bitwise: with Muon (the demo's optimizer) and AdamW, a 1F1B run over
 // pp = P stages saved at step 4 continues bitwise as the uninterrupted run when resumed on one
-// process (pp = 1), and under another layout at pp = P; a single-process checkpoint does so
-// under GPipe over P stages. np 4 also: pp 2 x dp 2, Muon's momentum in ZeRO-1 row shards of
+// process (pp = 1), and under another layout at pp = P as ZB-H1; a single-process checkpoint does
+// so under GPipe over P stages. np 4 also: pp 2 x dp 2, Muon's momentum in ZeRO-1 row shards of
 // each stage's dp group, resumes as plain dp 2 on two ranks, and plain dp 2 as pp 2 x dp 2
 // under another layout.
 TEST(PipelineTrain, ResumesWithAnotherStageSplitBitwise) {
@@ -902,8 +909,9 @@ TEST(PipelineTrain, ResumesWithAnotherStageSplitBitwise) {
     const auto one = resume_on_one_process(world, c, c.run.dir);
     if (world.rank() == 0) expect_continues(one.result, one.run_dir, full, weights);
 
-    train::Config relaid = c;
+    train::Config relaid = c;  // and another flush schedule
     relaid.pipeline.layout = other;
+    relaid.pipeline.schedule = "zb-h1";
     relaid.run.dir = copy_to_resume(world, c.run.dir, 4);
     expect_continues(run_on(world, relaid), relaid.run.dir, full, weights);
 

@@ -167,7 +167,7 @@ TEST(PipelineSimulator, ChromeTraceHasOneTrackPerStageAndOneSlicePerOp) {
 TEST(PipelineSchedule, BadOptionsAreInputErrors) {
   fixture::expect_input_error([] { stage_ops({ScheduleKind::paci, 2, 4, 1, 0}, 0); }, {"paci_k"});
   fixture::expect_input_error([] { stage_ops({ScheduleKind::gpipe, 0, 4, 1, 1}, 0); }, {"stages"});
-  fixture::expect_input_error([] { parse_schedule("zb"); }, {"gpipe, 1f1b, paci or zb-h1", "'zb'"});
+  fixture::expect_input_error([] { parse_schedule("zb"); }, {"gpipe, 1f1b, zb-h1 or paci", "'zb'"});
 }
 
 TEST(PipelineSchedule, NamesRoundTrip) {
