@@ -4,6 +4,8 @@
 //     NS with SYRK, 2 = orthogonalize's choice (Gram NS + symmetric kernels where
 //     n >= gram_min and n < m, standard with SYRK otherwise). 5 KellerJordan steps, one
 //     restart. A fourth argument > 0 is the gram_min (else the default).
+//   BM_NewtonSchulzScaling/n/m/mode: Turbo-Muon's AOL scaling + 4 YOU steps (mode 1) against
+//     the default Frobenius scaling + 5 KellerJordan steps (0) and + 5 YOU steps (2).
 //   BM_XXt/n/path: X X^T of an n x n X, path 0 = GEMM, 1 = SYRK (+ mirror).
 //   BM_CommutingProduct/n/path: A B of commuting symmetric n x n, path 0 = GEMM, 1 = lower tiles.
 //   BM_OptimizerStep/<config>: one full optimizer step over the GPT-2-small parameter set
@@ -58,6 +60,28 @@ BENCHMARK(BM_NewtonSchulz)
     ->ArgsProduct({{1024}, {1024}, {0, 2}, {0}})
     ->ArgsProduct({{768}, {3072}, {0, 2}, {0}})
     ->Unit(benchmark::kMillisecond);
+// Turbo-Muon: Frobenius scaling + KellerJordan's 5 steps (the default, argument 0) against the
+// AOL scaling + YOU's last 4 steps (1) and the Frobenius scaling + YOU's 5 (2), each on the
+// default path (Gram NS where n < m).
+void BM_NewtonSchulzScaling(benchmark::State& state) {
+  const int64_t n = state.range(0), m = state.range(1), mode = state.range(2);
+  NsOptions o;
+  o.aol = mode == 1;
+  if (mode > 0) o.coefficients = ns_coefficients("you", mode == 1 ? 4 : 5);
+  const auto U = gaussian(n * m);
+  std::vector<float> out(U.size());
+  for (auto _ : state) {
+    orthogonalize(U.data(), n, m, o, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetLabel(mode == 0 ? "frobenius+keller5" : mode == 1 ? "aol+you4" : "frobenius+you5");
+}
+BENCHMARK(BM_NewtonSchulzScaling)
+    ->ArgsProduct({{256}, {1024}, {0, 1, 2}})
+    ->ArgsProduct({{768}, {768, 3072}, {0, 1, 2}})
+    ->ArgsProduct({{1024}, {4096}, {0, 1, 2}})
+    ->Unit(benchmark::kMillisecond);
+
 // Tuning of gram_min (fourth argument 1: Gram whenever n < m): standard+SYRK (path 1)
 // against Gram (path 2) at aspect 2 and 4 for small short sides.
 void gram_min_args(benchmark::internal::Benchmark* b) {

@@ -25,9 +25,31 @@ void transpose(const T* src, int64_t n, int64_t m, T* dst) {
     for (int64_t j = 0; j < m; ++j) dst[j * n + i] = src[i * m + j];
 }
 
-// Steps 1-4 of orthogonalize around `core` (which runs on X [n, m], normalized, n <= m).
-template <class T, class Core>
-void orthogonalize_with(const T* U, int64_t rows, int64_t cols, T* out, Core core) {
+// AOL rescaling (Prach & Lampert's almost-orthogonal layers, Turbo-Muon's preconditioner):
+// X <- D X with D_ii = (sum_j |X X^T|_ij)^(-1/2), which bounds ||D X||_2 by 1 like the
+// Frobenius normalization, but tighter (a row sum instead of the whole sum), so the NS steps
+// start closer to the polar factor. `gram` [n, n] holds X X^T on entry and (D X)(D X)^T on
+// return, the first step's Gram, which the core then need not compute again.
+template <class T>
+void aol_rescale(T* X, int64_t n, int64_t m, T* gram) {
+  std::vector<T> d(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    double row = 0;
+    for (int64_t j = 0; j < n; ++j) row += std::fabs(double(gram[i * n + j]));
+    d[size_t(i)] = T(1.0 / std::sqrt(std::max(row, kNormEps)));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < m; ++j) X[i * m + j] *= d[size_t(i)];
+    for (int64_t j = 0; j < n; ++j) gram[i * n + j] *= d[size_t(i)] * d[size_t(j)];
+  }
+}
+
+// Steps 1-4 of orthogonalize around `core(X, n, m, gram)`, which runs on X [n, m], n <= m,
+// normalized by its Frobenius norm (gram null) or, with `aol`, by aol_rescale, whose Gram it
+// gets; `gram_of(X, n, m, out)` writes X X^T.
+template <class T, class GramOf, class Core>
+void orthogonalize_with(const T* U, int64_t rows, int64_t cols, bool aol, T* out, GramOf gram_of,
+                        Core core) {
   TESSEL_CHECK(rows > 0 && cols > 0, "orthogonalize of a ", rows, "x", cols, " matrix");
   const bool tall = rows > cols;
   const int64_t n = tall ? cols : rows, m = tall ? rows : cols;
@@ -36,11 +58,18 @@ void orthogonalize_with(const T* U, int64_t rows, int64_t cols, T* out, Core cor
     transpose(U, rows, cols, X.data());
   else
     std::copy(U, U + n * m, X.data());
-  double ss = 0;
-  for (T x : X) ss += double(x) * double(x);
-  const T inv = T(1.0 / (std::sqrt(ss) + kNormEps));
-  for (T& x : X) x *= inv;
-  core(X.data(), n, m);
+  std::vector<T> gram;
+  if (aol) {
+    gram.resize(size_t(n * n));
+    gram_of(X.data(), n, m, gram.data());
+    aol_rescale(X.data(), n, m, gram.data());
+  } else {
+    double ss = 0;
+    for (T x : X) ss += double(x) * double(x);
+    const T inv = T(1.0 / (std::sqrt(ss) + kNormEps));
+    for (T& x : X) x *= inv;
+  }
+  core(X.data(), n, m, aol ? gram.data() : nullptr);
   if (tall)
     transpose(X.data(), n, m, out);
   else
@@ -52,6 +81,16 @@ void orthogonalize_with(const T* U, int64_t rows, int64_t cols, T* out, Core cor
 std::vector<NsTriple> ns_coefficients(const std::string& set, int steps) {
   TESSEL_CHECK(steps >= 0, "ns steps ", steps);
   if (set == "keller") return std::vector<NsTriple>(size_t(steps), {3.4445, -4.7750, 2.0315});
+  if (set == "you") {
+    // Dao-AILab's table, as Turbo-Muon's reference implementation lists it (see the header).
+    static const NsTriple table[] = {{4.0848, -6.8946, 2.9270},
+                                     {3.9505, -6.3029, 2.6377},
+                                     {3.7418, -5.5913, 2.3037},
+                                     {2.8769, -3.1427, 1.2046},
+                                     {2.8366, -3.0525, 1.2012}};
+    TESSEL_CHECK(steps <= 5, "the you coefficient set has 5 steps, asked for ", steps);
+    return {std::end(table) - steps, std::end(table)};
+  }
   if (set == "polar_express") {
     static const NsTriple table[] = {
         {8.156554524902461, -22.48329292557795, 15.878769915207462},
@@ -74,14 +113,17 @@ bool uses_gram(const NsOptions& o, int64_t rows, int64_t cols) {
 }
 
 void newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
-                   bool symmetric) {
+                   bool symmetric, const float* first_gram) {
   using kernels::gemm;
   std::vector<float> A(size_t(n * n)), B(size_t(n * n)), Y(size_t(n * m));
   for (const NsTriple& k : coefficients) {
-    if (symmetric)
+    if (first_gram)
+      std::copy(first_gram, first_gram + n * n, A.data());
+    else if (symmetric)
       kernels::syrk(n, m, 1.0f, X, 0.0f, A.data());
     else
       gemm(false, true, n, n, m, 1.0f, X, m, X, m, 0.0f, A.data(), n);
+    first_gram = nullptr;
     B = A;  // B = b A + c A^2 (A^2 = A A^T)
     if (symmetric)
       kernels::syrk(n, n, float(k.c), A.data(), float(k.b), B.data());
@@ -94,7 +136,7 @@ void newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coe
 }
 
 void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
-                        std::span<const int> restarts) {
+                        std::span<const int> restarts, const float* first_gram) {
   using kernels::commuting_product;
   using kernels::gemm;
   using kernels::syrk;
@@ -106,7 +148,10 @@ void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple
     gemm(false, false, n, m, n, 1.0f, Q.data(), n, X, m, 0.0f, Y.data(), m);
     std::copy(Y.begin(), Y.end(), X);
   };
-  syrk(n, m, 1.0f, X, 0.0f, R.data());
+  if (first_gram)
+    std::copy(first_gram, first_gram + n * n, R.data());
+  else
+    syrk(n, m, 1.0f, X, 0.0f, R.data());
   bool fresh = true;
   for (int64_t t = 0; t < T; ++t) {
     const NsTriple& k = coefficients[size_t(t)];
@@ -138,12 +183,15 @@ void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple
 
 void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& o, float* out) {
   const bool gram = uses_gram(o, rows, cols);
-  orthogonalize_with(U, rows, cols, out, [&](float* X, int64_t n, int64_t m) {
-    if (gram)
-      gram_newton_schulz(X, n, m, o.coefficients, o.restarts);
-    else
-      newton_schulz(X, n, m, o.coefficients, o.symmetric);
-  });
+  orthogonalize_with(
+      U, rows, cols, o.aol, out,
+      [](const float* X, int64_t n, int64_t m, float* G) { kernels::syrk(n, m, 1.0f, X, 0.0f, G); },
+      [&](float* X, int64_t n, int64_t m, const float* first_gram) {
+        if (gram)
+          gram_newton_schulz(X, n, m, o.coefficients, o.restarts, first_gram);
+        else
+          newton_schulz(X, n, m, o.coefficients, o.symmetric, first_gram);
+      });
 }
 
 namespace naive {
@@ -203,12 +251,18 @@ void gram_newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> co
 template <class T>
 void orthogonalize(const T* U, int64_t rows, int64_t cols, const NsOptions& o, T* out) {
   const bool gram = uses_gram(o, rows, cols);
-  orthogonalize_with(U, rows, cols, out, [&](T* X, int64_t n, int64_t m) {
-    if (gram)
-      gram_newton_schulz<T>(X, n, m, o.coefficients, o.restarts);
-    else
-      newton_schulz<T>(X, n, m, o.coefficients);
-  });
+  // The twin's cores compute the first Gram again from the rescaled X.
+  orthogonalize_with(
+      U, rows, cols, o.aol, out,
+      [](const T* X, int64_t n, int64_t m, T* G) {
+        kernels::naive::gemm<T>(false, true, n, n, m, T(1), X, m, X, m, T(0), G, n);
+      },
+      [&](T* X, int64_t n, int64_t m, const T*) {
+        if (gram)
+          gram_newton_schulz<T>(X, n, m, o.coefficients, o.restarts);
+        else
+          newton_schulz<T>(X, n, m, o.coefficients);
+      });
 }
 
 #define TESSEL_INSTANTIATE(T)                                                          \

@@ -4,7 +4,13 @@
 //
 // orthogonalize(U [rows, cols]):
 //   1. X = U, transposed when rows > cols, so X is [n, m] with n <= m (short side first);
-//   2. X /= ||X||_F + 1e-7 (norm summed in double), so every singular value is <= 1;
+//   2. X /= ||X||_F + 1e-7 (norm summed in double), so every singular value is <= 1; or, with
+//      NsOptions::aol (Turbo-Muon, arXiv 2512.04632), the AOL rescaling X <- D X, D_ii =
+//      (sum_j |X X^T|_ij)^(-1/2), which also bounds the singular values by 1 but leaves the
+//      small ones larger, so one step fewer reaches the same band (its Gram is the first NS
+//      step's, computed once). D is not a multiple of I, so the result approximates the polar
+//      factor of D U, not of U: the update's direction changes slightly (Turbo-Muon trains
+//      with it at equal quality);
 //   3. one NS core on X (below); 4. the transpose undone.
 // Transposing before normalizing makes orthogonalize(U^T) == orthogonalize(U)^T bitwise.
 //
@@ -38,6 +44,9 @@ struct NsTriple {
 // "keller": KellerJordan's (3.4445, -4.7750, 2.0315) at every step (singular values end
 // roughly in [0.7, 1.2], by design). "polar_express": the published 5-step Polar Express
 // table (safety factor applied), then the limit (15/8, -10/8, 3/8) for further steps.
+// "you": the 5-step table of Dao-AILab's gram-newton-schulz README (spec section 2), as
+// Turbo-Muon's reference code lists it (thib-s/flash-newton-schulz); fewer steps take its last
+// ones (what Turbo-Muon runs after the AOL rescaling), more than 5 are an error.
 std::vector<NsTriple> ns_coefficients(const std::string& set, int steps);
 
 struct NsOptions {
@@ -46,6 +55,7 @@ struct NsOptions {
   std::vector<int> restarts = {2};  // 0-based steps before which Gram NS restarts
   int64_t gram_min = 64;            // smallest short side that uses Gram NS (bench_optim)
   bool symmetric = true;            // standard NS: SYRK for A and A^2 (false: GEMM only)
+  bool aol = false;                 // step 2 by the AOL rescaling (Turbo-Muon), not ||X||_F
 };
 
 // Whether orthogonalize takes the Gram path for a [rows, cols] input.
@@ -55,11 +65,12 @@ bool uses_gram(const NsOptions& options, int64_t rows, int64_t cols);
 void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& options,
                    float* out);
 
-// The cores, in place on a normalized X [n, m], n <= m.
+// The cores, in place on a normalized X [n, m], n <= m; `first_gram` (if set) is X X^T
+// [n, n], full, which the first step then takes instead of computing it.
 void newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
-                   bool symmetric);
+                   bool symmetric, const float* first_gram = nullptr);
 void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients,
-                        std::span<const int> restarts);
+                        std::span<const int> restarts, const float* first_gram = nullptr);
 
 namespace naive {
 // The same recurrences with plain loops (naive::gemm) in T (float and double instantiated).

@@ -53,9 +53,13 @@ void validate(const OptimizerConfig& c) {
   check_range(c.momentum >= 0 && c.momentum < 1, "optim.momentum", c.momentum, "0 <= momentum < 1");
   check_choice(c.momentum_form, "optim.momentum_form", {"sum", "lerp"});
   check_choice(c.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"});
-  check_choice(c.ns_coefficients, "optim.ns_coefficients", {"keller", "polar_express"});
+  check_choice(c.ns_coefficients, "optim.ns_coefficients", {"keller", "polar_express", "you"});
   check_range(c.ns_steps >= 1 && c.ns_steps <= 100, "optim.ns_steps", double(c.ns_steps),
               "1 <= ns_steps <= 100");
+  if (c.ns_coefficients == "you")
+    check_range(c.ns_steps <= 5, "optim.ns_steps", double(c.ns_steps),
+                "<= 5 with optim.ns_coefficients = you (its table has 5 steps)");
+  check_choice(c.ns_normalize, "optim.ns_normalize", {"frobenius", "aol"});
   parse_int_list("optim.ns_restarts", c.ns_restarts, 1);
   check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", double(c.ns_gram_min), ">= 1");
   check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction, "0 < fraction <= 1");
@@ -122,6 +126,7 @@ std::unique_ptr<Optimizer> make_optimizer(
   const auto restarts = parse_int_list("optim.ns_restarts", config.ns_restarts, 1);
   h.ns.restarts.assign(restarts.begin(), restarts.end());
   h.ns.gram_min = config.ns_gram_min;
+  h.ns.aol = config.ns_normalize == "aol";
   h.fraction = config.fraction;
   h.ef_decay = config.ef_decay;
   h.local_scope = config.selection_scope == "local";

@@ -71,9 +71,10 @@ struct OptimizerConfig {
   std::string momentum_form = "sum";  // sum | lerp
   bool nesterov = false;
   std::string lr_rule = "spectral_norm";   // spectral_norm | rms_norm | keller
-  std::string ns_coefficients = "keller";  // keller | polar_express
+  std::string ns_coefficients = "keller";  // keller | polar_express | you
   int64_t ns_steps = 5;
-  bool ns_gram = true;            // Gram Newton-Schulz where it pays (newton_schulz.hpp)
+  std::string ns_normalize = "frobenius";  // frobenius | aol (Turbo-Muon; newton_schulz.hpp)
+  bool ns_gram = true;                     // Gram Newton-Schulz where it pays (newton_schulz.hpp)
   std::string ns_restarts = "2";  // comma-separated 0-based steps before which Gram NS restarts
   int64_t ns_gram_min = 64;       // smallest short side that uses Gram NS
   double fraction = 0.25;         // dion2/dion3: fraction of rows orthogonalized per step

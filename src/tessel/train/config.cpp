@@ -337,9 +337,16 @@ std::vector<ConfigKey> build_schema() {
       bool_key("optim.nesterov", "muon: Nesterov momentum", FIELD(optim.nesterov)),
       string_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
                  FIELD(optim.lr_rule)),
-      string_key("optim.ns_coefficients", "Newton-Schulz coefficients: keller or polar_express",
+      string_key("optim.ns_coefficients",
+                 "Newton-Schulz coefficients: keller, polar_express or you (at most 5 steps; "
+                 "fewer take its last ones)",
                  FIELD(optim.ns_coefficients)),
       int_key("optim.ns_steps", "Newton-Schulz steps", FIELD(optim.ns_steps)),
+      string_key("optim.ns_normalize",
+                 "scaling before Newton-Schulz: frobenius (divide by the Frobenius norm) or aol "
+                 "(Turbo-Muon's row rescaling from |X X^T|, which lets one step fewer reach the "
+                 "same band)",
+                 FIELD(optim.ns_normalize)),
       bool_key("optim.ns_gram", "Gram Newton-Schulz for non-square matrices", FIELD(optim.ns_gram)),
       string_key("optim.ns_restarts", "comma-separated 0-based steps before which Gram NS restarts",
                  FIELD(optim.ns_restarts)),

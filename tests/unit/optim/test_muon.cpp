@@ -307,8 +307,15 @@ TEST(MuonFactory, NamesAndBadConfig) {
   expect_input_error(with([](OptimizerConfig& c) { c.momentum_form = "ema"; }),
                      {"optim.momentum_form", "sum, lerp"});
   expect_input_error(with([](OptimizerConfig& c) { c.lr_rule = "x"; }), {"optim.lr_rule"});
-  expect_input_error(with([](OptimizerConfig& c) { c.ns_coefficients = "you"; }),
+  expect_input_error(with([](OptimizerConfig& c) { c.ns_coefficients = "turbo"; }),
                      {"optim.ns_coefficients"});
+  expect_input_error(with([](OptimizerConfig& c) {
+                       c.ns_coefficients = "you";
+                       c.ns_steps = 6;
+                     }),
+                     {"optim.ns_steps", "<= 5"});
+  expect_input_error(with([](OptimizerConfig& c) { c.ns_normalize = "spectral"; }),
+                     {"optim.ns_normalize"});
   expect_input_error(with([](OptimizerConfig& c) { c.ns_steps = 0; }), {"optim.ns_steps"});
   expect_input_error(with([](OptimizerConfig& c) { c.ns_restarts = "2,x"; }),
                      {"optim.ns_restarts"});

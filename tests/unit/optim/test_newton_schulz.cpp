@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "svd_util.hpp"
+#include "tessel/core/error.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/optim/newton_schulz.hpp"
 
@@ -165,26 +167,116 @@ TEST(NewtonSchulz, TransposeIsBitwise) {
   std::vector<float> Ut(U.size());
   for (int64_t i = 0; i < r; ++i)
     for (int64_t j = 0; j < c; ++j) Ut[size_t(j * r + i)] = U[size_t(i * c + j)];
-  for (bool gram : {false, true}) {
-    const NsOptions o = options("keller", 5, gram);
-    auto O = orth(U, r, c, o), Ot = orth(Ut, c, r, o);
-    bool same = true;
-    for (int64_t i = 0; i < r; ++i)
-      for (int64_t j = 0; j < c; ++j) same = same && O[size_t(i * c + j)] == Ot[size_t(j * r + i)];
-    EXPECT_TRUE(same) << "gram " << gram;
-  }
+  for (bool gram : {false, true})
+    for (bool aol : {false, true}) {
+      NsOptions o = options("keller", 5, gram);
+      o.aol = aol;
+      auto O = orth(U, r, c, o), Ot = orth(Ut, c, r, o);
+      bool same = true;
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < c; ++j)
+          same = same && O[size_t(i * c + j)] == Ot[size_t(j * r + i)];
+      EXPECT_TRUE(same) << "gram " << gram << ", aol " << aol;
+    }
 }
 
-// The fast f32 paths against their naive f64 twins (same recurrences).
+// The fast f32 paths against their naive f64 twins (same recurrences), with either scaling.
 TEST(NewtonSchulz, FastMatchesNaive) {
   for (auto [r, c] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {33, 17}, {70, 300}}) {
     SCOPED_TRACE(testing::Message() << r << "x" << c);
     auto U = gaussian(uint64_t(r + 3 * c), r, c);
+    for (bool gram : {false, true})
+      for (bool aol : {false, true}) {
+        NsOptions o = options("keller", 5, gram);
+        o.aol = aol;
+        std::vector<double> Ud = f64(U), want(Ud.size());
+        naive::orthogonalize<double>(Ud.data(), r, c, o, want.data());
+        EXPECT_LT(rel_frobenius(orth(U, r, c, o), want), 1e-4)
+            << "gram " << gram << ", aol " << aol;
+      }
+  }
+}
+
+// The spec's first YOU triple; fewer steps take the table's last ones; more than 5 are refused.
+TEST(NewtonSchulz, YouTable) {
+  const auto five = ns_coefficients("you", 5), three = ns_coefficients("you", 3);
+  EXPECT_EQ(five.front().a, 4.0848);
+  EXPECT_EQ(five.front().b, -6.8946);
+  EXPECT_EQ(five.front().c, 2.9270);
+  ASSERT_EQ(three.size(), 3u);
+  for (size_t t = 0; t < 3; ++t) {
+    EXPECT_EQ(three[t].a, five[t + 2].a);
+    EXPECT_EQ(three[t].c, five[t + 2].c);
+  }
+  EXPECT_THROW(ns_coefficients("you", 6), Error);
+}
+
+// A gradient-like [r, c]: rank 4 plus 0.2 x Gaussian noise.
+std::vector<float> low_rank_plus_noise(int64_t r, int64_t c, uint64_t seed) {
+  auto U = gaussian(seed, r, c);
+  const auto L = gaussian(seed + 1, r, 4), R = gaussian(seed + 2, 4, c);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) {
+      float s = 0;
+      for (int64_t k = 0; k < 4; ++k) s += L[size_t(i * 4 + k)] * R[size_t(k * c + j)];
+      U[size_t(i * c + j)] = 0.2f * U[size_t(i * c + j)] + s;
+    }
+  return U;
+}
+
+// D U with D_ii = (sum_j |U U^T|_ij)^(-1/2), U wide, by plain loops in double: what the AOL
+// scaling orthogonalizes.
+std::vector<double> aol_scaled(const std::vector<float>& U, int64_t r, int64_t c) {
+  std::vector<double> out = f64(U);
+  for (int64_t i = 0; i < r; ++i) {
+    double row = 0;
+    for (int64_t k = 0; k < r; ++k) {
+      double g = 0;
+      for (int64_t j = 0; j < c; ++j) g += double(U[size_t(i * c + j)]) * U[size_t(k * c + j)];
+      row += std::fabs(g);
+    }
+    for (int64_t j = 0; j < c; ++j) out[size_t(i * c + j)] /= std::sqrt(row);
+  }
+  return out;
+}
+
+// Turbo-Muon's AOL scaling (NsOptions::aol), on gradient-like matrices of aspect ratio 4, both
+// paths: with no NS step it is D U exactly (relative 1e-6) and its largest singular value is at
+// most 1, like the Frobenius scaling's, while its smallest is larger; converged (Polar Express,
+// 8 steps) the result is the polar factor of D U (1e-3), not of U (D is not a multiple of I);
+// after YOU's last 4 steps the smallest singular value is at least 0.8, where the Frobenius
+// scaling leaves it below 0.7 (measured: 0.94 / 0.83 against 0.68 / 0.57), i.e. AOL saves
+// about one of YOU's steps; both stay at most 1.15.
+TEST(NewtonSchulz, AolScalingStartsCloserToOrthogonal) {
+  for (auto [r, c] : {std::pair<int64_t, int64_t>{64, 256}, {96, 384}}) {
+    SCOPED_TRACE(testing::Message() << r << "x" << c);
+    const auto U = low_rank_plus_noise(r, c, uint64_t(r + c));
+    const auto scaled = aol_scaled(U, r, c);
     for (bool gram : {false, true}) {
-      const NsOptions o = options("keller", 5, gram);
-      std::vector<double> Ud = f64(U), want(Ud.size());
-      naive::orthogonalize<double>(Ud.data(), r, c, o, want.data());
-      EXPECT_LT(rel_frobenius(orth(U, r, c, o), want), 1e-4) << "gram " << gram;
+      SCOPED_TRACE(gram ? "gram" : "standard");
+      NsOptions o = options("you", 4, gram);
+      NsOptions frobenius = o;
+      o.aol = true;
+      o.coefficients.clear();
+      frobenius.coefficients.clear();
+      const auto start = orth(U, r, c, o);
+      EXPECT_LT(rel_frobenius(start, scaled), 1e-6);
+      const auto aol0 = svd(f64(start), r, c).sigma,
+                 frob0 = svd(f64(orth(U, r, c, frobenius)), r, c).sigma;
+      EXPECT_LE(aol0.front(), 1.0 + 1e-6);
+      EXPECT_LE(frob0.front(), 1.0 + 1e-6);
+      EXPECT_GT(aol0.back(), 1.2 * frob0.back());
+      o.coefficients = ns_coefficients("polar_express", 8);
+      const auto converged = orth(U, r, c, o);
+      EXPECT_LT(rel_frobenius(converged, svd(scaled, r, c).polar), 1e-3);
+      EXPECT_GT(rel_frobenius(converged, svd(f64(U), r, c).polar), 1e-2);
+      o.coefficients = frobenius.coefficients = ns_coefficients("you", 4);
+      const auto aol4 = svd(f64(orth(U, r, c, o)), r, c).sigma;
+      const auto frob4 = svd(f64(orth(U, r, c, frobenius)), r, c).sigma;
+      EXPECT_GE(aol4.back(), 0.8);
+      EXPECT_LT(frob4.back(), 0.7);
+      EXPECT_LE(aol4.front(), 1.15);
+      EXPECT_LE(frob4.front(), 1.15);
     }
   }
 }
