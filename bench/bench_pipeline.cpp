@@ -7,9 +7,24 @@
 //   build/release/bench/bench_pipeline
 #include <benchmark/benchmark.h>
 
+#include <utility>
+
 #include "tessel/pipeline/simulator.hpp"
 
 using namespace tessel::pipeline;
+
+// Simulates 1F1B `flush` and `other` in the timed loop; their last results.
+static std::pair<SimResult, SimResult> simulate_both(benchmark::State& state,
+                                                     const SimOptions& flush,
+                                                     const SimOptions& other) {
+  SimResult f, o;
+  for (auto _ : state) {
+    f = simulate(flush);
+    o = simulate(other);
+    benchmark::DoNotOptimize(o.makespan);
+  }
+  return {f, o};
+}
 
 static void BM_SimulatedPaciOver1F1B(benchmark::State& state) {
   const int P = int(state.range(0));
@@ -19,12 +34,7 @@ static void BM_SimulatedPaciOver1F1B(benchmark::State& state) {
   flush.schedule = {ScheduleKind::one_f_one_b, P, M, steps, 1};
   paci.schedule = {ScheduleKind::paci, P, M * steps, 1, M};
   flush.costs = paci.costs = {{1.0, 2.0, o}};
-  SimResult f, p;
-  for (auto _ : state) {
-    f = simulate(flush);
-    p = simulate(paci);
-    benchmark::DoNotOptimize(p.makespan);
-  }
+  const auto [f, p] = simulate_both(state, flush, paci);
   state.counters["paci_over_1f1b"] = p.throughput / f.throughput;
   state.counters["ceiling"] = double(M + P - 1) / double(M);
   state.counters["ceiling_with_step"] = (double(M + P - 1) * x + o) / (double(M) * x + o);
@@ -54,12 +64,7 @@ static void BM_SimulatedZbH1Over1F1B(benchmark::State& state) {
   flush.schedule = {ScheduleKind::one_f_one_b, P, M, steps, 1};
   zb.schedule = {ScheduleKind::zb_h1, P, M, steps, 1};
   flush.costs = zb.costs = {{F, B + W, o, W}};
-  SimResult f, z;
-  for (auto _ : state) {
-    f = simulate(flush);
-    z = simulate(zb);
-    benchmark::DoNotOptimize(z.makespan);
-  }
+  const auto [f, z] = simulate_both(state, flush, zb);
   state.counters["zb_h1_over_1f1b"] = z.throughput / f.throughput;
   state.counters["closed_form"] = (double(M + P - 1) * (F + B + W) + o) /
                                   (double(M) * (F + B + W) + double(P - 1) * (F + B - W) + o);
