@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "tessel/core/error.hpp"
@@ -13,6 +14,7 @@ namespace tessel::optim {
 namespace {
 
 constexpr double kNormEps = 1e-7;
+constexpr double kAolFloor = 1e-12;  // smallest row sum of |X X^T|, relative to the largest
 
 bool restarts_before(std::span<const int> restarts, int64_t t) {
   return t > 0 && std::find(restarts.begin(), restarts.end(), int(t)) != restarts.end();
@@ -27,17 +29,21 @@ void transpose(const T* src, int64_t n, int64_t m, T* dst) {
 
 // AOL rescaling (Prach & Lampert's almost-orthogonal layers, Turbo-Muon's preconditioner):
 // X <- D X with D_ii = (sum_j |X X^T|_ij)^(-1/2), which bounds ||D X||_2 by 1 like the
-// Frobenius normalization, but tighter (a row sum instead of the whole sum), so the NS steps
-// start closer to the polar factor. `gram` [n, n] holds X X^T on entry and (D X)(D X)^T on
-// return, the first step's Gram, which the core then need not compute again.
+// Frobenius normalization; on a gradient the rows' sums are typically far below the whole
+// Frobenius sum, so the small singular values start larger. `gram` [n, n] holds X X^T on entry
+// and (D X)(D X)^T on return, the first step's Gram, which the core need not compute again.
+// A row sum is floored relative to the largest (kAolFloor), not absolutely, so the result does
+// not depend on the gradient's scale; an all-zero X stays zero.
 template <class T>
 void aol_rescale(T* X, int64_t n, int64_t m, T* gram) {
+  std::vector<double> rows(static_cast<size_t>(n), 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) rows[size_t(i)] += std::fabs(double(gram[i * n + j]));
+  const double floor = std::max(kAolFloor * *std::max_element(rows.begin(), rows.end()),
+                                std::numeric_limits<double>::min());
   std::vector<T> d(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    double row = 0;
-    for (int64_t j = 0; j < n; ++j) row += std::fabs(double(gram[i * n + j]));
-    d[size_t(i)] = T(1.0 / std::sqrt(std::max(row, kNormEps)));
-  }
+  for (int64_t i = 0; i < n; ++i)
+    d[size_t(i)] = T(1.0 / std::sqrt(std::max(rows[size_t(i)], floor)));
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t j = 0; j < m; ++j) X[i * m + j] *= d[size_t(i)];
     for (int64_t j = 0; j < n; ++j) gram[i * n + j] *= d[size_t(i)] * d[size_t(j)];

@@ -6,13 +6,16 @@
 //   1. X = U, transposed when rows > cols, so X is [n, m] with n <= m (short side first);
 //   2. X /= ||X||_F + 1e-7 (norm summed in double), so every singular value is <= 1; or, with
 //      NsOptions::aol (Turbo-Muon, arXiv 2512.04632), the AOL rescaling X <- D X, D_ii =
-//      (sum_j |X X^T|_ij)^(-1/2), which also bounds the singular values by 1 but leaves the
-//      small ones larger, so one step fewer reaches the same band (its Gram is the first NS
-//      step's, computed once). D is not a multiple of I, so the result approximates the polar
-//      factor of D U, not of U: the update's direction changes slightly (Turbo-Muon trains
-//      with it at equal quality);
+//      (sum_j |X X^T|_ij)^(-1/2), which also bounds the singular values by 1 but on gradients
+//      typically leaves the small ones larger, so one step fewer gets most of the way to the
+//      band of the full count (its Gram is the first NS step's, computed once). The spec
+//      writes |X^T X|; the short side's X X^T is the Gram NS reuses, so the scaled side is the
+//      short one: U's rows, or a tall U's columns, and a square U's rows. D is not a multiple
+//      of I, so the result approximates the polar factor of D U (U D when tall), not of U: the
+//      update's direction changes slightly (Turbo-Muon reports loss +0.002 at one step fewer);
 //   3. one NS core on X (below); 4. the transpose undone.
-// Transposing before normalizing makes orthogonalize(U^T) == orthogonalize(U)^T bitwise.
+// Transposing before normalizing makes orthogonalize(U^T) == orthogonalize(U)^T bitwise for a
+// non-square U (with AOL not for a square one: its rows are scaled either way).
 //
 // Standard NS, per step t with triple (a, b, c):  A = X X^T;  B = b A + c A^2;  X = a X + B X.
 // Each step maps every singular value s to a s + b s^3 + c s^5.

@@ -344,8 +344,8 @@ std::vector<ConfigKey> build_schema() {
       int_key("optim.ns_steps", "Newton-Schulz steps", FIELD(optim.ns_steps)),
       string_key("optim.ns_normalize",
                  "scaling before Newton-Schulz: frobenius (divide by the Frobenius norm) or aol "
-                 "(Turbo-Muon's row rescaling from |X X^T|, which lets one step fewer reach the "
-                 "same band)",
+                 "(Turbo-Muon: each row of the short side scaled by its row sum of |X X^T|^-1/2, "
+                 "so one step fewer gets most of the way)",
                  FIELD(optim.ns_normalize)),
       bool_key("optim.ns_gram", "Gram Newton-Schulz for non-square matrices", FIELD(optim.ns_gram)),
       string_key("optim.ns_restarts", "comma-separated 0-based steps before which Gram NS restarts",

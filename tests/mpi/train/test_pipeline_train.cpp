@@ -859,17 +859,54 @@ OneProcessResume resume_on_one_process(comm::Communicator& world, const train::C
   return r;
 }
 
-// `resumed`, run from `full`'s step-4 checkpoint into `run_dir`, repeats `full` bitwise from
-// there: losses, norms, validation and final weights.
+// `resumed`, run from `full`'s checkpoint of step `step` into `run_dir`, repeats `full` bitwise
+// from there: losses, norms, validation and final weights.
 void expect_continues(const train::TrainResult& resumed, const std::string& run_dir,
                       const train::TrainResult& full,
-                      const std::map<std::string, std::vector<float>>& full_weights) {
-  EXPECT_EQ(resumed.resumed_from, 4);
-  fixture::expect_same_steps(resumed, fixture::after_step(full, 4));
+                      const std::map<std::string, std::vector<float>>& full_weights,
+                      int64_t step = 4) {
+  EXPECT_EQ(resumed.resumed_from, step);
+  fixture::expect_same_steps(resumed, fixture::after_step(full, step));
   fixture::expect_same_weights(fixture::final_weights(run_dir), full_weights);
 }
 
 }  // namespace
+
+// Spike skipping with resume and with dp: a 1F1B run over P stages saved at step kSpikeStep - 1
+// resumes as the uninterrupted run and still skips the spike (only the checkpointed window of
+// norms can decide it: without it the spike would be applied); np 4 also: 1F1B over pp 2 x dp 2
+// equals the plain dp 2 run on each half of the world bitwise, the spike step alone skipped.
+TEST(PipelineTrain, SpikeSkippingResumesAndComposesWithDataParallel) {
+  comm::Communicator& world = comm::world();
+  train::Config c = with_a_spike(pipeline_config(world, "tessel-pp-spike-resume"));
+  c.parallel.pp = world.size();
+  c.pipeline.schedule = "1f1b";
+  c.train.checkpoint_every = kSpikeStep - 1;
+  const auto full = run_on(world, c);
+  expect_only_the_spike_skipped(full);
+  train::Config resumed = c;
+  resumed.run.dir = copy_to_resume(world, c.run.dir, kSpikeStep - 1);
+  const auto continued = run_on(world, resumed);
+  expect_continues(continued, resumed.run.dir, full, fixture::final_weights(c.run.dir),
+                   kSpikeStep - 1);
+  ASSERT_FALSE(continued.steps.empty());
+  EXPECT_EQ(continued.steps.front().skipped, 1);  // step kSpikeStep, the first after the resume
+
+  if (world.size() != 4) return;
+  auto half = world.split(world.rank() / 2, world.rank());
+  train::Config plain = with_a_spike(pipeline_config(world, "tessel-ppdp-spike"));
+  plain.run.dir = shared_temp_dir(*half, "tessel-ppdp-spike-ref");
+  const auto ref = run_on(*half, plain);
+  train::Config wide = plain;
+  wide.parallel.pp = 2;
+  wide.pipeline.schedule = "1f1b";
+  wide.run.dir = shared_temp_dir(world, "tessel-ppdp-spike");
+  const auto piped = run_on(world, wide);
+  fixture::expect_same_steps(piped, ref);
+  expect_only_the_spike_skipped(piped);
+  fixture::expect_same_weights(fixture::final_weights(wide.run.dir),
+                               fixture::final_weights(plain.run.dir));
+}
 
 // A checkpoint resumes under another stage split (docs/training.md section 6). The stages'
 // optimizers save their state as "stage<s>/..." with the split in the compatibility record

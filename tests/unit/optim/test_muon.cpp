@@ -331,3 +331,29 @@ TEST(MuonFactory, NamesAndBadConfig) {
 }
 
 }  // namespace
+
+// optim.ns_normalize = aol reaches every hidden matrix's orthogonalization, through Muon and
+// Dion2's row selection alike: one step from the same parameters and gradients moves every
+// hidden matrix differently from the Frobenius scaling, and every other parameter (AdamW) the
+// same, bitwise.
+TEST(MuonFactory, AolScalingReachesEveryHiddenMatrix) {
+  for (const char* name : {"muon", "dion2"}) {
+    SCOPED_TRACE(name);
+    auto stepped = [&](const char* normalize) {
+      ParamSet ps(fixture::muon_test_specs(), 8);
+      ps.random_grads(9);
+      OptimizerConfig c;
+      c.name = name;
+      c.ns_normalize = normalize;
+      make_optimizer(c, ps.params)->step(1.0);
+      std::map<std::string, std::vector<float>> out;
+      for (const Parameter& p : ps.params)
+        out[p.name] = {p.value.f32(), p.value.f32() + p.value.numel()};
+      return std::make_pair(out, ps.params);
+    };
+    const auto [frobenius, params] = stepped("frobenius");
+    const auto aol = stepped("aol").first;
+    for (const Parameter& p : params)
+      EXPECT_EQ(frobenius.at(p.name) != aol.at(p.name), p.tag == ParamTag::hidden_matrix) << p.name;
+  }
+}
