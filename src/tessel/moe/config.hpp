@@ -24,6 +24,12 @@ enum class Balance {
   expert_choice
 };
 enum class LeiKernel { rectangle, triangle, tanh, identity };
+// Where a token's LEI margin is measured from (docs/model.md, "Balancing"): the midpoint of
+// its k-th and (k+1)-th largest selection scores, the k-th, the (k+1)-th, or exact_margin's
+// per-expert window of the tokens that balance the expert (MoeLayer, layer.hpp).
+enum class LeiMargin { midpoint, topk, topk_plus_one, exact_margin };
+// The LEI loss of the load fractions f_e (spec 3.2; docs/model.md).
+enum class LeiLoss { centered_fsq, fsq, maxvio, totalvio };
 
 struct MoeConfig {
   int64_t experts = 8;  // E
@@ -41,9 +47,11 @@ struct MoeConfig {
   // eta in (0, 1] of the EQB step beta += eta (quantile - beta) (eqb, eqb_lei); 1 = the
   // spec's rule beta = quantile, < 1 averages the batches' sampling noise out of beta.
   double eqb_step = 1.0;
-  double lei_coeff = 1e-2;  // LEI centered_fsq coefficient (lei, eqb_lei)
+  double lei_coeff = 1e-2;  // LEI loss coefficient (lei, eqb_lei)
   LeiKernel lei_kernel = LeiKernel::rectangle;
   double lei_width = 1.0;  // kernel width w (tanh: 1 / slope)
+  LeiMargin lei_margin = LeiMargin::midpoint;
+  LeiLoss lei_loss = LeiLoss::centered_fsq;
 };
 
 // Throws tessel::InputError naming the first bad model.moe_<field>.

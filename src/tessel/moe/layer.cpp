@@ -252,6 +252,103 @@ double sequence_aux_forward(LayerCache& c, int64_t E, int64_t k, double alpha) {
   return loss;
 }
 
+// LEI: the margins of token row s [E] (selection scores; its k choices ch, its k-th and
+// (k+1)-th largest scores) into m [E] (layer.hpp). exact_margin: each expert's signed
+// distance to flipping the token's choice of it (chosen: s - (k+1)-th >= 0; not: s - k-th
+// <= 0), which exact_margin_windows turns into the windows.
+void lei_token_margins(float* m, const float* s, const int32_t* ch, int64_t E, int64_t k, float kth,
+                       float kplus1, LeiMargin margin) {
+  // Tokens with k = E have no boundary: a margin far outside every kernel.
+  float boundary = -1e30f;
+  if (k < E)
+    boundary = margin == LeiMargin::midpoint        ? 0.5f * (kth + kplus1)
+               : margin == LeiMargin::topk_plus_one ? kplus1
+                                                    : kth;  // topk, exact_margin's not chosen
+  for (int64_t e = 0; e < E; ++e) m[e] = s[e] - boundary;
+  if (margin == LeiMargin::exact_margin && k < E)
+    for (int64_t j = 0; j < k; ++j) m[ch[j]] = s[ch[j]] - kplus1;
+}
+
+// exact_margin (layer.hpp): margin [N, E] holds lei_token_margins' distances to flipping;
+// each expert's window gets margin 0, the rest +1e30 (chosen) or -1e30 (not chosen).
+void exact_margin_windows(float* margin, const int32_t* choice, int64_t N, int64_t E, int64_t k) {
+  std::vector<uint8_t> chosen(size_t(N * E), 0);
+  std::vector<int64_t> loads(static_cast<size_t>(E), 0);
+  for (int64_t i = 0; i < N * k; ++i) {
+    chosen[size_t(i / k * E + choice[i])] = 1;
+    ++loads[size_t(choice[i])];
+  }
+  const int64_t floor_c = N * k / E, ceil_c = (N * k + E - 1) / E;
+  std::vector<float> window(size_t(N * E));
+  for (int64_t i = 0; i < N * E; ++i) window[size_t(i)] = chosen[size_t(i)] ? 1e30f : -1e30f;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t load = loads[size_t(e)];
+    const bool over = load > ceil_c;
+    const int64_t size = over ? load - ceil_c : std::max<int64_t>(0, floor_c - load);
+    if (size == 0) continue;
+    // Overloaded: its chosen tokens, underloaded: the others; closest to flipping first.
+    std::vector<int64_t> tokens;
+    for (int64_t n = 0; n < N; ++n)
+      if (chosen[size_t(n * E + e)] == over) tokens.push_back(n);
+    auto distance = [&](int64_t n) { return std::abs(margin[n * E + e]); };
+    std::partial_sort(tokens.begin(), tokens.begin() + size, tokens.end(),
+                      [&](int64_t a, int64_t b) {
+                        return distance(a) < distance(b) || (distance(a) == distance(b) && a < b);
+                      });
+    for (int64_t i = 0; i < size; ++i) window[size_t(tokens[size_t(i)] * E + e)] = 0.0f;
+  }
+  std::copy(window.begin(), window.end(), margin);
+}
+
+// The LEI loss (model.moe_lei_loss, without its coefficient) of the load fractions f [E];
+// with d, also d_e = (dL/df_e) / E into d [E]. Subgradients: maxvio's tied maxima share it
+// equally, totalvio's |0| contributes 0 (both the minimum-norm choice).
+double lei_loss(LeiLoss loss, const std::vector<double>& f, double* d = nullptr) {
+  const int64_t E = int64_t(f.size());
+  const double target = 1.0 / double(E);
+  double value = 0;
+  switch (loss) {
+    case LeiLoss::centered_fsq: {
+      double sq = 0;
+      for (int64_t e = 0; e < E; ++e) sq += std::pow(f[size_t(e)] - target, 2);
+      value = 1.0 + double(E) * sq;
+      if (d)
+        for (int64_t e = 0; e < E; ++e) d[e] = 2.0 * (f[size_t(e)] - target);
+      break;
+    }
+    case LeiLoss::fsq: {
+      double sq = 0;
+      for (int64_t e = 0; e < E; ++e) sq += f[size_t(e)] * f[size_t(e)];
+      value = double(E) * sq;
+      if (d)
+        for (int64_t e = 0; e < E; ++e) d[e] = 2.0 * f[size_t(e)];
+      break;
+    }
+    case LeiLoss::maxvio: {
+      const double top = *std::max_element(f.begin(), f.end());
+      value = 1.0 + (top - target) / target;
+      if (d) {
+        const double ties = double(std::count(f.begin(), f.end(), top));
+        for (int64_t e = 0; e < E; ++e) d[e] = f[size_t(e)] == top ? 1.0 / ties : 0.0;
+      }
+      break;
+    }
+    case LeiLoss::totalvio: {
+      double sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += std::abs(f[size_t(e)] - target);
+      value = 1.0 + 0.5 * double(E) * sum;
+      if (d)
+        for (int64_t e = 0; e < E; ++e) {
+          const double err = f[size_t(e)] - target;
+          d[e] = 0.5 * double((err > 0) - (err < 0));
+        }
+      break;
+    }
+  }
+  return value;
+}
+
 }  // namespace
 
 void LayerCache::release_buffers() {
@@ -375,13 +472,17 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
     for (int64_t j = 0; j < k; ++j) sum += p[ch[j]];
     for (int64_t j = 0; j < k; ++j)
       c.gate[size_t(n * k + j)] = config_.normalize_gates ? p[ch[j]] / sum : p[ch[j]];
-    if (lei) {
-      // Tokens with k = E have no boundary: a margin far outside every kernel.
-      const float boundary = k < E ? 0.5f * (kth + kplus1) : -1e30f;
-      for (int64_t e = 0; e < E; ++e) c.lei_margin[size_t(n * E + e)] = s[e] - boundary;
-    }
+    if (lei)
+      lei_token_margins(c.lei_margin.data() + n * E, s, ch, E, k, kth, kplus1, config_.lei_margin);
     if (qb)
       for (int64_t e = 0; e < E; ++e) c.qb_margin[size_t(n * E + e)] = lg[e] - kplus1;
+  }
+
+  if (lei && config_.lei_margin == LeiMargin::exact_margin) {
+    // The windows rank the micro-batch's tokens, which this rank holds whole only without
+    // context parallelism (train config refuses exact_margin under cp).
+    TESSEL_CHECK(!token_index, "model.moe_lei_margin = \"exact_margin\" needs whole micro-batches");
+    exact_margin_windows(c.lei_margin.data(), c.choice.data(), N, E, k);
   }
 
   // Capacity: each expert keeps its slots of rank < cap in the micro-batch (all of it under
@@ -516,11 +617,7 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
     for (int64_t e = 0; e < E; ++e)
       loss += config_.aux_coeff * double(E) * c.batch_f[size_t(e)] * (sums[size_t(2 * E + e)] / Nb);
   if (Nb > 0 && config_.z_coeff > 0) loss += config_.z_coeff * sums[size_t(3 * E)] / Nb;
-  if (Nb > 0 && lei) {
-    double sq = 0;
-    for (int64_t e = 0; e < E; ++e) sq += std::pow(c.batch_f[size_t(e)] - 1.0 / E, 2);
-    loss += config_.lei_coeff * (1.0 + double(E) * sq);
-  }
+  if (Nb > 0 && lei) loss += config_.lei_coeff * lei_loss(config_.lei_loss, c.batch_f);
   if (config_.balance == Balance::seq_aux) {
     // Per sequence, so local: the model keeps a sequence on one rank (no context parallelism).
     TESSEL_CHECK(sequence.empty() || int64_t(sequence.size()) == N, sequence.size(),
@@ -631,11 +728,12 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
       for (int64_t e = 0; e < E; ++e) dp[size_t(n * E + e)] += float(s * gs[e]);
     }
   if (uses_lei(config_.balance)) {
-    // L = coeff [1 + E sum_e (f_e - 1/E)^2] with f_e by straight-through:
-    // dL/ds[n, e] = coeff 2E/(N k) (f_e - 1/E) phi'(m[n, e]); times N.
+    // coeff L(f) with f_e by straight-through: dL/ds[n, e] = coeff E d_e phi'(m[n, e]) / (N k),
+    // E d_e = dL/df_e; times N.
+    std::vector<double> d(static_cast<size_t>(E));
+    lei_loss(config_.lei_loss, c.batch_f, d.data());
     for (int64_t e = 0; e < E; ++e) {
-      const double err = c.batch_f[size_t(e)] - 1.0 / double(E);
-      const double a = s * config_.lei_coeff * 2.0 * double(E) / double(k) * err;
+      const double a = s * config_.lei_coeff * double(E) / double(k) * d[size_t(e)];
       for (int64_t n = 0; n < N; ++n) {
         if (config_.lei_kernel == LeiKernel::identity)
           dp[size_t(n * E + e)] += float(a);

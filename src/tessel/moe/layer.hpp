@@ -24,6 +24,25 @@
 //
 // Balancing gradients are added in backward, scaled by loss_scale * N (the layer's losses
 // are per-token means and the model's loss is a sum over tokens); see Balance.
+//
+// LEI (lei, eqb_lei; spec 3): coeff L(f) with the micro-batch's load fractions f_e taken
+// straight through f~_e = sum_n phi(m[n, e]) / (N k), so dL/ds[n, e] = dL/df_e phi'(m[n, e]) /
+// (N k), s = logits - beta the selection scores. The margin m[n, e] = s[n, e] - b_n is held
+// fixed at the forward's boundary b_n (model.moe_lei_margin): the midpoint of the token's k-th
+// and (k+1)-th largest scores, the k-th (topk) or the (k+1)-th (topk_plus_one); none when
+// k = E (m far outside every kernel). exact_margin replaces the kernel's support by a window
+// per expert: with C = N k / E (the micro-batch's N tokens), an expert whose load exceeds
+// ceil(C) gets the load - ceil(C) tokens that chose it closest to dropping it (smallest
+// s[n, e] - the token's (k+1)-th largest score), one whose load is below floor(C) the
+// floor(C) - load tokens that did not choose it closest to taking it (smallest k-th largest
+// score - s[n, e]); ties by the lower token. So with N k divisible by E every expert's window
+// holds |load - C| tokens, and an expert whose load lies in [floor(C), ceil(C)] has none.
+// Window tokens get phi'(0) (rectangle and triangle 1/w, tanh 1/(2w): w sets the height, not
+// the extent), the others 0. The ranking needs the whole micro-batch on one rank (no context
+// parallelism). The identity kernel acts on p and ignores the margins. Losses
+// (model.moe_lei_loss): centered_fsq 1 + E sum_e (f_e - 1/E)^2, fsq E sum_e f_e^2, maxvio
+// 1 + (max_e f_e - 1/E) / (1/E) (tied maxima share the subgradient equally), totalvio
+// 1 + E/2 sum_e |f_e - 1/E| (sign(0) = 0).
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -71,6 +90,7 @@ struct LayerCache {
   std::vector<float> gate;           // [N, slots] gates before drops
   std::vector<int32_t> position;     // [N, slots] row of the slot in the permuted order; -1 dropped
   std::vector<float> lei_margin;     // [N, E] (lei): selection score minus the token's boundary
+                                     // (exact_margin: 0 in the window, else 1e30 chosen, -1e30 not)
   std::vector<float> qb_margin;      // [N, E] (qb_avg, eqb): logits minus alpha_t (spec 2.2)
   std::vector<int32_t> sequence;     // [N] (seq_aux): each token's sequence
   std::vector<double> seq_aux_grad;  // [S, E] (seq_aux): N dL/dp[n, e] for sequence s's tokens

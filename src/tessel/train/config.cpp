@@ -119,6 +119,8 @@ std::vector<ConfigKey> build_schema() {
   using moe::Balance;
   using moe::DropPolicy;
   using moe::LeiKernel;
+  using moe::LeiLoss;
+  using moe::LeiMargin;
   using moe::ScoreFn;
   return {
       string_key("run.dir", "run directory (config, metrics, checkpoints)", FIELD(run.dir)),
@@ -235,6 +237,24 @@ std::vector<ConfigKey> build_schema() {
                             FIELD(model.moe.lei_kernel)),
       float_key("model.moe_lei_width", "LEI kernel width w (tanh: 1 / slope)",
                 FIELD(model.moe.lei_width)),
+      choice_key<LeiMargin>(
+          "model.moe_lei_margin",
+          "where LEI measures a token's margin from: the midpoint of its k-th and (k+1)-th "
+          "largest scores, the k-th, the (k+1)-th, or exact_margin (each expert's window is the "
+          "|load - C| tokens closest to flipping it, C = N k / E; needs parallel.cp = 1)",
+          {{"midpoint", LeiMargin::midpoint},
+           {"topk", LeiMargin::topk},
+           {"topk_plus_one", LeiMargin::topk_plus_one},
+           {"exact_margin", LeiMargin::exact_margin}},
+          FIELD(model.moe.lei_margin)),
+      choice_key<LeiLoss>("model.moe_lei_loss",
+                          "LEI loss of the load fractions f: 1 + E sum (f_e - 1/E)^2, E sum f_e^2, "
+                          "1 + (max f - 1/E) E, 1 + E/2 sum |f_e - 1/E|",
+                          {{"centered_fsq", LeiLoss::centered_fsq},
+                           {"fsq", LeiLoss::fsq},
+                           {"maxvio", LeiLoss::maxvio},
+                           {"totalvio", LeiLoss::totalvio}},
+                          FIELD(model.moe.lei_loss)),
       int_key("train.steps", "optimizer steps", FIELD(train.steps)),
       int_key("train.seq_len", "tokens per sequence", FIELD(train.seq_len)),
       int_key("train.micro_batch", "sequences per micro-batch per rank", FIELD(train.micro_batch)),
@@ -716,6 +736,11 @@ void validate(const Config& c) {
     input_error("config key 'parallel.cp' = ", c.parallel.cp,
                 " needs a model.moe_balance other than \"seq_aux\" (its per-sequence sums "
                 "are local to the rank that holds the whole sequence)");
+  if (moe && moe::uses_lei(c.model.moe.balance) &&
+      c.model.moe.lei_margin == moe::LeiMargin::exact_margin && c.parallel.cp > 1)
+    input_error("config key 'parallel.cp' = ", c.parallel.cp,
+                " needs a model.moe_lei_margin other than \"exact_margin\" (its windows rank "
+                "the micro-batch's tokens, which context parallelism spreads over ranks)");
   if (c.parallel.bucket_mb <= 0)
     input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
   if (c.train.checkpoint_policy != "fixed" && c.train.checkpoint_every < 1)

@@ -56,6 +56,13 @@ Layout layout(ExpertMlp mlp, ScoreFn score, bool normalize, int64_t Fs, bool bia
   return l;
 }
 
+Layout lei(Layout l, LeiKernel kernel, LeiMargin margin, LeiLoss loss) {
+  l.config.lei_kernel = kernel;
+  l.config.lei_margin = margin;
+  l.config.lei_loss = loss;
+  return l;
+}
+
 std::vector<Case> cases() {
   using B = Balance;
   using D = DropPolicy;
@@ -76,6 +83,29 @@ std::vector<Case> cases() {
          return l;
        }(),
        8},
+      // The LEI margins and losses (lei_sigmoid above: the defaults midpoint and centered_fsq).
+      {"lei_defaults_rectangle",
+       lei(layout(gelu, sm, true, 0, true, 0, D::probability, B::lei), LeiKernel::rectangle,
+           LeiMargin::midpoint, LeiLoss::centered_fsq),
+       9},
+      {"lei_topk_fsq",
+       lei(layout(gelu, sm, true, 0, true, 0, D::probability, B::lei), LeiKernel::tanh,
+           LeiMargin::topk, LeiLoss::fsq),
+       10},
+      // N = 14: experts 1 and 2 tie at the largest load (maxvio's shared subgradient).
+      {"lei_topk_plus_one_maxvio",
+       lei(layout(swiglu, sg, true, 0, false, 0, D::probability, B::lei), LeiKernel::triangle,
+           LeiMargin::topk_plus_one, LeiLoss::maxvio),
+       14},
+      // N k / E = 22 / 6 and 24 / 6: windows around a fractional and an integer C.
+      {"lei_exact_margin_totalvio",
+       lei(layout(gelu, sm, true, 0, true, 0, D::probability, B::lei), LeiKernel::tanh,
+           LeiMargin::exact_margin, LeiLoss::totalvio),
+       11},
+      {"eqb_lei_exact_margin_centered",
+       lei(layout(gelu, sg, true, 0, true, 0, D::probability, B::eqb_lei), LeiKernel::rectangle,
+           LeiMargin::exact_margin, LeiLoss::centered_fsq),
+       12},
       // Sequences of 3, 2 and 5 tokens, with the z-loss on top.
       {"seq_aux_z",
        layout(gelu, sm, true, 0, true, 0, D::probability, B::seq_aux, 0.01),
@@ -229,7 +259,7 @@ double objective(const Layout& l, const VecD& params, const VecD& x, const VecD&
 
 TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
   // plain, shared + sigmoid, aux + z, seq_aux + z, sinkhorn, both expert_choice cases
-  for (int i : {0, 1, 5, 8, 9, 10, 11}) {
+  for (int i : {0, 1, 5, 13, 14, 15, 16}) {
     const Case c = cases()[size_t(i)];
     SCOPED_TRACE(c.name);
     const Layout& l = c.layout;

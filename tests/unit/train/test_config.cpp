@@ -134,6 +134,30 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
       {"expert_choice", "model.moe_drop", "probability"});
 }
 
+// LEI's margin and loss: named choices, midpoint and centered_fsq by default; exact_margin
+// ranks the micro-batch's tokens on one rank, so not under cp.
+TEST(Config, LeiMarginAndLossAreNamedChoices) {
+  const train::Config lei =
+      train::load_config("", {"model.moe_layers=all", "model.moe_balance=lei"});
+  EXPECT_EQ(lei.model.moe.lei_margin, moe::LeiMargin::midpoint);
+  EXPECT_EQ(lei.model.moe.lei_loss, moe::LeiLoss::centered_fsq);
+  const train::Config set =
+      train::load_config("", {"model.moe_lei_margin=topk_plus_one", "model.moe_lei_loss=totalvio"});
+  EXPECT_EQ(set.model.moe.lei_margin, moe::LeiMargin::topk_plus_one);
+  EXPECT_EQ(set.model.moe.lei_loss, moe::LeiLoss::totalvio);
+  expect_input_error([&] { train::load_config("", {"model.moe_lei_margin=top_k"}); },
+                     {"model.moe_lei_margin", "top_k", "midpoint|topk|topk_plus_one|exact_margin"});
+  expect_input_error([&] { train::load_config("", {"model.moe_lei_loss=mse"}); },
+                     {"model.moe_lei_loss", "mse", "centered_fsq|fsq|maxvio|totalvio"});
+  const std::vector<std::string> exact_cp = {"parallel.cp=2", "train.seq_len=64",
+                                             "model.moe_layers=all", "model.moe_balance=eqb_lei",
+                                             "model.moe_lei_margin=exact_margin"};
+  expect_input_error([&] { train::load_config("", exact_cp); },
+                     {"parallel.cp", "model.moe_lei_margin", "exact_margin"});
+  const std::vector<std::string> exact(exact_cp.begin() + 2, exact_cp.end());
+  EXPECT_EQ(train::load_config("", exact).model.moe.lei_margin, moe::LeiMargin::exact_margin);
+}
+
 // Gradient-spike skipping and its fault are whole-step settings: refused under PACI, and the
 // schedule settings are checked where they apply.
 TEST(Config, SpikeSkippingAndScheduleSettings) {

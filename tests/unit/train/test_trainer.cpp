@@ -225,8 +225,19 @@ TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
   nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
   ASSERT_EQ(m["state"]["compatibility"].erase("model.attention_window"), 1u);
   ASSERT_EQ(m["state"]["compatibility"].erase("data sets (normalized data.weights)"), 1u);
+  ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_lei_margin"), 1u);
+  ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_lei_loss"), 1u);
   std::ofstream(manifest) << m.dump();
   c.train.steps = 12;
+  c.model.moe.lei_loss = moe::LeiLoss::maxvio;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"has no model.moe_lei_loss", "an older tessel",
+                               "model.moe_lei_loss = 'centered_fsq', and this run has "
+                               "'maxvio'"});
+  c.model.moe.lei_loss = moe::LeiLoss::centered_fsq;
+  c.model.moe.lei_margin = moe::LeiMargin::topk;
+  fixture::expect_input_error([&] { train_run(c); }, {"has no model.moe_lei_margin", "'midpoint'"});
+  c.model.moe.lei_margin = moe::LeiMargin::midpoint;
   c.model.attention_window = 4;
   fixture::expect_input_error([&] { train_run(c); },
                               {"has no model.attention_window", "an older tessel",
@@ -351,25 +362,33 @@ TEST_F(TrainerTest, ASkippedSpikeLeavesNoMoeBalancingBehind) {
   }
 }
 
-// train.init_from may change how MoE balancing trains (aux -> eqb_lei) but not switch to
-// expert choice, whose gates (raw router scores) make the same weights compute another function.
+// train.init_from may change how MoE balancing trains (aux -> eqb_lei, with LEI's margin and
+// loss) but not switch to expert choice, whose gates (raw router scores) make the same weights
+// compute another function.
 TEST_F(TrainerTest, FineTuningMayChangeTheBalanceButNotSwitchToExpertChoice) {
-  auto config = [&](const std::string& balance, const std::string& run, const std::string& from) {
+  auto config = [&](const std::vector<std::string>& balance, const std::string& run,
+                    const std::string& from) {
     train::Config c = fixture::tiny_config(data_dir, run);
     c.train.steps = 3;
     c.optim.warmup_steps = 1;
     c.train.init_from = from;
-    for (const std::string& kv :
-         {std::string("model.moe_layers=all"), std::string("model.moe_experts=4"),
-          "model.moe_balance=" + balance})
+    for (const char* kv : {"model.moe_layers=all", "model.moe_experts=4"})
       train::apply_override(c, kv);
+    for (const std::string& kv : balance) train::apply_override(c, kv);
     return c;
   };
   const std::string base = fixture::temp_dir("tessel-run");
-  train_run(config("aux", base, ""));
-  EXPECT_EQ(train_run(config("eqb_lei", fixture::temp_dir("tessel-run"), base)).steps.size(), 3u);
+  train_run(config({"model.moe_balance=aux"}, base, ""));
+  EXPECT_EQ(train_run(config({"model.moe_balance=eqb_lei", "model.moe_lei_margin=exact_margin",
+                              "model.moe_lei_loss=totalvio"},
+                             fixture::temp_dir("tessel-run"), base))
+                .steps.size(),
+            3u);
   fixture::expect_input_error(
-      [&] { train_run(config("expert_choice", fixture::temp_dir("tessel-run"), base)); },
+      [&] {
+        train_run(
+            config({"model.moe_balance=expert_choice"}, fixture::temp_dir("tessel-run"), base));
+      },
       {"holds another model", "model.moe_balance"});
 }
 

@@ -46,6 +46,41 @@ void experts_choose(Routing<T>& r, int64_t N, const MoeConfig& cfg) {
     }
 }
 
+// exact_margin's windows (layer.hpp), from the margins to flipping: each expert in turn takes,
+// as many times as its load is beyond [floor(C), ceil(C)], the token closest to flipping (the
+// first on ties) among those that chose it (over) or did not (under). Window margins become 0,
+// the others +1e30 (chosen) or -1e30.
+template <class T>
+void exact_windows(Routing<T>& r, int64_t N, const MoeConfig& cfg) {
+  const int64_t E = cfg.experts, k = cfg.top_k;
+  const double C = double(N * k) / double(E);
+  std::vector<T> out(size_t(N * E));
+  auto chosen = [&](int64_t n, int64_t e) {
+    const int32_t* ch = r.choice.data() + n * k;
+    return std::find(ch, ch + k, int32_t(e)) != ch + k;
+  };
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t e = 0; e < E; ++e) out[size_t(n * E + e)] = chosen(n, e) ? T(1e30) : T(-1e30);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t load = r.loads[size_t(e)];
+    const bool over = double(load) > std::ceil(C);
+    const int64_t size =
+        over ? load - int64_t(std::ceil(C)) : std::max<int64_t>(0, int64_t(std::floor(C)) - load);
+    std::vector<uint8_t> taken(static_cast<size_t>(N), 0);
+    for (int64_t i = 0; i < size; ++i) {
+      int64_t best = -1;
+      for (int64_t n = 0; n < N; ++n)
+        if (!taken[size_t(n)] && chosen(n, e) == over &&
+            (best < 0 ||
+             std::abs(r.margin[size_t(n * E + e)]) < std::abs(r.margin[size_t(best * E + e)])))
+          best = n;
+      taken[size_t(best)] = 1;
+      out[size_t(best * E + e)] = 0;
+    }
+  }
+  r.margin = out;
+}
+
 template <class T>
 Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T* beta,
                  const MoeConfig& cfg, int64_t C) {
@@ -99,14 +134,24 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
     for (int64_t j = 0; j < k; ++j)
       r.gate[size_t(n * k + j)] = cfg.normalize_gates ? p[ch[j]] / sum : p[ch[j]];
     for (int64_t j = 0; j < k; ++j) ++r.loads[size_t(ch[j])];
-    // LEI boundary: midpoint of the k-th and (k+1)-th largest lg - beta.
+    // LEI boundary from the k-th and (k+1)-th largest lg - beta (model.moe_lei_margin).
     T kth = lg[ch[k - 1]] - beta[ch[k - 1]];
     T kp1 = -std::numeric_limits<T>::infinity();
     for (int64_t e = 0; e < E; ++e)
       if (std::find(ch, ch + k, int32_t(e)) == ch + k) kp1 = std::max(kp1, lg[e] - beta[e]);
-    const T boundary = k < E ? (kth + kp1) / 2 : T(-1e30);
-    for (int64_t e = 0; e < E; ++e) r.margin[size_t(n * E + e)] = lg[e] - beta[e] - boundary;
+    const LeiMargin at = cfg.lei_margin;
+    const T boundary = k == E                           ? T(-1e30)
+                       : at == LeiMargin::midpoint      ? (kth + kp1) / 2
+                       : at == LeiMargin::topk_plus_one ? kp1
+                                                        : kth;
+    for (int64_t e = 0; e < E; ++e) {
+      // exact_margin: chosen experts measure from the (k+1)-th instead (the score to drop below).
+      const bool chosen = std::find(ch, ch + k, int32_t(e)) != ch + k;
+      const bool from_kp1 = at == LeiMargin::exact_margin && chosen && k < E;
+      r.margin[size_t(n * E + e)] = lg[e] - beta[e] - (from_kp1 ? kp1 : boundary);
+    }
   }
+  if (uses_lei(cfg.balance) && cfg.lei_margin == LeiMargin::exact_margin) exact_windows(r, N, cfg);
   if (ec) {
     experts_choose(r, N, cfg);
   } else if (cfg.capacity > 0) {
@@ -197,6 +242,31 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
       for (int64_t j = 0; j < k; ++j) seq_loads[size_t(s * E + r.choice[size_t(n * k + j)])] += 1;
     }
   }
+  // LEI: dL/df_e of model.moe_lei_loss (maxvio: tied maxima share; totalvio: sign(0) = 0).
+  std::vector<T> lei_df(static_cast<size_t>(E), T(0));
+  if (uses_lei(cfg.balance)) {
+    const int64_t top = *std::max_element(r.loads.begin(), r.loads.end());
+    const T ties = T(std::count(r.loads.begin(), r.loads.end(), top));
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t load = r.loads[size_t(e)];
+      const T f = T(load) / Tk, err = f - T(1) / T(E);
+      const int64_t excess = load * E - N * cfg.top_k;  // the sign of err, exactly
+      switch (cfg.lei_loss) {
+        case LeiLoss::centered_fsq:
+          lei_df[size_t(e)] = T(2 * E) * err;
+          break;
+        case LeiLoss::fsq:
+          lei_df[size_t(e)] = T(2 * E) * f;
+          break;
+        case LeiLoss::maxvio:
+          lei_df[size_t(e)] = load == top ? T(E) / ties : T(0);
+          break;
+        case LeiLoss::totalvio:
+          lei_df[size_t(e)] = T(E) / 2 * T((excess > 0) - (excess < 0));
+          break;
+      }
+    }
+  }
   std::vector<T> fc, act, out, d_out(static_cast<size_t>(C));
   for (int64_t n = 0; n < N; ++n) {
     const T* xn = x + n * C;
@@ -239,7 +309,8 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
         dp[size_t(e)] += loss_scale * T(cfg.aux_coeff) * T(E) * fs * T(N) / (sequences * Ts);
       }
       if (uses_lei(cfg.balance)) {
-        const T a = loss_scale * T(cfg.lei_coeff) * T(2 * E) / T(cfg.top_k) * (f - T(1) / T(E));
+        // dL/ds[n, e] = dL/df_e phi'(m[n, e]) / (N k); times N.
+        const T a = loss_scale * T(cfg.lei_coeff) * lei_df[size_t(e)] / T(cfg.top_k);
         if (cfg.lei_kernel == LeiKernel::identity)
           dp[size_t(e)] += a;
         else
