@@ -138,7 +138,7 @@ std::string load_average() {
 struct Measured {
   double makespan = 0, bubble = 0;
   StageCosts mean{0, 0, 0, 0};         // the profiled costs, mean over the stages
-  double latency = 0;                  // link_latency()
+  double latency = 0;                  // profiled_link_latency()
   SimResult costs_only, with_latency;  // the simulator fed the profiled costs (and latency)
 };
 
@@ -177,7 +177,8 @@ Measured measure(comm::Communicator& pp, const ScheduleOptions& schedule, int64_
   }
   m.bubble = 1 - busy / (pp.size() * m.makespan);
   m.costs_only = simulate(sim);
-  m.latency = sim.link_latency = profiled_link_latency(timeline, pp.size());
+  m.latency = profiled_link_latency(timeline, pp.size());
+  sim.links = {{m.latency}};
   m.with_latency = simulate(sim);
   if (!trace_prefix.empty()) {
     write_file_atomically(trace_prefix + "_measured.json",

@@ -200,10 +200,11 @@ int run_eval(const std::string& run_dir, const std::string& data_dir, const std:
 }
 
 int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_t micro_batches,
-                 bool json) {
+                 double link_latency, double link_bandwidth, bool json) {
   const train::PipelineProfile p = train::read_pipeline_profile(run_dir, skip);
   const int64_t M = micro_batches > 0 ? micro_batches : p.micro_batches;
-  const auto sims = train::simulate_schedules(p.costs, M, steps);
+  const pipeline::LinkCosts link{link_latency, link_bandwidth, p.message_bytes};
+  const auto sims = train::simulate_schedules(p.costs, M, steps, link);
   auto simulated = [&sims](const std::string& name) {
     return std::find_if(sims.begin(), sims.end(), [&](const auto& s) { return s.name == name; });
   };
@@ -215,7 +216,12 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
                             {"averaged_steps", {p.first_step, p.last_step}},
                             {"step_seconds", p.step_seconds}}},
                           {"micro_batches", M},
-                          {"steps", steps}};
+                          {"steps", steps},
+                          {"link",
+                           {{"latency", link.latency},
+                            {"bandwidth", link.bandwidth},
+                            {"message_bytes", link.bytes},
+                            {"seconds_per_message", link.transfer()}}}};
     for (const auto& c : p.costs)
       out["stage_costs"].push_back({{"forward", c.forward},
                                     {"backward", c.backward},
@@ -240,8 +246,13 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     std::printf("%5zu  %19.4f  %20.4f  %10.4f  %14.4f\n", s, p.costs[s].forward,
                 p.costs[s].backward, p.costs[s].weight, p.costs[s].step);
   std::printf("measured %s step: %.4f s\n", p.schedule.c_str(), p.step_seconds);
-  std::printf("simulated, %lld steps of %lld micro-batches (PACI: K = %lld), no link latency:\n",
+  std::printf("simulated, %lld steps of %lld micro-batches (PACI: K = %lld), ",
               static_cast<long long>(steps), static_cast<long long>(M), static_cast<long long>(M));
+  if (link.transfer() > 0)
+    std::printf("%.0f-byte messages taking %.6f s each over every link:\n", link.bytes,
+                link.transfer());
+  else
+    std::printf("free links (set --link-latency, --link-bandwidth):\n");
   std::printf("schedule  step (s)  bubble  throughput vs 1f1b  peak activations per stage\n");
   for (const auto& s : sims) {
     std::string peaks;
@@ -431,6 +442,7 @@ int main(int argc, char** argv) {
 
   std::string sim_run;
   int64_t sim_skip = 10, sim_steps = 100, sim_micro = 0;
+  double sim_latency = 0, sim_bandwidth = 0;
   bool sim_json = false;
   auto* simc = app.add_subcommand(
       "simulate",
@@ -449,6 +461,15 @@ int main(int argc, char** argv) {
   simc->add_option("--micro-batches", sim_micro,
                    "micro-batches per step, M (and PACI's K); 0 = the run's")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
+      ->capture_default_str();
+  simc->add_option("--link-latency", sim_latency,
+                   "seconds per activation or gradient message between stages, before its bytes")
+      ->check(CLI::Range(0.0, 1e6))
+      ->capture_default_str();
+  simc->add_option("--link-bandwidth", sim_bandwidth,
+                   "bytes per second of every link (a message is the micro-batch's f32 residual "
+                   "stream, from the run's config); 0 = no transfer time")
+      ->check(CLI::Range(0.0, 1e18))
       ->capture_default_str();
   simc->add_flag("--json", sim_json, "print JSON");
 
@@ -502,7 +523,8 @@ int main(int argc, char** argv) {
     if (*report) return world.rank() == 0 ? run_ett_report(report_dir, max_ttr) : 0;
     if (*exportc) return world.rank() == 0 ? run_export(export_from, export_to) : 0;
     if (*simc)
-      return world.rank() == 0 ? run_simulate(sim_run, sim_skip, sim_steps, sim_micro, sim_json)
+      return world.rank() == 0 ? run_simulate(sim_run, sim_skip, sim_steps, sim_micro, sim_latency,
+                                              sim_bandwidth, sim_json)
                                : 0;
     if (*evalc)
       return world.rank() == 0

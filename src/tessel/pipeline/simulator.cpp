@@ -1,6 +1,7 @@
 #include "tessel/pipeline/simulator.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "tessel/core/error.hpp"
@@ -21,6 +22,17 @@ SimResult simulate(const SimOptions& o) {
     input_error("pipeline simulator: costs must list 1 or ", P, " stages, got ", o.costs.size());
   auto cost = [&](int s) -> const StageCosts& {
     return o.costs[o.costs.size() == 1 ? 0 : size_t(s)];
+  };
+  if (o.links.size() > 1 && o.links.size() != size_t(P - 1))
+    input_error("pipeline simulator: links must list 0, 1 or ", P - 1, " boundaries, got ",
+                o.links.size());
+  for (const LinkCosts& l : o.links)
+    if (!(l.latency >= 0 && l.bandwidth >= 0 && l.bytes >= 0 && std::isfinite(l.transfer())))
+      input_error("pipeline simulator: a link's latency, bandwidth and bytes must be finite and ",
+                  ">= 0, got ", l.latency, ", ", l.bandwidth, ", ", l.bytes);
+  // Time of a message between stages b and b + 1.
+  auto link = [&](int b) {
+    return o.links.empty() ? 0.0 : o.links[o.links.size() == 1 ? 0 : size_t(b)].transfer();
   };
   for (const StageCosts& c : o.costs)
     if (!(c.weight >= 0 && c.weight <= c.backward))
@@ -44,6 +56,7 @@ SimResult simulate(const SimOptions& o) {
   r.busy.assign(size_t(P), 0);
   r.peak_activations.assign(size_t(P), 0);
   r.max_version_gap.assign(size_t(P), 0);
+  r.gap_histogram.assign(size_t(P), {});
   auto run = [&](int s, double ready, double duration) {
     const double start = std::max(free_at[size_t(s)], ready);
     free_at[size_t(s)] = start + duration;
@@ -66,7 +79,7 @@ SimResult simulate(const SimOptions& o) {
         if (op.kind == OpKind::forward) {
           double dep = s == 0 ? 0 : f_end[size_t(s - 1)][m];
           if (dep == kNotDone) break;
-          f_end[size_t(s)][m] = run(s, s == 0 ? 0 : dep + o.link_latency, cost(s).forward);
+          f_end[size_t(s)][m] = run(s, s == 0 ? 0 : dep + link(s - 1), cost(s).forward);
           f_version[size_t(s)][m] = version[size_t(s)];
           r.peak_activations[size_t(s)] =
               std::max(r.peak_activations[size_t(s)], ++live[size_t(s)]);
@@ -74,13 +87,16 @@ SimResult simulate(const SimOptions& o) {
           const bool last = s == P - 1;
           double dep = last ? f_end[size_t(s)][m] : b_end[size_t(s + 1)][m];
           if (dep == kNotDone || f_end[size_t(s)][m] == kNotDone) break;
-          b_end[size_t(s)][m] = run(s, last ? dep : dep + o.link_latency,
-                                    cost(s).backward - (split ? cost(s).weight : 0));
+          b_end[size_t(s)][m] =
+              run(s, last ? dep : dep + link(s), cost(s).backward - (split ? cost(s).weight : 0));
           live[size_t(s)] -= !split;
           ++backwards[size_t(s)];
           const int64_t gap = version[size_t(s)] - f_version[size_t(s)][m];
           r.max_version_gap[size_t(s)] = std::max(r.max_version_gap[size_t(s)], gap);
           gapped[size_t(s)] += gap != 0;
+          auto& histogram = r.gap_histogram[size_t(s)];
+          if (histogram.size() <= size_t(gap)) histogram.resize(size_t(gap) + 1);
+          ++histogram[size_t(gap)];
         } else if (op.kind == OpKind::weight) {
           if (b_end[size_t(s)][m] == kNotDone) break;
           run(s, b_end[size_t(s)][m], cost(s).weight);

@@ -1,9 +1,10 @@
 #pragma once
 // Event-driven pipeline simulator (spec pipeline.md §4.3) over the schedules' instruction
 // lists: each stage runs its list in order, one op at a time; F_s(m) waits for F_{s-1}(m)
-// plus the link latency, B_s(m) for B_{s+1}(m) plus the latency (the last stage: for its own
-// F(m)), ZB-H1's W_s(m) for the stage's own B_s(m); a flush STEP is a barrier of all stages,
-// a PACI STEP is local. Reports makespan,
+// plus the message's time over the link between them, B_s(m) for B_{s+1}(m) plus that link's
+// time (the last stage: for its own F(m)), ZB-H1's W_s(m) for the stage's own B_s(m); a flush
+// STEP is a barrier of all stages, a PACI STEP is local. Links carry any number of messages
+// at once (no contention) and compute does not wait for a send. Reports makespan,
 // bubble = 1 - sum(busy) / (P * makespan), throughput, peak live activations per stage and
 // the forward/backward weight-version gaps (versions = local steps taken).
 #include <cstdint>
@@ -23,10 +24,19 @@ struct StageCosts {
   double weight = 0;
 };
 
+// The link between stages s and s + 1: an activation (forward) or gradient (backward) message
+// of `bytes` takes latency + bytes / bandwidth over it.
+struct LinkCosts {
+  double latency = 0;
+  double bandwidth = 0;  // bytes per time unit; 0 = no time beyond the latency
+  double bytes = 0;      // per message: the boundary's f32 activations of one micro-batch
+  double transfer() const { return latency + (bandwidth > 0 ? bytes / bandwidth : 0.0); }
+};
+
 struct SimOptions {
   ScheduleOptions schedule;
   std::vector<StageCosts> costs;  // one per stage, or one for all
-  double link_latency = 0;        // per activation / gradient transfer between stages
+  std::vector<LinkCosts> links;   // one per boundary (P - 1), or one for all; none: free
 };
 
 struct OpTiming {
@@ -44,7 +54,8 @@ struct SimResult {
                                            // (ZB-H1: their W)
   std::vector<int64_t> max_version_gap;    // per stage: max over micro-batches of v_B - v_F
   std::vector<double> inconsistent_share;  // per stage: share of backwards with v_B != v_F
-  std::vector<OpTiming> timeline;          // every op, in execution order per stage
+  std::vector<std::vector<int64_t>> gap_histogram;  // per stage: [gap] -> backwards
+  std::vector<OpTiming> timeline;                   // every op, in execution order per stage
 };
 
 SimResult simulate(const SimOptions& options);

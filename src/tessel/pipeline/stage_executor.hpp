@@ -110,7 +110,7 @@ class StageExecutor {
 std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats);
 // Mean time from the end of the op that produced a message to the start of the op that
 // consumed it, over the consumers that were idle when it was produced (they waited for it):
-// the link latency, transfer and wake-up, to feed SimOptions::link_latency beside the
+// the link latency, transfer and wake-up, to feed SimOptions::links (as latency) beside the
 // stages' profiled_costs(). `timeline` holds every stage's ops, each stage's in execution
 // order (gather_timeline's, or a SimResult's, whose link latency it returns); 0 when no
 // consumer waited.

@@ -56,6 +56,9 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   const std::string metrics_path = run_dir + "/metrics.jsonl";
   const auto [records, start_step] = last_attempt_records(metrics_path);
   PipelineProfile p;
+  p.message_bytes = double(config.train.micro_batch) *
+                    double(config.train.seq_len / config.parallel.cp) * double(config.model.width) *
+                    double(sizeof(float));
   // The records' own count (config.toml is the last accepted attempt's, which may not be the
   // one whose records these are); records written before they held it: the config's.
   p.micro_batches = micro_batches_per_step(config);
@@ -116,7 +119,8 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
 }
 
 std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::StageCosts>& costs,
-                                                  int64_t micro_batches, int64_t steps) {
+                                                  int64_t micro_batches, int64_t steps,
+                                                  const pipeline::LinkCosts& link) {
   using pipeline::ScheduleKind;
   const int P = int(costs.size());
   // ZB-H1 needs the split of each backward into B and W, which only a run of its own measures;
@@ -134,6 +138,7 @@ std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::St
                        ? pipeline::ScheduleOptions{kind, P, micro_batches * steps, 1, micro_batches}
                        : pipeline::ScheduleOptions{kind, P, micro_batches, steps, 1};
     sim.costs = costs;
+    sim.links = {link};
     const pipeline::SimResult r = pipeline::simulate(sim);
     out.push_back(
         {pipeline::schedule_name(kind), r.makespan / double(steps), r.bubble, r.peak_activations});

@@ -23,6 +23,9 @@ struct PipelineProfile {
   // Seconds, per stage: forward and whole backward of one micro-batch, one optimizer step, and
   // of the backward the W (0 unless the run measured Ws).
   std::vector<pipeline::StageCosts> costs;
+  // Bytes of one activation (or gradient) message between stages: the f32 residual stream of
+  // a micro-batch's rows on one cp rank, micro_batch x (seq_len / cp) x width x 4 (config.toml).
+  double message_bytes = 0;
 };
 
 // Averages the step records of the run's last attempt that wrote any (`run_dir`/metrics.jsonl
@@ -43,8 +46,10 @@ struct SimulatedSchedule {
 
 // GPipe, 1F1B, PACI(K = M) and, when some stage's costs have a weight (a run that measured
 // ZB-H1's Ws), ZB-H1, in that order, over `steps` steps of M = `micro_batches` micro-batches,
-// each stage with `costs`, no link latency; PACI's step is a window (its fill and drain once).
+// each stage with `costs`, every boundary with `link` (default: free); PACI's step is a window
+// (its fill and drain once).
 std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::StageCosts>& costs,
-                                                  int64_t micro_batches, int64_t steps);
+                                                  int64_t micro_batches, int64_t steps,
+                                                  const pipeline::LinkCosts& link = {});
 
 }  // namespace tessel::train

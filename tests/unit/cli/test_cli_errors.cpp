@@ -136,8 +136,10 @@ TEST_F(CliTest, ExpertShardedRunSamplesAndGeneratesTheSameOnOneProcess) {
 }
 
 // A 2-stage 1F1B run, then the simulator fed its measured stage costs: every schedule is
-// simulated, PACI without the flush bubble is not slower. A run without a pipeline has no stage
-// costs: one line says so.
+// simulated, PACI without the flush bubble is not slower. With a link latency and bandwidth each
+// message (the micro-batch's f32 residual stream) takes latency + bytes / bandwidth, which
+// GPipe's fill and drain pay once each per step (2 (P - 1) messages on its critical path). A run
+// without a pipeline has no stage costs: one line says so.
 TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   std::string run = temp_dir("tessel-cli-pp");
   Outcome o = run_tessel(train_args(run) +
@@ -160,6 +162,18 @@ TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   // The simulator's unit tests show PACI strictly faster on set costs.
   EXPECT_LE(j["simulated"]["paci"]["step_seconds"], j["simulated"]["1f1b"]["step_seconds"]);
   EXPECT_GE(j["simulated"]["paci"]["throughput_vs_1f1b"], 1.0);
+  EXPECT_EQ(j["link"]["seconds_per_message"], 0.0);
+
+  o = run_tessel("simulate " + run +
+                 " --skip 1 --steps 20 --json --link-latency 0.01 --link-bandwidth 1e6");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const auto linked = nlohmann::json::parse(o.out);
+  const double bytes = linked["link"]["message_bytes"];
+  EXPECT_GT(bytes, 0.0);
+  const double message = linked["link"]["seconds_per_message"];
+  EXPECT_DOUBLE_EQ(message, 0.01 + bytes / 1e6);
+  EXPECT_NEAR(linked["simulated"]["gpipe"]["step_seconds"].get<double>(),
+              j["simulated"]["gpipe"]["step_seconds"].get<double>() + 2 * message, 1e-9);
 
   std::string plain = temp_dir("tessel-cli-plain");
   ASSERT_EQ(run_tessel(train_args(plain)).exit_code, 0);

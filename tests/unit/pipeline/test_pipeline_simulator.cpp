@@ -95,6 +95,13 @@ TEST(PipelineSimulator, PaciHasNoFlushBubbleAndTheSpecsVersionGaps) {
         if (K >= P - 1) {
           EXPECT_NEAR(r.inconsistent_share[size_t(s)], double(d) / double(K), 1.0 / K);
         }
+        // The histogram holds every backward, up to the largest gap, and the consistent ones.
+        const auto& h = r.gap_histogram[size_t(s)];
+        ASSERT_EQ(int64_t(h.size()), r.max_version_gap[size_t(s)] + 1);
+        int64_t backwards = 0;
+        for (int64_t count : h) backwards += count;
+        EXPECT_EQ(backwards, n);
+        EXPECT_NEAR(1.0 - double(h[0]) / double(n), r.inconsistent_share[size_t(s)], 1e-12);
       }
     }
   // The throughput ratio over 1F1B at P = M = K = 8 approaches (M + P - 1) / M = 1.875.
@@ -115,7 +122,7 @@ TEST(PipelineSimulator, RandomCostsRespectEveryDependency) {
       o.costs.push_back(
           {0.5 + rng.uniform(), backward, 0.1 * rng.uniform(), backward * rng.uniform()});
     }
-    o.link_latency = 0.25;
+    o.links = {{0.25}};
     SimResult r = simulate(o);
     std::map<std::pair<int, int64_t>, OpTiming> f, b, w;
     for (const auto& t : r.timeline) {
@@ -299,4 +306,23 @@ TEST(PipelineSimulator, AWeightCostOutsideTheBackwardIsAnInputError) {
     o.costs = {{1, 2, 0, 1}, {1, 2, 0, weight}};
     fixture::expect_input_error([&] { simulate(o); }, {"weight cost", "backward 2"});
   }
+}
+
+// Links per boundary (latency + bytes / bandwidth per message): GPipe's fill and drain pass each
+// boundary once per step in each direction, so a step takes (M + P - 1)(F + B) + 2 sum_b c_b,
+// exactly, with uneven links; one link for all applies to every boundary; a wrong count or a
+// negative value is an InputError.
+TEST(PipelineSimulator, LinksAddTheirMessageTimeToGPipesFillAndDrain) {
+  const int P = 4;
+  const int64_t M = 5, steps = 3;
+  SimOptions o = uniform(ScheduleKind::gpipe, P, M, steps);
+  o.links = {{0.1, 0, 0}, {0.05, 2.0, 1.0}, {0.0, 4.0, 2.0}};  // 0.1, 0.55, 0.5
+  const double free = double(M + P - 1) * 4.0;                 // F + B = 1.5 + 2.5
+  EXPECT_NEAR(simulate(o).makespan, double(steps) * (free + 2 * (0.1 + 0.55 + 0.5)), 1e-9);
+  o.links = {{0.25, 0, 0}};
+  EXPECT_NEAR(simulate(o).makespan, double(steps) * (free + 2 * 3 * 0.25), 1e-9);
+  o.links = {{0.1, 0, 0}, {0.1, 0, 0}};
+  fixture::expect_input_error([&] { simulate(o); }, {"links", "3 boundaries"});
+  o.links = {{-0.1, 0, 0}};
+  fixture::expect_input_error([&] { simulate(o); }, {"link"});
 }

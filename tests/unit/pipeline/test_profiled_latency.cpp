@@ -15,7 +15,7 @@ TEST(ProfiledLinkLatency, RecoversTheSimulatorsLatency) {
         o.schedule = {kind, P, 6, 3, 2};
         o.costs = {{1.5, 2.5, 0.1, 1.0}, {1.0, 3.0, 0.1, 1.25}};  // ZB-H1's W: no message
         o.costs.resize(size_t(P), {1.25, 2.0, 0.1, 0.75});
-        o.link_latency = latency;
+        o.links = {{latency}};
         EXPECT_NEAR(profiled_link_latency(simulate(o).timeline, P), latency, 1e-12)
             << schedule_name(kind) << " P " << P;
       }

@@ -64,6 +64,10 @@ TEST(PipelineProfile, FlushRunAveragesTheStepsAfterTheSkip) {
   EXPECT_EQ(p.last_step, 3);
   EXPECT_DOUBLE_EQ(p.step_seconds, 1.5);
   expect_stage_costs(p, 1.2 / 8, 2.4 / 8, 0.4 / 2);  // 2 steps x 4 micro-batches; 2 steps
+  // A message between stages: the config's micro-batch x seq_len x width f32s (defaults).
+  const train::Config defaults;
+  EXPECT_EQ(p.message_bytes,
+            double(defaults.train.micro_batch * defaults.train.seq_len * defaults.model.width * 4));
 }
 
 TEST(PipelineProfile, OnlyTheLastAttemptCountsAndItsOwnWarmUpIsSkipped) {
