@@ -144,13 +144,29 @@ int run_export(const std::string& checkpoint, const std::string& out) {
 // `sequences`: rows to evaluate, 0 = all, unset = the run's train.eval_sequences. Without
 // `data_dir`, each of the run's data sets; for a mixture also their loss weighted by
 // data.weights, which is what the run's validation reports.
-int run_eval(const std::string& run_dir, const std::string& data_dir, const std::string& split,
+int run_eval(const std::string& run_dir, const std::string& data_dir,
+             const std::string& weights_text, const std::string& split,
              std::optional<int64_t> sequences, bool json) {
   train::RunModel run = train::load_run_model(run_dir);
-  const auto dirs =
-      data_dir.empty() ? train::data_paths(run.config.data) : std::vector<std::string>{data_dir};
-  const auto weights = data::normalized_weights(
-      data_dir.empty() ? train::data_weights(run.config.data) : std::vector<double>{1.0});
+  // The run's data sets and shares, or those given, checked by data.path's and data.weights'
+  // rules; given without weights, equal shares.
+  train::DataConfig given = run.config.data;
+  if (!weights_text.empty() && data_dir.empty())
+    input_error("--weights needs --data (the run's data sets have their data.weights)");
+  if (!data_dir.empty()) {
+    given.path = data_dir;
+    given.weights = weights_text;
+    const size_t n = train::data_paths(given).size();
+    if (weights_text.empty() && n > 1) {
+      given.weights = "1";
+      for (size_t d = 1; d < n; ++d) given.weights += ",1";
+    }
+  }
+  const auto dirs = train::data_paths(given);
+  const auto weights = data::normalized_weights(train::data_weights(given));
+  const char* weighted_by = data_dir.empty()       ? "data.weights"
+                            : weights_text.empty() ? "equal shares"
+                                                   : "--weights";
   nlohmann::json data_sets = nlohmann::json::array();
   std::vector<double> losses;
   for (size_t d = 0; d < dirs.size(); ++d) {
@@ -181,10 +197,10 @@ int run_eval(const std::string& run_dir, const std::string& data_dir, const std:
   const double bits = mixture / std::log(2.0), perplexity = std::exp(mixture);
   if (!json && dirs.size() > 1)
     std::printf(
-        "%s (step %lld) on its mixture of %zu data sets (weighted by data.weights): "
+        "%s (step %lld) on the mixture of %zu data sets (weighted by %s): "
         "%.4f nats/token (%.3f bits), perplexity %.3f\n",
-        run.checkpoint.c_str(), static_cast<long long>(run.step), dirs.size(), mixture, bits,
-        perplexity);
+        run.checkpoint.c_str(), static_cast<long long>(run.step), dirs.size(), weighted_by, mixture,
+        bits, perplexity);
   if (!json) return 0;
   nlohmann::json out = {{"checkpoint", run.checkpoint}, {"step", run.step}};
   if (dirs.size() == 1) {
@@ -359,7 +375,7 @@ int main(int argc, char** argv) {
                   "one character that ends generation once drawn, e.g. --stop $'\\n' after a "
                   "fine-tuned reply (docs/sft.md)");
 
-  std::string eval_run = "runs/default", eval_data, eval_split = "val";
+  std::string eval_run = "runs/default", eval_data, eval_weights, eval_split = "val";
   std::optional<int64_t> eval_sequences;
   bool eval_json = false;
   auto* evalc = app.add_subcommand(
@@ -370,8 +386,12 @@ int main(int argc, char** argv) {
                    "directory")
       ->capture_default_str();
   evalc->add_option("--data", eval_data,
-                    "prepared data set directory; default: the run's data.path (a mixture: "
-                    "each of its data sets, then their loss weighted by data.weights)");
+                    "prepared data set directory, or several comma-separated (each, then their "
+                    "loss weighted by --weights); default: the run's data.path (a mixture: each "
+                    "of its data sets, then their loss weighted by data.weights)");
+  evalc->add_option("--weights", eval_weights,
+                    "with several --data directories: their comma-separated shares in the "
+                    "weighted loss (as data.weights); default: equal");
   evalc->add_option("--split", eval_split, "which shard: val or train")
       ->check(CLI::IsMember({"val", "train"}))
       ->capture_default_str();
@@ -527,9 +547,9 @@ int main(int argc, char** argv) {
                                               sim_bandwidth, sim_json)
                                : 0;
     if (*evalc)
-      return world.rank() == 0
-                 ? run_eval(eval_run, eval_data, eval_split, eval_sequences, eval_json)
-                 : 0;
+      return world.rank() == 0 ? run_eval(eval_run, eval_data, eval_weights, eval_split,
+                                          eval_sequences, eval_json)
+                               : 0;
     if (*gen)
       return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed, gen_stop);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);

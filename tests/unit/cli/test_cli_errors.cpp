@@ -435,7 +435,30 @@ TEST_F(CliTest, EvalOfAMixtureReportsEachDataSetAndTheRunsValidationLoss) {
   EXPECT_DOUBLE_EQ(e["data_sets"][1]["weight"].get<double>(), 6.0 / 7);
   const Outcome text = run_tessel("eval --run " + run);
   ASSERT_EQ(text.exit_code, 0) << text.err;
-  EXPECT_NE(text.out.find("on its mixture of 2 data sets"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("on the mixture of 2 data sets (weighted by data.weights)"),
+            std::string::npos)
+      << text.out;
+  // Data sets given: each one's loss as alone, their loss weighted equally or by --weights.
+  const Outcome alone = run_tessel("eval --json --run " + run + " --data " + other);
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  const double other_loss = nlohmann::json::parse(alone.out)["loss"].get<double>();
+  EXPECT_EQ(other_loss, e["data_sets"][1]["loss"].get<double>());
+  const Outcome listed = run_tessel("eval --json --run " + run + " --data " + data + "," + other);
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  const auto l = nlohmann::json::parse(listed.out);
+  ASSERT_EQ(l["data_sets"].size(), 2u);
+  EXPECT_EQ(l["data_sets"][1]["loss"].get<double>(), other_loss);
+  EXPECT_DOUBLE_EQ(l["loss"].get<double>(),
+                   0.5 * e["data_sets"][0]["loss"].get<double>() + 0.5 * other_loss);
+  const Outcome weighted =
+      run_tessel("eval --json --run " + run + " --data " + data + "," + other + " --weights 1,6");
+  ASSERT_EQ(weighted.exit_code, 0) << weighted.err;
+  EXPECT_EQ(nlohmann::json::parse(weighted.out)["loss"].get<double>(), e["loss"].get<double>());
+  expect_one_line_error(run_tessel("eval --run " + run + " --weights 1,6"),
+                        {"--weights needs --data"});
+  expect_one_line_error(
+      run_tessel("eval --run " + run + " --data " + data + "," + other + " --weights 1"),
+      {"weights"});
 }
 
 // Token ids from another tokenizer through the binary: a u16 file (nanoGPT's format) of 40
