@@ -153,17 +153,32 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
   train::DataConfig given = run.config.data;
   if (!weights_text.empty() && data_dir.empty())
     input_error("--weights needs --data (the run's data sets have their data.weights)");
-  if (!data_dir.empty()) {
-    given.path = data_dir;
-    given.weights = weights_text;
-    const size_t n = train::data_paths(given).size();
-    if (weights_text.empty() && n > 1) {
-      given.weights = "1";
-      for (size_t d = 1; d < n; ++d) given.weights += ",1";
+  std::vector<std::string> dirs;
+  std::vector<double> weights;
+  try {
+    if (!data_dir.empty()) {
+      given.path = data_dir;
+      given.weights = weights_text;
+      const size_t n = train::data_paths(given).size();
+      if (!weights_text.empty() && n == 1)
+        input_error("--weights needs several --data directories");
+      if (weights_text.empty() && n > 1) {
+        given.weights = "1";
+        for (size_t d = 1; d < n; ++d) given.weights += ",1";
+      }
     }
+    dirs = train::data_paths(given);
+    weights = data::normalized_weights(train::data_weights(given));
+  } catch (const InputError& e) {
+    if (data_dir.empty()) throw;
+    input_error("--data / --weights (checked as data.path / data.weights): ", e.what());
   }
-  const auto dirs = train::data_paths(given);
-  const auto weights = data::normalized_weights(train::data_weights(given));
+  for (const auto& dir : dirs)  // before any evaluation, so that a typo costs no time
+    if (!std::filesystem::exists(dir + "/" + split + ".tok"))
+      input_error(dir, "/", split, ".tok: no such shard",
+                  data_dir.empty() ? " (the run's data.path, taken relative to this directory; "
+                                     "pass --data)"
+                                   : "");
   const char* weighted_by = data_dir.empty()       ? "data.weights"
                             : weights_text.empty() ? "equal shares"
                                                    : "--weights";
@@ -171,10 +186,6 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
   std::vector<double> losses;
   for (size_t d = 0; d < dirs.size(); ++d) {
     const std::string shard = dirs[d] + "/" + split + ".tok";
-    if (data_dir.empty() && !std::filesystem::exists(shard))
-      input_error(shard,
-                  ": no such shard (the run's data.path, taken relative to this directory; "
-                  "pass --data)");
     const train::Evaluation e =
         train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
     losses.push_back(e.loss);
@@ -264,9 +275,11 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
   std::printf("measured %s step: %.4f s\n", p.schedule.c_str(), p.step_seconds);
   std::printf("simulated, %lld steps of %lld micro-batches (PACI: K = %lld), ",
               static_cast<long long>(steps), static_cast<long long>(M), static_cast<long long>(M));
-  if (link.transfer() > 0)
+  if (link.bandwidth > 0)
     std::printf("%.0f-byte messages taking %.6f s each over every link:\n", link.bytes,
                 link.transfer());
+  else if (link.transfer() > 0)
+    std::printf("messages taking %.6f s each over every link:\n", link.transfer());
   else
     std::printf("free links (set --link-latency, --link-bandwidth):\n");
   std::printf("schedule  step (s)  bubble  throughput vs 1f1b  peak activations per stage\n");

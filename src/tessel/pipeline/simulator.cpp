@@ -24,8 +24,8 @@ SimResult simulate(const SimOptions& o) {
     return o.costs[o.costs.size() == 1 ? 0 : size_t(s)];
   };
   if (o.links.size() > 1 && o.links.size() != size_t(P - 1))
-    input_error("pipeline simulator: links must list 0, 1 or ", P - 1, " boundaries, got ",
-                o.links.size());
+    input_error("pipeline simulator: links must list none, one for all or one per boundary (",
+                P - 1, "), got ", o.links.size());
   for (const LinkCosts& l : o.links)
     if (!(l.latency >= 0 && l.bandwidth >= 0 && l.bytes >= 0 && std::isfinite(l.transfer())))
       input_error("pipeline simulator: a link's latency, bandwidth and bytes must be finite and ",

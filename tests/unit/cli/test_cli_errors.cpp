@@ -458,7 +458,11 @@ TEST_F(CliTest, EvalOfAMixtureReportsEachDataSetAndTheRunsValidationLoss) {
                         {"--weights needs --data"});
   expect_one_line_error(
       run_tessel("eval --run " + run + " --data " + data + "," + other + " --weights 1"),
-      {"weights"});
+      {"--data / --weights", "1 weights for the 2 data sets"});
+  expect_one_line_error(run_tessel("eval --run " + run + " --data " + other + " --weights 3"),
+                        {"--weights needs several --data directories"});
+  expect_one_line_error(run_tessel("eval --run " + run + " --data " + other + ",nowhere"),
+                        {"nowhere/val.tok: no such shard"});
 }
 
 // Token ids from another tokenizer through the binary: a u16 file (nanoGPT's format) of 40

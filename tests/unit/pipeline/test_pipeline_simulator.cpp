@@ -322,7 +322,7 @@ TEST(PipelineSimulator, LinksAddTheirMessageTimeToGPipesFillAndDrain) {
   o.links = {{0.25, 0, 0}};
   EXPECT_NEAR(simulate(o).makespan, double(steps) * (free + 2 * 3 * 0.25), 1e-9);
   o.links = {{0.1, 0, 0}, {0.1, 0, 0}};
-  fixture::expect_input_error([&] { simulate(o); }, {"links", "3 boundaries"});
+  fixture::expect_input_error([&] { simulate(o); }, {"links", "one per boundary (3)"});
   o.links = {{-0.1, 0, 0}};
   fixture::expect_input_error([&] { simulate(o); }, {"link"});
 }
