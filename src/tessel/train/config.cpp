@@ -741,6 +741,14 @@ void validate(const Config& c) {
     input_error("config key 'parallel.cp' = ", c.parallel.cp,
                 " needs a model.moe_lei_margin other than \"exact_margin\" (its windows rank "
                 "the micro-batch's tokens, which context parallelism spreads over ranks)");
+  // The identity kernel sends LEI's gradient to the scores, with no margin: a margin set
+  // beside it would be silently ignored.
+  if (moe && moe::uses_lei(c.model.moe.balance) &&
+      c.model.moe.lei_kernel == moe::LeiKernel::identity &&
+      c.model.moe.lei_margin != moe::LeiMargin::midpoint)
+    input_error(
+        "config key 'model.moe_lei_margin' has no effect with model.moe_lei_kernel = "
+        "\"identity\" (it uses no margin); leave the margin at its default midpoint");
   if (c.parallel.bucket_mb <= 0)
     input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
   if (c.train.checkpoint_policy != "fixed" && c.train.checkpoint_every < 1)

@@ -135,7 +135,8 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
 }
 
 // LEI's margin and loss: named choices, midpoint and centered_fsq by default; exact_margin
-// ranks the micro-batch's tokens on one rank, so not under cp.
+// ranks the micro-batch's tokens on one rank, so not under cp; the identity kernel uses no
+// margin, so none may be set beside it.
 TEST(Config, LeiMarginAndLossAreNamedChoices) {
   const train::Config lei =
       train::load_config("", {"model.moe_layers=all", "model.moe_balance=lei"});
@@ -156,6 +157,15 @@ TEST(Config, LeiMarginAndLossAreNamedChoices) {
                      {"parallel.cp", "model.moe_lei_margin", "exact_margin"});
   const std::vector<std::string> exact(exact_cp.begin() + 2, exact_cp.end());
   EXPECT_EQ(train::load_config("", exact).model.moe.lei_margin, moe::LeiMargin::exact_margin);
+  // The identity kernel uses no margin: one set beside it is refused, not ignored.
+  std::vector<std::string> identity = exact;
+  identity.push_back("model.moe_lei_kernel=identity");
+  expect_input_error([&] { train::load_config("", identity); },
+                     {"model.moe_lei_margin", "identity"});
+  identity.pop_back();
+  identity.pop_back();
+  identity.push_back("model.moe_lei_kernel=identity");
+  EXPECT_EQ(train::load_config("", identity).model.moe.lei_kernel, moe::LeiKernel::identity);
 }
 
 // Gradient-spike skipping and its fault are whole-step settings: refused under PACI, and the
