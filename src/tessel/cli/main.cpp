@@ -143,7 +143,8 @@ int run_export(const std::string& checkpoint, const std::string& out) {
 
 // `sequences`: rows to evaluate, 0 = all, unset = the run's train.eval_sequences. Without
 // `data_dir`, each of the run's data sets; for a mixture also their loss weighted by
-// data.weights, which is what the run's validation reports.
+// data.weights, which is what the run's validation reports. `data_dir` may list several
+// (comma-separated), weighted by `weights_text` or equally.
 int run_eval(const std::string& run_dir, const std::string& data_dir,
              const std::string& weights_text, const std::string& split,
              std::optional<int64_t> sequences, bool json) {
@@ -159,33 +160,33 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
     if (!data_dir.empty()) {
       given.path = data_dir;
       given.weights = weights_text;
-      const size_t n = train::data_paths(given).size();
-      if (!weights_text.empty() && n == 1)
-        input_error("--weights needs several --data directories");
-      if (weights_text.empty() && n > 1) {
-        given.weights = "1";
-        for (size_t d = 1; d < n; ++d) given.weights += ",1";
-      }
     }
     dirs = train::data_paths(given);
-    weights = data::normalized_weights(train::data_weights(given));
+    if (!weights_text.empty() && dirs.size() == 1)
+      input_error("--weights needs several --data directories");
+    const bool equal = !data_dir.empty() && weights_text.empty();
+    weights = data::normalized_weights(equal ? std::vector<double>(dirs.size(), 1.0)
+                                             : train::data_weights(given));
   } catch (const InputError& e) {
     if (data_dir.empty()) throw;
     input_error("--data / --weights (checked as data.path / data.weights): ", e.what());
   }
-  for (const auto& dir : dirs)  // before any evaluation, so that a typo costs no time
-    if (!std::filesystem::exists(dir + "/" + split + ".tok"))
-      input_error(dir, "/", split, ".tok: no such shard",
+  std::vector<std::string> shards;
+  for (const auto& dir : dirs) {  // all checked before any evaluation: a typo costs no time
+    shards.push_back(dir + "/" + split + ".tok");
+    if (!std::filesystem::exists(shards.back()))
+      input_error(shards.back(), ": no such shard",
                   data_dir.empty() ? " (the run's data.path, taken relative to this directory; "
                                      "pass --data)"
                                    : "");
+  }
   const char* weighted_by = data_dir.empty()       ? "data.weights"
                             : weights_text.empty() ? "equal shares"
                                                    : "--weights";
   nlohmann::json data_sets = nlohmann::json::array();
   std::vector<double> losses;
   for (size_t d = 0; d < dirs.size(); ++d) {
-    const std::string shard = dirs[d] + "/" + split + ".tok";
+    const std::string& shard = shards[d];
     const train::Evaluation e =
         train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
     losses.push_back(e.loss);
