@@ -8,7 +8,7 @@ packages=(
   openmpi-bin libopenmpi-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
-  zlib1g-dev
+  zlib1g-dev libicu-dev
   bible-kjv fortunes
   jq
 )

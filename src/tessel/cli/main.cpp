@@ -26,9 +26,9 @@
 #include "tessel/comm/world.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/threading.hpp"
-#include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/mixture.hpp"
 #include "tessel/data/prepare.hpp"
+#include "tessel/data/tokenizer.hpp"
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/model/gpt.hpp"
@@ -71,14 +71,22 @@ int run_prepare(const data::PrepareOptions& opts) {
   return 0;
 }
 
-int run_generate(const std::string& run_dir, const std::string& prompt, int64_t tokens,
-                 double temperature, int64_t top_k, int64_t seed, const std::string& stop) {
+int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
+                 const std::string& prompt, int64_t tokens, double temperature, int64_t top_k,
+                 int64_t seed, const std::string& stop) {
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
-  if (run.config.model.vocab != data::ByteTokenizer::kVocabSize)
-    input_error(run.checkpoint, ": generate needs the byte tokenizer (model.vocab = 256)");
+  const std::string data_dir =
+      tokenizer_dir.empty() ? train::data_paths(run.config.data)[0] : tokenizer_dir;
+  const std::unique_ptr<data::Tokenizer> tokenizer =
+      data::load_tokenizer(data_dir, run.config.model.vocab);
+  if (!tokenizer)
+    input_error(run.checkpoint, ": generate needs a tokenizer; ", data_dir,
+                tokenizer_dir.empty() ? " (the run's data.path)" : "",
+                " holds token ids without one (prepare them with --tokenizer bpe:DIR, or pass "
+                "--tokenizer with a data directory that has the vocabulary)");
   const model::Gpt& gpt = *run.gpt;
-  data::ByteTokenizer tok;
+  const data::Tokenizer& tok = *tokenizer;
   const int32_t stop_token = tok.single_token(stop, "--stop");
   const std::vector<int32_t> ids = tok.encode(prompt);
   // The prompt, then each token as it is drawn.
@@ -347,6 +355,11 @@ int main(int argc, char** argv) {
   prepare->add_option("--token-dtype", prep.token_dtype,
                       "tokens:PATH: little-endian id type of the file: u16 (the default), u32 "
                       "or i32");
+  prepare->add_option(
+      "--tokenizer", prep.tokenizer,
+      "byte (the default for text) or bpe:DIR, a byte-level BPE vocabulary: DIR holds GPT-2-style "
+      "vocab.json and merges.txt, copied beside the shards so that samples and generate decode "
+      "with them; with tokens:PATH, the vocabulary of its ids (default: none, ids only)");
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents (samples) held out")
       ->capture_default_str();
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")
@@ -384,10 +397,13 @@ int main(int argc, char** argv) {
   gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   gen->add_option("--top-k", top_k, "sample among the k likeliest; 0 = all")->capture_default_str();
   gen->add_option("--seed", gen_seed, "sampling seed")->capture_default_str();
-  std::string gen_stop;
+  std::string gen_stop, gen_tokenizer;
   gen->add_option("--stop", gen_stop,
-                  "one character that ends generation once drawn, e.g. --stop $'\\n' after a "
-                  "fine-tuned reply (docs/sft.md)");
+                  "text of one token that ends generation once drawn, e.g. --stop $'\\n' after "
+                  "a fine-tuned reply (docs/sft.md)");
+  gen->add_option("--tokenizer", gen_tokenizer,
+                  "a prepared data directory whose tokenizer to use (default: the run's "
+                  "data.path; a byte-level model without one uses bytes)");
 
   std::string eval_run = "runs/default", eval_data, eval_weights, eval_split = "val";
   std::optional<int64_t> eval_sequences;
@@ -565,7 +581,8 @@ int main(int argc, char** argv) {
                                           eval_sequences, eval_json)
                                : 0;
     if (*gen)
-      return run_generate(run_dir, prompt, gen_tokens, temperature, top_k, gen_seed, gen_stop);
+      return run_generate(run_dir, gen_tokenizer, prompt, gen_tokens, temperature, top_k, gen_seed,
+                          gen_stop);
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {
     // One line naming the file or field, and a non-zero exit.

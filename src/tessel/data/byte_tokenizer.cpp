@@ -21,11 +21,4 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {
   return text;
 }
 
-int32_t ByteTokenizer::single_token(std::string_view text, const std::string& what) const {
-  if (text.size() > 1)
-    input_error(what, " must be one byte (one token of the byte tokenizer), got ", text.size(),
-                " bytes");
-  return text.empty() ? -1 : encode(text)[0];
-}
-
 }  // namespace tessel::data

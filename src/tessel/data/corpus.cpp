@@ -66,15 +66,6 @@ std::vector<std::string> split_documents(std::string_view text, IsSeparator&& is
   return docs;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) input_error(path, ": cannot read file");
-  std::ostringstream os;
-  os << in.rdbuf();
-  if (in.bad()) input_error(path, ": read failed");
-  return std::move(os).str();
-}
-
 // Byte offset of the first invalid UTF-8 sequence, or npos.
 size_t first_invalid_utf8(std::string_view s) {
   size_t i = 0;
@@ -156,6 +147,15 @@ std::vector<std::string> load_jsonl_file(const std::string& path) {
 }
 
 }  // namespace
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) input_error(path, ": cannot read file");
+  std::ostringstream os;
+  os << in.rdbuf();
+  if (in.bad()) input_error(path, ": read failed");
+  return std::move(os).str();
+}
 
 std::string read_corpus_file(const std::string& path, const std::string& kind) {
   if (!fs::exists(path)) input_error(path, ": no such file (corpus \"", kind, ":", path, "\")");

@@ -38,6 +38,9 @@ void for_each_line(std::string_view text, F&& f) {
   }
 }
 
+// The bytes of the file at `path`; InputError naming it when it cannot be read.
+std::string read_file(const std::string& path);
+
 // The text of the file a "KIND:PATH" corpus names ("file", "chat"), without a leading UTF-8
 // byte-order mark (an editor's marker, not text): InputError for a missing file, a directory
 // or text that is not valid UTF-8.

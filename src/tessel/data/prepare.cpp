@@ -12,6 +12,7 @@
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
 #include "tessel/core/rng.hpp"
+#include "tessel/data/bpe_tokenizer.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/corpus.hpp"
 #include "tessel/data/packing.hpp"
@@ -25,6 +26,8 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr std::string_view kTokenFilePrefix = "tokens:";  // the corpus of a raw token-id file
+constexpr std::string_view kBpePrefix = "bpe:";           // --tokenizer bpe:DIR
+constexpr const char* kBpeFiles[] = {"vocab.json", "merges.txt"};
 
 // `s` as a JSON string literal, escaped; bytes that are not UTF-8 (a path may hold them) become
 // U+FFFD instead of failing after the shards are written.
@@ -48,8 +51,7 @@ void remove_loss_mask(const std::string& path) {
 // shard (packing.hpp); a text split removes a loss-mask shard left by an earlier SFT prepare.
 template <class Item>
 SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t>& which,
-                        const std::string& path) {
-  const ByteTokenizer tokenizer;
+                        const std::string& path, const Tokenizer& tokenizer) {
   constexpr bool sft = std::is_same_v<Item, SftSample>;
   ShardWriter writer(path, token_dtype_for_vocab(tokenizer.vocab_size()), tokenizer.vocab_size());
   std::optional<ShardWriter> mask;
@@ -76,6 +78,34 @@ SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t
   counts.tokens = writer.num_tokens();
   counts.path = path;
   return counts;
+}
+
+// The BPE directory of a "bpe:DIR" tokenizer option; nullopt for "byte" or unset; InputError
+// for anything else.
+std::optional<std::string> bpe_directory(const PrepareOptions& options) {
+  const std::string& name = options.tokenizer.value_or("byte");
+  if (name == "byte") return std::nullopt;
+  if (name.starts_with(kBpePrefix) && name.size() > kBpePrefix.size())
+    return name.substr(kBpePrefix.size());
+  input_error("prepare: --tokenizer must be byte or bpe:DIR, got \"", name, "\"");
+}
+
+std::unique_ptr<BpeTokenizer> load_bpe(const std::string& dir) {
+  return std::make_unique<BpeTokenizer>((fs::path(dir) / kBpeFiles[0]).string(),
+                                        (fs::path(dir) / kBpeFiles[1]).string());
+}
+
+// Copies the BPE files from `bpe_dir` into the output directory, or (nullopt) removes copies an
+// earlier prepare left there.
+void install_tokenizer_files(const std::optional<std::string>& bpe_dir, const fs::path& out) {
+  for (const char* file : kBpeFiles) {
+    if (bpe_dir) {
+      write_file_atomically((out / file).string(), read_file((fs::path(*bpe_dir) / file).string()));
+    } else {
+      std::error_code ec;
+      fs::remove(out / file, ec);
+    }
+  }
 }
 
 // Which of n items (documents, or SFT samples) go to validation: a Fisher-Yates shuffle of
@@ -132,14 +162,24 @@ PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions
     else
       TESSEL_CHECK(!items[d].empty(), "corpus \"", options.corpus, "\" document ", d, " is empty");
   }
+  const std::optional<std::string> bpe_dir = bpe_directory(options);
+  if (sft && bpe_dir)
+    input_error("prepare: SFT corpora take the byte tokenizer (their loss masks mark bytes), not ",
+                *options.tokenizer);
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (bpe_dir)
+    tokenizer = load_bpe(*bpe_dir);
+  else
+    tokenizer = std::make_unique<ByteTokenizer>();
   std::vector<size_t> train, val;
   for (size_t d = 0; d < items.size(); ++d) (is_val[d] ? val : train).push_back(d);
   const fs::path dir = output_directory(options);
   PrepareResult result;
   result.sft = sft;
-  result.train = write_split(items, train, (dir / "train.tok").string());
-  result.val = write_split(items, val, (dir / "val.tok").string());
-  write_metadata(options, "byte", ByteTokenizer::kVocabSize, result);
+  install_tokenizer_files(bpe_dir, dir);
+  result.train = write_split(items, train, (dir / "train.tok").string(), *tokenizer);
+  result.val = write_split(items, val, (dir / "val.tok").string(), *tokenizer);
+  write_metadata(options, tokenizer->name(), tokenizer->vocab_size(), result);
   return result;
 }
 
@@ -151,6 +191,17 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
         "prepare: a tokens:PATH corpus needs --vocab (the ids' vocabulary size) and --eot "
         "(the end-of-document id)");
   const std::string dtype = options.token_dtype.value_or("u16");
+  if (options.tokenizer == "byte")
+    input_error(
+        "prepare: a tokens:PATH corpus takes --tokenizer bpe:DIR (the vocabulary of its "
+        "ids) or none, not byte");
+  const std::optional<std::string> bpe_dir = bpe_directory(options);
+  if (bpe_dir) {
+    const int64_t size = load_bpe(*bpe_dir)->vocab_size();
+    if (size > *options.vocab)
+      input_error("prepare: the BPE vocabulary in ", *bpe_dir, " has ", size,
+                  " ids, more than --vocab ", *options.vocab);
+  }
   const TokenFile file(options.corpus.substr(kTokenFilePrefix.size()),
                        parse_raw_token_dtype(dtype, "--token-dtype"), *options.vocab, *options.eot);
   const int64_t n = file.count_documents();
@@ -174,12 +225,14 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
   if (d != is_val.size()) input_error(file.path(), ": changed while it was read");
   remove_loss_mask(train_path);
   remove_loss_mask(val_path);
+  install_tokenizer_files(bpe_dir, dir);
   train.finish();
   val.finish();
   PrepareResult result;
   result.train = {train.num_documents(), train.num_tokens(), 0, train_path};
   result.val = {val.num_documents(), val.num_tokens(), 0, val_path};
-  write_metadata(options, detail::concat("pretokenized ", dtype, ", eot ", *options.eot),
+  write_metadata(options,
+                 bpe_dir ? "bpe" : detail::concat("pretokenized ", dtype, ", eot ", *options.eot),
                  *options.vocab, result);
   return result;
 }

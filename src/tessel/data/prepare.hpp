@@ -1,11 +1,12 @@
 #pragma once
 // `tessel prepare`: turns a corpus into the token shards the trainer reads.
 //
-// The corpus (see corpus.hpp) is tokenized with the byte tokenizer and split by whole
-// documents into a training and a validation set. The validation documents are chosen by a
-// Fisher-Yates shuffle of the document indices with tessel::Rng(seed), taking the first
-// n_val = round(val_fraction * documents), clamped to [1, documents - 1]; both sets keep the
-// corpus order. Written into the output directory (created if missing):
+// The corpus (see corpus.hpp) is tokenized with the byte tokenizer (or a byte-level BPE
+// vocabulary, `tokenizer = "bpe:DIR"`: below) and split by whole documents into a training and a
+// validation set. The validation documents are chosen by a Fisher-Yates shuffle of the document
+// indices with tessel::Rng(seed), taking the first n_val = round(val_fraction * documents), clamped
+// to [1, documents - 1]; both sets keep the corpus order. Written into the output directory
+// (created if missing):
 //   train.tok, val.tok   token shards (shard.hpp), dtype u8, vocab 256
 //   dataset.json         {"corpus", "tokenizer": "byte", "vocab_size": 256, "seed",
 //                         "val_fraction", "train": {"documents", "tokens", "path"},
@@ -18,6 +19,12 @@
 // documents (ending at the eot id) are split the same way, streamed into shards of the
 // narrowest dtype for the given vocabulary; dataset.json's tokenizer then reads
 // "pretokenized <dtype>, eot <id>" and vocab_size is the given one.
+// With tokenizer "bpe:DIR" (DIR holding GPT-2-style vocab.json and merges.txt,
+// bpe_tokenizer.hpp) a text corpus is encoded with that vocabulary into shards of the
+// narrowest dtype for it, a tokens:PATH corpus is taken as that vocabulary's ids (its size
+// must not exceed --vocab), and both files are copied beside the shards with dataset.json's
+// tokenizer "bpe", so that sampling and generation read them (tokenizer.hpp). Any other
+// prepare removes such copies. SFT corpora refuse BPE: their loss masks mark bytes.
 // Every file is written to a temporary name and renamed into place.
 #include <cstdint>
 #include <optional>
@@ -39,6 +46,8 @@ struct PrepareOptions {
   std::optional<std::string> token_dtype;  // unset: u16
   std::optional<int64_t> vocab;
   std::optional<int64_t> eot;
+  // "byte" or "bpe:DIR"; unset: byte, or none for a tokens:PATH corpus.
+  std::optional<std::string> tokenizer;
 };
 
 struct SplitCounts {

@@ -12,7 +12,6 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
-#include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/spike_filter.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
@@ -643,6 +642,10 @@ std::vector<double> data_weights(const DataConfig& data) {
   return weights;
 }
 
+std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c) {
+  return data::load_tokenizer(data_paths(c.data)[0], c.model.vocab);
+}
+
 std::vector<std::string> data_names(const DataConfig& data) {
   const auto paths = data_paths(data);
   std::vector<std::string> names;
@@ -682,7 +685,6 @@ void validate(const Config& c) {
   non_negative("train.eval_every", double(c.train.eval_every));
   non_negative("train.checkpoint_every", double(c.train.checkpoint_every));
   non_negative("train.sample_tokens", double(c.train.sample_tokens));
-  data::ByteTokenizer().single_token(c.train.sample_stop, "config key 'train.sample_stop'");
   if (c.train.sample_tokens > 0 && c.train.sample_prompt.empty())
     input_error("config key 'train.sample_prompt' is empty; the final sample needs a prompt ",
                 "(or train.sample_tokens = 0)");

@@ -5,10 +5,12 @@
 // the run directory as `config.toml`.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "tessel/data/packing.hpp"
+#include "tessel/data/tokenizer.hpp"
 #include "tessel/model/gpt_config.hpp"
 #include "tessel/optim/optimizer.hpp"
 #include "tessel/train/fault.hpp"
@@ -149,6 +151,11 @@ Config parse_config(const std::string& text, const std::string& source,
 void apply_override(Config& config, const std::string& assignment);
 // Checks cross-field constraints (sequence vs model.max_seq, positive sizes...).
 void validate(const Config& config);
+
+// The tokenizer of the run's token ids (data::load_tokenizer of data.path's first directory:
+// a mixture's data sets share one vocabulary); nullptr when they have none tessel can apply.
+std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c);
+
 // InputError naming run.dir when it is empty or it, or the nearest of its parents that
 // exists, is not a directory (so the run could not create its files there). Reads the filesystem,
 // so not part of validate: a checkpoint's stored config is validated on other machines too.

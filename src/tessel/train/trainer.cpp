@@ -20,8 +20,8 @@
 #include "tessel/core/memory.hpp"
 #include "tessel/core/threading.hpp"
 #include "tessel/core/timer.hpp"
-#include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/loader.hpp"
+#include "tessel/data/tokenizer.hpp"
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/model/gpt.hpp"
@@ -327,6 +327,8 @@ struct Trainer::State {
   std::unique_ptr<comm::Communicator> ckpt_comm;  // the checkpointer's own collectives
   AsyncCheckpointer checkpointer;
   FaultInjector faults;
+  // The final sample's, when train.sample_tokens > 0 and the data has one (data_tokenizer).
+  std::unique_ptr<data::Tokenizer> sample_tokenizer;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
   std::string initialized_from;  // train.init_from's checkpoint, when it started the weights
@@ -396,6 +398,11 @@ struct Trainer::State {
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
+    if (config.train.sample_tokens > 0) {  // checked now, not after the training
+      sample_tokenizer = data_tokenizer(config);
+      if (sample_tokenizer)
+        sample_tokenizer->single_token(config.train.sample_stop, "config key 'train.sample_stop'");
+    }
     checkpointer.on_files_written = [this](int64_t step) { faults.in_checkpoint_write(step); };
     checkpointer.on_committed = [this](const std::string& dir, int64_t step) {
       // From now on a restart resumes from the run's own checkpoint: the init pin is done.
@@ -742,7 +749,7 @@ struct Trainer::State {
   // runs alone; with sharded experts each ep group generates together; a pipeline's windows
   // pass through its stages. The same prompt, seed and length everywhere.
   std::string sample() {
-    data::ByteTokenizer tok;
+    const data::Tokenizer& tok = *sample_tokenizer;
     Rng rng(uint64_t(config.run.seed) + 1);
     const auto& t = config.train;
     const auto prompt = tok.encode(t.sample_prompt);
@@ -1215,12 +1222,11 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  const bool byte_tokens = c.model.vocab == data::ByteTokenizer::kVocabSize;
-  if (c.train.sample_tokens > 0 && !byte_tokens)
+  if (c.train.sample_tokens > 0 && !s.sample_tokenizer)
     s.log(
-        "no sample: train.sample_tokens needs the byte tokenizer (model.vocab = 256); set "
-        "train.sample_tokens = 0 to silence this");
-  if (c.train.sample_tokens > 0 && byte_tokens && s.samples()) {
+        "no sample: data.path's token ids have no tokenizer (a tokens:PATH corpus prepared "
+        "without --tokenizer bpe:DIR); set train.sample_tokens = 0 to silence this");
+  if (c.train.sample_tokens > 0 && s.sample_tokenizer && s.samples()) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "support/bpe_files.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/core/error.hpp"
 #include "unit/cli/cli_test_util.hpp"
@@ -488,9 +489,48 @@ TEST_F(CliTest, ATokenFileIsPreparedAndTrainsAModelOfItsVocabulary) {
   expect_one_line_error(run_tessel(on_tokens), {"token vocabulary 300 exceeds model.vocab = 256"});
   const Outcome t = run_tessel(on_tokens + " --set model.vocab=300");
   EXPECT_EQ(t.exit_code, 0) << t.err;
+  expect_one_line_error(run_tessel("generate --run " + dir + "/run --prompt ab"),
+                        {"generate needs a tokenizer", "--tokenizer bpe:DIR"});
   expect_one_line_error(
       run_tessel("prepare --corpus tokens:" + dir + "/train.bin --eot 299 --out " + dir + "/d2"),
       {"needs --vocab"});
+}
+
+// A byte-level BPE vocabulary (GPT-2's file layout) through the binary: text prepared with it
+// trains a model of its size, whose final sample and `generate` speak its tokens; the
+// vocabulary travels with the data, so generate needs no option to find it.
+TEST_F(CliTest, ABpeVocabularyPreparesTrainsSamplesAndGenerates) {
+  const std::string dir = temp_dir("bpe");
+  fs::create_directories(dir + "/bpe");
+  const int vocab =
+      tessel::fixture::write_bpe_files(dir + "/bpe", tessel::fixture::english_merges());
+  {
+    std::ofstream text(dir + "/text.txt");
+    for (int p = 0; p < 40; ++p)
+      text << "And the LORD said unto them, the " << p << " of the earth\nhe said and did\n\n";
+  }
+  Outcome o = run_tessel("prepare --corpus file:" + dir + "/text.txt --tokenizer bpe:" + dir +
+                         "/bpe --out " + dir + "/data");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const std::string run = dir + "/run";
+  const std::string on_bpe = train_args(run) + " --set data.path=" + dir +
+                             "/data --set model.vocab=" + std::to_string(vocab) +
+                             " --set train.sample_tokens=6 --set 'train.sample_prompt=\"the LORD\"'"
+                             " --set run.quiet=false";
+  o = run_tessel(on_bpe);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("sample:\nthe LORD"), std::string::npos) << o.out;
+  o = run_tessel("generate --run " + run + " --prompt 'the LORD' --tokens 5 --temperature 0");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(o.out.rfind("the LORD", 0), 0u) << o.out;
+  EXPECT_GT(o.out.size(), std::string("the LORD\n").size()) << o.out;
+  expect_one_line_error(run_tessel("generate --run " + run + " --stop 'the LORD'"),
+                        {"--stop", "one token of the bpe tokenizer"});
+  expect_one_line_error(run_tessel(on_bpe + " --set 'train.sample_stop=\"the LORD\"'"),
+                        {"train.sample_stop", "one token of the bpe tokenizer"});
+  expect_one_line_error(run_tessel("prepare --corpus file:" + dir +
+                                   "/text.txt --tokenizer wordpiece --out " + dir + "/d2"),
+                        {"--tokenizer must be byte or bpe:DIR"});
 }
 
 // An SFT corpus through the binary: a good JSON Lines file is prepared with its loss masks and

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <fstream>
 
+#include "support/bpe_files.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/data/shard.hpp"
 #include "tessel/data/token_file.hpp"
+#include "tessel/data/tokenizer.hpp"
 #include "unit/data/test_util.hpp"
 
 using namespace tessel;
@@ -265,6 +267,94 @@ TEST(Prepare, TokenFileErrorsNameTheProblem) {
   opt.vocab.reset(), opt.eot.reset();
   opt.token_dtype = "u16";  // even the default, when given, belongs to a tokens:PATH corpus
   expect_input_error([&] { prepare_dataset(opt); }, {"--vocab, --eot and --token-dtype", "bible"});
+}
+
+// With --tokenizer bpe:DIR a text corpus is encoded with that vocabulary, whose files travel
+// with the shards (dataset.json names them); preparing without it removes them again.
+TEST(Prepare, BpeTokenizerEncodesAndTravelsWithTheShards) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), out = dir.file("out");
+  std::filesystem::create_directories(bpe);
+  const int vocab = fixture::write_bpe_files(bpe, fixture::english_merges());
+  const std::vector<std::string> docs = {"In the beginning", "the LORD said", "And the earth\n\n",
+                                         "he said, Let there be light"};
+  PrepareOptions opt;
+  opt.corpus = "file:docs.txt";
+  opt.output_dir = out;
+  opt.val_fraction = 0.25;
+  opt.tokenizer = "bpe:" + bpe;
+  const PrepareResult res = prepare_documents(docs, opt);
+  EXPECT_EQ(read_text(out + "/vocab.json"), read_text(bpe + "/vocab.json"));
+  EXPECT_EQ(read_text(out + "/merges.txt"), read_text(bpe + "/merges.txt"));
+  const auto meta = nlohmann::json::parse(read_text(res.metadata_path));
+  EXPECT_EQ(meta["tokenizer"], "bpe");
+  EXPECT_EQ(meta["vocab_size"], vocab);
+  const auto tokenizer = load_tokenizer(out, vocab);
+  ASSERT_NE(tokenizer, nullptr);
+  std::vector<std::string> decoded;
+  int64_t tokens = 0;
+  for (const std::string& split : {res.train.path, res.val.path}) {
+    const ShardReader r(split);
+    EXPECT_EQ(r.dtype(), TokenDtype::u16);
+    EXPECT_EQ(r.vocab_size(), vocab);
+    tokens += r.num_tokens();
+    for (const auto& ids : shard_documents(r)) decoded.push_back(tokenizer->decode(ids));
+  }
+  std::sort(decoded.begin(), decoded.end());
+  std::vector<std::string> sorted = docs;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(decoded, sorted);
+  int64_t bytes = 0;
+  for (const auto& d : docs) bytes += int64_t(d.size());
+  EXPECT_LT(tokens, bytes) << "merges shorten the text";
+
+  opt.tokenizer.reset();  // byte again: the copies go
+  prepare_documents(docs, opt);
+  EXPECT_FALSE(std::filesystem::exists(out + "/vocab.json"));
+  EXPECT_FALSE(std::filesystem::exists(out + "/merges.txt"));
+  EXPECT_EQ(load_tokenizer(out, 256)->name(), "byte");
+
+  opt.tokenizer = "wordpiece";
+  expect_input_error([&] { prepare_documents(docs, opt); }, {"byte or bpe:DIR", "wordpiece"});
+  opt.tokenizer = "bpe:" + bpe;
+  expect_input_error(
+      [&] {
+        prepare_samples({{"ab", {0, 1}}, {"cd", {0, 1}}}, opt);
+      },
+      {"SFT", "byte tokenizer", "bpe:"});
+}
+
+// A tokens:PATH corpus with --tokenizer bpe:DIR: the ids are that vocabulary's, which must fit
+// in --vocab; byte is refused (its ids are not bytes).
+TEST(Prepare, TokenFileTakesTheVocabularyOfItsIds) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), file = dir.file("ids.bin"), out = dir.file("out");
+  std::filesystem::create_directories(bpe);
+  const int vocab = fixture::write_bpe_files(bpe, fixture::english_merges());
+  write_ids<uint16_t>(file, {257, 32, 271, 280, 258, 261, 280});
+  PrepareOptions opt;
+  opt.corpus = "tokens:" + file;
+  opt.output_dir = out;
+  opt.val_fraction = 0.5;
+  opt.vocab = 320;
+  opt.eot = vocab - 1;
+  opt.tokenizer = "bpe:" + bpe;
+  const PrepareResult res = prepare_dataset(opt);
+  EXPECT_EQ(nlohmann::json::parse(read_text(res.metadata_path))["tokenizer"], "bpe");
+  const auto tokenizer = load_tokenizer(out, 320);
+  ASSERT_NE(tokenizer, nullptr);
+  EXPECT_EQ(tokenizer->decode(std::vector<int32_t>{257, 32, 271, 280}), "the LORD<|endoftext|>");
+  opt.vocab = vocab - 1;
+  opt.eot = 3;
+  expect_input_error([&] { prepare_dataset(opt); }, {bpe, "281 ids", "--vocab 280"});
+  opt.tokenizer = "byte";
+  expect_input_error([&] { prepare_dataset(opt); }, {"tokens:PATH", "not byte"});
+  opt.tokenizer.reset();
+  opt.vocab = 320;
+  opt.eot = vocab - 1;
+  prepare_dataset(opt);
+  EXPECT_FALSE(std::filesystem::exists(out + "/vocab.json"));
+  EXPECT_EQ(load_tokenizer(out, 320), nullptr) << "ids without a vocabulary";
 }
 
 // Documents that cross the file's read chunks (3 ids per read here) arrive whole, in order;

@@ -1,0 +1,218 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "support/bpe_files.hpp"
+#include "tessel/core/rng.hpp"
+#include "tessel/data/bpe_tokenizer.hpp"
+#include "tessel/data/byte_tokenizer.hpp"
+#include "unit/data/test_util.hpp"
+
+using namespace tessel;
+using namespace tessel::data;
+using tessel::data::testing::expect_input_error;
+using tessel::data::testing::TempDir;
+using tessel::fixture::english_merges;
+using tessel::fixture::write_bpe_files;
+
+namespace {
+
+std::vector<std::string> pieces(std::string_view text) {
+  std::vector<std::string> out;
+  for (std::string_view p : gpt2_pretokenize(text)) out.emplace_back(p);
+  return out;
+}
+
+using Pieces = std::vector<std::string>;
+
+// Random UTF-8 text from characters that exercise every pre-tokenizer rule.
+std::string random_text(Rng& rng, size_t chars) {
+  static const std::vector<std::string> pool = {
+      "a",    "Z",       "é",  "ß", "中", "1",   "٣", "Ⅻ", " ", " ", "  ",
+      "\n",   "\t",      "\r", "'", "'s", "'ll", "!", ".", "—", "😀", std::string(1, '\0'),
+      "\x7f", "\xc2\xa0" /* no-break space */};
+  std::string text;
+  for (size_t i = 0; i < chars; ++i) text += pool[rng.below(pool.size())];
+  return text;
+}
+
+class BpeFiles : public ::testing::Test {
+ protected:
+  void SetUp() override { vocab_size_ = write_bpe_files(dir_.path().string(), english_merges()); }
+  BpeTokenizer load() const {
+    return BpeTokenizer(dir_.file("vocab.json"), dir_.file("merges.txt"));
+  }
+  void write(const std::string& name, const std::string& text) const {
+    std::ofstream(dir_.file(name)) << text;
+  }
+  TempDir dir_;
+  int vocab_size_ = 0;
+};
+
+}  // namespace
+
+TEST(Gpt2Pretokenize, SplitsAsTheReferencePattern) {
+  // Each expectation follows the pattern's first matching alternative, by hand.
+  EXPECT_EQ(pieces("Hello world"), (Pieces{"Hello", " world"}));
+  EXPECT_EQ(pieces("I'm here, they're 'quoted'"),
+            (Pieces{"I", "'m", " here", ",", " they", "'re", " '", "quoted", "'"}));
+  EXPECT_EQ(pieces("'ll'd'S"), (Pieces{"'ll", "'d", "'", "S"}));  // contractions: lower case
+  EXPECT_EQ(pieces("a  b"), (Pieces{"a", " ", " b"}));  // a space run leaves one to the word
+  EXPECT_EQ(pieces("x\n\ny"), (Pieces{"x", "\n", "\n", "y"}));
+  EXPECT_EQ(pieces("x\n\n"), (Pieces{"x", "\n\n"}));  // a run at the end stays whole
+  EXPECT_EQ(pieces("ends   "), (Pieces{"ends", "   "}));
+  EXPECT_EQ(pieces("a\tb"), (Pieces{"a", "\t", "b"}));
+  EXPECT_EQ(pieces("abc123 4.5"), (Pieces{"abc", "123", " 4", ".", "5"}));
+  // Unicode letters (é, ñ), numbers (Arabic-Indic digits Nd, Roman numeral Nl), symbols.
+  EXPECT_EQ(pieces("café ñ ٣٤Ⅻ 😀!"), (Pieces{"café", " ñ", " ٣٤Ⅻ", " 😀!"}));
+  EXPECT_EQ(pieces("a\xc2\xa0\xc2\xa0"
+                   "b"),
+            (Pieces{"a", "\xc2\xa0", "\xc2\xa0", "b"}))
+      << "no-break space is White_Space but not ' ': it never joins a word";
+  EXPECT_TRUE(pieces("").empty());
+}
+
+TEST(Gpt2Pretokenize, PiecesCoverTheTextAndRejectBadUtf8) {
+  Rng rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::string text = random_text(rng, rng.below(40));
+    std::string joined;
+    for (const auto& p : pieces(text)) {
+      EXPECT_FALSE(p.empty());
+      joined += p;
+    }
+    EXPECT_EQ(joined, text);
+  }
+  expect_input_error([] { gpt2_pretokenize("ok \xff"); }, {"not valid UTF-8", "byte 3"});
+  expect_input_error([] { gpt2_pretokenize("\xe4\xb8"); }, {"byte 0"});  // cut short
+}
+
+TEST(BpeMerge, FollowsRanksNotPositions) {
+  // Symbols 0..4; merges: (1,2)->5 rank 0, (0,1)->6 rank 1, (5,3)->7 rank 2, (0,0)->8 rank 3.
+  const BpeMergeTable table = {{bpe_pair_key(1, 2), {0, 5}},
+                               {bpe_pair_key(0, 1), {1, 6}},
+                               {bpe_pair_key(5, 3), {2, 7}},
+                               {bpe_pair_key(0, 0), {3, 8}}};
+  // (0,1) comes first by position but (1,2) by rank.
+  EXPECT_EQ(bpe_merge({0, 1, 2, 3}, table), (std::vector<int32_t>{0, 7}));
+  EXPECT_EQ(bpe_merge({0, 0, 0}, table), (std::vector<int32_t>{8, 0}));  // leftmost first
+  EXPECT_EQ(bpe_merge({0, 0, 0, 0}, table), (std::vector<int32_t>{8, 8}));
+  EXPECT_EQ(bpe_merge({4}, table), (std::vector<int32_t>{4}));
+  EXPECT_TRUE(bpe_merge({}, table).empty());
+  EXPECT_EQ(naive::bpe_merge({0, 1, 2, 3}, table), (std::vector<int32_t>{0, 7}));
+}
+
+TEST(BpeMerge, HeapEqualsTheReferenceLoopOnRandomTables) {
+  // Tables as BPE training makes them: each merge joins two tokens that exist by then into a
+  // new one. Few symbols and many merges give long chains and repeated pairs.
+  Rng rng(11);
+  for (int table_no = 0; table_no < 20; ++table_no) {
+    const int32_t symbols = 2 + int32_t(rng.below(4));
+    BpeMergeTable table;
+    int32_t next_id = symbols;
+    for (int32_t rank = 0; rank < 60; ++rank) {
+      const auto left = int32_t(rng.below(uint64_t(next_id)));
+      const auto right = int32_t(rng.below(uint64_t(next_id)));
+      if (table.emplace(bpe_pair_key(left, right), BpeMerge{rank, next_id}).second) ++next_id;
+    }
+    for (int word = 0; word < 50; ++word) {
+      std::vector<int32_t> ids(rng.below(80));
+      for (auto& id : ids) id = int32_t(rng.below(uint64_t(symbols)));
+      ASSERT_EQ(bpe_merge(ids, table), naive::bpe_merge(ids, table))
+          << "table " << table_no << ", word " << word;
+    }
+  }
+}
+
+TEST_F(BpeFiles, EncodesByMergeRankAndRoundTrips) {
+  const BpeTokenizer tok = load();
+  EXPECT_EQ(tok.vocab_size(), vocab_size_);
+  EXPECT_EQ(tok.name(), "bpe");
+  EXPECT_EQ(tok.end_of_text(), vocab_size_ - 1);
+  // Ids: "th" 256, "the" 257, "Ġthe" 258, ... (english_merges order); bytes are their value.
+  EXPECT_EQ(tok.encode("the LORD said"), (std::vector<int32_t>{257, ' ', 271, 275}));
+  // " the": (t, h) outranks (Ġ, t), so "Ġthe" forms, not "Ġth" + "e".
+  EXPECT_EQ(tok.encode("And the"), (std::vector<int32_t>{'A', 'n', 'd', 258}));
+  EXPECT_EQ(tok.encode("x\n\n"), (std::vector<int32_t>{'x', 276}));
+  EXPECT_EQ(tok.encode("x\n\ny"), (std::vector<int32_t>{'x', '\n', '\n', 'y'}));
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{258, 261}), " the and");
+  Rng rng(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::string text = random_text(rng, rng.below(60));
+    EXPECT_EQ(tok.decode(tok.encode(text)), text);
+  }
+  EXPECT_LT(tok.encode("the LORD said and the LORD").size(),
+            ByteTokenizer().encode("the LORD said and the LORD").size());
+}
+
+TEST_F(BpeFiles, DecodesUnknownIdsAsReplacementAndRefusesNegative) {
+  const BpeTokenizer tok = load();
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{'a', vocab_size_, vocab_size_ + 40}),
+            "a\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{tok.end_of_text()}), "<|endoftext|>");
+  expect_input_error([&] { tok.decode(std::vector<int32_t>{'a', -1}); }, {"position 1"});
+}
+
+TEST_F(BpeFiles, SingleTokenNamesTheSetting) {
+  const BpeTokenizer tok = load();
+  EXPECT_EQ(tok.single_token("\n", "--stop"), '\n');
+  EXPECT_EQ(tok.single_token(" the", "--stop"), 258);
+  EXPECT_EQ(tok.single_token("", "--stop"), -1);
+  expect_input_error([&] { tok.single_token("the LORD", "--stop"); },
+                     {"--stop", "bpe", "3 tokens"});
+  expect_input_error([] { ByteTokenizer().single_token("ab", "train.sample_stop"); },
+                     {"train.sample_stop", "byte", "2 tokens"});
+}
+
+TEST_F(BpeFiles, RefusesTablesThatCouldFailToEncode) {
+  const std::string vocab = dir_.file("vocab.json"), merges = dir_.file("merges.txt");
+  auto rewrite_merges = [&](const std::string& body) {
+    write("merges.txt", "#version: 0.2\n" + body);
+  };
+  rewrite_merges("t\n");
+  expect_input_error([&] { load(); }, {merges, ":2:", "two tokens"});
+  rewrite_merges("t h x\n");
+  expect_input_error([&] { load(); }, {":2:", "two tokens"});
+  rewrite_merges("th e\n");  // "th" is in vocab.json but no merge has made it yet
+  expect_input_error([&] { load(); }, {":2:", "\"th\"", "earlier merge"});
+  rewrite_merges("t h\nt h\n");
+  expect_input_error([&] { load(); }, {":3:", "earlier merge"});
+  rewrite_merges("q q\n");
+  expect_input_error([&] { load(); }, {"\"qq\"", "not in"});
+  rewrite_merges("zz z\n");
+  expect_input_error([&] { load(); }, {"\"zz\" is not in"});
+
+  write_bpe_files(dir_.path().string(), english_merges());
+  write("vocab.json", "[1, 2]");
+  expect_input_error([&] { load(); }, {vocab, "JSON object"});
+  write("vocab.json", "{\"a\": ");
+  expect_input_error([&] { load(); }, {vocab, "not JSON"});
+  write("vocab.json", "{\"a\": 0, \"b\": 0}");
+  expect_input_error([&] { load(); }, {"id 0 belongs to two tokens"});
+  write("vocab.json", "{\"a\": -3}");
+  expect_input_error([&] { load(); }, {"\"a\"", "-3"});
+  write("vocab.json", "{\"a\": 0}");
+  expect_input_error([&] { load(); }, {"no token for byte 0"});
+  expect_input_error([&] { BpeTokenizer(dir_.file("missing.json"), merges); },
+                     {"missing.json", "cannot read"});
+}
+
+TEST_F(BpeFiles, LoadTokenizerReadsWhatDatasetJsonNames) {
+  const std::string d = dir_.path().string();
+  EXPECT_EQ(load_tokenizer(d, 256)->name(), "byte") << "no dataset.json, 256 ids: bytes";
+  EXPECT_EQ(load_tokenizer(d, 50304), nullptr) << "no dataset.json, other ids: none";
+  write("dataset.json", "{\"tokenizer\": \"bpe\"}");
+  const auto bpe = load_tokenizer(d, 512);
+  ASSERT_NE(bpe, nullptr);
+  EXPECT_EQ(bpe->name(), "bpe");
+  EXPECT_EQ(bpe->encode("the"), (std::vector<int32_t>{257}));
+  expect_input_error([&] { load_tokenizer(d, 256); }, {"281 ids", "model.vocab = 256"});
+  write("dataset.json", "{\"tokenizer\": \"pretokenized u16, eot 50256\"}");
+  EXPECT_EQ(load_tokenizer(d, 50304), nullptr);
+  write("dataset.json", "{\"tokenizer\": \"byte\"}");
+  EXPECT_EQ(load_tokenizer(d, 300)->name(), "byte");
+  write("dataset.json", "{\"tokenizer\": \"sentencepiece\"}");
+  expect_input_error([&] { load_tokenizer(d, 300); }, {"unknown tokenizer", "sentencepiece"});
+  write("dataset.json", "{}");
+  expect_input_error([&] { load_tokenizer(d, 300); }, {"dataset.json", "\"tokenizer\""});
+}
