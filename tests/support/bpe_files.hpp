@@ -1,12 +1,11 @@
 #pragma once
-// A small byte-level BPE vocabulary in GPT-2's file layout (vocab.json, merges.txt) for the
-// tokenizer tests: the 256 byte symbols (ids 0-255 in byte order), one token per merge
-// (ids 256, 257, ... in merge order), then "<|endoftext|>".
-#include <fstream>
-#include <nlohmann/json.hpp>
+// A small byte-level BPE vocabulary for the tokenizer tests, written by data::write_bpe_files
+// (bytes 0-255, merge r as 256 + r, then "<|endoftext|>"), and GPT-2's byte symbols.
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "tessel/data/bpe_trainer.hpp"
 
 namespace tessel::fixture {
 
@@ -39,23 +38,6 @@ inline const std::vector<std::pair<std::string, std::string>>& english_merges() 
       {"Ġt", "h"},  {"L", "O"},    {"LO", "R"},  {"LOR", "D"}, {"Ġ", "s"},  {"Ġs", "a"},
       {"Ġsa", "i"}, {"Ġsai", "d"}, {"Ċ", "Ċ"},   {"h", "e"},   {"Ġ", "he"}, {"e", "d"}};
   return merges;
-}
-
-// Writes dir/vocab.json and dir/merges.txt; returns the vocabulary size.
-inline int write_bpe_files(const std::string& dir,
-                           const std::vector<std::pair<std::string, std::string>>& merges) {
-  nlohmann::json vocab = nlohmann::json::object();
-  for (int b = 0; b < 256; ++b) vocab[gpt2_byte_symbol(b)] = b;
-  std::ofstream out(dir + "/merges.txt");
-  out << "#version: 0.2\n";
-  int id = 256;
-  for (const auto& [left, right] : merges) {
-    out << left << ' ' << right << '\n';
-    vocab[left + right] = id++;
-  }
-  vocab["<|endoftext|>"] = id++;
-  std::ofstream(dir + "/vocab.json") << vocab.dump();
-  return id;
 }
 
 }  // namespace tessel::fixture

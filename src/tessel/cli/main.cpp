@@ -26,6 +26,8 @@
 #include "tessel/comm/world.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/threading.hpp"
+#include "tessel/data/bpe_trainer.hpp"
+#include "tessel/data/corpus.hpp"
 #include "tessel/data/mixture.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/data/tokenizer.hpp"
@@ -68,6 +70,16 @@ int run_prepare(const data::PrepareOptions& opts) {
   std::printf("prepared %s%s: train %s; val %s\n", opts.corpus.c_str(),
               r.sft ? " (SFT: loss masks beside the shards)" : "", split(r.train).c_str(),
               split(r.val).c_str());
+  return 0;
+}
+
+int run_train_bpe(const std::string& corpus, int64_t vocab_size, const std::string& out) {
+  const auto merges = data::learn_bpe_merges(data::load_corpus(corpus), vocab_size - 257);
+  const int64_t size = data::write_bpe_files(out, merges);
+  std::printf(
+      "learned %zu merges from %s%s: vocabulary of %lld ids -> %s/vocab.json, %s/merges.txt\n",
+      merges.size(), corpus.c_str(), size < vocab_size ? " (no pair occurs twice any more)" : "",
+      static_cast<long long>(size), out.c_str(), out.c_str());
   return 0;
 }
 
@@ -373,6 +385,22 @@ int main(int argc, char** argv) {
           "UINT64"))
       ->capture_default_str();
 
+  std::string bpe_corpus = "bible", bpe_out = "data/bpe-bible";
+  int64_t bpe_vocab = 1024;
+  auto* train_bpe = app.add_subcommand(
+      "train-bpe",
+      "learn a byte-level BPE vocabulary (GPT-2's vocab.json and merges.txt) from a text "
+      "corpus, for prepare --tokenizer bpe:DIR");
+  train_bpe->add_option("--corpus", bpe_corpus, "a text corpus, as for prepare --corpus")
+      ->capture_default_str();
+  train_bpe
+      ->add_option("--vocab-size", bpe_vocab,
+                   "ids in all: the 256 bytes, the merges and <|endoftext|> (model.vocab must be "
+                   "at least this)")
+      ->check(CLI::Range(int64_t(257), int64_t(1) << 20))
+      ->capture_default_str();
+  train_bpe->add_option("--out", bpe_out, "output directory")->capture_default_str();
+
   std::string config_path;
   std::vector<std::string> overrides;
   bool help_config = false;
@@ -539,6 +567,7 @@ int main(int argc, char** argv) {
 
   try {
     if (*prepare) return world.rank() == 0 ? run_prepare(prep) : 0;
+    if (*train_bpe) return world.rank() == 0 ? run_train_bpe(bpe_corpus, bpe_vocab, bpe_out) : 0;
     if (*trainc) {
       if (help_config) {
         if (world.rank() == 0) std::printf("%s", schema_help().c_str());

@@ -15,9 +15,8 @@ namespace tessel::data {
 
 namespace {
 
-// GPT-2's map of bytes to code points: the printable Latin-1 bytes stand for themselves, the
-// other 68 (controls, space, 0x7F-0xA0, 0xAD) take 256, 257, ... in byte order, so every
-// token is printable text without spaces.
+// GPT-2's map of bytes to code points (bpe_byte_symbol): the other 68 bytes (controls, space,
+// 0x7F-0xA0, 0xAD) take 256, 257, ..., so every token is printable text without spaces.
 const std::array<UChar32, 256>& byte_code_points() {
   static const std::array<UChar32, 256> table = [] {
     std::array<UChar32, 256> t{};
@@ -29,13 +28,6 @@ const std::array<UChar32, 256>& byte_code_points() {
     return t;
   }();
   return table;
-}
-
-std::string utf8_of(UChar32 c) {
-  char buf[U8_MAX_LENGTH];
-  int32_t n = 0;
-  U8_APPEND_UNSAFE(buf, n, c);
-  return std::string(buf, size_t(n));
 }
 
 // A token's bytes: each byte symbol mapped back; other code points (in tokens added by hand,
@@ -72,6 +64,13 @@ CharClass classify(UChar32 c) {
 }
 
 }  // namespace
+
+std::string bpe_byte_symbol(int b) {
+  char buf[U8_MAX_LENGTH];
+  int32_t n = 0;
+  U8_APPEND_UNSAFE(buf, n, byte_code_points()[size_t(b)]);
+  return std::string(buf, size_t(n));
+}
 
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
   // Code points, their byte offsets (one past the end too) and classes.
@@ -223,7 +222,7 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
 
   std::vector<bool> made(size_t(vocab_size_), false);  // byte symbols, then merge results
   for (int b = 0; b < 256; ++b) {
-    const std::string symbol = utf8_of(byte_code_points()[size_t(b)]);
+    const std::string symbol = bpe_byte_symbol(b);
     const auto it = id_of.find(symbol);
     if (it == id_of.end())
       input_error(vocab_json, ": no token for byte ", b, " (its symbol \"", symbol,

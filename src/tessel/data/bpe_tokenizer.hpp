@@ -31,6 +31,10 @@ namespace tessel::data {
 // property White_Space (ICU). InputError for text that is not UTF-8, naming the byte offset.
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
 
+// The vocabulary's symbol of byte b in [0, 256) (GPT-2's map: the printable Latin-1 bytes
+// stand for themselves, the others for U+0100, U+0101, ... in byte order), as UTF-8.
+std::string bpe_byte_symbol(int b);
+
 // The merge of an adjacent pair of ids: its rank (line order in merges.txt) and the id made.
 struct BpeMerge {
   int32_t rank;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -10,7 +11,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "support/bpe_files.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/core/error.hpp"
 #include "unit/cli/cli_test_util.hpp"
@@ -496,27 +496,36 @@ TEST_F(CliTest, ATokenFileIsPreparedAndTrainsAModelOfItsVocabulary) {
       {"needs --vocab"});
 }
 
-// A byte-level BPE vocabulary (GPT-2's file layout) through the binary: text prepared with it
-// trains a model of its size, whose final sample and `generate` speak its tokens; the
-// vocabulary travels with the data, so generate needs no option to find it.
-TEST_F(CliTest, ABpeVocabularyPreparesTrainsSamplesAndGenerates) {
+// A byte-level BPE vocabulary through the binary: train-bpe learns one from a text corpus,
+// prepare encodes the text with it, the model trains at its size, and the final sample and
+// `generate` speak its tokens; the vocabulary travels with the data, so generate needs no
+// option to find it.
+TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   const std::string dir = temp_dir("bpe");
-  fs::create_directories(dir + "/bpe");
-  const int vocab =
-      tessel::fixture::write_bpe_files(dir + "/bpe", tessel::fixture::english_merges());
   {
     std::ofstream text(dir + "/text.txt");
     for (int p = 0; p < 40; ++p)
       text << "And the LORD said unto them, the " << p << " of the earth\nhe said and did\n\n";
   }
-  Outcome o = run_tessel("prepare --corpus file:" + dir + "/text.txt --tokenizer bpe:" + dir +
-                         "/bpe --out " + dir + "/data");
+  Outcome o = run_tessel("train-bpe --corpus file:" + dir + "/text.txt --vocab-size 300 --out " +
+                         dir + "/bpe");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  // Every id the output line counts is in vocab.json: bytes, one per merge line, <|endoftext|>.
+  const auto vocab = nlohmann::json::parse(slurp(dir + "/bpe/vocab.json"));
+  const std::string merges = slurp(dir + "/bpe/merges.txt");
+  const auto merge_lines = std::count(merges.begin(), merges.end(), '\n') - 1;  // less #version
+  EXPECT_NE(o.out.find("learned " + std::to_string(merge_lines) + " merges"), std::string::npos)
+      << o.out;
+  EXPECT_NE(o.out.find("vocabulary of " + std::to_string(vocab.size()) + " ids"), std::string::npos)
+      << o.out;
+  EXPECT_EQ(int64_t(vocab.size()), 257 + merge_lines);
+  o = run_tessel("prepare --corpus file:" + dir + "/text.txt --tokenizer bpe:" + dir +
+                 "/bpe --out " + dir + "/data");
   ASSERT_EQ(o.exit_code, 0) << o.err;
   const std::string run = dir + "/run";
   const std::string on_bpe = train_args(run) + " --set data.path=" + dir +
-                             "/data --set model.vocab=" + std::to_string(vocab) +
-                             " --set train.sample_tokens=6 --set 'train.sample_prompt=\"the LORD\"'"
-                             " --set run.quiet=false";
+                             "/data --set model.vocab=300 --set train.sample_tokens=6"
+                             " --set 'train.sample_prompt=\"the LORD\"' --set run.quiet=false";
   o = run_tessel(on_bpe);
   ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_NE(o.out.find("sample:\nthe LORD"), std::string::npos) << o.out;
@@ -531,6 +540,9 @@ TEST_F(CliTest, ABpeVocabularyPreparesTrainsSamplesAndGenerates) {
   expect_one_line_error(run_tessel("prepare --corpus file:" + dir +
                                    "/text.txt --tokenizer wordpiece --out " + dir + "/d2"),
                         {"--tokenizer must be byte or bpe:DIR"});
+  expect_one_line_error(run_tessel("train-bpe --corpus file:" + dir + "/none.txt --out " + dir),
+                        {"none.txt", "no such file"});
+  EXPECT_NE(run_tessel("train-bpe --vocab-size 100").exit_code, 0);
 }
 
 // An SFT corpus through the binary: a good JSON Lines file is prepared with its loss masks and

@@ -5,6 +5,7 @@
 #include "support/bpe_files.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/data/bpe_tokenizer.hpp"
+#include "tessel/data/bpe_trainer.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "unit/data/test_util.hpp"
 
@@ -13,7 +14,6 @@ using namespace tessel::data;
 using tessel::data::testing::expect_input_error;
 using tessel::data::testing::TempDir;
 using tessel::fixture::english_merges;
-using tessel::fixture::write_bpe_files;
 
 namespace {
 
@@ -38,7 +38,9 @@ std::string random_text(Rng& rng, size_t chars) {
 
 class BpeFiles : public ::testing::Test {
  protected:
-  void SetUp() override { vocab_size_ = write_bpe_files(dir_.path().string(), english_merges()); }
+  void SetUp() override {
+    vocab_size_ = int(write_bpe_files(dir_.path().string(), english_merges()));
+  }
   BpeTokenizer load() const {
     return BpeTokenizer(dir_.file("vocab.json"), dir_.file("merges.txt"));
   }

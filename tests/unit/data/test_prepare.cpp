@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "support/bpe_files.hpp"
 #include "tessel/core/rng.hpp"
@@ -275,7 +276,7 @@ TEST(Prepare, BpeTokenizerEncodesAndTravelsWithTheShards) {
   TempDir dir;
   const std::string bpe = dir.file("bpe"), out = dir.file("out");
   std::filesystem::create_directories(bpe);
-  const int vocab = fixture::write_bpe_files(bpe, fixture::english_merges());
+  const int vocab = int(data::write_bpe_files(bpe, fixture::english_merges()));
   const std::vector<std::string> docs = {"In the beginning", "the LORD said", "And the earth\n\n",
                                          "he said, Let there be light"};
   PrepareOptions opt;
@@ -330,7 +331,7 @@ TEST(Prepare, TokenFileTakesTheVocabularyOfItsIds) {
   TempDir dir;
   const std::string bpe = dir.file("bpe"), file = dir.file("ids.bin"), out = dir.file("out");
   std::filesystem::create_directories(bpe);
-  const int vocab = fixture::write_bpe_files(bpe, fixture::english_merges());
+  const int vocab = int(data::write_bpe_files(bpe, fixture::english_merges()));
   write_ids<uint16_t>(file, {257, 32, 271, 280, 258, 261, 280});
   PrepareOptions opt;
   opt.corpus = "tokens:" + file;
