@@ -428,6 +428,15 @@ TEST(FlashAttention, RejectsBadBlockMasks) {
         forward(BlockMask(1, 3, 8, 8, {1, 1, 1}), 4, 2);
       },
       {"block mask: mask heads Hm = 3", "1, Hq = 4 or Hk = 2"});
+  // The naive twin checks too (it indexes the block mask unchecked).
+  const BlockMask other_batch(2, 1, 8, 8, {1, 1});
+  VecD y(1024);
+  expect_input_error(
+      [&] {
+        naive::masked_attention_forward(y.data(), y.data(), y.data(), y.data(), y.data(),
+                                        {1, 8, 8, 1, 1, 4}, tm.mask(), &other_batch);
+      },
+      {"block mask is for B=2"});
 }
 
 TEST(FlashAttention, RejectsMismatchedMasks) {

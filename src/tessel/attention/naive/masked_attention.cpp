@@ -70,6 +70,7 @@ template <class T>
 void masked_attention_forward(T* o, T* lse, const T* q, const T* k, const T* v,
                               const AttentionShape& s, const ColumnMask& mask,
                               const BlockMask* block) {
+  if (block) block->check_fits(mask, s.Hq, s.Hk);  // it is indexed without bounds checks
   std::vector<T> p(size_t(s.Sk));
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.Hq; ++h)
@@ -90,6 +91,7 @@ template <class T>
 void masked_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k,
                                const T* v, const T* o, const T* lse, const AttentionShape& s,
                                const ColumnMask& mask, const BlockMask* block) {
+  if (block) block->check_fits(mask, s.Hq, s.Hk);
   const T scale = T(1) / std::sqrt(T(s.D));
   std::vector<T> p(size_t(s.Sk));
   for (int64_t b = 0; b < s.B; ++b)
