@@ -382,6 +382,42 @@ TEST(FlashAttention, RowsMaskedOnlyByBlocksGiveZeros) {
   }
 }
 
+// Block masks skip irregular tiles, so key chunks visit query tiles their lower neighbours skip
+// and the reverse: dQ, dK, dV still repeat bitwise on 1, 2 and 3 threads.
+TEST(FlashAttention, BlockMaskBackwardBitwiseAcrossThreadCounts) {
+  Rng rng(38);
+  const int64_t N = 1000;
+  const FlashOptions opt{.tile_q = 64, .run_cols = 128};
+  const auto cases = test::standard_masks(N, rng);
+  const int saved = num_threads();
+  for (size_t t : {0, 2})
+    for (int64_t Hq : {1, 4})
+      for (uint64_t percent_on : {25, 50, 75}) {
+        SCOPED_TRACE(cases[t].name + " Hq=" + std::to_string(Hq) + " on " +
+                     std::to_string(percent_on) + "%");
+        const AttentionShape s{1, N, N, Hq, 1, 16};
+        const Problem p = random_problem(s, 39);
+        const TiledMask tm(stack_masks(N, N, 1, 1, {cases[t].columns}));
+        const BlockMask block = test::random_block_mask(rng, 1, Hq, N, N, percent_on);
+        VecF o(p.q.size()), lse(static_cast<size_t>(Hq * N));
+        flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm,
+                                opt, &block);
+        const auto backward = [&](int threads) {
+          set_num_threads(threads);
+          VecF dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
+          flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(),
+                                   p.k.data(), p.v.data(), o.data(), lse.data(), s, tm, opt,
+                                   &block);
+          for (const VecF* x : {&dk, &dv}) dq.insert(dq.end(), x->begin(), x->end());
+          return dq;
+        };
+        const VecF one = backward(1);
+        EXPECT_TRUE(kernels::test::bitwise_equal(one, backward(2)));
+        EXPECT_TRUE(kernels::test::bitwise_equal(one, backward(3)));
+      }
+  set_num_threads(saved);
+}
+
 // A block mask of ones changes nothing, to the bit (forward and backward, several tilings).
 TEST(FlashAttention, AllOnesBlockMaskIsBitwiseNoBlockMask) {
   Rng rng(36);
