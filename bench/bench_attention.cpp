@@ -7,6 +7,9 @@
 // skipping on causal-document masks (documents of 256-2048 tokens) against the same kernel
 // with skipping disabled, next to the 0.8 / (visible-tile fraction) target, and the causal
 // mask's speed-up on all threads against one thread (timed interleaved in the same run).
+// Block masks: the causal mask ANDed with a FlashMask-3 block mask (diagonal 128-blocks on, each
+// block below it on with probability 25 % or 50 %), against the causal mask alone in the same
+// repetitions, next to the ratio of computed tiles.
 //
 //   bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--kv-heads 4] [--reps 3]
 #include <algorithm>
@@ -16,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tessel/attention/block_mask.hpp"
 #include "tessel/attention/flash_attention.hpp"
 #include "tessel/attention/mask_builders.hpp"
 #include "tessel/core/rng.hpp"
@@ -83,6 +87,17 @@ std::vector<Case> masks(int64_t N, Rng& rng) {
   };
 }
 
+// Causal block pattern over N x N: diagonal blocks on (no row loses every key), each block
+// below the diagonal on with probability percent_on / 100.
+BlockMask causal_blocks(int64_t N, uint64_t percent_on, Rng& rng) {
+  const int64_t nb = (N + BlockMask::kBlock - 1) / BlockMask::kBlock;
+  std::vector<uint8_t> on(size_t(nb * nb), 0);
+  for (int64_t br = 0; br < nb; ++br)
+    for (int64_t bc = 0; bc <= br; ++bc)
+      on[size_t(br * nb + bc)] = bc == br || rng.below(100) < percent_on;
+  return BlockMask(1, 1, N, N, std::move(on));
+}
+
 struct Timing {
   double fwd = 1e30, bwd = 1e30;
 };
@@ -90,15 +105,15 @@ struct Timing {
 // One forward and one backward; keeps the faster of each in `t`.
 void time_once(Timing& t, const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt,
                const std::vector<float>& q, const std::vector<float>& k,
-               const std::vector<float>& v) {
+               const std::vector<float>& v, const BlockMask* block = nullptr) {
   std::vector<float> o(q.size()), lse(size_t(s.B * s.Hq * s.Sq)), dq(q.size()), dk(k.size()),
       dv(k.size());
   Timer f;
-  flash_attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s, tm, opt);
+  flash_attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s, tm, opt, block);
   t.fwd = std::min(t.fwd, f.seconds());
   Timer b;
   flash_attention_backward(dq.data(), dk.data(), dv.data(), o.data(), q.data(), k.data(), v.data(),
-                           o.data(), lse.data(), s, tm, opt);
+                           o.data(), lse.data(), s, tm, opt, block);
   t.bwd = std::min(t.bwd, b.seconds());
 }
 
@@ -169,6 +184,10 @@ int main(int argc, char** argv) {
       const size_t doc_case = 3;     // "causal document": also timed with skipping off
       std::vector<Timing> t(cases.size());
       Timing base, one_thread;
+      const std::vector<uint64_t> block_percents{25, 50};
+      std::vector<BlockMask> blocks;
+      for (uint64_t pct : block_percents) blocks.push_back(causal_blocks(N, pct, rng));
+      std::vector<Timing> tblock(blocks.size());
       FlashOptions no_skip = opt;
       no_skip.skip_tiles = false;
       double peak = 0;
@@ -176,6 +195,8 @@ int main(int argc, char** argv) {
         peak = std::max(peak, kernels::measure_gemm_peak_gflops(1024, 0.3));
         for (size_t c = 0; c < cases.size(); ++c) time_once(t[c], s, tiled[c], opt, q, k, v);
         time_once(base, s, tiled[doc_case], no_skip, q, k, v);
+        for (size_t i = 0; i < blocks.size(); ++i)
+          time_once(tblock[i], s, tiled[causal_case], opt, q, k, v, &blocks[i]);
         set_num_threads(1);
         time_once(one_thread, s, tiled[causal_case], opt, q, k, v);
         set_num_threads(threads);
@@ -209,6 +230,18 @@ int main(int argc, char** argv) {
           "causal on 1 thread: fwd %.1f ms, bwd %.1f ms; %d threads vs 1: fwd %.2fx, bwd %.2fx\n",
           one_thread.fwd * 1e3, one_thread.bwd * 1e3, threads, one_thread.fwd / t[causal_case].fwd,
           one_thread.bwd / t[causal_case].bwd);
+      const double causal_frac = frac[causal_case];
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        const double bf =
+            count_tiles(tiled[causal_case], heads, kv_heads, opt.tile_q, 0, -1, &blocks[i])
+                .computed_fraction();
+        std::printf(
+            "causal + block mask, %llu%% of blocks below the diagonal on: computed %.3f, fwd %.1f "
+            "ms, bwd %.1f ms; causal without it: fwd %.2fx, bwd %.2fx (computed tiles %.2fx)\n",
+            (unsigned long long)block_percents[i], bf, tblock[i].fwd * 1e3, tblock[i].bwd * 1e3,
+            t[causal_case].fwd / tblock[i].fwd, t[causal_case].bwd / tblock[i].bwd,
+            causal_frac / bf);
+      }
       std::printf("R^2 of time vs computed fraction: forward %.4f, backward %.4f\n",
                   r_squared(frac, tf), r_squared(frac, tb));
     }

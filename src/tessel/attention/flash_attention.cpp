@@ -22,24 +22,38 @@ struct Run {
   bool partial;
 };
 
+// The masks one (batch, query head) reads: column mask head hm and, with a block mask, its head
+// hb.
+struct HeadMasks {
+  const TiledMask& tm;
+  const BlockMask* block;
+  int64_t b, hm, hb;
+};
+
+HeadMasks head_masks(const TiledMask& tm, const BlockMask* block, const AttentionShape& s,
+                     int64_t b, int64_t h) {
+  return {tm, block, b, tm.mask().head_for(h, s.Hq, s.Hk),
+          block ? block->head_for(h, s.Hq, s.Hk) : 0};
+}
+
 // Tiles per run: as many whole key tiles as fit in opt.run_cols, at least one.
 int64_t tiles_per_run(const FlashOptions& opt, const TiledMask& m) {
   return std::max<int64_t>(1, opt.run_cols / m.tile_k());
 }
 
-// The runs of query rows [r0, r1) of mask head (b, hm) over key tiles [n_begin, n_end):
+// The runs of query rows [r0, r1) under masks hk over key tiles [n_begin, n_end):
 // maximal stretches of non-skipped key tiles, each split into the fewest near-equal whole-tile
 // pieces of at most opt.run_cols columns (so a stretch slightly over the limit does not leave
 // one short, slow GEMM). kinds[n] is set for the tiles of the range.
-void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const TiledMask& m, int64_t b,
-               int64_t hm, int64_t r0, int64_t r1, int64_t n_begin, int64_t n_end,
-               const FlashOptions& opt) {
+void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const HeadMasks& hk,
+               int64_t r0, int64_t r1, int64_t n_begin, int64_t n_end, const FlashOptions& opt) {
   runs.clear();
+  const TiledMask& m = hk.tm;
   const int64_t Sk = m.mask().cols(), tk = m.tile_k();
   const int64_t max_tiles = tiles_per_run(opt, m);
   kinds.resize(size_t(m.num_key_tiles()));
   for (int64_t n = n_begin; n < n_end; ++n) {
-    TileKind kind = m.classify(b, hm, r0, r1, n);
+    TileKind kind = classify(m, hk.block, hk.b, hk.hm, hk.hb, r0, r1, n);
     if (kind == TileKind::skip && !opt.skip_tiles) kind = TileKind::partial;
     kinds[size_t(n)] = kind;
   }
@@ -61,10 +75,26 @@ void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const Tiled
   }
 }
 
-// Sets S[r, j - c0] = -inf wherever row r0 + r may not see column j, over the partial tiles of
-// the run (unmasked tiles of the run are left alone).
+// Sets S[r, j - run.c0] = -inf in the run's columns of every block that is off for row r0 + r.
+// Over the whole run: its unmasked tiles lie in blocks that are on.
+void apply_block_mask(float* S, int64_t ldS, const Run& run, const BlockMask& block, int64_t b,
+                      int64_t hb, int64_t r0, int64_t R) {
+  constexpr int64_t K = BlockMask::kBlock;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t bc = run.c0 / K; bc * K < run.c1; ++bc) {
+      if (block.on(b, hb, (r0 + r) / K, bc)) continue;
+      float* row = S + r * ldS - run.c0;
+      std::fill(row + std::max(run.c0, bc * K), row + std::min(run.c1, (bc + 1) * K), -INFINITY);
+    }
+}
+
+// Sets S[r, j - run.c0] = -inf wherever row r0 + r may not see column j: the block mask over the
+// run, the column mask over its partial tiles (unmasked tiles are left alone).
 void apply_mask(float* S, int64_t ldS, const Run& run, const std::vector<TileKind>& kinds,
-                const TiledMask& m, int64_t b, int64_t hm, int64_t r0, int64_t R) {
+                const HeadMasks& hk, int64_t r0, int64_t R) {
+  if (hk.block) apply_block_mask(S, ldS, run, *hk.block, hk.b, hk.hb, r0, R);
+  const TiledMask& m = hk.tm;
+  const int64_t b = hk.b, hm = hk.hm;
   const ColumnMask& mask = m.mask();
   const int32_t* lts = mask.vector(b, hm, kLTS);
   const int32_t* lte = mask.vector(b, hm, kLTE);
@@ -114,8 +144,9 @@ struct Setup {
   float scale;
 };
 
-Setup setup(const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt) {
-  check_mask_fits(tm, s);
+Setup setup(const AttentionShape& s, const TiledMask& tm, const BlockMask* block,
+            const FlashOptions& opt) {
+  check_mask_fits(tm, s, block);
   TESSEL_CHECK(opt.tile_q >= 1 && opt.run_cols >= 1, "tile_q = ", opt.tile_q,
                " run_cols = ", opt.run_cols);
   return {(s.Sq + opt.tile_q - 1) / opt.tile_q, tiles_per_run(opt, tm) * tm.tile_k(),
@@ -124,7 +155,7 @@ Setup setup(const AttentionShape& s, const TiledMask& tm, const FlashOptions& op
 
 }  // namespace
 
-void check_mask_fits(const TiledMask& tm, const AttentionShape& s) {
+void check_mask_fits(const TiledMask& tm, const AttentionShape& s, const BlockMask* block) {
   if (s.B < 1 || s.Sq < 1 || s.Sk < 1 || s.D < 1 || s.Hq < 1 || s.Hk < 1 || s.Hq % s.Hk != 0)
     input_error("attention shape B=", s.B, " Sq=", s.Sq, " Sk=", s.Sk, " Hq=", s.Hq, " Hk=", s.Hk,
                 " D=", s.D, ": sizes must be >= 1 and Hq a multiple of Hk");
@@ -133,13 +164,14 @@ void check_mask_fits(const TiledMask& tm, const AttentionShape& s) {
     input_error("attention mask is for B=", m.batch(), " Sq=", m.rows(), " Sk=", m.cols(),
                 " but the inputs have B=", s.B, " Sq=", s.Sq, " Sk=", s.Sk);
   m.check_heads(s.Hq, s.Hk);
+  if (block) block->check_fits(m, s.Hq, s.Hk);
 }
 
 // Online softmax over the runs of each query tile (spec §4.3).
 void flash_attention_forward(float* o, float* lse, const float* q, const float* k, const float* v,
-                             const AttentionShape& s, const TiledMask& tm,
-                             const FlashOptions& opt) {
-  const Setup st = setup(s, tm, opt);
+                             const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt,
+                             const BlockMask* block) {
+  const Setup st = setup(s, tm, block, opt);
   const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk;
   const Layout& L = st.layout;
 #pragma omp parallel
@@ -153,8 +185,8 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
       for (int64_t h = 0; h < s.Hq; ++h)
         for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
           const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0), g = h / rep;
-          const int64_t hm = tm.mask().head_for(h, s.Hq, s.Hk);
-          plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, 0, tm.num_key_tiles(), opt);
+          const HeadMasks hk = head_masks(tm, block, s, b, h);
+          plan_runs(runs, kinds, hk, r0, r0 + R, 0, tm.num_key_tiles(), opt);
           std::fill(m.begin(), m.end(), -INFINITY);
           std::fill(l.begin(), l.end(), 0.0f);
           std::fill(acc.begin(), acc.end(), 0.0f);
@@ -164,7 +196,7 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
             const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
             kd::sgemm(false, true, R, J, D, st.scale, qt_ptr, L.ldq, k + kv0, L.ldkv, 0.0f,
                       S.data(), J);
-            if (run.partial) apply_mask(S.data(), J, run, kinds, tm, b, hm, r0, R);
+            if (run.partial) apply_mask(S.data(), J, run, kinds, hk, r0, R);
             for (int64_t r = 0; r < R; ++r) {
               float* p = S.data() + r * J;
               float mx = -INFINITY;
@@ -312,9 +344,9 @@ class OrderedDq {
 // through OrderedDq. The partition depends on the options only, never on the thread count.
 void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                               const float* k, const float* v, const float* o, const float* lse,
-                              const AttentionShape& s, const TiledMask& tm,
-                              const FlashOptions& opt) {
-  const Setup st = setup(s, tm, opt);
+                              const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt,
+                              const BlockMask* block) {
+  const Setup st = setup(s, tm, block, opt);
   const int64_t D = s.D, Br = opt.tile_q, rep = s.Hq / s.Hk, Qt = st.query_tiles;
   const int64_t chunk_tiles = st.run_cols / tm.tile_k();
   const int64_t chunks = (tm.num_key_tiles() + chunk_tiles - 1) / chunk_tiles;
@@ -348,8 +380,9 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
       // its lower neighbours visit in the same order, so its contributions rarely wait.
       for (int64_t step = 0; step < steps; ++step) {
         const int64_t h = g * rep + step / Qt, r0 = (Qt - 1 - step % Qt) * Br;
-        const int64_t R = std::min(Br, s.Sq - r0), hm = tm.mask().head_for(h, s.Hq, s.Hk);
-        plan_runs(runs, kinds, tm, b, hm, r0, r0 + R, n0, n1, opt);
+        const int64_t R = std::min(Br, s.Sq - r0);
+        const HeadMasks hk = head_masks(tm, block, s, b, h);
+        plan_runs(runs, kinds, hk, r0, r0 + R, n0, n1, opt);
         const int64_t q0 = L.q_offset(s, b, h, r0);
         const float* row_lse = lse + (b * s.Hq + h) * s.Sq + r0;
         const float* row_delta = delta.data() + (b * s.Hq + h) * s.Sq + r0;
@@ -359,7 +392,7 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
           const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
           kd::sgemm(false, true, R, J, D, st.scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f, P.data(),
                     J);
-          if (run.partial) apply_mask(P.data(), J, run, kinds, tm, b, hm, r0, R);
+          if (run.partial) apply_mask(P.data(), J, run, kinds, hk, r0, R);
           kd::sgemm(false, true, R, J, D, 1.0f, dout + q0, L.ldq, v + kv0, L.ldkv, 0.0f, dS.data(),
                     J);
           for (int64_t r = 0; r < R; ++r) {
@@ -409,25 +442,27 @@ Tensor as_f32(const Tensor& t) {
 }  // namespace
 
 FlashForward flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const TiledMask& mask, const FlashOptions& opt) {
+                                     const TiledMask& mask, const FlashOptions& opt,
+                                     const BlockMask* block) {
   const AttentionShape s = shape_of(q, k, v);
   const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v);
   FlashForward out{Tensor({s.B, s.Sq, s.Hq, s.D}), Tensor({s.B, s.Hq, s.Sq})};
-  flash_attention_forward(out.o.f32(), out.lse.f32(), q32.f32(), k32.f32(), v32.f32(), s, mask,
-                          opt);
+  flash_attention_forward(out.o.f32(), out.lse.f32(), q32.f32(), k32.f32(), v32.f32(), s, mask, opt,
+                          block);
   return out;
 }
 
 FlashGradients flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                         const Tensor& v, const FlashForward& fwd,
-                                        const TiledMask& mask, const FlashOptions& opt) {
+                                        const TiledMask& mask, const FlashOptions& opt,
+                                        const BlockMask* block) {
   const AttentionShape s = shape_of(q, k, v);
   if (dout.shape() != fwd.o.shape() || fwd.o.shape() != q.shape())
     input_error("attention backward: dout and o must have the shape of q");
   const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v), do32 = as_f32(dout);
   FlashGradients g{Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape())};
   flash_attention_backward(g.dq.f32(), g.dk.f32(), g.dv.f32(), do32.f32(), q32.f32(), k32.f32(),
-                           v32.f32(), fwd.o.f32(), fwd.lse.f32(), s, mask, opt);
+                           v32.f32(), fwd.o.f32(), fwd.lse.f32(), s, mask, opt, block);
   return g;
 }
 

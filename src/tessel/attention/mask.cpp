@@ -75,17 +75,25 @@ ColumnMask ColumnMask::causal_only(int64_t B, int64_t Sq, int64_t Sk) {
   return ColumnMask(B, 1, Sq, Sk, 1, true, std::vector<int32_t>(size_t(B * Sk), int32_t(Sq)));
 }
 
-int64_t ColumnMask::head_for(int64_t h, int64_t Hq, int64_t Hk) const {
-  if (Hm_ == 1) return 0;
-  if (Hm_ == Hq) return h;
-  if (Hm_ == Hk) return h / (Hq / Hk);
-  check_heads(Hq, Hk);
+int64_t broadcast_head(const char* what, int64_t Hm, int64_t h, int64_t Hq, int64_t Hk) {
+  if (Hm == 1) return 0;
+  if (Hm == Hq) return h;
+  if (Hm == Hk) return h / (Hq / Hk);
+  check_broadcast_heads(what, Hm, Hq, Hk);
   return 0;
 }
 
+void check_broadcast_heads(const char* what, int64_t Hm, int64_t Hq, int64_t Hk) {
+  if (Hm != 1 && Hm != Hq && Hm != Hk)
+    input_error(what, ": mask heads Hm = ", Hm, " must be 1, Hq = ", Hq, " or Hk = ", Hk);
+}
+
+int64_t ColumnMask::head_for(int64_t h, int64_t Hq, int64_t Hk) const {
+  return broadcast_head("attention mask", Hm_, h, Hq, Hk);
+}
+
 void ColumnMask::check_heads(int64_t Hq, int64_t Hk) const {
-  if (Hm_ != 1 && Hm_ != Hq && Hm_ != Hk)
-    input_error("attention mask: mask heads Hm = ", Hm_, " must be 1, Hq = ", Hq, " or Hk = ", Hk);
+  check_broadcast_heads("attention mask", Hm_, Hq, Hk);
 }
 
 bool ColumnMask::visible(int64_t b, int64_t hm, int64_t i, int64_t j) const {

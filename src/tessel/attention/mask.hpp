@@ -25,6 +25,12 @@ namespace tessel::attention {
 
 enum MaskVector : int { kLTS = 0, kLTE = 1, kUTS = 2, kUTE = 3 };
 
+// Head broadcasting shared by the column and the block mask: the head of a mask with Hm heads
+// that query head h of Hq (with Hk key/value heads) reads. `what` names the mask in the
+// InputError raised when Hm is none of 1, Hq, Hk.
+int64_t broadcast_head(const char* what, int64_t Hm, int64_t h, int64_t Hq, int64_t Hk);
+void check_broadcast_heads(const char* what, int64_t Hm, int64_t Hq, int64_t Hk);
+
 class ColumnMask {
  public:
   ColumnMask() = default;

@@ -46,24 +46,41 @@ bool TiledMask::intervals_touch(int64_t b, int64_t hm, int64_t r0, int64_t r1, i
   return (r0 < t[3] && r1 > t[0]) || (r0 < t[7] && r1 > t[4]);
 }
 
+TileKind classify(const TiledMask& m, const BlockMask* block, int64_t b, int64_t hm, int64_t hb,
+                  int64_t r0, int64_t r1, int64_t n) {
+  const TileKind kind = m.classify(b, hm, r0, r1, n);
+  if (block == nullptr || kind == TileKind::skip) return kind;
+  const int64_t c0 = n * m.tile_k(), c1 = std::min(m.mask().cols(), c0 + m.tile_k());
+  switch (block->cover(b, hb, r0, r1, c0, c1)) {
+    case BlockCover::none:
+      return TileKind::skip;
+    case BlockCover::some:
+      return TileKind::partial;
+    case BlockCover::all:
+      break;
+  }
+  return kind;
+}
+
 int64_t TiledMask::bytes() const {
   return mask_.bytes() + int64_t(minmax_.size() * sizeof(int32_t));
 }
 
 TileCounts count_tiles(const TiledMask& m, int64_t Hq, int64_t Hk, int64_t tile_q,
-                       int64_t row_begin, int64_t row_end) {
+                       int64_t row_begin, int64_t row_end, const BlockMask* block) {
   m.mask().check_heads(Hq, Hk);
+  if (block) block->check_fits(m.mask(), Hq, Hk);
   const int64_t Sq = row_end < 0 ? m.mask().rows() : row_end, Sk = m.mask().cols();
   TESSEL_CHECK(0 <= row_begin && row_begin <= Sq && Sq <= m.mask().rows(), "rows [", row_begin,
                ", ", Sq, ")");
   TileCounts c;
   for (int64_t b = 0; b < m.mask().batch(); ++b)
     for (int64_t h = 0; h < Hq; ++h) {
-      const int64_t hm = m.mask().head_for(h, Hq, Hk);
+      const int64_t hm = m.mask().head_for(h, Hq, Hk), hb = block ? block->head_for(h, Hq, Hk) : 0;
       for (int64_t r0 = row_begin; r0 < Sq; r0 += tile_q) {
         const int64_t r1 = std::min(Sq, r0 + tile_q);
         for (int64_t n = 0; n < m.num_key_tiles(); ++n) {
-          const TileKind kind = m.classify(b, hm, r0, r1, n);
+          const TileKind kind = classify(m, block, b, hm, hb, r0, r1, n);
           if (kind == TileKind::skip) {
             ++c.skipped;
             continue;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tessel/attention/block_mask.hpp"
 #include "tessel/attention/mask.hpp"
 
 namespace tessel::attention {
@@ -38,6 +39,12 @@ class TiledMask {
   std::vector<int32_t> minmax_;  // [B, Hm, tiles, 4 vectors, {min, max}]
 };
 
+// The tile's kind under the column mask (head hm) ANDed with head hb of a block mask (nullptr:
+// m.classify itself): skipped when every block it touches is off, at least partial when some
+// is, the column mask's kind when all are on. Still conservative.
+TileKind classify(const TiledMask& m, const BlockMask* block, int64_t b, int64_t hm, int64_t hb,
+                  int64_t r0, int64_t r1, int64_t n);
+
 // How many (batch, query head, query tile, key tile) tiles of an attention call fall in each
 // class, and the query x key elements of the computed (non-skipped) tiles. Query tiles of tile_q
 // rows start at row_begin and cover [row_begin, row_end) (row_end < 0: every row).
@@ -48,6 +55,7 @@ struct TileCounts {
   double computed_fraction() const { return total() ? double(partial + unmasked) / total() : 0; }
 };
 TileCounts count_tiles(const TiledMask& mask, int64_t Hq, int64_t Hk, int64_t tile_q,
-                       int64_t row_begin = 0, int64_t row_end = -1);
+                       int64_t row_begin = 0, int64_t row_end = -1,
+                       const BlockMask* block = nullptr);
 
 }  // namespace tessel::attention

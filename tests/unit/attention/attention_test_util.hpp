@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tessel/attention/block_mask.hpp"
 #include "tessel/attention/mask_builders.hpp"
 #include "tessel/core/rng.hpp"
 #include "unit/kernels/kernel_test_util.hpp"
@@ -130,6 +131,16 @@ inline MaskColumns random_mask(Rng& rng, int64_t Sq, int64_t Sk, bool causal) {
       m.values[size_t(j * V + iv + 1)] = int32_t(b);
     }
   return m;
+}
+
+// A random block mask [B, Hm, ceil(Sq / 128), ceil(Sk / 128)], each block on with probability
+// percent_on / 100.
+inline BlockMask random_block_mask(Rng& rng, int64_t B, int64_t Hm, int64_t Sq, int64_t Sk,
+                                   uint64_t percent_on) {
+  constexpr int64_t K = BlockMask::kBlock;
+  std::vector<uint8_t> on(size_t(B * Hm * ((Sq + K - 1) / K) * ((Sk + K - 1) / K)));
+  for (auto& x : on) x = rng.below(100) < percent_on ? 1 : 0;
+  return BlockMask(B, Hm, Sq, Sk, std::move(on));
 }
 
 }  // namespace tessel::attention::test

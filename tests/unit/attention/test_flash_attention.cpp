@@ -38,19 +38,22 @@ Problem random_problem(const AttentionShape& s, uint64_t seed) {
 // Runs the fast kernel (f32) and the dense reference (f64) and compares O, LSE, dQ, dK, dV.
 void expect_matches_reference(const Problem& p, const ColumnMask& mask,
                               const FlashOptions& opt = {},
-                              int64_t tile_k = TiledMask::kDefaultTileK) {
+                              int64_t tile_k = TiledMask::kDefaultTileK,
+                              const BlockMask* block = nullptr) {
   const AttentionShape& s = p.s;
   const TiledMask tm(mask, tile_k);
   const size_t nq = p.q.size(), nk = p.k.size(), nl = size_t(s.B * s.Hq * s.Sq);
   VecF o(nq), lse(nl), dq(nq), dk(nk), dv(nk);
-  flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, opt);
+  flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, opt,
+                          block);
   flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(),
-                           p.v.data(), o.data(), lse.data(), s, tm, opt);
+                           p.v.data(), o.data(), lse.data(), s, tm, opt, block);
   const VecD q = to_f64(p.q), k = to_f64(p.k), v = to_f64(p.v), g = to_f64(p.dout);
   VecD ro(nq), rl(nl), rdq(nq), rdk(nk), rdv(nk);
-  naive::masked_attention_forward(ro.data(), rl.data(), q.data(), k.data(), v.data(), s, mask);
+  naive::masked_attention_forward(ro.data(), rl.data(), q.data(), k.data(), v.data(), s, mask,
+                                  block);
   naive::masked_attention_backward(rdq.data(), rdk.data(), rdv.data(), g.data(), q.data(), k.data(),
-                                   v.data(), ro.data(), rl.data(), s, mask);
+                                   v.data(), ro.data(), rl.data(), s, mask, block);
   // An all-zero reference (every row masked) compares absolutely.
   EXPECT_LT(rel_error(o, ro, 1.0), kTol);
   EXPECT_LT(lse_error(lse, rl), kTol);
@@ -298,6 +301,178 @@ TEST(FlashAttention, AcceptsBf16Inputs) {
   const VecF fo(f.o.f32(), f.o.f32() + f.o.numel());
   EXPECT_LE(rel_error(fo, ro), 2 * rel_error(no, ro) + 1e-3);
   EXPECT_GT(rel_error(fo, ro), 1e-4);  // the inputs really were rounded
+}
+
+// Random block masks (25-75 % of blocks on) ANDed with causal, sliding-window, causal-document
+// and a non-causal V = 4 mask (global + sliding window); one block mask for all heads and one
+// per query head; default tiles (128 x 64: a key tile is half a block), odd tiles that straddle
+// block borders, and tiles spanning several blocks; the 1000-row case also with skipping off.
+TEST(FlashAttention, BlockMaskMatchesReference) {
+  Rng rng(30);
+  const int64_t H = 4;
+  for (int64_t N : {1, 127, 128, 300, 1000}) {
+    const auto cases = test::standard_masks(N, rng);
+    for (size_t t : {0, 1, 2, 5}) {
+      for (int64_t Hm : {int64_t(1), H}) {
+        SCOPED_TRACE(cases[t].name + " N=" + std::to_string(N) + " Hm=" + std::to_string(Hm));
+        const AttentionShape s{2, N, N, H, 2, 8};
+        const ColumnMask mask = stack_masks(N, N, 2, 1, {cases[t].columns, cases[t].columns});
+        const BlockMask block = test::random_block_mask(rng, 2, Hm, N, N, 25 + 25 * (t % 3));
+        const Problem p = random_problem(s, 31 + t);
+        expect_matches_reference(p, mask, {}, TiledMask::kDefaultTileK, &block);
+        expect_matches_reference(p, mask, {.tile_q = 37, .run_cols = 100}, 29, &block);
+        expect_matches_reference(p, mask, {.tile_q = 300, .run_cols = 600}, 300, &block);
+        if (N == 1000) expect_matches_reference(p, mask, {.skip_tiles = false}, 64, &block);
+      }
+    }
+  }
+}
+
+// Sq != Sk (bottom-right causal) with a block mask [B, Hm, ceil(Sq / 128), ceil(Sk / 128)].
+TEST(FlashAttention, BlockMaskWithUnequalLengths) {
+  Rng rng(32);
+  for (auto [Sq, Sk] :
+       {std::pair<int64_t, int64_t>{300, 1000}, {1000, 300}, {127, 129}, {1, 300}}) {
+    SCOPED_TRACE("Sq=" + std::to_string(Sq) + " Sk=" + std::to_string(Sk));
+    const BlockMask per_head = test::random_block_mask(rng, 1, 2, Sq, Sk, 50);
+    expect_matches_reference(random_problem({1, Sq, Sk, 4, 2, 8}, 33),
+                             stack_masks(Sq, Sk, 1, 1, {causal_mask(Sq, Sk)}), {}, 64, &per_head);
+    const BlockMask shared = test::random_block_mask(rng, 1, 1, Sq, Sk, 50);
+    expect_matches_reference(random_problem({1, Sq, Sk, 2, 1, 8}, 34),
+                             stack_masks(Sq, Sk, 1, 1, {test::random_mask(rng, Sq, Sk, false)}),
+                             {.tile_q = 48, .run_cols = 64}, 32, &shared);
+  }
+}
+
+// Rows whose every visible key lies in off blocks: O = 0, LSE = -inf, zero gradients, no NaN;
+// the column mask alone masks none of them. With 128-row query tiles the off block row is
+// skipped; 100-row tiles straddle it, so its rows go through the element-wise block mask.
+TEST(FlashAttention, RowsMaskedOnlyByBlocksGiveZeros) {
+  const int64_t N = 300, D = 8;
+  // Causal; block row 1 (rows 128-255) off everywhere, the rest on.
+  std::vector<uint8_t> on(9, 1);
+  for (int bc = 0; bc < 3; ++bc) on[size_t(3 + bc)] = 0;
+  const BlockMask block(1, 1, N, N, on);
+  const ColumnMask mask = ColumnMask::causal_only(1, N, N);
+  const Problem p = random_problem({1, N, N, 1, 1, D}, 35);
+  const AttentionShape s{1, N, N, 1, 1, D};
+  const TiledMask tm(mask);
+  for (const FlashOptions& opt : {FlashOptions{}, FlashOptions{.tile_q = 100}}) {
+    SCOPED_TRACE("tile_q=" + std::to_string(opt.tile_q));
+    expect_matches_reference(p, mask, opt, 64, &block);
+    VecF o(p.q.size()), lse(static_cast<size_t>(N)), dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
+    flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, opt,
+                            &block);
+    flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(),
+                             p.v.data(), o.data(), lse.data(), s, tm, opt, &block);
+    for (int64_t i = 0; i < N; ++i) {
+      const bool masked = i >= 128 && i < 256;
+      EXPECT_EQ(lse[size_t(i)] == -INFINITY, masked) << "row " << i;
+      for (int64_t d = 0; d < D; ++d) {
+        const float od = o[size_t(i * D + d)], dqd = dq[size_t(i * D + d)];
+        ASSERT_FALSE(std::isnan(od) || std::isnan(dqd));
+        if (masked) {
+          EXPECT_EQ(od, 0.0f);
+          EXPECT_EQ(dqd, 0.0f);
+        }
+      }
+    }
+    for (float x : dk) ASSERT_FALSE(std::isnan(x));
+    for (float x : dv) ASSERT_FALSE(std::isnan(x));
+  }
+}
+
+// Block masks skip irregular tiles, so key chunks visit query tiles their lower neighbours skip
+// and the reverse: dQ, dK, dV still repeat bitwise on 1, 2 and 3 threads.
+TEST(FlashAttention, BlockMaskBackwardBitwiseAcrossThreadCounts) {
+  Rng rng(38);
+  const int64_t N = 1000;
+  const FlashOptions opt{.tile_q = 64, .run_cols = 128};
+  const auto cases = test::standard_masks(N, rng);
+  const int saved = num_threads();
+  for (size_t t : {0, 2})
+    for (int64_t Hq : {1, 4})
+      for (uint64_t percent_on : {25, 50, 75}) {
+        SCOPED_TRACE(cases[t].name + " Hq=" + std::to_string(Hq) + " on " +
+                     std::to_string(percent_on) + "%");
+        const AttentionShape s{1, N, N, Hq, 1, 16};
+        const Problem p = random_problem(s, 39);
+        const TiledMask tm(stack_masks(N, N, 1, 1, {cases[t].columns}));
+        const BlockMask block = test::random_block_mask(rng, 1, Hq, N, N, percent_on);
+        VecF o(p.q.size()), lse(static_cast<size_t>(Hq * N));
+        flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm,
+                                opt, &block);
+        const auto backward = [&](int threads) {
+          set_num_threads(threads);
+          VecF dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
+          flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(),
+                                   p.k.data(), p.v.data(), o.data(), lse.data(), s, tm, opt,
+                                   &block);
+          for (const VecF* x : {&dk, &dv}) dq.insert(dq.end(), x->begin(), x->end());
+          return dq;
+        };
+        const VecF one = backward(1);
+        EXPECT_TRUE(kernels::test::bitwise_equal(one, backward(2)));
+        EXPECT_TRUE(kernels::test::bitwise_equal(one, backward(3)));
+      }
+  set_num_threads(saved);
+}
+
+// A block mask of ones changes nothing, to the bit (forward and backward, several tilings).
+TEST(FlashAttention, AllOnesBlockMaskIsBitwiseNoBlockMask) {
+  Rng rng(36);
+  const int64_t N = 700;
+  const AttentionShape s{1, N, N, 4, 2, 16};
+  const Problem p = random_problem(s, 37);
+  const TiledMask tm(stack_masks(N, N, 1, 1, {test::standard_masks(N, rng)[2].columns}));
+  const BlockMask ones = test::random_block_mask(rng, 1, 4, N, N, 100);
+  const auto run = [&](const FlashOptions& opt, const BlockMask* block) {
+    VecF o(p.q.size()), lse(size_t(4 * N)), dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
+    flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, opt,
+                            block);
+    flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(),
+                             p.v.data(), o.data(), lse.data(), s, tm, opt, block);
+    for (const VecF* x : {&lse, &dq, &dk, &dv}) o.insert(o.end(), x->begin(), x->end());
+    return o;
+  };
+  for (const FlashOptions& opt : {FlashOptions{}, FlashOptions{.tile_q = 37, .run_cols = 200}}) {
+    EXPECT_TRUE(kernels::test::bitwise_equal(run(opt, nullptr), run(opt, &ones)));
+  }
+}
+
+TEST(FlashAttention, RejectsBadBlockMasks) {
+  using fixture::expect_input_error;
+  expect_input_error([] { BlockMask(1, 1, 300, 129, std::vector<uint8_t>(5, 1)); },
+                     {"expected uint8 [B=1, Hm=1, ceil(Sq/128)=3, ceil(Sk/128)=2] = 6", "got 5"});
+  expect_input_error([] { BlockMask(1, 1, 128, 128, {2}); },
+                     {"value 2 at flat index 0", "neither 0 (masked) nor 1"});
+  expect_input_error([] { BlockMask(1, 0, 128, 128, {}); }, {"block mask", "must be >= 1"});
+  const TiledMask tm(ColumnMask::causal_only(1, 8, 8));
+  VecF x(1024);
+  const auto forward = [&](const BlockMask& block, int64_t Hq, int64_t Hk) {
+    flash_attention_forward(x.data(), x.data(), x.data(), x.data(), x.data(), {1, 8, 8, Hq, Hk, 4},
+                            tm, {}, &block);
+  };
+  expect_input_error(
+      [&] {
+        forward(BlockMask(2, 1, 8, 8, {1, 1}), 1, 1);
+      },
+      {"block mask is for B=2 Sq=8 Sk=8", "column mask", "B=1 Sq=8 Sk=8"});
+  expect_input_error([&] { forward(BlockMask(1, 1, 8, 9, {1}), 1, 1); }, {"Sk=9"});
+  expect_input_error(
+      [&] {
+        forward(BlockMask(1, 3, 8, 8, {1, 1, 1}), 4, 2);
+      },
+      {"block mask: mask heads Hm = 3", "1, Hq = 4 or Hk = 2"});
+  // The naive twin checks too (it indexes the block mask unchecked).
+  const BlockMask other_batch(2, 1, 8, 8, {1, 1});
+  VecD y(1024);
+  expect_input_error(
+      [&] {
+        naive::masked_attention_forward(y.data(), y.data(), y.data(), y.data(), y.data(),
+                                        {1, 8, 8, 1, 1, 4}, tm.mask(), &other_batch);
+      },
+      {"block mask is for B=2"});
 }
 
 TEST(FlashAttention, RejectsMismatchedMasks) {

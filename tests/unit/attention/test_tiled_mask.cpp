@@ -47,6 +47,48 @@ TEST(TiledMask, ClassificationIsConservative) {
   EXPECT_GT(unmasked, 0);
 }
 
+// The same brute force with a random block mask ANDed in: tile sizes from 1 to 300, so a tile
+// may lie inside one 128-block or span several. Some tiles are skipped only for the block mask.
+TEST(TiledMask, ClassificationWithBlockMaskIsConservative) {
+  Rng rng(12);
+  int64_t skipped = 0, partial = 0, unmasked = 0, skipped_by_blocks = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int64_t Sq = uniform_int(rng, 1, 512);
+    const int64_t Sk = trial % 3 == 0 ? uniform_int(rng, 1, 512) : Sq;
+    const bool causal = trial % 2 == 0;
+    const TiledMask tm(stack_masks(Sq, Sk, 1, 1, {test::random_mask(rng, Sq, Sk, causal)}),
+                       uniform_int(rng, 1, trial % 4 == 0 ? 300 : 96));
+    const BlockMask block = test::random_block_mask(rng, 1, 1, Sq, Sk, 20 + 20 * (trial % 4));
+    const int64_t tile_q = uniform_int(rng, 1, trial % 4 == 1 ? 300 : 96);
+    const auto dense = naive::dense_mask(tm.mask());
+    for (int64_t r0 = 0; r0 < Sq; r0 += tile_q) {
+      const int64_t r1 = std::min(Sq, r0 + tile_q);
+      for (int64_t n = 0; n < tm.num_key_tiles(); ++n) {
+        const int64_t c0 = n * tm.tile_k(), c1 = std::min(Sk, c0 + tm.tile_k());
+        int64_t visible = 0;
+        for (int64_t i = r0; i < r1; ++i)
+          for (int64_t j = c0; j < c1; ++j)
+            visible += dense[size_t(i * Sk + j)] && block.allows(0, 0, i, j);
+        const TileKind kind = classify(tm, &block, 0, 0, 0, r0, r1, n);
+        if (kind == TileKind::skip) {
+          ++skipped;
+          skipped_by_blocks += tm.classify(0, 0, r0, r1, n) != TileKind::skip;
+          ASSERT_EQ(visible, 0) << "skipped tile with visible elements, trial " << trial;
+        } else if (kind == TileKind::unmasked) {
+          ++unmasked;
+          ASSERT_EQ(visible, (r1 - r0) * (c1 - c0)) << "unmasked tile with masked elements";
+        } else {
+          ++partial;
+        }
+      }
+    }
+  }
+  EXPECT_GT(skipped_by_blocks, 0);
+  EXPECT_GT(partial, 0);
+  EXPECT_GT(unmasked, 0);
+  EXPECT_GT(skipped, skipped_by_blocks);
+}
+
 // Causal-document with 64-row tiles: the block structure is found exactly.
 TEST(TiledMask, CausalDocumentSkipsOffDiagonalBlocks) {
   const TiledMask tm(stack_masks(256, 256, 1, 1, {causal_document_mask({128, 128})}), 64);
@@ -57,6 +99,21 @@ TEST(TiledMask, CausalDocumentSkipsOffDiagonalBlocks) {
   EXPECT_EQ(c.unmasked, 2);
   EXPECT_EQ(c.skipped, 10);
   EXPECT_EQ(c.computed_elements, 6 * 64 * 64);
+}
+
+// Causal 256 x 256 with the block below the diagonal off: the same tiles as the two-document
+// mask above, counted through count_tiles' block mask.
+TEST(TiledMask, BlockMaskSkipsItsOffBlocks) {
+  const TiledMask tm(ColumnMask::causal_only(1, 256, 256), 64);
+  const BlockMask block(1, 1, 256, 256, {1, 0, 0, 1});
+  const TileCounts c = count_tiles(tm, 1, 1, 64, 0, -1, &block);
+  EXPECT_EQ(c.partial, 4);
+  EXPECT_EQ(c.unmasked, 2);
+  EXPECT_EQ(c.skipped, 10);
+  EXPECT_EQ(count_tiles(tm, 1, 1, 64).skipped, 6);
+  // A 96-row tile across the block border (rows 96-191) is partial where it meets block (1, 0).
+  EXPECT_EQ(classify(tm, &block, 0, 0, 0, 96, 192, 0), TileKind::partial);
+  EXPECT_EQ(classify(tm, &block, 0, 0, 0, 128, 192, 0), TileKind::skip);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// The dense twin of flash_attention.cpp: every score of every row, the ColumnMask tested
-// element by element, plain softmax. O(Sq * Sk) work per head.
+// The dense twin of flash_attention.cpp: every score of every row, the ColumnMask and the block
+// mask tested element by element, plain softmax. O(Sq * Sk) work per head.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -15,16 +15,25 @@ int64_t at(const AttentionShape& s, int64_t b, int64_t pos, int64_t seq, int64_t
   return ((b * seq + pos) * heads + h) * s.D;
 }
 
+// Whether row i of query head h sees key j: the column mask AND the block mask (when given).
+bool visible(const ColumnMask& mask, const BlockMask* block, const AttentionShape& s, int64_t b,
+             int64_t h, int64_t i, int64_t j) {
+  return mask.visible(b, mask.head_for(h, s.Hq, s.Hk), i, j) &&
+         (block == nullptr || block->allows(b, block->head_for(h, s.Hq, s.Hk), i, j));
+}
+
 // Probabilities of row i of head h: p[j] = exp(s_ij - lse_i) over visible keys, 0 elsewhere.
 template <class T>
 void row_probabilities(std::vector<T>& p, T lse_i, const T* q, const T* k, const AttentionShape& s,
-                       const ColumnMask& mask, int64_t b, int64_t h, int64_t i) {
-  const int64_t g = h / (s.Hq / s.Hk), hm = mask.head_for(h, s.Hq, s.Hk);
+                       const ColumnMask& mask, const BlockMask* block, int64_t b, int64_t h,
+                       int64_t i) {
+  const int64_t g = h / (s.Hq / s.Hk);
   const T scale = T(1) / std::sqrt(T(s.D));
   const T* qi = q + at(s, b, i, s.Sq, s.Hq, h);
   for (int64_t j = 0; j < s.Sk; ++j) {
     p[size_t(j)] = 0;
-    if (!mask.visible(b, hm, i, j) || lse_i == -std::numeric_limits<T>::infinity()) continue;
+    if (!visible(mask, block, s, b, h, i, j) || lse_i == -std::numeric_limits<T>::infinity())
+      continue;
     const T* kj = k + at(s, b, j, s.Sk, s.Hk, g);
     T dot = 0;
     for (int64_t d = 0; d < s.D; ++d) dot += qi[d] * kj[d];
@@ -34,15 +43,15 @@ void row_probabilities(std::vector<T>& p, T lse_i, const T* q, const T* k, const
 
 // Log-sum-exp of row i's visible scaled scores; -inf when none is visible.
 template <class T>
-T row_lse(const T* q, const T* k, const AttentionShape& s, const ColumnMask& mask, int64_t b,
-          int64_t h, int64_t i) {
-  const int64_t g = h / (s.Hq / s.Hk), hm = mask.head_for(h, s.Hq, s.Hk);
+T row_lse(const T* q, const T* k, const AttentionShape& s, const ColumnMask& mask,
+          const BlockMask* block, int64_t b, int64_t h, int64_t i) {
+  const int64_t g = h / (s.Hq / s.Hk);
   const T scale = T(1) / std::sqrt(T(s.D));
   const T* qi = q + at(s, b, i, s.Sq, s.Hq, h);
   std::vector<T> sc;
   T mx = -std::numeric_limits<T>::infinity();
   for (int64_t j = 0; j < s.Sk; ++j) {
-    if (!mask.visible(b, hm, i, j)) continue;
+    if (!visible(mask, block, s, b, h, i, j)) continue;
     const T* kj = k + at(s, b, j, s.Sk, s.Hk, g);
     T dot = 0;
     for (int64_t d = 0; d < s.D; ++d) dot += qi[d] * kj[d];
@@ -59,14 +68,16 @@ T row_lse(const T* q, const T* k, const AttentionShape& s, const ColumnMask& mas
 
 template <class T>
 void masked_attention_forward(T* o, T* lse, const T* q, const T* k, const T* v,
-                              const AttentionShape& s, const ColumnMask& mask) {
+                              const AttentionShape& s, const ColumnMask& mask,
+                              const BlockMask* block) {
+  if (block) block->check_fits(mask, s.Hq, s.Hk);  // it is indexed without bounds checks
   std::vector<T> p(size_t(s.Sk));
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.Hq; ++h)
       for (int64_t i = 0; i < s.Sq; ++i) {
-        const T l = row_lse(q, k, s, mask, b, h, i);
+        const T l = row_lse(q, k, s, mask, block, b, h, i);
         lse[(b * s.Hq + h) * s.Sq + i] = l;
-        row_probabilities(p, l, q, k, s, mask, b, h, i);
+        row_probabilities(p, l, q, k, s, mask, block, b, h, i);
         T* oi = o + ((b * s.Sq + i) * s.Hq + h) * s.D;
         for (int64_t d = 0; d < s.D; ++d) oi[d] = 0;
         for (int64_t j = 0; j < s.Sk; ++j) {
@@ -79,14 +90,15 @@ void masked_attention_forward(T* o, T* lse, const T* q, const T* k, const T* v,
 template <class T>
 void masked_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k,
                                const T* v, const T* o, const T* lse, const AttentionShape& s,
-                               const ColumnMask& mask) {
+                               const ColumnMask& mask, const BlockMask* block) {
+  if (block) block->check_fits(mask, s.Hq, s.Hk);
   const T scale = T(1) / std::sqrt(T(s.D));
   std::vector<T> p(size_t(s.Sk));
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.Hq; ++h) {
       const int64_t g = h / (s.Hq / s.Hk);
       for (int64_t i = 0; i < s.Sq; ++i) {
-        row_probabilities(p, lse[(b * s.Hq + h) * s.Sq + i], q, k, s, mask, b, h, i);
+        row_probabilities(p, lse[(b * s.Hq + h) * s.Sq + i], q, k, s, mask, block, b, h, i);
         const T* gi = dout + at(s, b, i, s.Sq, s.Hq, h);
         const T* oi = o + at(s, b, i, s.Sq, s.Hq, h);
         const T* qi = q + at(s, b, i, s.Sq, s.Hq, h);
@@ -111,17 +123,17 @@ void masked_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, c
 
 template void masked_attention_forward<float>(float*, float*, const float*, const float*,
                                               const float*, const AttentionShape&,
-                                              const ColumnMask&);
+                                              const ColumnMask&, const BlockMask*);
 template void masked_attention_forward<double>(double*, double*, const double*, const double*,
                                                const double*, const AttentionShape&,
-                                               const ColumnMask&);
+                                               const ColumnMask&, const BlockMask*);
 template void masked_attention_backward<float>(float*, float*, float*, const float*, const float*,
                                                const float*, const float*, const float*,
                                                const float*, const AttentionShape&,
-                                               const ColumnMask&);
+                                               const ColumnMask&, const BlockMask*);
 template void masked_attention_backward<double>(double*, double*, double*, const double*,
                                                 const double*, const double*, const double*,
                                                 const double*, const double*, const AttentionShape&,
-                                                const ColumnMask&);
+                                                const ColumnMask&, const BlockMask*);
 
 }  // namespace tessel::attention::naive
