@@ -264,6 +264,10 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
   });
 }
 
+std::unique_ptr<BpeTokenizer> BpeTokenizer::from_directory(const std::string& dir) {
+  return std::make_unique<BpeTokenizer>(dir + "/" + kBpeFiles[0], dir + "/" + kBpeFiles[1]);
+}
+
 std::vector<int32_t> BpeTokenizer::encode_piece(std::string_view piece) const {
   const auto cached = piece_cache_.find(std::string(piece));
   if (cached != piece_cache_.end()) return cached->second;

@@ -15,6 +15,7 @@
 // writes pass (each merge makes one new token); these rules are also what lets bpe_merge
 // take merges one at a time and still equal the reference's pass-per-rank result.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -55,12 +56,17 @@ namespace naive {
 std::vector<int32_t> bpe_merge(std::vector<int32_t> ids, const BpeMergeTable& merges);
 }  // namespace naive
 
+// A vocabulary directory's files, under GPT-2's names: vocab.json, then merges.txt.
+inline constexpr const char* kBpeFiles[2] = {"vocab.json", "merges.txt"};
+
 class BpeTokenizer final : public Tokenizer {
  public:
   // vocab.json: one JSON object {"token": id, ...}; merges.txt: an optional "#version" line,
   // then "left right" per line (GPT-2's files). InputError naming the file (and line) for
   // anything the rules at the top of this file refuse.
   BpeTokenizer(const std::string& vocab_json, const std::string& merges_txt);
+  // The vocabulary in directory `dir` (kBpeFiles).
+  static std::unique_ptr<BpeTokenizer> from_directory(const std::string& dir);
 
   int32_t vocab_size() const override { return vocab_size_; }
   std::vector<int32_t> encode(std::string_view text) const override;

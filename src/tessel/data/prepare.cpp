@@ -27,7 +27,6 @@ namespace {
 
 constexpr std::string_view kTokenFilePrefix = "tokens:";  // the corpus of a raw token-id file
 constexpr std::string_view kBpePrefix = "bpe:";           // --tokenizer bpe:DIR
-constexpr const char* kBpeFiles[] = {"vocab.json", "merges.txt"};
 
 // `s` as a JSON string literal, escaped; bytes that are not UTF-8 (a path may hold them) become
 // U+FFFD instead of failing after the shards are written.
@@ -88,11 +87,6 @@ std::optional<std::string> bpe_directory(const PrepareOptions& options) {
   if (name.starts_with(kBpePrefix) && name.size() > kBpePrefix.size())
     return name.substr(kBpePrefix.size());
   input_error("prepare: --tokenizer must be byte or bpe:DIR, got \"", name, "\"");
-}
-
-std::unique_ptr<BpeTokenizer> load_bpe(const std::string& dir) {
-  return std::make_unique<BpeTokenizer>((fs::path(dir) / kBpeFiles[0]).string(),
-                                        (fs::path(dir) / kBpeFiles[1]).string());
 }
 
 // Copies the BPE files from `bpe_dir` into the output directory, or (nullopt) removes copies an
@@ -168,7 +162,7 @@ PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions
                 *options.tokenizer);
   std::unique_ptr<Tokenizer> tokenizer;
   if (bpe_dir)
-    tokenizer = load_bpe(*bpe_dir);
+    tokenizer = BpeTokenizer::from_directory(*bpe_dir);
   else
     tokenizer = std::make_unique<ByteTokenizer>();
   std::vector<size_t> train, val;
@@ -197,7 +191,7 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
         "ids) or none, not byte");
   const std::optional<std::string> bpe_dir = bpe_directory(options);
   if (bpe_dir) {
-    const int64_t size = load_bpe(*bpe_dir)->vocab_size();
+    const int64_t size = BpeTokenizer::from_directory(*bpe_dir)->vocab_size();
     if (size > *options.vocab)
       input_error("prepare: the BPE vocabulary in ", *bpe_dir, " has ", size,
                   " ids, more than --vocab ", *options.vocab);

@@ -32,4 +32,9 @@ class Tokenizer {
 // InputError for an unreadable dataset.json or tokenizer file.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_vocab);
 
+// InputError naming two of `dirs` (prepared data directories, e.g. a mixture's) whose token
+// ids come from different tokenizers: different dataset.json tokenizers, or BPE vocabularies
+// whose files differ. Directories without dataset.json are not compared.
+void check_same_tokenizer(const std::vector<std::string>& dirs);
+
 }  // namespace tessel::data

@@ -314,8 +314,8 @@ std::vector<ConfigKey> build_schema() {
       string_key("train.sample_prompt", "prompt of the final text sample",
                  FIELD(train.sample_prompt)),
       string_key("train.sample_stop",
-                 "one character that ends the final sample once drawn, e.g. \"\\n\" after a "
-                 "fine-tuned reply; \"\" = none",
+                 "text of one token (a byte with the byte tokenizer) that ends the final sample "
+                 "once drawn, e.g. \"\\n\" after a fine-tuned reply; \"\" = none",
                  FIELD(train.sample_stop)),
       float_key("train.sample_temperature", "sampling temperature; 0 = greedy",
                 FIELD(train.sample_temperature)),

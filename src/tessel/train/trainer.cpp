@@ -382,6 +382,7 @@ struct Trainer::State {
                   " is not a rank of this job (world size ", w.size(), ")");
     model.set_expert_comm(&experts);
     const auto dirs = data_paths(config.data);
+    data::check_same_tokenizer(dirs);  // a mixture's ids must mean the same text
     if (loader.packed() && config.data.attention_mask != AttentionMaskKind::causal_document)
       input_error(dirs[0],
                   " is an SFT data set (it has loss-mask shards): its packed samples need "

@@ -315,6 +315,28 @@ TEST(Prepare, BpeTokenizerEncodesAndTravelsWithTheShards) {
   EXPECT_FALSE(std::filesystem::exists(out + "/merges.txt"));
   EXPECT_EQ(load_tokenizer(out, 256)->name(), "byte");
 
+  // A mixture's directories must share the tokenizer: the same BPE files, or both bytes.
+  const std::string same = dir.file("same"), other = dir.file("other");
+  opt.output_dir = same;
+  opt.tokenizer = "bpe:" + bpe;
+  prepare_documents(docs, opt);
+  opt.output_dir = out;
+  check_same_tokenizer({same, same});
+  expect_input_error([&] { check_same_tokenizer({same, out}); }, {same, out, "byte and bpe"});
+  auto merges = fixture::english_merges();
+  std::swap(merges[10], merges[11]);  // ("Ġ", "t") before ("e", "r"): the same size, other ids
+  data::write_bpe_files(bpe, merges);
+  opt.output_dir = other;
+  prepare_documents(docs, opt);
+  expect_input_error([&] { check_same_tokenizer({same, out, other}); }, {"byte and bpe"});
+  expect_input_error(
+      [&] {
+        check_same_tokenizer({same, other});
+      },
+      {other, same, "bpe vocabularies that differ"});
+  check_same_tokenizer({same, dir.file("no-dataset-json")});
+
+  opt.output_dir = out;
   opt.tokenizer = "wordpiece";
   expect_input_error([&] { prepare_documents(docs, opt); }, {"byte or bpe:DIR", "wordpiece"});
   opt.tokenizer = "bpe:" + bpe;
