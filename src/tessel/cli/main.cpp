@@ -200,6 +200,10 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
                                      "pass --data)"
                                    : "");
   }
+  // The model reads the ids of its own data's tokenizer (where that directory still is).
+  std::vector<std::string> with_run_data = train::data_paths(run.config.data);
+  with_run_data.insert(with_run_data.end(), dirs.begin(), dirs.end());
+  data::check_same_tokenizer(with_run_data);
   const char* weighted_by = data_dir.empty()       ? "data.weights"
                             : weights_text.empty() ? "equal shares"
                                                    : "--weights";

@@ -535,6 +535,13 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   EXPECT_GT(o.out.size(), std::string("the LORD\n").size()) << o.out;
   expect_one_line_error(run_tessel("generate --run " + run + " --stop 'the LORD'"),
                         {"--stop", "one token of the bpe tokenizer"});
+  // The same text as bytes fits the model's 300 ids but means other text to it.
+  ASSERT_EQ(
+      run_tessel("prepare --corpus file:" + dir + "/text.txt --out " + dir + "/bytes").exit_code,
+      0);
+  EXPECT_EQ(run_tessel("eval --run " + run).exit_code, 0);
+  expect_one_line_error(run_tessel("eval --run " + run + " --data " + dir + "/bytes"),
+                        {dir + "/bytes", "different tokenizers (byte and bpe)"});
   expect_one_line_error(run_tessel(on_bpe + " --set 'train.sample_stop=\"the LORD\"'"),
                         {"train.sample_stop", "one token of the bpe tokenizer"});
   expect_one_line_error(run_tessel("prepare --corpus file:" + dir +
