@@ -58,8 +58,17 @@ SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t
   SplitCounts counts;
   for (size_t i : which) {
     if constexpr (sft) {
-      writer.add_document(tokenizer.encode(items[i].text));
-      const std::vector<int32_t> marks(items[i].trained.begin(), items[i].trained.end());
+      // Each run of equally flagged bytes is encoded apart, so that no token straddles
+      // context and reply and every token takes its run's flag (bytes: one per byte).
+      const SftSample& sample = items[i];
+      std::vector<int32_t> ids, marks;
+      for (size_t b = 0, e = 0; b < sample.text.size(); b = e) {
+        while (e < sample.text.size() && sample.trained[e] == sample.trained[b]) ++e;
+        const auto part = tokenizer.encode(std::string_view(sample.text).substr(b, e - b));
+        ids.insert(ids.end(), part.begin(), part.end());
+        marks.insert(marks.end(), part.size(), int32_t(sample.trained[b]));
+      }
+      writer.add_document(ids);
       mask->add_document(marks);
       counts.trained_tokens += std::count(marks.begin(), marks.end(), 1);
     } else {
@@ -157,9 +166,6 @@ PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions
       TESSEL_CHECK(!items[d].empty(), "corpus \"", options.corpus, "\" document ", d, " is empty");
   }
   const std::optional<std::string> bpe_dir = bpe_directory(options);
-  if (sft && bpe_dir)
-    input_error("prepare: SFT corpora take the byte tokenizer (their loss masks mark bytes), not ",
-                *options.tokenizer);
   std::unique_ptr<Tokenizer> tokenizer;
   if (bpe_dir)
     tokenizer = BpeTokenizer::from_directory(*bpe_dir);

@@ -24,7 +24,8 @@
 // narrowest dtype for it, a tokens:PATH corpus is taken as that vocabulary's ids (its size
 // must not exceed --vocab), and both files are copied beside the shards with dataset.json's
 // tokenizer "bpe", so that sampling and generation read them (tokenizer.hpp). Any other
-// prepare removes such copies. SFT corpora refuse BPE: their loss masks mark bytes.
+// prepare removes such copies. An SFT sample is encoded run by run of equally trained bytes,
+// so that each token is wholly context or wholly reply.
 // Every file is written to a temporary name and renamed into place.
 #include <cstdint>
 #include <optional>

@@ -7,6 +7,7 @@
 #include "support/bpe_files.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
+#include "tessel/data/packing.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/data/shard.hpp"
 #include "tessel/data/token_file.hpp"
@@ -339,12 +340,61 @@ TEST(Prepare, BpeTokenizerEncodesAndTravelsWithTheShards) {
   opt.output_dir = out;
   opt.tokenizer = "wordpiece";
   expect_input_error([&] { prepare_documents(docs, opt); }, {"byte or bpe:DIR", "wordpiece"});
+}
+
+// SFT samples through BPE: each run of equally trained bytes is encoded apart, so the trained
+// tokens decode to exactly the trained bytes and the others to the context.
+TEST(Prepare, SftSamplesTakeBpeRunByRun) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), out = dir.file("out");
+  const int vocab = int(data::write_bpe_files(bpe, fixture::english_merges()));
+  std::vector<SftSample> samples;
+  for (const std::string reply : {"the LORD said\n", "and the earth\n", "he said the\n"}) {
+    SftSample s;
+    s.text = "User: in the beginning\nAssistant: " + reply;
+    s.trained.assign(s.text.size(), 0);
+    std::fill(s.trained.end() - int64_t(reply.size()), s.trained.end(), uint8_t(1));
+    samples.push_back(s);
+  }
+  PrepareOptions opt;
+  opt.corpus = "chat:test.jsonl";
+  opt.output_dir = out;
+  opt.val_fraction = 0.34;
   opt.tokenizer = "bpe:" + bpe;
-  expect_input_error(
-      [&] {
-        prepare_samples({{"ab", {0, 1}}, {"cd", {0, 1}}}, opt);
-      },
-      {"SFT", "byte tokenizer", "bpe:"});
+  const PrepareResult res = prepare_samples(samples, opt);
+  const auto tokenizer = load_tokenizer(out, vocab);
+  ASSERT_EQ(tokenizer->name(), "bpe");
+  std::vector<std::string> contexts, replies;
+  int64_t tokens = 0, trained = 0;
+  for (const SplitCounts& split : {res.train, res.val}) {
+    const auto docs = shard_documents(ShardReader(split.path));
+    const auto marks = shard_documents(ShardReader(loss_mask_path(split.path)));
+    ASSERT_EQ(docs.size(), marks.size());
+    int64_t split_trained = 0;
+    for (size_t d = 0; d < docs.size(); ++d) {
+      ASSERT_EQ(docs[d].size(), marks[d].size());
+      std::string context, reply;
+      for (size_t t = 0; t < docs[d].size(); ++t)
+        (marks[d][t] ? reply : context) += tokenizer->decode(std::span(&docs[d][t], 1));
+      contexts.push_back(context);
+      replies.push_back(reply);
+      tokens += int64_t(docs[d].size());
+      split_trained += std::count(marks[d].begin(), marks[d].end(), 1);
+    }
+    EXPECT_EQ(split.trained_tokens, split_trained);
+    trained += split_trained;
+  }
+  std::sort(replies.begin(), replies.end());
+  EXPECT_EQ(replies,
+            (std::vector<std::string>{"and the earth\n", "he said the\n", "the LORD said\n"}));
+  for (const auto& c : contexts) EXPECT_EQ(c, "User: in the beginning\nAssistant: ");
+  int64_t bytes = 0, reply_bytes = 0;
+  for (const auto& s : samples) {
+    bytes += int64_t(s.text.size());
+    reply_bytes += std::count(s.trained.begin(), s.trained.end(), 1);
+  }
+  EXPECT_LT(tokens, bytes);
+  EXPECT_LT(trained, reply_bytes);
 }
 
 // A tokens:PATH corpus with --tokenizer bpe:DIR: the ids are that vocabulary's, which must fit
