@@ -88,19 +88,25 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  int64_t seed, const std::string& stop) {
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
-  const std::string data_dir =
-      tokenizer_dir.empty() ? train::data_paths(run.config.data)[0] : tokenizer_dir;
+  // The tokenizer: --tokenizer's, else the run's own copy, else (a run from before copies were
+  // kept) its data's.
+  std::string source = tokenizer_dir;
+  if (!source.empty() && !data::tokenizer_name(source))
+    input_error("--tokenizer ", source,
+                ": no tokenizer there (a prepared data directory, a run's tokenizer/ or a "
+                "directory with vocab.json and merges.txt)");
+  if (source.empty()) source = train::checkpoint_tokenizer_dir(run.checkpoint);
+  if (!data::tokenizer_name(source)) source = train::data_paths(run.config.data)[0];
   const std::unique_ptr<data::Tokenizer> tokenizer =
-      data::load_tokenizer(data_dir, run.config.model.vocab);
+      data::load_tokenizer(source, run.config.model.vocab);
   if (!tokenizer)
-    input_error(run.checkpoint, ": generate needs a tokenizer; ", data_dir,
-                tokenizer_dir.empty() ? " (the run's data.path)" : "",
+    input_error(run.checkpoint, ": generate needs a tokenizer; ", source,
                 " holds token ids without one (prepare them with --tokenizer bpe:DIR, or pass "
-                "--tokenizer with a data directory that has the vocabulary)");
+                "--tokenizer with a directory that has the vocabulary)");
   const model::Gpt& gpt = *run.gpt;
   const data::Tokenizer& tok = *tokenizer;
   const int32_t stop_token = tok.single_token(stop, "--stop");
-  const std::vector<int32_t> ids = tok.encode(prompt);
+  const std::vector<int32_t> ids = tok.encode_text(prompt, "--prompt");
   // The prompt, then each token as it is drawn.
   auto print = [&tok](std::span<const int32_t> part) {
     const std::string text = tok.decode(part);
@@ -109,8 +115,9 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
   };
   print(ids);
   Rng rng{uint64_t(seed)};
-  model::generate(gpt, ids, tokens, float(temperature), top_k, rng, stop_token,
-                  [&print](int32_t token) { print(std::span<const int32_t>(&token, 1)); });
+  model::generate(
+      gpt, ids, tokens, float(temperature), top_k, rng, stop_token,
+      [&print](int32_t token) { print(std::span<const int32_t>(&token, 1)); }, tok.vocab_size());
   std::printf("\n");
   return 0;
 }
@@ -200,8 +207,9 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
                                      "pass --data)"
                                    : "");
   }
-  // The model reads the ids of its own data's tokenizer (where that directory still is).
-  std::vector<std::string> with_run_data = train::data_paths(run.config.data);
+  // The model reads the ids of its own tokenizer (its copy, or its data's where that still is).
+  std::vector<std::string> with_run_data = {train::checkpoint_tokenizer_dir(run.checkpoint)};
+  for (const auto& d : train::data_paths(run.config.data)) with_run_data.push_back(d);
   with_run_data.insert(with_run_data.end(), dirs.begin(), dirs.end());
   data::check_same_tokenizer(with_run_data);
   const char* weighted_by = data_dir.empty()       ? "data.weights"

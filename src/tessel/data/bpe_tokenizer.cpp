@@ -10,6 +10,7 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/data/corpus.hpp"
+#include "tessel/data/json_lines.hpp"
 
 namespace tessel::data {
 
@@ -122,6 +123,19 @@ std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
   return pieces;
 }
 
+void bpe_merge_pair(std::vector<int32_t>& ids, uint64_t pair, int32_t made) {
+  size_t out = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i + 1 < ids.size() && bpe_pair_key(ids[i], ids[i + 1]) == pair) {
+      ids[out++] = made;
+      ++i;
+    } else {
+      ids[out++] = ids[i];
+    }
+  }
+  ids.resize(out);
+}
+
 std::vector<int32_t> bpe_merge(std::vector<int32_t> ids, const BpeMergeTable& merges) {
   const auto n = int32_t(ids.size());
   if (n < 2) return ids;
@@ -178,16 +192,7 @@ std::vector<int32_t> bpe_merge(std::vector<int32_t> ids, const BpeMergeTable& me
         best = &it->second, best_pair = pair;
     }
     if (!best) break;
-    std::vector<int32_t> merged;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      if (i + 1 < ids.size() && bpe_pair_key(ids[i], ids[i + 1]) == best_pair) {
-        merged.push_back(best->id);
-        ++i;
-      } else {
-        merged.push_back(ids[i]);
-      }
-    }
-    ids = std::move(merged);
+    bpe_merge_pair(ids, best_pair, best->id);
   }
   return ids;
 }
@@ -195,12 +200,7 @@ std::vector<int32_t> bpe_merge(std::vector<int32_t> ids, const BpeMergeTable& me
 }  // namespace naive
 
 BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& merges_txt) {
-  nlohmann::json vocab;
-  try {
-    vocab = nlohmann::json::parse(read_file(vocab_json));
-  } catch (const nlohmann::json::exception& e) {
-    input_error(vocab_json, ": not JSON (", e.what(), ")");
-  }
+  const nlohmann::json vocab = parse_json(read_file(vocab_json), vocab_json);
   if (!vocab.is_object() || vocab.empty())
     input_error(vocab_json, ": expected a JSON object of tokens and their ids");
   std::unordered_map<std::string, int32_t> id_of;
@@ -211,6 +211,11 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
     id_of[token] = id.get<int32_t>();
     vocab_size_ = std::max(vocab_size_, id.get<int32_t>() + 1);
   }
+  // Ids index dense tables: a vocabulary with far more ids than tokens is refused (a stray
+  // id near 2^31 would otherwise take all memory).
+  if (int64_t(vocab_size_) > int64_t(id_of.size()) + 65536)
+    input_error(vocab_json, ": ids up to ", vocab_size_ - 1, " for ", id_of.size(),
+                " tokens; a vocabulary with gaps of more than 65536 ids is not supported");
   bytes_of_id_.resize(size_t(vocab_size_));
   has_token_.assign(size_t(vocab_size_), false);
   for (const auto& [token, id] : id_of) {
@@ -292,8 +297,10 @@ std::string BpeTokenizer::decode(std::span<const int32_t> ids) const {
   std::string text;
   for (size_t i = 0; i < ids.size(); ++i) {
     const int32_t id = ids[i];
-    if (id < 0) input_error("BPE tokenizer: token id ", id, " at position ", i, " is negative");
-    if (id < vocab_size_ && has_token_[size_t(id)])
+    if (id < 0 || id >= vocab_size_)
+      input_error("BPE tokenizer: token id ", id, " at position ", i, " is outside [0, ",
+                  vocab_size_, ")");
+    if (has_token_[size_t(id)])
       text += bytes_of_id_[size_t(id)];
     else
       text += "\xEF\xBF\xBD";  // U+FFFD: an id of no token

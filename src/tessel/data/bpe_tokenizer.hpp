@@ -47,6 +47,10 @@ inline uint64_t bpe_pair_key(int32_t left, int32_t right) {
   return (uint64_t(uint32_t(left)) << 32) | uint32_t(right);
 }
 
+// Replaces every occurrence of the adjacent pair `pair` (bpe_pair_key) in `ids` by `made`,
+// left to right (in "aaa" only the first two a's merge).
+void bpe_merge_pair(std::vector<int32_t>& ids, uint64_t pair, int32_t made);
+
 // The symbols of one piece after all merges: the adjacent pair of lowest rank merges first,
 // the leftmost of equal ones, until no pair has a merge (a heap over a linked list, n log n).
 std::vector<int32_t> bpe_merge(std::vector<int32_t> ids, const BpeMergeTable& merges);
@@ -70,8 +74,6 @@ class BpeTokenizer final : public Tokenizer {
 
   int32_t vocab_size() const override { return vocab_size_; }
   std::vector<int32_t> encode(std::string_view text) const override;
-  // Ids with no token (a padded model vocabulary's extra ids) decode to U+FFFD, so a sampled
-  // padding id never ends generation; a negative id is an InputError.
   std::string decode(std::span<const int32_t> ids) const override;
   std::string name() const override { return "bpe"; }
   // The id of GPT-2's "<|endoftext|>" when the vocabulary has it, else -1.

@@ -54,20 +54,6 @@ struct Vocabulary {
   std::unordered_set<std::string> known;
 };
 
-// Merges every occurrence of `pair` in `ids` into `made`, left to right.
-void merge_pair(std::vector<int32_t>& ids, uint64_t pair, int32_t made) {
-  size_t out = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i + 1 < ids.size() && bpe_pair_key(ids[i], ids[i + 1]) == pair) {
-      ids[out++] = made;
-      ++i;
-    } else {
-      ids[out++] = ids[i];
-    }
-  }
-  ids.resize(out);
-}
-
 void check_merges(int64_t merges) {
   if (merges < 0) input_error("train-bpe: the number of merges must be >= 0, got ", merges);
 }
@@ -109,7 +95,9 @@ std::vector<BpeMergeStrings> learn_bpe_merges(const std::vector<std::string>& do
     if (count != pair_count[pair]) continue;  // stale
     if (count < 2) break;
     std::string token = vocab.joined(pair);
-    if (vocab.known.contains(token)) continue;  // never again: its count entry is gone
+    // Each merge must make a new token (BpeTokenizer's rule): skipped now and whenever its
+    // count changes and brings it back to the top.
+    if (vocab.known.contains(token)) continue;
     const auto made = vocab.add(token);
     learned.emplace_back(vocab.tokens[size_t(pair >> 32)], vocab.tokens[size_t(uint32_t(pair))]);
     changed.clear();
@@ -117,7 +105,7 @@ std::vector<BpeMergeStrings> learn_bpe_merges(const std::vector<std::string>& do
       if (merged_in[size_t(p)] == int64_t(learned.size())) continue;  // listed twice: done
       merged_in[size_t(p)] = int64_t(learned.size());
       count_pairs(p, -1, changed);
-      merge_pair(pieces[size_t(p)].ids, pair, made);
+      bpe_merge_pair(pieces[size_t(p)].ids, pair, made);
       count_pairs(p, +1, changed);
     }
     for (uint64_t c : changed)
@@ -152,7 +140,7 @@ std::vector<BpeMergeStrings> learn_bpe_merges(const std::vector<std::string>& do
     }
     const auto made = vocab.add(token);
     learned.emplace_back(vocab.tokens[size_t(best >> 32)], vocab.tokens[size_t(uint32_t(best))]);
-    for (Piece& piece : pieces) merge_pair(piece.ids, best, made);
+    for (Piece& piece : pieces) bpe_merge_pair(piece.ids, best, made);
   }
   return learned;
 }

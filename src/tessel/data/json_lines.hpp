@@ -1,12 +1,17 @@
 #pragma once
-// JSON Lines input (one JSON value per line), shared by the corpora that read it: "jsonl:PATH"
-// text (corpus.hpp) and "chat:PATH" conversations (sft_corpus.hpp).
+// JSON input: JSON Lines (one value per line), shared by the corpora that read it: "jsonl:PATH"
+// text (corpus.hpp) and "chat:PATH" conversations (sft_corpus.hpp); and single JSON files
+// (a BPE vocab.json).
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 
 namespace tessel::data {
+
+// One JSON value; InputError naming `where` for text that is not valid JSON or an object
+// with a key twice (nlohmann would keep the last; more likely a mistake than meant).
+nlohmann::json parse_json(std::string_view text, const std::string& where);
 
 // Calls f(value, where) for each non-blank line of `text` in order, `where` naming it as
 // "<source>:<line number>" for error messages. InputError naming the line for text that is not

@@ -98,15 +98,37 @@ std::optional<std::string> bpe_directory(const PrepareOptions& options) {
   input_error("prepare: --tokenizer must be byte or bpe:DIR, got \"", name, "\"");
 }
 
-// Copies the BPE files from `bpe_dir` into the output directory, or (nullopt) removes copies an
-// earlier prepare left there.
-void install_tokenizer_files(const std::optional<std::string>& bpe_dir, const fs::path& out) {
+// The output directory, created, with the old dataset.json removed first: it is written last
+// (write_metadata), so a prepare cut short leaves no description of half-written files.
+struct OutputDir {
+  fs::path path;
+  bool bpe_copies = false;  // the old dataset.json said "bpe": vocab.json, merges.txt are copies
+};
+
+OutputDir begin_output(const PrepareOptions& options) {
+  OutputDir out{fs::path(options.output_dir)};
+  std::error_code ec;
+  fs::create_directories(out.path, ec);
+  if (ec) input_error(options.output_dir, ": cannot create output directory: ", ec.message());
+  const fs::path metadata = out.path / "dataset.json";
+  if (fs::exists(metadata)) {
+    out.bpe_copies = tokenizer_name(out.path.string()) == "bpe";
+    fs::remove(metadata, ec);
+    if (ec) input_error(metadata.string(), ": cannot remove: ", ec.message());
+  }
+  return out;
+}
+
+// Copies the BPE files from `bpe_dir` into the output directory, or (nullopt) removes the
+// copies an earlier prepare made (never a vocabulary the user keeps there, e.g. train-bpe's).
+void install_tokenizer_files(const std::optional<std::string>& bpe_dir, const OutputDir& out) {
   for (const char* file : kBpeFiles) {
     if (bpe_dir) {
-      write_file_atomically((out / file).string(), read_file((fs::path(*bpe_dir) / file).string()));
-    } else {
+      write_file_atomically((out.path / file).string(),
+                            read_file((fs::path(*bpe_dir) / file).string()));
+    } else if (out.bpe_copies) {
       std::error_code ec;
-      fs::remove(out / file, ec);
+      fs::remove(out.path / file, ec);
     }
   }
 }
@@ -128,14 +150,6 @@ std::vector<bool> validation_items(size_t n, const PrepareOptions& options, cons
   std::vector<bool> val(n, false);
   for (size_t i = 0; i < n_val; ++i) val[order[i]] = true;
   return val;
-}
-
-fs::path output_directory(const PrepareOptions& options) {
-  const fs::path dir(options.output_dir);
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) input_error(options.output_dir, ": cannot create output directory: ", ec.message());
-  return dir;
 }
 
 // dataset.json beside the shards, into result.metadata_path.
@@ -173,12 +187,12 @@ PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions
     tokenizer = std::make_unique<ByteTokenizer>();
   std::vector<size_t> train, val;
   for (size_t d = 0; d < items.size(); ++d) (is_val[d] ? val : train).push_back(d);
-  const fs::path dir = output_directory(options);
+  const OutputDir out = begin_output(options);
   PrepareResult result;
   result.sft = sft;
-  install_tokenizer_files(bpe_dir, dir);
-  result.train = write_split(items, train, (dir / "train.tok").string(), *tokenizer);
-  result.val = write_split(items, val, (dir / "val.tok").string(), *tokenizer);
+  result.train = write_split(items, train, (out.path / "train.tok").string(), *tokenizer);
+  result.val = write_split(items, val, (out.path / "val.tok").string(), *tokenizer);
+  install_tokenizer_files(bpe_dir, out);
   write_metadata(options, tokenizer->name(), tokenizer->vocab_size(), result);
   return result;
 }
@@ -211,10 +225,10 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
                 "validation split need at least 2: are --eot and --token-dtype (", dtype,
                 ") right?");
   const std::vector<bool> is_val = validation_items(size_t(n), options, "documents");
-  const fs::path dir = output_directory(options);
+  const OutputDir out = begin_output(options);
   const TokenDtype shard_dtype = token_dtype_for_vocab(*options.vocab);
-  const std::string train_path = (dir / "train.tok").string(),
-                    val_path = (dir / "val.tok").string();
+  const std::string train_path = (out.path / "train.tok").string(),
+                    val_path = (out.path / "val.tok").string();
   ShardWriter train(train_path, shard_dtype, *options.vocab),
       val(val_path, shard_dtype, *options.vocab);
   size_t d = 0;
@@ -225,9 +239,9 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
   if (d != is_val.size()) input_error(file.path(), ": changed while it was read");
   remove_loss_mask(train_path);
   remove_loss_mask(val_path);
-  install_tokenizer_files(bpe_dir, dir);
   train.finish();
   val.finish();
+  install_tokenizer_files(bpe_dir, out);
   PrepareResult result;
   result.train = {train.num_documents(), train.num_tokens(), 0, train_path};
   result.val = {val.num_documents(), val.num_tokens(), 0, val_path};

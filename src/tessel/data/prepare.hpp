@@ -10,7 +10,8 @@
 //   train.tok, val.tok   token shards (shard.hpp), dtype u8, vocab 256
 //   dataset.json         {"corpus", "tokenizer": "byte", "vocab_size": 256, "seed",
 //                         "val_fraction", "train": {"documents", "tokens", "path"},
-//                         "val": {...}}
+//                         "val": {...}}; written last (the old one removed first), so that it
+//                         never describes half-written shards
 // An SFT corpus (sft_corpus.hpp) is split the same way by samples, and each split also gets
 // its loss-mask shard (train.loss_mask.tok, val.loss_mask.tok: packing.hpp); dataset.json then
 // says "format": "sft" (else "text") and counts each split's "trained_tokens". Preparing a

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
 #include "tessel/data/bpe_tokenizer.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/corpus.hpp"
@@ -13,29 +14,43 @@ namespace tessel::data {
 
 namespace fs = std::filesystem;
 
-int32_t Tokenizer::single_token(std::string_view text, const std::string& what) const {
-  if (text.empty()) return -1;
-  const std::vector<int32_t> ids = encode(text);
-  if (ids.size() != 1)
-    input_error(what, " must be one token of the ", name(), " tokenizer; \"", text, "\" is ",
-                ids.size(), " tokens");
-  return ids[0];
-}
-
 namespace {
+constexpr std::string_view kPretokenized = "pretokenized";  // ids of an unknown tokenizer
+}  // namespace
 
-// The tokenizer dataset.json in `dir` names; nullopt without dataset.json.
-std::optional<std::string> tokenizer_name(const std::string& dir) {
-  const fs::path metadata = fs::path(dir) / "dataset.json";
-  if (!fs::exists(metadata)) return std::nullopt;
+std::vector<int32_t> Tokenizer::encode_text(std::string_view text, const std::string& what) const {
   try {
-    return nlohmann::json::parse(read_file(metadata.string())).at("tokenizer").get<std::string>();
-  } catch (const nlohmann::json::exception& e) {
-    input_error(metadata.string(), ": no \"tokenizer\" string (", e.what(), ")");
+    return encode(text);
+  } catch (const InputError& e) {
+    input_error(what, ": ", e.what());
   }
 }
 
-}  // namespace
+int32_t Tokenizer::single_token(std::string_view text, const std::string& what) const {
+  if (text.empty()) return -1;
+  const std::vector<int32_t> ids = encode_text(text, what);
+  if (ids.size() != 1)  // the text as a JSON string: escaped, so the error stays one line
+    input_error(what, " must be one token of the ", name(), " tokenizer; ",
+                nlohmann::json(std::string(text))
+                    .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                " is ", ids.size(), " tokens");
+  return ids[0];
+}
+
+std::optional<std::string> tokenizer_name(const std::string& dir) {
+  for (const char* file : {"dataset.json", "tokenizer.json"}) {
+    const fs::path metadata = fs::path(dir) / file;
+    if (!fs::exists(metadata)) continue;
+    try {
+      return nlohmann::json::parse(read_file(metadata.string())).at("tokenizer").get<std::string>();
+    } catch (const nlohmann::json::exception& e) {
+      input_error(metadata.string(), ": no \"tokenizer\" string (", e.what(), ")");
+    }
+  }
+  if (fs::exists(fs::path(dir) / kBpeFiles[0]) && fs::exists(fs::path(dir) / kBpeFiles[1]))
+    return "bpe";
+  return std::nullopt;
+}
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_vocab) {
   std::unique_ptr<Tokenizer> tokenizer;
@@ -49,19 +64,33 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_
     tokenizer = std::make_unique<ByteTokenizer>();
   else if (name == "bpe")
     tokenizer = BpeTokenizer::from_directory(dir);
-  else if (!name.starts_with("pretokenized"))
-    input_error(dir, "/dataset.json: unknown tokenizer \"", name, "\"");
+  else if (!name.starts_with(kPretokenized))
+    input_error(dir, ": unknown tokenizer \"", name, "\"");
   if (tokenizer && tokenizer->vocab_size() > model_vocab)
     input_error(dir, ": its ", name, " tokenizer has ", tokenizer->vocab_size(),
                 " ids, more than model.vocab = ", model_vocab);
   return tokenizer;
 }
 
+void save_tokenizer(const std::string& data_dir, const std::string& to_dir) {
+  const std::optional<std::string> name = tokenizer_name(data_dir);
+  if (!name || name->starts_with(kPretokenized)) return;
+  std::error_code ec;
+  fs::create_directories(to_dir, ec);
+  if (ec) input_error(to_dir, ": cannot create directory: ", ec.message());
+  if (*name == "bpe")
+    for (const char* file : kBpeFiles)
+      write_file_atomically((fs::path(to_dir) / file).string(),
+                            read_file((fs::path(data_dir) / file).string()));
+  write_file_atomically((fs::path(to_dir) / "tokenizer.json").string(),
+                        nlohmann::json{{"tokenizer", *name}}.dump() + "\n");
+}
+
 void check_same_tokenizer(const std::vector<std::string>& dirs) {
   std::optional<std::string> first_dir, first_name;
   for (const std::string& dir : dirs) {
     const std::optional<std::string> name = tokenizer_name(dir);
-    if (!name) continue;
+    if (!name || name->starts_with(kPretokenized)) continue;
     if (!first_dir) {
       first_dir = dir, first_name = name;
       continue;

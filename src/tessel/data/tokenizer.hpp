@@ -5,6 +5,7 @@
 // generate` and prompts use the tokenizer the training data was made with.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,25 +17,41 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
   virtual int32_t vocab_size() const = 0;  // one past the largest id
+  // Not thread-safe (BPE caches pieces); every user encodes on one thread.
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
-  // InputError for an id this tokenizer does not have, naming its position.
+  // InputError for an id outside [0, vocab_size()), naming its position; an id inside it
+  // that names no token (a gap in a BPE vocabulary) decodes to U+FFFD.
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
   virtual std::string name() const = 0;  // as dataset.json records it: "byte", "bpe"
+  // encode() of a setting's text, its errors (text that is not UTF-8) naming `what`.
+  std::vector<int32_t> encode_text(std::string_view text, const std::string& what) const;
   // The id of a text that is exactly one token (a stop token), -1 for an empty one;
-  // InputError naming `what` otherwise.
+  // InputError naming `what` otherwise. Generation stops on that id only: a BPE token that
+  // merely contains the text (e.g. "\n\n" for "\n") does not stop it.
   int32_t single_token(std::string_view text, const std::string& what) const;
 };
 
-// The tokenizer of prepared data directory `dir`, by its dataset.json: "byte", or "bpe" with
-// the vocabulary prepare copied beside the shards. A directory without dataset.json (shards
-// written another way) is read as byte-level when `model_vocab` is 256. nullptr when the ids
-// have no tokenizer tessel can apply (a tokens:PATH corpus prepared without --tokenizer).
-// InputError for an unreadable dataset.json or tokenizer file.
+// The tokenizer a directory holds, by the first of: dataset.json's "tokenizer" (a prepared
+// data directory: "byte", "bpe", or "pretokenized <dtype>, eot <id>" for ids without one),
+// tokenizer.json's (a run's copy, save_tokenizer), or "bpe" for vocab.json beside merges.txt
+// (a vocabulary directory: train-bpe's output, GPT-2's files). nullopt when there is none.
+// InputError for a metadata file without a "tokenizer" string.
+std::optional<std::string> tokenizer_name(const std::string& dir);
+
+// The tokenizer in `dir` (tokenizer_name): bytes, or the BPE vocabulary beside it. Without
+// one, bytes when `model_vocab` is 256 (shards written another way), else nullptr; nullptr
+// too for pretokenized ids. InputError for a bad vocabulary or one larger than model_vocab.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_vocab);
 
-// InputError naming two of `dirs` (prepared data directories, e.g. a mixture's) whose token
-// ids come from different tokenizers: different dataset.json tokenizers, or BPE vocabularies
-// whose files differ. Directories without dataset.json are not compared.
+// Copies the tokenizer of data directory `data_dir` into `to_dir` (BPE files, then
+// tokenizer.json last), so that a run keeps what its ids mean when the data changes or moves;
+// nothing for ids without a tokenizer.
+void save_tokenizer(const std::string& data_dir, const std::string& to_dir);
+
+// InputError naming two of `dirs` (data, run or vocabulary directories, e.g. a mixture's)
+// whose token ids come from different tokenizers: other names, or BPE vocabularies whose
+// files differ. Directories without a tokenizer, or with pretokenized ids (of an unknown
+// one), are not compared.
 void check_same_tokenizer(const std::vector<std::string>& dirs);
 
 }  // namespace tessel::data

@@ -108,12 +108,15 @@ int32_t sample_token(const std::vector<float>& logits, float temperature, int64_
 
 std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
-                              int64_t top_k, Rng& rng, int32_t stop, const OnToken& on_token) {
+                              int64_t top_k, Rng& rng, int32_t stop, const OnToken& on_token,
+                              int64_t id_limit) {
   if (new_tokens < 0) input_error("generate: new_tokens = ", new_tokens, " must be >= 0");
   check_sampling(temperature, top_k);
   if (prompt.empty()) input_error("generate: the prompt must hold at least one token");
   for (int64_t i = 0; i < new_tokens; ++i) {
-    prompt.push_back(sample_token(next(last_window(prompt, max_seq)), temperature, top_k, rng));
+    std::vector<float> logits = next(last_window(prompt, max_seq));
+    if (id_limit > 0 && id_limit < int64_t(logits.size())) logits.resize(size_t(id_limit));
+    prompt.push_back(sample_token(logits, temperature, top_k, rng));
     if (on_token) on_token(prompt.back());
     if (prompt.back() == stop) break;
   }
@@ -122,15 +125,15 @@ std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
 
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
                               float temperature, int64_t top_k, Rng& rng, int32_t stop,
-                              const OnToken& on_token) {
+                              const OnToken& on_token, int64_t id_limit) {
   if (!kv_cache_applies(gpt.config()))
     return generate(
         [&gpt](std::span<const int32_t> w) { return last_position_logits(gpt, w, 0, nullptr); },
         gpt.config().max_seq, std::move(prompt), new_tokens, temperature, top_k, rng, stop,
-        on_token);
+        on_token, id_limit);
   CachedLogits cached(gpt);
   return generate([&cached](std::span<const int32_t> w) { return cached(w); }, gpt.config().max_seq,
-                  std::move(prompt), new_tokens, temperature, top_k, rng, stop, on_token);
+                  std::move(prompt), new_tokens, temperature, top_k, rng, stop, on_token, id_limit);
 }
 
 }  // namespace tessel::model

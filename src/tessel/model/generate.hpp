@@ -48,15 +48,17 @@ using OnToken = std::function<void(int32_t token)>;
 
 // prompt followed by new_tokens tokens, each drawn by sample_token from next() of the last
 // max_seq tokens and passed to on_token (when set); generation ends early after a drawn
-// `stop` token (kept; -1 = no stop token). InputError on an empty prompt, a negative
-// temperature, top_k or new_tokens, or (from the forward) a token id outside the vocabulary.
+// `stop` token (kept; -1 = no stop token). With id_limit > 0 only ids below it are drawn: a
+// tokenizer's ids, when the model's vocabulary is padded beyond them. InputError on an empty
+// prompt, a negative temperature, top_k or new_tokens, or (from the forward) a token id
+// outside the vocabulary.
 std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
                               int64_t top_k, Rng& rng, int32_t stop = -1,
-                              const OnToken& on_token = nullptr);
+                              const OnToken& on_token = nullptr, int64_t id_limit = 0);
 // The same through the whole model's forward, with a KV cache (see the top of the file).
 std::vector<int32_t> generate(const Gpt& gpt, std::vector<int32_t> prompt, int64_t new_tokens,
                               float temperature, int64_t top_k, Rng& rng, int32_t stop = -1,
-                              const OnToken& on_token = nullptr);
+                              const OnToken& on_token = nullptr, int64_t id_limit = 0);
 
 }  // namespace tessel::model

@@ -646,6 +646,15 @@ std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c) {
   return data::load_tokenizer(data_paths(c.data)[0], c.model.vocab);
 }
 
+std::string run_tokenizer_dir(const std::string& run_dir) {
+  return run_dir + "/tokenizer";
+}
+
+std::string checkpoint_tokenizer_dir(const std::string& checkpoint_dir) {
+  return run_tokenizer_dir(
+      std::filesystem::path(checkpoint_dir).parent_path().parent_path().string());
+}
+
 std::vector<std::string> data_names(const DataConfig& data) {
   const auto paths = data_paths(data);
   std::vector<std::string> names;

@@ -75,7 +75,7 @@ struct TrainLoopConfig {
   std::string init_from;  // fine-tuning: start from this run's (checkpoint's) model weights
   int64_t sample_tokens = 200;  // text sample printed at the end; 0 = none
   std::string sample_prompt = "And God said";
-  std::string sample_stop;  // one byte that ends the sample (e.g. "\n"); "" = none
+  std::string sample_stop;  // the text of one token that ends the sample (e.g. "\n"); "" = none
   double sample_temperature = 0.8;
   int64_t sample_top_k = 40;
 };
@@ -155,6 +155,11 @@ void validate(const Config& config);
 // The tokenizer of the run's token ids (data::load_tokenizer of data.path's first directory:
 // a mixture's data sets share one vocabulary); nullptr when they have none tessel can apply.
 std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c);
+// A run's copy of its data's tokenizer (data::save_tokenizer, written when the run starts), so
+// that generate, eval and fine-tuning know what its ids mean: <run.dir>/tokenizer; and that of
+// the run a checkpoint directory (<run.dir>/checkpoints/step-N) belongs to.
+std::string run_tokenizer_dir(const std::string& run_dir);
+std::string checkpoint_tokenizer_dir(const std::string& checkpoint_dir);
 
 // InputError naming run.dir when it is empty or it, or the nearest of its parents that
 // exists, is not a directory (so the run could not create its files there). Reads the filesystem,

@@ -327,8 +327,11 @@ struct Trainer::State {
   std::unique_ptr<comm::Communicator> ckpt_comm;  // the checkpointer's own collectives
   AsyncCheckpointer checkpointer;
   FaultInjector faults;
-  // The final sample's, when train.sample_tokens > 0 and the data has one (data_tokenizer).
+  // The final sample's, when train.sample_tokens > 0 and the data has one (data_tokenizer),
+  // and its prompt and stop token.
   std::unique_ptr<data::Tokenizer> sample_tokenizer;
+  std::vector<int32_t> sample_prompt;
+  int32_t sample_stop = -1;
   int64_t start_step = 0;
   int64_t resumed_from = -1;
   std::string initialized_from;  // train.init_from's checkpoint, when it started the weights
@@ -382,7 +385,10 @@ struct Trainer::State {
                   " is not a rank of this job (world size ", w.size(), ")");
     model.set_expert_comm(&experts);
     const auto dirs = data_paths(config.data);
-    data::check_same_tokenizer(dirs);  // a mixture's ids must mean the same text
+    // A mixture's ids must mean the same text, and a resumed run's the same as before.
+    std::vector<std::string> with_run = {run_tokenizer_dir(config.run.dir)};
+    with_run.insert(with_run.end(), dirs.begin(), dirs.end());
+    data::check_same_tokenizer(with_run);
     if (loader.packed() && config.data.attention_mask != AttentionMaskKind::causal_document)
       input_error(dirs[0],
                   " is an SFT data set (it has loss-mask shards): its packed samples need "
@@ -399,10 +405,14 @@ struct Trainer::State {
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
-    if (config.train.sample_tokens > 0) {  // checked now, not after the training
+    if (config.train.sample_tokens > 0) {  // encoded now: bad text fails before the training
       sample_tokenizer = data_tokenizer(config);
-      if (sample_tokenizer)
-        sample_tokenizer->single_token(config.train.sample_stop, "config key 'train.sample_stop'");
+      if (sample_tokenizer) {
+        sample_prompt = sample_tokenizer->encode_text(config.train.sample_prompt,
+                                                      "config key 'train.sample_prompt'");
+        sample_stop = sample_tokenizer->single_token(config.train.sample_stop,
+                                                     "config key 'train.sample_stop'");
+      }
     }
     checkpointer.on_files_written = [this](int64_t step) { faults.in_checkpoint_write(step); };
     checkpointer.on_committed = [this](const std::string& dir, int64_t step) {
@@ -682,6 +692,13 @@ struct Trainer::State {
         },
         CheckpointParts::model);
     const std::string& dir = loaded->dir;
+    std::vector<std::string> with_base = {checkpoint_tokenizer_dir(dir)};
+    for (const auto& d : data_paths(config.data)) with_base.push_back(d);
+    try {  // the base model read the ids of its own tokenizer
+      data::check_same_tokenizer(with_base);
+    } catch (const InputError& e) {
+      input_error("train.init_from: ", e.what());
+    }
     const nlohmann::json& have = loaded->content.state.at("compatibility");
     const nlohmann::json want = compatibility();  // a named object: items() refers into it
     std::string differences;
@@ -753,17 +770,16 @@ struct Trainer::State {
     const data::Tokenizer& tok = *sample_tokenizer;
     Rng rng(uint64_t(config.run.seed) + 1);
     const auto& t = config.train;
-    const auto prompt = tok.encode(t.sample_prompt);
-    const int32_t stop = tok.single_token(t.sample_stop, "train.sample_stop");
+    const int64_t ids_of_tokenizer = tok.vocab_size();  // never a padding id of the model
     model.set_expert_comm(sharded_experts() ? &sample_experts : nullptr);
     const auto ids =
         pipeline
             ? model::generate(
                   [this](std::span<const int32_t> w) { return pipeline->next_token_logits(w); },
-                  config.model.max_seq, prompt, t.sample_tokens, float(t.sample_temperature),
-                  t.sample_top_k, rng, stop)
-            : model::generate(model, prompt, t.sample_tokens, float(t.sample_temperature),
-                              t.sample_top_k, rng, stop);
+                  config.model.max_seq, sample_prompt, t.sample_tokens, float(t.sample_temperature),
+                  t.sample_top_k, rng, sample_stop, nullptr, ids_of_tokenizer)
+            : model::generate(model, sample_prompt, t.sample_tokens, float(t.sample_temperature),
+                              t.sample_top_k, rng, sample_stop, nullptr, ids_of_tokenizer);
     model.set_expert_comm(&experts);
     return tok.decode(ids);
   }
@@ -842,6 +858,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
     if (s.is_root && trains) {
       fs::create_directories(s.config.run.dir);
       write_file_atomically(s.config.run.dir + "/config.toml", to_toml(s.config));
+      data::save_tokenizer(data_paths(s.config.data)[0], run_tokenizer_dir(s.config.run.dir));
       if (!s.initialized_from.empty())
         write_file_atomically(s.config.run.dir + "/init.json", s.init_pin.dump(2) + "\n");
     }

@@ -535,6 +535,8 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   EXPECT_GT(o.out.size(), std::string("the LORD\n").size()) << o.out;
   expect_one_line_error(run_tessel("generate --run " + run + " --stop 'the LORD'"),
                         {"--stop", "one token of the bpe tokenizer"});
+  expect_one_line_error(run_tessel(on_bpe + " --set 'train.sample_stop=\"the LORD\"'"),
+                        {"train.sample_stop", "one token of the bpe tokenizer"});
   // The same text as bytes fits the model's 300 ids but means other text to it.
   ASSERT_EQ(
       run_tessel("prepare --corpus file:" + dir + "/text.txt --out " + dir + "/bytes").exit_code,
@@ -542,8 +544,39 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   EXPECT_EQ(run_tessel("eval --run " + run).exit_code, 0);
   expect_one_line_error(run_tessel("eval --run " + run + " --data " + dir + "/bytes"),
                         {dir + "/bytes", "different tokenizers (byte and bpe)"});
-  expect_one_line_error(run_tessel(on_bpe + " --set 'train.sample_stop=\"the LORD\"'"),
-                        {"train.sample_stop", "one token of the bpe tokenizer"});
+  // The run keeps its own copy of the tokenizer: generate works with the data gone, and the
+  // data re-prepared with another vocabulary cannot resume the run.
+  EXPECT_TRUE(fs::exists(run + "/tokenizer/tokenizer.json"));
+  fs::rename(dir + "/data", dir + "/data.moved");
+  o = run_tessel("generate --run " + run + " --prompt 'the LORD' --tokens 5 --temperature 0");
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(o.out.rfind("the LORD", 0), 0u) << o.out;
+  ASSERT_EQ(run_tessel("train-bpe --corpus file:" + dir + "/text.txt --vocab-size 280 --out " +
+                       dir + "/bpe2")
+                .exit_code,
+            0);
+  ASSERT_EQ(run_tessel("prepare --corpus file:" + dir + "/text.txt --tokenizer bpe:" + dir +
+                       "/bpe2 --out " + dir + "/data")
+                .exit_code,
+            0);
+  expect_one_line_error(run_tessel(on_bpe + " --set train.steps=8"),
+                        {run + "/tokenizer", "bpe vocabularies that differ"});
+  // --tokenizer takes a vocabulary directory as train-bpe wrote it, and must exist.
+  o = run_tessel("generate --run " + run + " --tokenizer " + dir + "/bpe --prompt 'the LORD'");
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  expect_one_line_error(run_tessel("generate --run " + run + " --tokenizer " + dir + "/nowhere"),
+                        {"--tokenizer", "nowhere", "no tokenizer there"});
+  // A byte prepare into a vocabulary directory leaves that vocabulary alone.
+  ASSERT_EQ(
+      run_tessel("prepare --corpus file:" + dir + "/text.txt --out " + dir + "/bpe").exit_code, 0);
+  EXPECT_TRUE(fs::exists(dir + "/bpe/vocab.json"));
+  EXPECT_TRUE(fs::exists(dir + "/bpe/merges.txt"));
+  // Bytes under a padded vocabulary (300 ids): the sample draws bytes only.
+  o = run_tessel(train_args(dir + "/run-bytes") + " --set data.path=" + dir +
+                 "/bytes --set model.vocab=300 --set train.sample_tokens=40 --set "
+                 "train.sample_temperature=2 --set run.quiet=false");
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("sample:"), std::string::npos) << o.out;
   expect_one_line_error(run_tessel("prepare --corpus file:" + dir +
                                    "/text.txt --tokenizer wordpiece --out " + dir + "/d2"),
                         {"--tokenizer must be byte or bpe:DIR"});

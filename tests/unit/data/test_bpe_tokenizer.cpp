@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "support/bpe_files.hpp"
 #include "tessel/core/rng.hpp"
@@ -147,12 +148,22 @@ TEST_F(BpeFiles, EncodesByMergeRankAndRoundTrips) {
             ByteTokenizer().encode("the LORD said and the LORD").size());
 }
 
-TEST_F(BpeFiles, DecodesUnknownIdsAsReplacementAndRefusesNegative) {
+TEST_F(BpeFiles, DecodesGapsAsReplacementAndRefusesIdsOutsideTheVocabulary) {
+  // "<|endoftext|>" moved 5 ids up: the ids it skips name no token.
+  auto vocab = nlohmann::json::parse(std::ifstream(dir_.file("vocab.json")));
+  vocab["<|endoftext|>"] = vocab_size_ + 4;
+  write("vocab.json", vocab.dump());
   const BpeTokenizer tok = load();
-  EXPECT_EQ(tok.decode(std::vector<int32_t>{'a', vocab_size_, vocab_size_ + 40}),
+  EXPECT_EQ(tok.vocab_size(), vocab_size_ + 5);
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{'a', vocab_size_ - 1, vocab_size_ + 3}),
             "a\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_EQ(tok.decode(std::vector<int32_t>{tok.end_of_text()}), "<|endoftext|>");
-  expect_input_error([&] { tok.decode(std::vector<int32_t>{'a', -1}); }, {"position 1"});
+  for (int32_t bad : {-1, vocab_size_ + 5})
+    expect_input_error(
+        [&] {
+          tok.decode(std::vector<int32_t>{'a', bad});
+        },
+        {"position 1", "outside [0, " + std::to_string(vocab_size_ + 5) + ")"});
 }
 
 TEST_F(BpeFiles, SingleTokenNamesTheSetting) {
@@ -162,6 +173,9 @@ TEST_F(BpeFiles, SingleTokenNamesTheSetting) {
   EXPECT_EQ(tok.single_token("", "--stop"), -1);
   expect_input_error([&] { tok.single_token("the LORD", "--stop"); },
                      {"--stop", "bpe", "3 tokens"});
+  // The text in the message is escaped: one line, whatever it holds.
+  expect_input_error([&] { tok.single_token("\n\nthe", "--stop"); }, {"\"\\n\\nthe\" is 3 tokens"});
+  expect_input_error([&] { tok.single_token("\xff", "--stop"); }, {"--stop: ", "UTF-8"});
   expect_input_error([] { ByteTokenizer().single_token("ab", "train.sample_stop"); },
                      {"train.sample_stop", "byte", "2 tokens"});
 }
@@ -188,7 +202,11 @@ TEST_F(BpeFiles, RefusesTablesThatCouldFailToEncode) {
   write("vocab.json", "[1, 2]");
   expect_input_error([&] { load(); }, {vocab, "JSON object"});
   write("vocab.json", "{\"a\": ");
-  expect_input_error([&] { load(); }, {vocab, "not JSON"});
+  expect_input_error([&] { load(); }, {vocab, "not valid JSON"});
+  write("vocab.json", "{\"a\": 0, \"a\": 1}");
+  expect_input_error([&] { load(); }, {vocab, "\"a\" appears twice"});
+  write("vocab.json", "{\"a\": 0, \"b\": 70000}");
+  expect_input_error([&] { load(); }, {vocab, "ids up to 70000 for 2 tokens"});
   write("vocab.json", "{\"a\": 0, \"b\": 0}");
   expect_input_error([&] { load(); }, {"id 0 belongs to two tokens"});
   write("vocab.json", "{\"a\": -3}");
@@ -199,16 +217,20 @@ TEST_F(BpeFiles, RefusesTablesThatCouldFailToEncode) {
                      {"missing.json", "cannot read"});
 }
 
-TEST_F(BpeFiles, LoadTokenizerReadsWhatDatasetJsonNames) {
+TEST_F(BpeFiles, LoadTokenizerReadsWhatTheDirectoryHolds) {
+  TempDir empty;
+  const std::string none = empty.path().string();
+  EXPECT_EQ(tokenizer_name(none), std::nullopt);
+  EXPECT_EQ(load_tokenizer(none, 256)->name(), "byte") << "nothing, 256 ids: bytes";
+  EXPECT_EQ(load_tokenizer(none, 50304), nullptr) << "nothing, other ids: none";
+  // A vocabulary directory (train-bpe's output) is BPE as it is.
   const std::string d = dir_.path().string();
-  EXPECT_EQ(load_tokenizer(d, 256)->name(), "byte") << "no dataset.json, 256 ids: bytes";
-  EXPECT_EQ(load_tokenizer(d, 50304), nullptr) << "no dataset.json, other ids: none";
-  write("dataset.json", "{\"tokenizer\": \"bpe\"}");
+  EXPECT_EQ(tokenizer_name(d), "bpe");
   const auto bpe = load_tokenizer(d, 512);
   ASSERT_NE(bpe, nullptr);
-  EXPECT_EQ(bpe->name(), "bpe");
   EXPECT_EQ(bpe->encode("the"), (std::vector<int32_t>{257}));
   expect_input_error([&] { load_tokenizer(d, 256); }, {"281 ids", "model.vocab = 256"});
+  // dataset.json (a prepared data directory) decides before the files beside it.
   write("dataset.json", "{\"tokenizer\": \"pretokenized u16, eot 50256\"}");
   EXPECT_EQ(load_tokenizer(d, 50304), nullptr);
   write("dataset.json", "{\"tokenizer\": \"byte\"}");
@@ -217,4 +239,24 @@ TEST_F(BpeFiles, LoadTokenizerReadsWhatDatasetJsonNames) {
   expect_input_error([&] { load_tokenizer(d, 300); }, {"unknown tokenizer", "sentencepiece"});
   write("dataset.json", "{}");
   expect_input_error([&] { load_tokenizer(d, 300); }, {"dataset.json", "\"tokenizer\""});
+  write("dataset.json", "{\"tokenizer\": \"bpe\"}");
+
+  // A run's copy (save_tokenizer): tokenizer.json and the vocabulary, equal to its source.
+  const std::string copy = empty.file("run/tokenizer");
+  save_tokenizer(d, copy);
+  EXPECT_EQ(tokenizer_name(copy), "bpe");
+  EXPECT_EQ(load_tokenizer(copy, 512)->encode("the LORD"), bpe->encode("the LORD"));
+  check_same_tokenizer({copy, d});
+  const std::string bytes = empty.file("bytes");
+  std::filesystem::create_directories(bytes);
+  std::ofstream(bytes + "/dataset.json") << "{\"tokenizer\": \"byte\"}";
+  const std::string byte_copy = empty.file("run2/tokenizer");
+  save_tokenizer(bytes, byte_copy);
+  EXPECT_EQ(tokenizer_name(byte_copy), "byte");
+  expect_input_error([&] { check_same_tokenizer({copy, byte_copy}); }, {"byte and bpe"});
+  // Pretokenized ids name no tokenizer to compare or copy.
+  std::ofstream(bytes + "/dataset.json") << "{\"tokenizer\": \"pretokenized u32, eot 3\"}";
+  check_same_tokenizer({copy, bytes});
+  save_tokenizer(bytes, empty.file("run3/tokenizer"));
+  EXPECT_FALSE(std::filesystem::exists(empty.file("run3/tokenizer")));
 }

@@ -20,6 +20,30 @@ int32_t argmax(const std::vector<float>& x) {
 
 }  // namespace
 
+// With an id limit (a tokenizer's ids under a padded vocabulary) greedy generation takes the
+// argmax of the logits below it, and sampling draws nothing at or above it.
+TEST(Generate, AnIdLimitKeepsDrawsBelowIt) {
+  Gpt gpt(gelu_config(), 3);
+  randomize_parameters(gpt, 4, 0.5f);
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  const int64_t limit = gpt.config().vocab / 2;
+  Rng rng(1);
+  const auto greedy = generate(gpt, prompt, 12, 0.0f, 0, rng, -1, nullptr, limit);
+  std::vector<int32_t> context = prompt;
+  for (size_t i = prompt.size(); i < greedy.size(); ++i) {
+    std::vector<float> logits = next_token_logits(gpt, context);
+    logits.resize(size_t(limit));
+    EXPECT_EQ(greedy[i], argmax(logits)) << "token " << i;
+    context.push_back(greedy[i]);
+  }
+  const auto sampled = generate(gpt, prompt, 200, 2.0f, 0, rng, -1, nullptr, limit);
+  EXPECT_TRUE(std::all_of(sampled.begin(), sampled.end(), [&](int32_t t) { return t < limit; }));
+  const auto unlimited = generate(gpt, prompt, 200, 2.0f, 0, rng);
+  EXPECT_TRUE(std::any_of(unlimited.begin(), unlimited.end(), [&](int32_t t) {
+    return t >= limit;
+  })) << "without the limit the same sampling reaches the upper ids";
+}
+
 // Greedy generation is deterministic and equals step-by-step argmax of the next
 // token's logits; it runs past max_seq (8) by keeping the last 8 tokens.
 TEST(Generate, GreedyIsDeterministicArgmax) {
