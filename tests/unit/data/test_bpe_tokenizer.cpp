@@ -72,6 +72,18 @@ TEST(Gpt2Pretokenize, SplitsAsTheReferencePattern) {
                    "b"),
             (Pieces{"a", "\xc2\xa0", "\xc2\xa0", "b"}))
       << "no-break space is White_Space but not ' ': it never joins a word";
+  // Cases checked against Python's `regex` module (the one GPT-2's encoder uses) in review:
+  // regex.findall(pattern, text) gives these pieces.
+  EXPECT_EQ(pieces(" 's"), (Pieces{" '", "s"}));
+  EXPECT_EQ(pieces(" \tfoo"), (Pieces{" ", "\t", "foo"}));
+  EXPECT_EQ(pieces("cafe\xcc\x81"), (Pieces{"cafe", "\xcc\x81"}));  // a combining mark: other
+  EXPECT_EQ(pieces("a \x1c"
+                   "b"),
+            (Pieces{"a", " \x1c", "b"}));  // U+001C: not White_Space
+  EXPECT_EQ(pieces("''s?'s"), (Pieces{"''", "s", "?'", "s"}));
+  EXPECT_EQ(pieces("a\xe3\x80\x80"
+                   "b\xe2\x80\xa8"),
+            (Pieces{"a", "\xe3\x80\x80", "b", "\xe2\x80\xa8"}));
   EXPECT_TRUE(pieces("").empty());
 }
 
