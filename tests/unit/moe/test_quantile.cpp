@@ -1,7 +1,8 @@
 // The bf16 order key (exhaustively), the radix-select k-th smallest on one rank against a
 // sorted pool, its two all-reduces of E x 256 counters, the QB load property, the partition
 // dependence of the averaged-quantile baseline, and the histogram estimate on one rank: its
-// bound against a sorted pool, its two collectives and its refusals.
+// bound against a sorted pool, its naive twin (a scan of the edges), its two collectives and
+// its refusals.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -168,9 +169,21 @@ std::vector<float> columns_of(const std::vector<float>& v, int64_t rows, int64_t
   return out;
 }
 
+// The histogram answer by its definition, naively: the r-th smallest of the sorted pool, its
+// bin by a scan of the edges (edge_j = lo + j w in f64 for j < bins), the bin's upper edge in
+// f32 (hi for the last bin, lo when lo = hi); zeros as +0.
+float naive_histogram_quantile(const std::vector<float>& sorted, int64_t bins, int64_t r) {
+  const double lo = double(sorted.front()) + 0.0, hi = double(sorted.back()) + 0.0;
+  const double w = (hi - lo) / double(bins), x = sorted[size_t(r - 1)];
+  if (w == 0) return float(lo);
+  int64_t b = 0;
+  while (b + 1 < bins && x >= lo + double(b + 1) * w) ++b;
+  return b + 1 == bins ? float(hi) : float(lo + double(b + 1) * w);
+}
+
 TEST(HistogramQuantile, OneRankIsAtMostOneBinAboveTheSortedPoolWithTwoCollectives) {
   Rng rng(17);
-  const int64_t rows = 301, columns = 6;
+  const int64_t rows = 301, columns = 7;
   const float big = std::numeric_limits<float>::max();
   std::vector<float> v(size_t(rows * columns));
   for (int64_t t = 0; t < rows; ++t) {
@@ -181,6 +194,9 @@ TEST(HistogramQuantile, OneRankIsAtMostOneBinAboveTheSortedPoolWithTwoCollective
     r[3] = rng.below(2) ? 0.0f : -0.0f;      // +-0: one value
     r[4] = rng.below(2) ? big : -big;        // a range beyond f32
     r[5] = 100.0f + rng.normal() * 1e-4f;    // narrow, far from 0
+    // Mostly +-0 at the top of [-3, 0], -0 first: the answer is the last bin's edge, hi.
+    r[6] = t > 0 && rng.below(3) == 0 ? -float(1 + rng.below(3))
+                                      : (t > 0 && rng.below(2) ? 0.0f : -0.0f);
   }
   std::vector<uint8_t> valid(static_cast<size_t>(rows));
   for (auto& m : valid) m = rng.below(4) != 0;
@@ -211,15 +227,46 @@ TEST(HistogramQuantile, OneRankIsAtMostOneBinAboveTheSortedPoolWithTwoCollective
           EXPECT_GE(q, x) << "column " << c;
           EXPECT_LE(double(q) - double(x), w + 0.5 * double(std::nextafter(q, big) - q))
               << "column " << c;
+          EXPECT_EQ(std::bit_cast<uint32_t>(q), std::bit_cast<uint32_t>(naive_histogram_quantile(
+                                                    pool, bins, rank_of(int64_t(pool.size())))))
+              << "column " << c;
           if (c == 2) {
             EXPECT_EQ(q, 2.5f);  // lo = hi: exact
           }
           if (c == 3) {
-            EXPECT_TRUE(q == 0.0f && !std::signbit(q));  // never -0
+            EXPECT_EQ(q, 0.0f);
+          }
+          if (q == 0.0f) {
+            EXPECT_FALSE(std::signbit(q)) << "column " << c;  // never -0
           }
         }
       }
     }
+  }
+}
+
+// Bins narrower than the f32 spacing of their values (a range of 3.2e-7 at 5.89, B = 1000),
+// every value an edge rounded to f32 or one of its f32 neighbours: there the division's guess
+// of a value's bin can miss by one, and the answer still is the bin's by the edges, at every
+// rank.
+TEST(HistogramQuantile, EqualsItsNaiveTwinBitwiseOnValuesAtTheEdges) {
+  const float lo = 5.894250869750977f, hi = 5.894575119018555f;
+  const int64_t bins = 1000;
+  const double w = (double(hi) - double(lo)) / double(bins);
+  std::vector<float> values = {lo, hi};
+  for (int64_t j = 1; j < bins; ++j) {
+    const float e = float(double(lo) + double(j) * w);
+    for (float v : {std::nextafter(e, lo), e, std::nextafter(e, hi)}) values.push_back(v);
+  }
+  std::vector<float> sorted = values;
+  std::sort(sorted.begin(), sorted.end());
+  LocalExpertComm comm;
+  for (int64_t r = 1; r <= int64_t(values.size()); ++r) {
+    const float q = global_histogram_quantile(
+        values, 1, {}, bins, [&](int64_t) { return r; }, comm)[0];
+    ASSERT_EQ(std::bit_cast<uint32_t>(q),
+              std::bit_cast<uint32_t>(naive_histogram_quantile(sorted, bins, r)))
+        << "rank " << r;
   }
 }
 
