@@ -1,5 +1,5 @@
 #pragma once
-// Exact quantiles for quantile balancing (spec moe_balancing.md, sections 2.4 and 2.5).
+// Quantiles for quantile balancing (spec moe_balancing.md, sections 2.4 to 2.6).
 //
 // The 16-bit order key of a float: round to bf16 (nearest even), read its bits u;
 //   key = u | 0x8000 for u < 0x8000 (sign bit clear), key = ~u & 0xFFFF otherwise.
