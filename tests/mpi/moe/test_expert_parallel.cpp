@@ -222,18 +222,39 @@ std::vector<int64_t> row_order(int64_t rows, Rng& rng, bool shuffle) {
   return order;
 }
 
-// Rows `ids` of the pool as this rank's shard: column-major keys and the mask.
-void shard_of(const Pool& p, const std::vector<int64_t>& ids, std::vector<uint16_t>& keys,
-              std::vector<uint8_t>& valid) {
+// Rows `ids` of the pool as this rank's shard: column-major values and their keys, and the
+// mask.
+struct Shard {
+  VecF values;
+  std::vector<uint16_t> keys;
+  std::vector<uint8_t> valid;
+};
+
+Shard shard_of(const Pool& p, const std::vector<int64_t>& ids) {
   const int64_t n = int64_t(ids.size());
-  keys.assign(size_t(n * p.columns), 0);
-  valid.assign(size_t(n), 0);
+  Shard s{VecF(static_cast<size_t>(n * p.columns)),
+          std::vector<uint16_t>(static_cast<size_t>(n * p.columns)),
+          std::vector<uint8_t>(static_cast<size_t>(n))};
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t c = 0; c < p.columns; ++c)
-      keys[size_t(c * n + i)] =
-          moe::bf16_order_key(p.values[size_t(ids[size_t(i)] * p.columns + c)]);
-    valid[size_t(i)] = p.valid[size_t(ids[size_t(i)])];
+    for (int64_t c = 0; c < p.columns; ++c) {
+      const float v = p.values[size_t(ids[size_t(i)] * p.columns + c)];
+      s.values[size_t(c * n + i)] = v;
+      s.keys[size_t(c * n + i)] = moe::bf16_order_key(v);
+    }
+    s.valid[size_t(i)] = p.valid[size_t(ids[size_t(i)])];
   }
+  return s;
+}
+
+// This rank's rows of the pool under sharding `sharding` of group `sub`: the same permutation
+// (none for sharding 0) and uneven random cut points on every rank of the group.
+std::vector<int64_t> random_shard(const Pool& p, comm::Communicator& sub, uint64_t sharding) {
+  Rng rng(sharding);
+  const std::vector<int64_t> order = row_order(p.rows, rng, sharding > 0);
+  std::vector<int64_t> cuts = {0, p.rows};
+  for (int r = 1; r < sub.size(); ++r) cuts.push_back(int64_t(rng.below(uint64_t(p.rows))));
+  std::sort(cuts.begin(), cuts.end());
+  return {order.begin() + cuts[size_t(sub.rank())], order.begin() + cuts[size_t(sub.rank() + 1)]};
 }
 
 TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
@@ -247,19 +268,10 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
     auto rank_of = [](int64_t n) { return moe::qb_rank(n, 2, 8); };
     std::vector<std::vector<uint16_t>> results;
     for (uint64_t sharding = 0; sharding < 3; ++sharding) {
-      // The same permutation and uneven cut points on every rank of the group.
-      Rng rng(sharding);
-      const std::vector<int64_t> order = row_order(pool.rows, rng, sharding > 0);
-      std::vector<int64_t> cuts = {0, pool.rows};
-      for (int r = 1; r < g; ++r) cuts.push_back(int64_t(rng.below(uint64_t(pool.rows))));
-      std::sort(cuts.begin(), cuts.end());
-      std::vector<int64_t> ids(order.begin() + cuts[size_t(sub->rank())],
-                               order.begin() + cuts[size_t(sub->rank() + 1)]);
-      std::vector<uint16_t> keys;
-      std::vector<uint8_t> valid;
-      shard_of(pool, ids, keys, valid);
+      const Shard shard = shard_of(pool, random_shard(pool, *sub, sharding));
       sub->reset_traffic();
-      results.push_back(moe::global_kth_smallest(keys, pool.columns, valid, rank_of, comm));
+      results.push_back(
+          moe::global_kth_smallest(shard.keys, pool.columns, shard.valid, rank_of, comm));
       // Exactly two all-reduces of columns x 256 int32 counters.
       EXPECT_EQ(sub->traffic().calls.all_reduce, 2u);
       EXPECT_EQ(sub->traffic().bytes.all_reduce, uint64_t(2 * pool.columns * 256 * 4));
@@ -275,16 +287,6 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
       for (const auto& r : results) EXPECT_EQ(r[size_t(c)], want) << "column " << c;
     }
   }
-}
-
-// Rows `ids` of the pool as this rank's shard: column-major values.
-VecF values_of(const Pool& p, const std::vector<int64_t>& ids) {
-  const int64_t n = int64_t(ids.size());
-  VecF v(static_cast<size_t>(n * p.columns));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < p.columns; ++c)
-      v[size_t(c * n + i)] = p.values[size_t(ids[size_t(i)] * p.columns + c)];
-  return v;
 }
 
 // The histogram baseline over the same shardings: every group size and sharding gives the
@@ -303,18 +305,9 @@ TEST(HistogramQuantile, IsOneBinFromTheSortedPoolAndBitwiseTheSameOnEveryGroupSi
     SCOPED_TRACE("group of " + std::to_string(g));
     parallel::ExpertParallelComm comm(*sub, *sub, nullptr);
     for (uint64_t sharding = 0; sharding < 3; ++sharding) {
-      Rng rng(sharding);
-      const std::vector<int64_t> order = row_order(pool.rows, rng, sharding > 0);
-      std::vector<int64_t> cuts = {0, pool.rows};
-      for (int r = 1; r < g; ++r) cuts.push_back(int64_t(rng.below(uint64_t(pool.rows))));
-      std::sort(cuts.begin(), cuts.end());
-      std::vector<int64_t> ids(order.begin() + cuts[size_t(sub->rank())],
-                               order.begin() + cuts[size_t(sub->rank() + 1)]);
-      std::vector<uint16_t> keys;
-      std::vector<uint8_t> valid;
-      shard_of(pool, ids, keys, valid);
+      const Shard shard = shard_of(pool, random_shard(pool, *sub, sharding));
       sub->reset_traffic();
-      results.push_back(moe::global_histogram_quantile(values_of(pool, ids), pool.columns, valid,
+      results.push_back(moe::global_histogram_quantile(shard.values, pool.columns, shard.valid,
                                                        bins, rank_of, comm));
       EXPECT_EQ(sub->traffic().calls.all_reduce, 2u);
       EXPECT_EQ(sub->traffic().bytes.all_reduce,
