@@ -30,6 +30,10 @@ void validate(const MoeConfig& c) {
   non_negative("lei_coeff", c.lei_coeff);
   if (!(c.eqb_step > 0 && c.eqb_step <= 1))
     input_error("model.moe_eqb_step = ", c.eqb_step, " must lie in (0, 1]");
+  // Each update holds E x B int32 counters: the cap keeps that a bounded buffer.
+  constexpr int64_t kMaxHistBins = int64_t(1) << 20;
+  if (c.hist_bins < 2 || c.hist_bins > kMaxHistBins)
+    input_error("model.moe_hist_bins = ", c.hist_bins, " must lie in [2, ", kMaxHistBins, "]");
   if (!(c.lei_width > 0) || !std::isfinite(c.lei_width))
     input_error("model.moe_lei_width = ", c.lei_width, " must be positive");
   if (c.capacity > 0 && c.capacity * double(c.top_k) < 1e-9)
@@ -40,7 +44,7 @@ void validate(const MoeConfig& c) {
     input_error(
         "model.moe_balance = \"seq_aux\" needs model.moe_score = \"softmax\" (DeepSeek-V3 "
         "normalizes sigmoid scores over the experts first, which is not implemented)");
-  if (uses_eqb(c.balance) && c.top_k == c.experts)
+  if (uses_global_quantile(c.balance) && c.top_k == c.experts)
     input_error("model.moe_balance = \"", to_string(c.balance),
                 "\" needs model.moe_top_k < model.moe_experts (every token takes every expert)");
   if (c.balance == Balance::expert_choice && c.drop == DropPolicy::position)
@@ -49,8 +53,8 @@ void validate(const MoeConfig& c) {
         "expert takes the tokens with the highest scores; there is no later token to drop)");
 }
 
-bool uses_eqb(Balance b) {
-  return b == Balance::eqb || b == Balance::eqb_lei;
+bool uses_global_quantile(Balance b) {
+  return b == Balance::eqb || b == Balance::eqb_lei || b == Balance::qb_hist;
 }
 bool uses_lei(Balance b) {
   return b == Balance::lei || b == Balance::eqb_lei;
@@ -72,6 +76,8 @@ const char* to_string(Balance v) {
       return "qb_avg";
     case Balance::eqb:
       return "eqb";
+    case Balance::qb_hist:
+      return "qb_hist";
     case Balance::lei:
       return "lei";
     case Balance::eqb_lei:

@@ -18,6 +18,7 @@ enum class Balance {
   bias,
   qb_avg,
   eqb,
+  qb_hist,
   lei,
   eqb_lei,
   sinkhorn,
@@ -44,10 +45,11 @@ struct MoeConfig {
   double aux_coeff = 1e-2;  // Switch aux loss alpha (aux, aux_global, seq_aux)
   double z_coeff = 0.0;     // router z-loss coefficient (any balance)
   double bias_rate = 1e-3;  // gamma of the sign bias update (bias)
-  // eta in (0, 1] of the EQB step beta += eta (quantile - beta) (eqb, eqb_lei); 1 = the
-  // spec's rule beta = quantile, < 1 averages the batches' sampling noise out of beta.
+  // eta in (0, 1] of the EQB step beta += eta (quantile - beta) (eqb, eqb_lei, qb_hist); 1 =
+  // the spec's rule beta = quantile, < 1 averages the batches' sampling noise out of beta.
   double eqb_step = 1.0;
-  double lei_coeff = 1e-2;  // LEI loss coefficient (lei, eqb_lei)
+  int64_t hist_bins = 1000;  // uniform bins B of qb_hist's quantile estimate, in [2, 2^20]
+  double lei_coeff = 1e-2;   // LEI loss coefficient (lei, eqb_lei)
   LeiKernel lei_kernel = LeiKernel::rectangle;
   double lei_width = 1.0;  // kernel width w (tanh: 1 / slope)
   LeiMargin lei_margin = LeiMargin::midpoint;
@@ -57,11 +59,13 @@ struct MoeConfig {
 // Throws tessel::InputError naming the first bad model.moe_<field>.
 void validate(const MoeConfig& config);
 
-bool uses_eqb(Balance b);  // eqb, eqb_lei
+// eqb, eqb_lei, qb_hist: beta steps at the step's end toward a quantile of the global
+// batch's margins (exact, or qb_hist's estimate).
+bool uses_global_quantile(Balance b);
 bool uses_lei(Balance b);  // lei, eqb_lei
 
 // The name config files use: "none", "aux", "aux_global", "seq_aux", "bias", "qb_avg", "eqb",
-// "lei", "eqb_lei", "sinkhorn", "expert_choice".
+// "qb_hist", "lei", "eqb_lei", "sinkhorn", "expert_choice".
 const char* to_string(Balance v);
 
 }  // namespace tessel::moe

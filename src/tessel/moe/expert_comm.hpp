@@ -30,6 +30,8 @@ class ExpertComm {
   // In place, element-wise sums over the balancing group.
   virtual void sum_counters(int32_t* data, size_t n) = 0;
   virtual void sum_values(double* data, size_t n) = 0;
+  // In place, element-wise maxima over the balancing group (the histogram quantile's range).
+  virtual void max_values(float* data, size_t n) = 0;
   // In place, element-wise sums over the micro-batch group: the ranks that hold parts of
   // this rank's micro-batch (the cp group under context parallelism; else this rank alone).
   // The balancing terms defined per micro-batch (aux, LEI, z-loss, qb_avg, Sinkhorn's
@@ -50,6 +52,7 @@ class LocalExpertComm final : public ExpertComm {
                      std::span<const size_t> recv_counts) override;
   void sum_counters(int32_t*, size_t) override {}
   void sum_values(double*, size_t) override {}
+  void max_values(float*, size_t) override {}
   void sum_micro_batch_counters(int32_t*, size_t) override {}
   void sum_micro_batch_values(double*, size_t) override {}
   std::vector<int32_t> gather_micro_batch(std::span<const int32_t> send) override {

@@ -444,7 +444,7 @@ void MoeLayer::forward(LayerCache& c, float* y, const float* x, int64_t N, const
     for (int64_t i = 0; i < N * E; ++i) c.probs[size_t(i)] = sigmoid(c.logits[size_t(i)]);
 
   const bool lei = uses_lei(config_.balance);
-  const bool qb = config_.balance == Balance::qb_avg || uses_eqb(config_.balance);
+  const bool qb = config_.balance == Balance::qb_avg || uses_global_quantile(config_.balance);
   c.lei_margin.resize(lei ? size_t(N * E) : 0);
   c.qb_margin.resize(qb ? size_t(N * E) : 0);
   // Selection by logits - sel_bias: beta, less Sinkhorn's log column scale (sinkhorn).
@@ -769,7 +769,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
     state.loads.resize(size_t(E), 0.0);
     for (int64_t e = 0; e < E; ++e) state.loads[size_t(e)] += double(c.loads[size_t(e)]);
   }
-  if (config_.balance == Balance::qb_avg || uses_eqb(config_.balance)) {
+  if (config_.balance == Balance::qb_avg || uses_global_quantile(config_.balance)) {
     std::vector<uint16_t> keys(size_t(N * E));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t e = 0; e < E; ++e)
@@ -810,17 +810,25 @@ void MoeLayer::update(BalanceState& state, float* beta, ExpertComm& comm) const 
     comm.sum_values(sums.data(), sums.size());
     if (sums[size_t(E)] > 0)
       for (int64_t e = 0; e < E; ++e) beta[e] = float(sums[size_t(e)] / sums[size_t(E)]);
-  } else if (uses_eqb(config_.balance)) {
+  } else if (uses_global_quantile(config_.balance)) {
     state.keys.resize(static_cast<size_t>(E));
     std::vector<uint16_t> keys;
     for (const auto& col : state.keys) keys.insert(keys.end(), col.begin(), col.end());
-    const auto q = global_kth_smallest(
-        keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); }, comm);
-    // A step of size eta toward the exact quantile, in double: lerp(b, q, 1) is q exactly,
-    // and beta stays f32 so steps far below the quantile's bf16 spacing still count.
+    const RankOf rank = [&](int64_t n) { return qb_rank(n, k, E); };
+    std::vector<float> q(static_cast<size_t>(E));
+    if (config_.balance == Balance::qb_hist) {
+      // The same bf16 margins as EQB's, so the two differ only in how they find the quantile.
+      std::vector<float> margins(keys.size());
+      std::transform(keys.begin(), keys.end(), margins.begin(), value_of_order_key);
+      q = global_histogram_quantile(margins, E, {}, config_.hist_bins, rank, comm);
+    } else {
+      const auto exact = global_kth_smallest(keys, E, {}, rank, comm);
+      std::transform(exact.begin(), exact.end(), q.begin(), value_of_order_key);
+    }
+    // A step of size eta toward the quantile, in double: lerp(b, q, 1) is q exactly, and beta
+    // stays f32 so steps far below the quantile's bf16 spacing still count.
     for (int64_t e = 0; e < E; ++e)
-      beta[e] = float(
-          std::lerp(double(beta[e]), double(value_of_order_key(q[size_t(e)])), config_.eqb_step));
+      beta[e] = float(std::lerp(double(beta[e]), double(q[size_t(e)]), config_.eqb_step));
   }
   state = BalanceState{};
 }

@@ -91,7 +91,7 @@ struct LayerCache {
   std::vector<int32_t> position;     // [N, slots] row of the slot in the permuted order; -1 dropped
   std::vector<float> lei_margin;     // [N, E] (lei): selection score minus the token's boundary
                                      // (exact_margin: 0 in the window, else 1e30 chosen, -1e30 not)
-  std::vector<float> qb_margin;      // [N, E] (qb_avg, eqb): logits minus alpha_t (spec 2.2)
+  std::vector<float> qb_margin;      // [N, E] (qb_avg, eqb, qb_hist): logits minus alpha_t
   std::vector<int32_t> sequence;     // [N] (seq_aux): each token's sequence
   std::vector<double> seq_aux_grad;  // [S, E] (seq_aux): N dL/dp[n, e] for sequence s's tokens
   // Dispatch: this rank's kept assignments in expert order, then what the ep group sent.
@@ -133,7 +133,7 @@ struct BalanceState {
   std::vector<int32_t> global_counts;       // [E] aux_global: group-wide counts this step
   std::vector<double> beta_sum;             // [E] qb_avg: sum of per-micro-batch quantiles
   int64_t micro_batches = 0;                // qb_avg
-  std::vector<std::vector<uint16_t>> keys;  // [E][tokens] eqb: order keys of the margins
+  std::vector<std::vector<uint16_t>> keys;  // [E][tokens] eqb, qb_hist: the margins' order keys
 };
 
 class MoeLayer {
@@ -164,7 +164,7 @@ class MoeLayer {
                 const LayerWeights& w, float loss_scale, BalanceState& state,
                 ExpertComm& comm) const;
   // End of an optimizer step: the beta update of the balancing method (bias, qb_avg, eqb,
-  // eqb_lei; a no-op otherwise), collective over the balancing group; resets `state`.
+  // eqb_lei, qb_hist; a no-op otherwise), collective over the balancing group; resets `state`.
   void update(BalanceState& state, float* beta, ExpertComm& comm) const;
 
  private:

@@ -1,5 +1,5 @@
 #pragma once
-// Exact quantiles for quantile balancing (spec moe_balancing.md, sections 2.4 and 2.5).
+// Quantiles for quantile balancing (spec moe_balancing.md, sections 2.4 to 2.6).
 //
 // The 16-bit order key of a float: round to bf16 (nearest even), read its bits u;
 //   key = u | 0x8000 for u < 0x8000 (sign bit clear), key = ~u & 0xFFFF otherwise.
@@ -13,6 +13,9 @@
 // the values whose high byte is b1, a second all-reduce fixes it. Integer sums do not
 // depend on how the values are spread over ranks or on reduction order, so the result is
 // the rank-r element of the pooled, sorted bf16 values, bitwise, for any sharding.
+//
+// The histogram baseline (spec 2.6, the "Kimi K3" estimator) answers within one bin width:
+// global_histogram_quantile below.
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -45,6 +48,33 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
 std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_t columns,
                                           std::span<const uint8_t> valid, const RankOf& rank_of,
                                           ExpertComm& comm);
+
+// In place, element-wise maxima of f32 values over a group of ranks.
+using MaxValues = std::function<void(float* data, size_t n)>;
+
+// The histogram estimate of the same order statistic, over f32 values: values
+// [columns][rows] column-major as `keys` above, valid and rank_of as above. Per column c,
+// over the valid values of all ranks: lo and hi are their minimum and maximum (one
+// max_values call of 2 * columns floats: the maxima of v and of -v); `bins` uniform bins of
+// width w = (hi - lo) / bins have the edges lo + j w (j < bins, in f64) and hi, bin j holds
+// edge_j <= v < edge_j+1 (the last one hi too); one sum_counters call of columns * bins int32
+// counts finds the bin b that holds the rank_of(n)-th smallest valid value x_r, and the
+// answer is its upper edge rounded to f32 (hi for the last bin; lo when lo = hi). Hence
+//   x_r <= answer <= x_r + w + half an f32 ulp of the answer
+// (x_r is an f32 below the edge, so rounding the edge keeps it above x_r): never below the
+// order statistic, at most one bin width above. Two collectives in all. The range is exact
+// (-0 counts as +0, so its bits do not depend on the reduction order) and the counts are
+// integers, so the answer is bitwise the same for any sharding. TESSEL_CHECK: every value
+// finite (NaN and +-inf have no place in uniform bins), bins >= 2, and the rank rules of
+// global_kth_smallest.
+std::vector<float> global_histogram_quantile(std::span<const float> values, int64_t columns,
+                                             std::span<const uint8_t> valid, int64_t bins,
+                                             const RankOf& rank_of, const MaxValues& max_values,
+                                             const SumCounters& sum_counters);
+// The same over the balancing group (comm.max_values, comm.sum_counters).
+std::vector<float> global_histogram_quantile(std::span<const float> values, int64_t columns,
+                                             std::span<const uint8_t> valid, int64_t bins,
+                                             const RankOf& rank_of, ExpertComm& comm);
 
 // Quantile balancing's rank (spec 2.2): beta_e is the (C + 1)-th largest of n margins,
 // C = floor(n * k / E), i.e. the (n - C)-th smallest (at least 1).

@@ -24,6 +24,10 @@ void ExpertParallelComm::sum_values(double* data, size_t n) {
   balance_.all_reduce(data, n, comm::ElemType::f64, comm::ReduceOp::sum);
 }
 
+void ExpertParallelComm::max_values(float* data, size_t n) {
+  balance_.all_reduce(data, n, comm::ElemType::f32, comm::ReduceOp::max);
+}
+
 void ExpertParallelComm::sum_micro_batch_counters(int32_t* data, size_t n) {
   if (micro_batch_ && micro_batch_->size() > 1)
     micro_batch_->all_reduce(data, n, comm::ElemType::i32, comm::ReduceOp::sum);

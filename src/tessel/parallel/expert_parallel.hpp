@@ -1,9 +1,10 @@
 #pragma once
 // Expert parallelism: the MoE layer's ExpertComm backed by comm::Communicator. Tokens are
 // exchanged over the mesh's ep group (all_to_all of counts, then all_to_allv of rows);
-// balancing sums (EQB histograms, global loads) run over the dp x cp group, which holds
-// every rank that trains the layer on its own tokens (the ep group is folded inside it);
-// the per-micro-batch sums over the cp group, whose ranks hold the parts of one micro-batch.
+// balancing sums and maxima (EQB histograms, global loads, the histogram quantile's range)
+// run over the dp x cp group, which holds every rank that trains the layer on its own tokens
+// (the ep group is folded inside it); the per-micro-batch sums over the cp group, whose ranks
+// hold the parts of one micro-batch.
 #include "tessel/comm/communicator.hpp"
 #include "tessel/moe/expert_comm.hpp"
 
@@ -23,6 +24,7 @@ class ExpertParallelComm final : public moe::ExpertComm {
                      std::span<const size_t> recv_counts) override;
   void sum_counters(int32_t* data, size_t n) override;
   void sum_values(double* data, size_t n) override;
+  void max_values(float* data, size_t n) override;
   void sum_micro_batch_counters(int32_t* data, size_t n) override;
   void sum_micro_batch_values(double* data, size_t n) override;
   std::vector<int32_t> gather_micro_batch(std::span<const int32_t> send) override;

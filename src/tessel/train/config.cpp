@@ -200,7 +200,8 @@ std::vector<ConfigKey> build_schema() {
       choice_key<Balance>("model.moe_balance",
                           "load balancing: Switch aux loss per micro-batch, with global-batch "
                           "counts or per sequence (DeepSeek-V3), sign bias update, averaged "
-                          "per-micro-batch quantile, exact global quantile (EQB), load-error "
+                          "per-micro-batch quantile, exact global quantile (EQB), its "
+                          "histogram estimate (B uniform bins, within one bin width), load-error "
                           "injection (LEI), EQB + LEI, Sinkhorn-balanced selection per "
                           "micro-batch, expert choice (each expert takes its top-C tokens of the "
                           "micro-batch, C = ceil(k N cf / E), cf = 1 at capacity 0; not causal: "
@@ -212,6 +213,7 @@ std::vector<ConfigKey> build_schema() {
                            {"bias", Balance::bias},
                            {"qb_avg", Balance::qb_avg},
                            {"eqb", Balance::eqb},
+                           {"qb_hist", Balance::qb_hist},
                            {"lei", Balance::lei},
                            {"eqb_lei", Balance::eqb_lei},
                            {"sinkhorn", Balance::sinkhorn},
@@ -224,8 +226,12 @@ std::vector<ConfigKey> build_schema() {
       float_key("model.moe_bias_rate", "bias update step gamma (bias)", FIELD(model.moe.bias_rate)),
       float_key("model.moe_eqb_step",
                 "EQB step eta in (0, 1]: beta += eta (quantile - beta); 1 = beta = quantile "
-                "(eqb, eqb_lei)",
+                "(eqb, eqb_lei, qb_hist)",
                 FIELD(model.moe.eqb_step)),
+      int_key("model.moe_hist_bins",
+              "uniform bins over each expert's margin range, in [2, 2^20]; the quantile "
+              "estimate lies within one bin width above the exact one (qb_hist)",
+              FIELD(model.moe.hist_bins)),
       float_key("model.moe_lei_coeff", "LEI loss coefficient (lei, eqb_lei)",
                 FIELD(model.moe.lei_coeff)),
       choice_key<LeiKernel>("model.moe_lei_kernel", "LEI surrogate kernel phi'",

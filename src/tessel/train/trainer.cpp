@@ -110,7 +110,8 @@ constexpr const char* kDataWeightsKey = "data sets (normalized data.weights)";
 const std::map<std::string, std::string> kAddedKeys = {{"model.attention_window", "0"},
                                                        {kDataWeightsKey, "1.0"},
                                                        {"model.moe_lei_margin", "'midpoint'"},
-                                                       {"model.moe_lei_loss", "'centered_fsq'"}};
+                                                       {"model.moe_lei_loss", "'centered_fsq'"},
+                                                       {"model.moe_hist_bins", "1000"}};
 
 // "" when this run's `value` of config key `key` matches a compatibility record written by an
 // older tessel that had no such key (kAddedKeys), else why not.
@@ -235,10 +236,10 @@ bool init_may_differ(const std::string& key, const nlohmann::json& have, const n
   };
   if (key == "model.moe_balance" && expert_choice(have) != expert_choice(want)) return false;
   static const std::set<std::string> training_settings = {
-      "model.init_std",       "model.moe_aux_coeff", "model.moe_balance",    "model.moe_bias_rate",
-      "model.moe_capacity",   "model.moe_drop",      "model.moe_eqb_step",   "model.moe_lei_coeff",
-      "model.moe_lei_kernel", "model.moe_lei_loss",  "model.moe_lei_margin", "model.moe_lei_width",
-      "model.moe_z_coeff"};
+      "model.init_std",      "model.moe_aux_coeff",  "model.moe_balance",  "model.moe_bias_rate",
+      "model.moe_capacity",  "model.moe_drop",       "model.moe_eqb_step", "model.moe_hist_bins",
+      "model.moe_lei_coeff", "model.moe_lei_kernel", "model.moe_lei_loss", "model.moe_lei_margin",
+      "model.moe_lei_width", "model.moe_z_coeff"};
   const bool rotary = model.positions == model::PositionType::rotary;
   return training_settings.count(key) > 0 ||
          (rotary && (key == "model.max_seq" || key == "model.rope_theta"));

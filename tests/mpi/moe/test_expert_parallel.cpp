@@ -1,7 +1,7 @@
 // Expert parallelism over real MPI: the MoE layer with experts spread over the world (as
 // the ep group) against the same layer with every expert local, EQB's exact global k-th
-// smallest on 1 .. world ranks against the sorted pool, and the layer's (damped) EQB update
-// the same for every group size and sharding.
+// smallest and the histogram estimate on 1 .. world ranks against the sorted pool, and the
+// layer's (damped) EQB and qb_hist updates the same for every group size and sharding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "tessel/comm/world.hpp"
+#include "tessel/core/bf16.hpp"
 #include "tessel/core/rng.hpp"
 #include "tessel/moe/layer.hpp"
 #include "tessel/moe/quantile.hpp"
@@ -221,18 +222,39 @@ std::vector<int64_t> row_order(int64_t rows, Rng& rng, bool shuffle) {
   return order;
 }
 
-// Rows `ids` of the pool as this rank's shard: column-major keys and the mask.
-void shard_of(const Pool& p, const std::vector<int64_t>& ids, std::vector<uint16_t>& keys,
-              std::vector<uint8_t>& valid) {
+// Rows `ids` of the pool as this rank's shard: column-major values and their keys, and the
+// mask.
+struct Shard {
+  VecF values;
+  std::vector<uint16_t> keys;
+  std::vector<uint8_t> valid;
+};
+
+Shard shard_of(const Pool& p, const std::vector<int64_t>& ids) {
   const int64_t n = int64_t(ids.size());
-  keys.assign(size_t(n * p.columns), 0);
-  valid.assign(size_t(n), 0);
+  Shard s{VecF(static_cast<size_t>(n * p.columns)),
+          std::vector<uint16_t>(static_cast<size_t>(n * p.columns)),
+          std::vector<uint8_t>(static_cast<size_t>(n))};
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t c = 0; c < p.columns; ++c)
-      keys[size_t(c * n + i)] =
-          moe::bf16_order_key(p.values[size_t(ids[size_t(i)] * p.columns + c)]);
-    valid[size_t(i)] = p.valid[size_t(ids[size_t(i)])];
+    for (int64_t c = 0; c < p.columns; ++c) {
+      const float v = p.values[size_t(ids[size_t(i)] * p.columns + c)];
+      s.values[size_t(c * n + i)] = v;
+      s.keys[size_t(c * n + i)] = moe::bf16_order_key(v);
+    }
+    s.valid[size_t(i)] = p.valid[size_t(ids[size_t(i)])];
   }
+  return s;
+}
+
+// This rank's rows of the pool under sharding `sharding` of group `sub`: the same permutation
+// (none for sharding 0) and uneven random cut points on every rank of the group.
+std::vector<int64_t> random_shard(const Pool& p, comm::Communicator& sub, uint64_t sharding) {
+  Rng rng(sharding);
+  const std::vector<int64_t> order = row_order(p.rows, rng, sharding > 0);
+  std::vector<int64_t> cuts = {0, p.rows};
+  for (int r = 1; r < sub.size(); ++r) cuts.push_back(int64_t(rng.below(uint64_t(p.rows))));
+  std::sort(cuts.begin(), cuts.end());
+  return {order.begin() + cuts[size_t(sub.rank())], order.begin() + cuts[size_t(sub.rank() + 1)]};
 }
 
 TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
@@ -246,19 +268,10 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
     auto rank_of = [](int64_t n) { return moe::qb_rank(n, 2, 8); };
     std::vector<std::vector<uint16_t>> results;
     for (uint64_t sharding = 0; sharding < 3; ++sharding) {
-      // The same permutation and uneven cut points on every rank of the group.
-      Rng rng(sharding);
-      const std::vector<int64_t> order = row_order(pool.rows, rng, sharding > 0);
-      std::vector<int64_t> cuts = {0, pool.rows};
-      for (int r = 1; r < g; ++r) cuts.push_back(int64_t(rng.below(uint64_t(pool.rows))));
-      std::sort(cuts.begin(), cuts.end());
-      std::vector<int64_t> ids(order.begin() + cuts[size_t(sub->rank())],
-                               order.begin() + cuts[size_t(sub->rank() + 1)]);
-      std::vector<uint16_t> keys;
-      std::vector<uint8_t> valid;
-      shard_of(pool, ids, keys, valid);
+      const Shard shard = shard_of(pool, random_shard(pool, *sub, sharding));
       sub->reset_traffic();
-      results.push_back(moe::global_kth_smallest(keys, pool.columns, valid, rank_of, comm));
+      results.push_back(
+          moe::global_kth_smallest(shard.keys, pool.columns, shard.valid, rank_of, comm));
       // Exactly two all-reduces of columns x 256 int32 counters.
       EXPECT_EQ(sub->traffic().calls.all_reduce, 2u);
       EXPECT_EQ(sub->traffic().bytes.all_reduce, uint64_t(2 * pool.columns * 256 * 4));
@@ -276,6 +289,48 @@ TEST(ExactQuantile, EqualsTheSortedPoolOnEveryGroupSizeAndSharding) {
   }
 }
 
+// The histogram baseline over the same shardings: every group size and sharding gives the
+// same bits (integer counts, an exact range), never below the exact order statistic of the
+// pooled valid values and at most one bin width above it, in one maximum of 2 E floats and
+// one sum of E B counters.
+TEST(HistogramQuantile, IsOneBinFromTheSortedPoolAndBitwiseTheSameOnEveryGroupSizeAndSharding) {
+  comm::Communicator& world = comm::world();
+  const Pool pool = make_pool(611);
+  const int64_t bins = 1000;
+  auto rank_of = [](int64_t n) { return moe::qb_rank(n, 2, 8); };
+  std::vector<VecF> results;
+  for (int g = 1; g <= world.size(); ++g) {
+    auto sub = world.split(world.rank() < g ? 0 : -1, world.rank());
+    if (!sub) continue;
+    SCOPED_TRACE("group of " + std::to_string(g));
+    parallel::ExpertParallelComm comm(*sub, *sub, nullptr);
+    for (uint64_t sharding = 0; sharding < 3; ++sharding) {
+      const Shard shard = shard_of(pool, random_shard(pool, *sub, sharding));
+      sub->reset_traffic();
+      results.push_back(moe::global_histogram_quantile(shard.values, pool.columns, shard.valid,
+                                                       bins, rank_of, comm));
+      EXPECT_EQ(sub->traffic().calls.all_reduce, 2u);
+      EXPECT_EQ(sub->traffic().bytes.all_reduce,
+                uint64_t(2 * pool.columns * 4 + pool.columns * bins * 4));
+      EXPECT_EQ(sub->traffic().calls.total(), 2u);
+    }
+  }
+  for (int64_t c = 0; c < pool.columns; ++c) {
+    VecF sorted;
+    for (int64_t t = 0; t < pool.rows; ++t)
+      if (pool.valid[size_t(t)]) sorted.push_back(pool.values[size_t(t * pool.columns + c)]);
+    std::sort(sorted.begin(), sorted.end());
+    const float x = sorted[size_t(rank_of(int64_t(sorted.size())) - 1)];
+    const double w = (double(sorted.back()) - double(sorted.front())) / double(bins);
+    const float q = results.front()[size_t(c)];
+    EXPECT_GE(q, x) << "column " << c;
+    EXPECT_LE(double(q) - double(x),
+              w + 0.5 * double(std::nextafter(q, std::numeric_limits<float>::max()) - q))
+        << "column " << c;
+  }
+  for (const VecF& r : results) EXPECT_TRUE(kernels::test::bitwise_equal(r, results.front()));
+}
+
 // Cuts [0, rows] into g uneven shards (rank r gets a share ~ r + 1) of a permutation of
 // the rows drawn from `seed` (0: identity); the same on every rank.
 std::vector<int64_t> shard_ids(int64_t rows, int g, int rank, uint64_t seed) {
@@ -287,11 +342,8 @@ std::vector<int64_t> shard_ids(int64_t rows, int g, int rank, uint64_t seed) {
   return {order.begin() + lo, order.begin() + hi};
 }
 
-TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
-  comm::Communicator& world = comm::world();
-  auto self = world.split(world.rank(), 0);
-  // Margins [rows, E] every rank can build: spread, heavy ties, small values, a constant.
-  const int64_t rows = 203, E = 4, k = 2;
+// Margins [rows, E] every rank can build: spread, heavy ties, small values, a constant.
+VecF update_margins(int64_t rows, int64_t E) {
   VecF margins(static_cast<size_t>(rows * E));
   Rng rng(808);
   for (int64_t t = 0; t < rows; ++t) {
@@ -301,6 +353,32 @@ TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
     m[2] = rng.normal() * 1e-3f;
     m[3] = -1.25f;
   }
+  return margins;
+}
+
+// beta0 after the layer's update from margin rows `ids` on this rank, recorded as backward
+// records them (per expert, the order keys of its tokens), over the balancing group `sub`.
+VecF updated_beta(const moe::MoeConfig& config, const VecF& margins, const VecF& beta0,
+                  const std::vector<int64_t>& ids, comm::Communicator& self,
+                  comm::Communicator& sub) {
+  const int64_t E = config.experts;
+  const moe::MoeLayer layer(config, {12, 7, 0, moe::ExpertMlp::gelu});
+  moe::BalanceState state;
+  state.keys.resize(size_t(E));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t id : ids)
+      state.keys[size_t(e)].push_back(moe::bf16_order_key(margins[size_t(id * E + e)]));
+  parallel::ExpertParallelComm comm(self, sub, nullptr);
+  VecF beta = beta0;
+  layer.update(state, beta.data(), comm);
+  return beta;
+}
+
+TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
+  comm::Communicator& world = comm::world();
+  auto self = world.split(world.rank(), 0);
+  const int64_t rows = 203, E = 4, k = 2;
+  const VecF margins = update_margins(rows, E);
   moe::MoeConfig config;
   config.experts = E;
   config.top_k = k;
@@ -317,7 +395,6 @@ TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
   }
   for (double eta : {1.0, 0.25}) {
     config.eqb_step = eta;
-    const moe::MoeLayer layer(config, {12, 7, 0, moe::ExpertMlp::gelu});
     std::vector<VecF> results;
     for (int g = 1; g <= world.size(); ++g) {
       auto sub = world.split(world.rank() < g ? 0 : -1, world.rank());
@@ -326,15 +403,7 @@ TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
         SCOPED_TRACE("eta " + std::to_string(eta) + ", group of " + std::to_string(g) +
                      ", sharding " + std::to_string(sharding));
         const auto ids = shard_ids(rows, g, sub->rank(), sharding);
-        // This rank's margins as backward records them: per expert, the keys of its tokens.
-        moe::BalanceState state;
-        state.keys.resize(size_t(E));
-        for (int64_t e = 0; e < E; ++e)
-          for (int64_t id : ids)
-            state.keys[size_t(e)].push_back(moe::bf16_order_key(margins[size_t(id * E + e)]));
-        parallel::ExpertParallelComm comm(*self, *sub, nullptr);
-        VecF beta = beta0;
-        layer.update(state, beta.data(), comm);
+        const VecF beta = updated_beta(config, margins, beta0, ids, *self, *sub);
         results.push_back(beta);
         for (int64_t e = 0; e < E; ++e) {
           const double want = (1.0 - eta) * double(beta0[size_t(e)]) + eta * double(q[size_t(e)]);
@@ -350,6 +419,58 @@ TEST(EqbUpdate, DampedStepIsTheSameForEveryGroupSizeAndSharding) {
     // Bitwise the same on every group size and sharding.
     for (const VecF& r : results) EXPECT_TRUE(kernels::test::bitwise_equal(r, results.front()));
   }
+}
+
+// qb_hist under data / expert parallelism: the update runs over the balancing group as
+// EQB's does, bitwise the same for every group size and sharding, and (eta = 1) its beta is
+// never below EQB's exact quantile and at most one bin width of the expert's bf16 margin range
+// above it.
+TEST(QbHistUpdate, IsWithinOneBinAboveEqbAndTheSameForEveryGroupSizeAndSharding) {
+  comm::Communicator& world = comm::world();
+  auto self = world.split(world.rank(), 0);
+  const int64_t rows = 203, E = 4;
+  const VecF margins = update_margins(rows, E);
+  moe::MoeConfig eqb;
+  eqb.experts = E;
+  eqb.top_k = 2;
+  eqb.balance = moe::Balance::eqb;
+  moe::MoeConfig hist = eqb;
+  hist.balance = moe::Balance::qb_hist;
+  const VecF beta0 = {0.5f, -0.25f, 1.0f, 0.125f};
+  std::vector<double> width(
+      static_cast<size_t>(E));  // of the bins, over each expert's bf16 margins
+  for (int64_t e = 0; e < E; ++e) {
+    VecF col;
+    for (int64_t t = 0; t < rows; ++t)
+      col.push_back(bf16_to_f32(f32_to_bf16(margins[size_t(t * E + e)])));
+    const auto [lo, hi] = std::minmax_element(col.begin(), col.end());
+    width[size_t(e)] = (double(*hi) - double(*lo)) / double(hist.hist_bins);
+  }
+  std::vector<VecF> results;
+  for (int g = 1; g <= world.size(); ++g) {
+    auto sub = world.split(world.rank() < g ? 0 : -1, world.rank());
+    if (!sub) continue;
+    for (uint64_t sharding = 0; sharding < 3; ++sharding) {
+      SCOPED_TRACE("group of " + std::to_string(g) + ", sharding " + std::to_string(sharding));
+      const auto ids = shard_ids(rows, g, sub->rank(), sharding);
+      const VecF exact = updated_beta(eqb, margins, beta0, ids, *self, *sub);
+      sub->reset_traffic();
+      const VecF beta = updated_beta(hist, margins, beta0, ids, *self, *sub);
+      EXPECT_EQ(sub->traffic().calls.all_reduce, 2u);  // the range, the counts
+      results.push_back(beta);
+      int64_t above = 0;  // experts where the estimate is not the exact quantile
+      for (int64_t e = 0; e < E; ++e) {
+        const size_t i = size_t(e);
+        above += beta[i] > exact[i];
+        EXPECT_GE(beta[i], exact[i]) << "expert " << e;
+        EXPECT_LE(double(beta[i]) - double(exact[i]),
+                  width[i] + 0.5 * double(std::nextafter(beta[i], 1e30f) - beta[i]))
+            << "expert " << e;
+      }
+      EXPECT_GT(above, 0) << "an estimate, not EQB's selection";
+    }
+  }
+  for (const VecF& r : results) EXPECT_TRUE(kernels::test::bitwise_equal(r, results.front()));
 }
 
 }  // namespace

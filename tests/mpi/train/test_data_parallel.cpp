@@ -407,16 +407,18 @@ TEST(DataParallel, ExpertParallelMoeFollowsEp1AndSingleRank) {
 // balancing sums run over dp x cp and the per-micro-batch terms over cp, expert gradients sum
 // over edp x cp. So cp = 2 (dp = P / 2; with 4 ranks also ep = 2: experts sharded inside each
 // cp coordinate) follows one process accumulating the same global batch: losses, gradient
-// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss, qb_avg, Sinkhorn
-// selection (its column sums over the cp parts) and expert choice (each expert's top-C over
-// the micro-batch's gathered scores), and with expert capacity 1 (dropped by position over the
-// whole micro-batch: the same drops).
+// norms, validation and the experts' loads, for EQB + LEI, aux + z-loss, qb_avg, qb_hist
+// (its range and counts over dp x cp, as EQB's counts), Sinkhorn selection (its column sums
+// over the cp parts) and expert choice (each expert's top-C over the micro-batch's gathered
+// scores), and with expert capacity 1 (dropped by position over the whole micro-batch: the
+// same drops).
 TEST(ContextParallel, MoeFollowsSingleRankAccumulation) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   for (const auto& [balance, capacity] : {std::pair<const char*, const char*>{"eqb_lei", "0"},
                                           {"aux", "0"},
                                           {"qb_avg", "0"},
+                                          {"qb_hist", "0"},
                                           {"sinkhorn", "0"},
                                           {"expert_choice", "0"},
                                           {"eqb_lei", "1"}}) {

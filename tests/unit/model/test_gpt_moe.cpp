@@ -154,8 +154,8 @@ TEST(GptMoe, ExpertChoiceRoutesForwardsWithoutTargetsByTopK) {
 TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
   for (auto balance :
        {moe::Balance::none, moe::Balance::aux, moe::Balance::seq_aux, moe::Balance::bias,
-        moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::eqb_lei, moe::Balance::sinkhorn,
-        moe::Balance::expert_choice}) {
+        moe::Balance::qb_avg, moe::Balance::eqb, moe::Balance::qb_hist, moe::Balance::eqb_lei,
+        moe::Balance::sinkhorn, moe::Balance::expert_choice}) {
     SCOPED_TRACE(moe::to_string(balance));
     GptConfig c = moe_config(gelu_config(), "all");
     c.moe.balance = balance;
@@ -171,7 +171,8 @@ TEST(GptMoe, UpdateBalanceMovesBetaOnlyForQuantileAndBiasMethods) {
     bool moved = false;
     for (int64_t e = 0; e < beta.numel(); ++e) moved |= beta.f32()[e] != 0.0f;
     const bool expected = balance == moe::Balance::bias || balance == moe::Balance::qb_avg ||
-                          balance == moe::Balance::eqb || balance == moe::Balance::eqb_lei;
+                          balance == moe::Balance::eqb || balance == moe::Balance::qb_hist ||
+                          balance == moe::Balance::eqb_lei;
     EXPECT_EQ(moved, expected);
     // With one micro-batch on one process the averaged and the exact quantile coincide.
     if (balance == moe::Balance::qb_avg || balance == moe::Balance::eqb) {

@@ -118,15 +118,15 @@ TEST(Recompute, DenseBlocksGiveTheSameLossesAndGradientsBitwise) {
   }
 }
 
-// MoE blocks: EQB (beta updated from what backward recorded), the aux losses and LEI (loss
-// terms with gradients), Sinkhorn and expert-choice selection, capacity drops (the swiglu
-// config), and padding rows left out of the MoE.
+// MoE blocks: EQB and qb_hist (beta updated from what backward recorded), the aux losses and
+// LEI (loss terms with gradients), Sinkhorn and expert-choice selection, capacity drops (the
+// swiglu config), and padding rows left out of the MoE.
 TEST(Recompute, MoeBlocksGiveTheSameLossesGradientsStatisticsAndBalanceBitwise) {
   for (const GptConfig& base : {moe_config(gelu_config(), "1"), moe_config(swiglu_config(), "all")})
     for (moe::Balance balance :
-         {moe::Balance::eqb, moe::Balance::aux, moe::Balance::aux_global, moe::Balance::seq_aux,
-          moe::Balance::bias, moe::Balance::qb_avg, moe::Balance::lei, moe::Balance::eqb_lei,
-          moe::Balance::sinkhorn, moe::Balance::expert_choice})
+         {moe::Balance::eqb, moe::Balance::qb_hist, moe::Balance::aux, moe::Balance::aux_global,
+          moe::Balance::seq_aux, moe::Balance::bias, moe::Balance::qb_avg, moe::Balance::lei,
+          moe::Balance::eqb_lei, moe::Balance::sinkhorn, moe::Balance::expert_choice})
       for (bool padding : {false, true}) {
         // seq_aux takes softmax scores only
         if (balance == moe::Balance::seq_aux && base.moe.score != moe::ScoreFn::softmax) continue;

@@ -1,6 +1,6 @@
 // MoeLayer against its naive twin (f32 fast vs f64 naive), the naive backward against
-// central finite differences, determinism, capacity drops, and the (damped) EQB update
-// against a sorted pool of the margins.
+// central finite differences, determinism, capacity drops, and the (damped) EQB and
+// qb_hist updates against a sorted pool of the margins.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -280,10 +280,10 @@ TEST(MoeLayer, NaiveBackwardMatchesFiniteDifferences) {
   }
 }
 
-// EQB's beta from the step's margins, naively: per token alpha = the (k+1)-th largest of
-// logits - beta, margins logits - alpha rounded to bf16, per expert the qb_rank-th smallest
-// of the sorted column.
-VecD quantile_beta(const std::vector<VecF>& logits, const VecF& beta, int64_t E, int64_t k) {
+// The step's margins, naively: per token alpha = the (k+1)-th largest of logits - beta,
+// margins logits - alpha rounded to bf16; per expert, sorted.
+std::vector<VecF> margin_columns(const std::vector<VecF>& logits, const VecF& beta, int64_t E,
+                                 int64_t k) {
   std::vector<VecF> columns(static_cast<size_t>(E));
   for (const VecF& lg : logits)
     for (size_t n = 0; n < lg.size() / size_t(E); ++n) {
@@ -296,12 +296,41 @@ VecD quantile_beta(const std::vector<VecF>& logits, const VecF& beta, int64_t E,
         columns[size_t(e)].push_back(
             bf16_to_f32(f32_to_bf16(lg[n * size_t(E) + size_t(e)] - alpha)));
     }
+  for (VecF& c : columns) std::sort(c.begin(), c.end());
+  return columns;
+}
+
+// EQB's beta from the step's margins: per expert the qb_rank-th smallest.
+VecD quantile_beta(const std::vector<VecF>& logits, const VecF& beta, int64_t E, int64_t k) {
   VecD q;
-  for (VecF& c : columns) {
-    std::sort(c.begin(), c.end());
+  for (const VecF& c : margin_columns(logits, beta, E, k))
     q.push_back(c[size_t(qb_rank(int64_t(c.size()), k, E) - 1)]);
-  }
   return q;
+}
+
+// One optimizer step of the layer on one process: forward and backward of each micro-batch
+// of `xs` from beta0, then the update; returns beta, and each micro-batch's logits.
+VecF step_beta(const Layout& l, const VecF& params, const VecF& beta0, const std::vector<VecF>& xs,
+               std::vector<VecF>& logits) {
+  MoeLayer layer(l.config, l.shape);
+  LocalExpertComm comm;
+  BalanceState state;
+  VecF grads(params.size(), 0.0f);
+  auto w = bind<const float>(params.data(), l);
+  auto g = bind<float>(grads.data(), l);
+  logits.clear();
+  for (const VecF& x : xs) {
+    const int64_t N = int64_t(x.size()) / l.shape.C;
+    VecF y(x.size()), dx(x.size(), 0.0f);
+    LayerCache cache;
+    layer.forward(cache, y.data(), x.data(), N, w, beta0.data(), comm);
+    layer.backward(cache, dx.data(), g, VecF(x.size(), 0.1f).data(), x.data(), w, 1.0f, state,
+                   comm);
+    logits.push_back(cache.logits);
+  }
+  VecF beta = beta0;
+  layer.update(state, beta.data(), comm);
+  return beta;
 }
 
 TEST(MoeLayer, EqbStepMovesBetaTowardTheExactQuantile) {
@@ -317,24 +346,8 @@ TEST(MoeLayer, EqbStepMovesBetaTowardTheExactQuantile) {
   for (double eta : {1.0, 0.3, 0.01}) {
     SCOPED_TRACE("eta " + std::to_string(eta));
     l.config.eqb_step = eta;
-    MoeLayer layer(l.config, l.shape);
-    LocalExpertComm comm;
-    BalanceState state;
     std::vector<VecF> logits;
-    VecF grads(params.size(), 0.0f);
-    auto w = bind<const float>(params.data(), l);
-    auto g = bind<float>(grads.data(), l);
-    for (const VecF& x : xs) {
-      const int64_t N = int64_t(x.size()) / l.shape.C;
-      VecF y(x.size()), dx(x.size(), 0.0f);
-      LayerCache cache;
-      layer.forward(cache, y.data(), x.data(), N, w, beta0.data(), comm);
-      layer.backward(cache, dx.data(), g, VecF(x.size(), 0.1f).data(), x.data(), w, 1.0f, state,
-                     comm);
-      logits.push_back(cache.logits);
-    }
-    VecF beta = beta0;
-    layer.update(state, beta.data(), comm);
+    const VecF beta = step_beta(l, params, beta0, xs, logits);
     const VecD q = quantile_beta(logits, beta0, E, k);
     int64_t moved = 0;  // experts whose quantile is not already (the bf16 rounding of) beta0
     for (int64_t e = 0; e < E; ++e) {
@@ -353,6 +366,59 @@ TEST(MoeLayer, EqbStepMovesBetaTowardTheExactQuantile) {
       }
     }
     EXPECT_GE(moved, E / 2) << "the test needs a beta0 away from the quantile";
+  }
+}
+
+// qb_hist on the same step: the layer records the same bf16 margins as EQB, and its beta
+// (eta = 1) is the histogram estimate, never below EQB's exact quantile and at most one bin
+// width ((max - min) / B of that expert's margins, plus the edge's f32 rounding) above it.
+// With the damped step the same bound scales by eta.
+TEST(MoeLayer, QbHistStepIsWithinOneBinAboveTheExactQuantile) {
+  Layout l = layout(ExpertMlp::gelu, ScoreFn::softmax, true, 0, true, 0, DropPolicy::probability,
+                    Balance::qb_hist);
+  const int64_t E = l.config.experts, k = l.config.top_k;
+  Rng rng(31);
+  const VecF params = testing::random_params(l, 12);
+  const VecF beta0 = kernels::test::randn(rng, size_t(E), 0.3f);
+  const std::vector<VecF> xs = {kernels::test::randn(rng, size_t(7 * l.shape.C)),
+                                kernels::test::randn(rng, size_t(9 * l.shape.C))};
+  for (int64_t bins : {int64_t(1000), int64_t(10)}) {
+    for (double eta : {1.0, 0.3}) {
+      SCOPED_TRACE(std::to_string(bins) + " bins, eta " + std::to_string(eta));
+      l.config.hist_bins = bins;
+      l.config.eqb_step = eta;
+      std::vector<VecF> logits;
+      const VecF beta = step_beta(l, params, beta0, xs, logits);
+      const auto columns = margin_columns(logits, beta0, E, k);
+      int64_t above = 0;  // experts where the estimate is not the exact quantile
+      for (int64_t e = 0; e < E; ++e) {
+        const VecF& c = columns[size_t(e)];
+        const double q = c[size_t(qb_rank(int64_t(c.size()), k, E) - 1)];
+        const double w = (double(c.back()) - double(c.front())) / double(bins);
+        const double exact = std::lerp(double(beta0[size_t(e)]), q, eta);
+        const double b = beta[size_t(e)];
+        const double rounding = std::abs(b) * std::numeric_limits<float>::epsilon();
+        EXPECT_GE(b, exact - rounding) << "expert " << e;
+        EXPECT_LE(b - exact, eta * w + rounding) << "expert " << e;
+        above += b > exact + rounding;
+      }
+      if (bins == 10) {
+        EXPECT_GT(above, 0) << "ten bins should be visibly coarse";
+      }
+    }
+  }
+}
+
+TEST(MoeLayer, QbHistBinsBelowTwoOrAboveTwoToThe20AreAnInputError) {
+  MoeConfig c;
+  c.balance = Balance::qb_hist;
+  for (int64_t bins : {int64_t(1), int64_t(0), int64_t(-5), (int64_t(1) << 20) + 1}) {
+    c.hist_bins = bins;
+    fixture::expect_input_error([&] { validate(c); }, {"model.moe_hist_bins", "[2, 1048576]"});
+  }
+  for (int64_t bins : {int64_t(2), int64_t(1000), int64_t(1) << 20}) {
+    c.hist_bins = bins;
+    EXPECT_NO_THROW(validate(c)) << bins;
   }
 }
 

@@ -1,6 +1,8 @@
 // The bf16 order key (exhaustively), the radix-select k-th smallest on one rank against a
-// sorted pool, its two all-reduces of E x 256 counters, the QB load property, and the
-// partition dependence of the averaged-quantile baseline.
+// sorted pool, its two all-reduces of E x 256 counters, the QB load property, the partition
+// dependence of the averaged-quantile baseline, and the histogram estimate on one rank: its
+// bound against a sorted pool, its naive twin (a scan of the edges), its two collectives and
+// its refusals.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -61,13 +63,15 @@ class CountingComm final : public ExpertComm {
   }
   void sum_counters(int32_t*, size_t n) override { calls.push_back(n); }
   void sum_values(double*, size_t) override { FAIL(); }
+  void max_values(float*, size_t n) override { max_calls.push_back(n); }
   void sum_micro_batch_counters(int32_t*, size_t) override { FAIL(); }
   void sum_micro_batch_values(double*, size_t) override { FAIL(); }
   std::vector<int32_t> gather_micro_batch(std::span<const int32_t>) override {
     ADD_FAILURE();
     return {};
   }
-  std::vector<size_t> calls;
+  std::vector<size_t> calls;      // sum_counters
+  std::vector<size_t> max_calls;  // max_values
 };
 
 // Column-major keys of values [rows, columns] (row-major input).
@@ -101,6 +105,7 @@ TEST(GlobalKthSmallest, OneRankEqualsTheSortedPoolWithTwoSumsOfE256Counters) {
           keys, columns, masked ? std::span<const uint8_t>(valid) : std::span<const uint8_t>(),
           [&](int64_t) { return r; }, comm);
       EXPECT_EQ(comm.calls, (std::vector<size_t>{size_t(columns * 256), size_t(columns * 256)}));
+      EXPECT_TRUE(comm.max_calls.empty());
       for (int64_t c = 0; c < columns; ++c) {
         std::vector<uint16_t> pool;
         for (int64_t t = 0; t < rows; ++t)
@@ -154,6 +159,133 @@ TEST(AveragedQuantile, DependsOnHowTokensAreSplit) {
   EXPECT_EQ(split_a, 4.0f);
   EXPECT_EQ(split_b, 3.5f);
   EXPECT_EQ(local_kth(pool), 4.0f);  // the exact pooled 4th smallest of 8
+}
+
+// Column-major values of [rows, columns] (row-major input).
+std::vector<float> columns_of(const std::vector<float>& v, int64_t rows, int64_t columns) {
+  std::vector<float> out(v.size());
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = 0; c < columns; ++c) out[size_t(c * rows + t)] = v[size_t(t * columns + c)];
+  return out;
+}
+
+// The histogram answer by its definition, naively: the r-th smallest of the sorted pool, its
+// bin by a scan of the edges (edge_j = lo + j w in f64 for j < bins), the bin's upper edge in
+// f32 (hi for the last bin, lo when lo = hi); zeros as +0.
+float naive_histogram_quantile(const std::vector<float>& sorted, int64_t bins, int64_t r) {
+  const double lo = double(sorted.front()) + 0.0, hi = double(sorted.back()) + 0.0;
+  const double w = (hi - lo) / double(bins), x = sorted[size_t(r - 1)];
+  if (w == 0) return float(lo);
+  int64_t b = 0;
+  while (b + 1 < bins && x >= lo + double(b + 1) * w) ++b;
+  return b + 1 == bins ? float(hi) : float(lo + double(b + 1) * w);
+}
+
+TEST(HistogramQuantile, OneRankIsAtMostOneBinAboveTheSortedPoolWithTwoCollectives) {
+  Rng rng(17);
+  const int64_t rows = 301, columns = 7;
+  const float big = std::numeric_limits<float>::max();
+  std::vector<float> v(size_t(rows * columns));
+  for (int64_t t = 0; t < rows; ++t) {
+    float* r = v.data() + t * columns;
+    r[0] = rng.normal();                     // spread
+    r[1] = float(int(rng.below(3))) - 1.0f;  // heavy ties, on the bin edges
+    r[2] = 2.5f;                             // constant
+    r[3] = rng.below(2) ? 0.0f : -0.0f;      // +-0: one value
+    r[4] = rng.below(2) ? big : -big;        // a range beyond f32
+    r[5] = 100.0f + rng.normal() * 1e-4f;    // narrow, far from 0
+    // Mostly +-0 at the top of [-3, 0], -0 first: the answer is the last bin's edge, hi.
+    r[6] = t > 0 && rng.below(3) == 0 ? -float(1 + rng.below(3))
+                                      : (t > 0 && rng.below(2) ? 0.0f : -0.0f);
+  }
+  std::vector<uint8_t> valid(static_cast<size_t>(rows));
+  for (auto& m : valid) m = rng.below(4) != 0;
+  const auto values = columns_of(v, rows, columns);
+  for (int64_t bins : {int64_t(1000), int64_t(7)}) {
+    for (bool masked : {false, true}) {
+      for (int64_t r : {int64_t(1), int64_t(17), int64_t(150), int64_t(0)}) {  // 0: the QB rank
+        SCOPED_TRACE(std::to_string(bins) + " bins, masked " + std::to_string(masked) + ", rank " +
+                     std::to_string(r));
+        CountingComm comm;
+        auto rank_of = [&](int64_t n) { return r > 0 ? r : qb_rank(n, 2, 8); };
+        const auto got = global_histogram_quantile(
+            values, columns, masked ? std::span<const uint8_t>(valid) : std::span<const uint8_t>(),
+            bins, rank_of, comm);
+        // One maximum of 2 E floats (the range), one sum of E B counters.
+        EXPECT_EQ(comm.max_calls, (std::vector<size_t>{size_t(2 * columns)}));
+        EXPECT_EQ(comm.calls, (std::vector<size_t>{size_t(columns * bins)}));
+        for (int64_t c = 0; c < columns; ++c) {
+          std::vector<float> pool;
+          for (int64_t t = 0; t < rows; ++t)
+            if (!masked || valid[size_t(t)]) pool.push_back(v[size_t(t * columns + c)]);
+          std::sort(pool.begin(), pool.end());
+          const float x = pool[size_t(rank_of(int64_t(pool.size())) - 1)];
+          const double w = (double(pool.back()) - double(pool.front())) / double(bins);
+          const float q = got[size_t(c)];
+          // Never below the order statistic, at most one bin width (and the edge's f32
+          // rounding) above it.
+          EXPECT_GE(q, x) << "column " << c;
+          EXPECT_LE(double(q) - double(x), w + 0.5 * double(std::nextafter(q, big) - q))
+              << "column " << c;
+          EXPECT_EQ(std::bit_cast<uint32_t>(q), std::bit_cast<uint32_t>(naive_histogram_quantile(
+                                                    pool, bins, rank_of(int64_t(pool.size())))))
+              << "column " << c;
+          if (c == 2) {
+            EXPECT_EQ(q, 2.5f);  // lo = hi: exact
+          }
+          if (c == 3) {
+            EXPECT_EQ(q, 0.0f);
+          }
+          if (q == 0.0f) {
+            EXPECT_FALSE(std::signbit(q)) << "column " << c;  // never -0
+          }
+        }
+      }
+    }
+  }
+}
+
+// Bins narrower than the f32 spacing of their values (a range of 3.2e-7 at 5.89, B = 1000),
+// every value an edge rounded to f32 or one of its f32 neighbours: there the division's guess
+// of a value's bin can miss by one, and the answer still is the bin's by the edges, at every
+// rank.
+TEST(HistogramQuantile, EqualsItsNaiveTwinBitwiseOnValuesAtTheEdges) {
+  const float lo = 5.894250869750977f, hi = 5.894575119018555f;
+  const int64_t bins = 1000;
+  const double w = (double(hi) - double(lo)) / double(bins);
+  std::vector<float> values = {lo, hi};
+  for (int64_t j = 1; j < bins; ++j) {
+    const float e = float(double(lo) + double(j) * w);
+    for (float v : {std::nextafter(e, lo), e, std::nextafter(e, hi)}) values.push_back(v);
+  }
+  std::vector<float> sorted = values;
+  std::sort(sorted.begin(), sorted.end());
+  LocalExpertComm comm;
+  for (int64_t r = 1; r <= int64_t(values.size()); ++r) {
+    const float q = global_histogram_quantile(
+        values, 1, {}, bins, [&](int64_t) { return r; }, comm)[0];
+    ASSERT_EQ(std::bit_cast<uint32_t>(q),
+              std::bit_cast<uint32_t>(naive_histogram_quantile(sorted, bins, r)))
+        << "rank " << r;
+  }
+}
+
+TEST(HistogramQuantile, RefusesNonFiniteValuesFewBinsAndEmptyColumns) {
+  LocalExpertComm comm;
+  auto median = [](int64_t n) { return (n + 1) / 2; };
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    const std::vector<float> values = {1.0f, bad, 2.0f};
+    EXPECT_THROW(global_histogram_quantile(values, 1, {}, 1000, median, comm), Error) << bad;
+    // A masked-out value takes no part.
+    const std::vector<uint8_t> valid = {1, 0, 1};
+    EXPECT_EQ(global_histogram_quantile(values, 1, valid, 1000, median, comm)[0],
+              float(1.0 + 1.0 / 1000));  // the upper edge of the first bin
+  }
+  const std::vector<float> values = {1.0f, 2.0f};
+  EXPECT_THROW(global_histogram_quantile(values, 1, {}, 1, median, comm), Error);
+  const std::vector<uint8_t> none = {0, 0};
+  EXPECT_THROW(global_histogram_quantile(values, 1, none, 1000, median, comm), Error);
 }
 
 }  // namespace

@@ -134,6 +134,25 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
       {"expert_choice", "model.moe_drop", "probability"});
 }
 
+// qb_hist: a named balance with its bin count, 1000 by default; fewer than 2 bins are refused
+// by name (whatever the balance, as model.moe_eqb_step's range is).
+TEST(Config, QbHistIsANamedBalanceWithItsBinCount) {
+  const train::Config hist =
+      train::load_config("", {"model.moe_layers=all", "model.moe_balance=qb_hist"});
+  EXPECT_EQ(hist.model.moe.balance, moe::Balance::qb_hist);
+  EXPECT_EQ(hist.model.moe.hist_bins, 1000);
+  EXPECT_EQ(train::load_config(
+                "", {"model.moe_layers=all", "model.moe_balance=qb_hist", "model.moe_hist_bins=64"})
+                .model.moe.hist_bins,
+            64);
+  expect_input_error(
+      [&] {
+        train::load_config(
+            "", {"model.moe_layers=all", "model.moe_balance=qb_hist", "model.moe_hist_bins=1"});
+      },
+      {"model.moe_hist_bins = 1", "[2, 1048576]"});
+}
+
 // LEI's margin and loss: named choices, midpoint and centered_fsq by default; exact_margin
 // ranks the micro-batch's tokens on one rank, so not under cp; the identity kernel uses no
 // margin, so none may be set beside it.

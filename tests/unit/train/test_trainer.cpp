@@ -227,8 +227,14 @@ TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
   ASSERT_EQ(m["state"]["compatibility"].erase("data sets (normalized data.weights)"), 1u);
   ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_lei_margin"), 1u);
   ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_lei_loss"), 1u);
+  ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_hist_bins"), 1u);
   std::ofstream(manifest) << m.dump();
   c.train.steps = 12;
+  c.model.moe.hist_bins = 64;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"has no model.moe_hist_bins", "an older tessel",
+                               "model.moe_hist_bins = 1000, and this run has 64"});
+  c.model.moe.hist_bins = 1000;
   c.model.moe.lei_loss = moe::LeiLoss::maxvio;
   fixture::expect_input_error([&] { train_run(c); },
                               {"has no model.moe_lei_loss", "an older tessel",
@@ -363,8 +369,8 @@ TEST_F(TrainerTest, ASkippedSpikeLeavesNoMoeBalancingBehind) {
 }
 
 // train.init_from may change how MoE balancing trains (aux -> eqb_lei, with LEI's margin and
-// loss) but not switch to expert choice, whose gates (raw router scores) make the same weights
-// compute another function.
+// loss; aux -> qb_hist with its bin count) but not switch to expert choice, whose gates (raw router
+// scores) make the same weights compute another function.
 TEST_F(TrainerTest, FineTuningMayChangeTheBalanceButNotSwitchToExpertChoice) {
   auto config = [&](const std::vector<std::string>& balance, const std::string& run,
                     const std::string& from) {
@@ -381,6 +387,10 @@ TEST_F(TrainerTest, FineTuningMayChangeTheBalanceButNotSwitchToExpertChoice) {
   train_run(config({"model.moe_balance=aux"}, base, ""));
   EXPECT_EQ(train_run(config({"model.moe_balance=eqb_lei", "model.moe_lei_margin=exact_margin",
                               "model.moe_lei_loss=totalvio"},
+                             fixture::temp_dir("tessel-run"), base))
+                .steps.size(),
+            3u);
+  EXPECT_EQ(train_run(config({"model.moe_balance=qb_hist", "model.moe_hist_bins=64"},
                              fixture::temp_dir("tessel-run"), base))
                 .steps.size(),
             3u);
