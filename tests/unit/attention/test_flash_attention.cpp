@@ -347,6 +347,20 @@ TEST(FlashAttention, BlockMaskMatchesReference) {
   }
 }
 
+// Every standard mask under a random block mask (50 % on, one per kv head: Hm = Hk), default
+// tiles.
+TEST(FlashAttention, BlockMaskWithEveryMaskType) {
+  Rng rng(41);
+  const int64_t N = 300;
+  for (const auto& c : test::standard_masks(N, rng)) {
+    SCOPED_TRACE(c.name);
+    const BlockMask block = test::random_block_mask(rng, 1, 2, N, N, 50);
+    expect_matches_reference(random_problem({1, N, N, 4, 2, 8}, 42),
+                             stack_masks(N, N, 1, 1, {c.columns}), {}, TiledMask::kDefaultTileK,
+                             &block);
+  }
+}
+
 // Sq != Sk (bottom-right causal) with a block mask [B, Hm, ceil(Sq / 128), ceil(Sk / 128)].
 TEST(FlashAttention, BlockMaskWithUnequalLengths) {
   Rng rng(32);
