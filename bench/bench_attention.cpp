@@ -8,10 +8,12 @@
 // with skipping disabled, next to the 0.8 / (visible-tile fraction) target, and the causal
 // mask's speed-up on all threads against one thread (timed interleaved in the same run).
 // Block masks: the causal mask ANDed with a FlashMask-3 block mask (diagonal 128-blocks on, each
-// block below it on with probability 25 % or 50 %), against the causal mask alone in the same
-// repetitions, next to the ratio of computed tiles.
+// block below it on with probability 25 % or 50 %), timed right after the causal mask alone in
+// each repetition; the speed-up is the median (and range) of the per-repetition ratios, next to
+// the ratio of computed tiles.
 //
-//   bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--kv-heads 4] [--reps 3]
+//   bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--kv-heads HEADS] [--reps 3]
+//                   [--tile-q 128] [--tile-k 64] [--run-cols 512]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -90,7 +92,7 @@ std::vector<Case> masks(int64_t N, Rng& rng) {
 // Causal block pattern over N x N: diagonal blocks on (no row loses every key), each block
 // below the diagonal on with probability percent_on / 100.
 BlockMask causal_blocks(int64_t N, uint64_t percent_on, Rng& rng) {
-  const int64_t nb = (N + BlockMask::kBlock - 1) / BlockMask::kBlock;
+  const int64_t nb = BlockMask::blocks(N);
   std::vector<uint8_t> on(size_t(nb * nb), 0);
   for (int64_t br = 0; br < nb; ++br)
     for (int64_t bc = 0; bc <= br; ++bc)
@@ -98,11 +100,27 @@ BlockMask causal_blocks(int64_t N, uint64_t percent_on, Rng& rng) {
   return BlockMask(1, 1, N, N, std::move(on));
 }
 
+// Seconds per repetition, in order.
 struct Timing {
-  double fwd = 1e30, bwd = 1e30;
+  std::vector<double> fwd, bwd;
+  double best_fwd() const { return *std::min_element(fwd.begin(), fwd.end()); }
+  double best_bwd() const { return *std::min_element(bwd.begin(), bwd.end()); }
 };
 
-// One forward and one backward; keeps the faster of each in `t`.
+// Median and range of num[r] / den[r] over the repetitions: both timed in the same repetition,
+// so load that changes between repetitions cancels.
+struct Ratio {
+  double median, lo, hi;
+};
+Ratio paired_ratio(const std::vector<double>& num, const std::vector<double>& den) {
+  std::vector<double> r;
+  for (size_t i = 0; i < num.size(); ++i) r.push_back(num[i] / den[i]);
+  std::sort(r.begin(), r.end());
+  const size_t n = r.size();
+  return {n % 2 ? r[n / 2] : (r[n / 2 - 1] + r[n / 2]) / 2, r.front(), r.back()};
+}
+
+// One forward and one backward, appended to `t`.
 void time_once(Timing& t, const AttentionShape& s, const TiledMask& tm, const FlashOptions& opt,
                const std::vector<float>& q, const std::vector<float>& k,
                const std::vector<float>& v, const BlockMask* block = nullptr) {
@@ -110,11 +128,11 @@ void time_once(Timing& t, const AttentionShape& s, const TiledMask& tm, const Fl
       dv(k.size());
   Timer f;
   flash_attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s, tm, opt, block);
-  t.fwd = std::min(t.fwd, f.seconds());
+  t.fwd.push_back(f.seconds());
   Timer b;
   flash_attention_backward(dq.data(), dk.data(), dv.data(), o.data(), q.data(), k.data(), v.data(),
                            o.data(), lse.data(), s, tm, opt, block);
-  t.bwd = std::min(t.bwd, b.seconds());
+  t.bwd.push_back(b.seconds());
 }
 
 // Coefficient of determination of the least-squares line y = a + b x.
@@ -159,15 +177,20 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] "
-                   "[--kv-heads HEADS] [--reps 3] [--tile-q 64] [--tile-k 64] [--run-cols 512]\n");
+                   "[--kv-heads HEADS] [--reps 3] [--tile-q 128] [--tile-k 64] [--run-cols 512]\n");
       return 2;
     }
   }
   if (kv_heads == 0) kv_heads = heads;
+  if (reps < 1) {
+    std::fprintf(stderr, "bench_attention: --reps must be >= 1\n");
+    return 2;
+  }
   const int threads = num_threads();
   std::printf(
       "threads %d, tile_q %lld, tile_k %lld, run_cols %lld; repetitions interleaved over "
-      "the masks, best of %d; GEMM peak = best 1024^3 sgemm of the repetitions\n",
+      "the masks, best of %d (block-mask speed-ups: paired per repetition); GEMM peak = best "
+      "1024^3 sgemm of the repetitions\n",
       threads, (long long)opt.tile_q, (long long)tile_k, (long long)opt.run_cols, reps);
   for (int64_t D : dims)
     for (int64_t N : seqs) {
@@ -193,10 +216,13 @@ int main(int argc, char** argv) {
       double peak = 0;
       for (int r = 0; r < reps; ++r) {
         peak = std::max(peak, kernels::measure_gemm_peak_gflops(1024, 0.3));
-        for (size_t c = 0; c < cases.size(); ++c) time_once(t[c], s, tiled[c], opt, q, k, v);
+        for (size_t c = 0; c < cases.size(); ++c) {
+          time_once(t[c], s, tiled[c], opt, q, k, v);
+          if (c != causal_case) continue;
+          for (size_t i = 0; i < blocks.size(); ++i)  // right after causal alone: paired
+            time_once(tblock[i], s, tiled[causal_case], opt, q, k, v, &blocks[i]);
+        }
         time_once(base, s, tiled[doc_case], no_skip, q, k, v);
-        for (size_t i = 0; i < blocks.size(); ++i)
-          time_once(tblock[i], s, tiled[causal_case], opt, q, k, v, &blocks[i]);
         set_num_threads(1);
         time_once(one_thread, s, tiled[causal_case], opt, q, k, v);
         set_num_threads(threads);
@@ -209,37 +235,41 @@ int main(int argc, char** argv) {
       for (size_t c = 0; c < cases.size(); ++c) {
         const TileCounts tc = count_tiles(tiled[c], heads, kv_heads, opt.tile_q);
         const double elems = double(tc.computed_elements);
-        const double fwd_gf = 4.0 * double(D) * elems / t[c].fwd * 1e-9;
-        const double bwd_gf = 10.0 * double(D) * elems / t[c].bwd * 1e-9;
+        const double fwd = t[c].best_fwd(), bwd = t[c].best_bwd();
+        const double fwd_gf = 4.0 * double(D) * elems / fwd * 1e-9;
+        const double bwd_gf = 10.0 * double(D) * elems / bwd * 1e-9;
         std::printf("%-24s %9.3f %9.1f %9.1f %7.0f%% %7.0f%% %8lld vs %lld\n",
-                    cases[c].name.c_str(), tc.computed_fraction(), t[c].fwd * 1e3, t[c].bwd * 1e3,
+                    cases[c].name.c_str(), tc.computed_fraction(), fwd * 1e3, bwd * 1e3,
                     100 * fwd_gf / peak, 100 * bwd_gf / peak, (long long)tiled[c].bytes(),
                     (long long)(N * N));
         frac.push_back(tc.computed_fraction());
-        tf.push_back(t[c].fwd);
-        tb.push_back(t[c].bwd);
+        tf.push_back(fwd);
+        tb.push_back(bwd);
       }
       const double vis =
           count_tiles(tiled[doc_case], heads, kv_heads, opt.tile_q).computed_fraction();
       std::printf(
           "causal document, skipping off: fwd %.1f ms (%.2fx), bwd %.1f ms (%.2fx); "
           "target 0.8 / %.3f = %.2fx\n",
-          base.fwd * 1e3, base.fwd / t[doc_case].fwd, base.bwd * 1e3, base.bwd / t[doc_case].bwd,
-          vis, 0.8 / vis);
+          base.best_fwd() * 1e3, base.best_fwd() / tf[doc_case], base.best_bwd() * 1e3,
+          base.best_bwd() / tb[doc_case], vis, 0.8 / vis);
       std::printf(
           "causal on 1 thread: fwd %.1f ms, bwd %.1f ms; %d threads vs 1: fwd %.2fx, bwd %.2fx\n",
-          one_thread.fwd * 1e3, one_thread.bwd * 1e3, threads, one_thread.fwd / t[causal_case].fwd,
-          one_thread.bwd / t[causal_case].bwd);
+          one_thread.best_fwd() * 1e3, one_thread.best_bwd() * 1e3, threads,
+          one_thread.best_fwd() / tf[causal_case], one_thread.best_bwd() / tb[causal_case]);
       const double causal_frac = frac[causal_case];
       for (size_t i = 0; i < blocks.size(); ++i) {
         const double bf =
             count_tiles(tiled[causal_case], heads, kv_heads, opt.tile_q, 0, -1, &blocks[i])
                 .computed_fraction();
+        const Ratio rf = paired_ratio(t[causal_case].fwd, tblock[i].fwd);
+        const Ratio rb = paired_ratio(t[causal_case].bwd, tblock[i].bwd);
         std::printf(
-            "causal + block mask, %llu%% of blocks below the diagonal on: computed %.3f, fwd %.1f "
-            "ms, bwd %.1f ms; causal without it: fwd %.2fx, bwd %.2fx (computed tiles %.2fx)\n",
-            (unsigned long long)block_percents[i], bf, tblock[i].fwd * 1e3, tblock[i].bwd * 1e3,
-            t[causal_case].fwd / tblock[i].fwd, t[causal_case].bwd / tblock[i].bwd,
+            "causal + block mask, %llu%% of blocks below the diagonal on: computed %.3f, best fwd "
+            "%.1f ms, bwd %.1f ms; causal without it, median of per-repetition ratios (range): "
+            "fwd %.2fx (%.2f-%.2f), bwd %.2fx (%.2f-%.2f) (computed tiles %.2fx)\n",
+            (unsigned long long)block_percents[i], bf, tblock[i].best_fwd() * 1e3,
+            tblock[i].best_bwd() * 1e3, rf.median, rf.lo, rf.hi, rb.median, rb.lo, rb.hi,
             causal_frac / bf);
       }
       std::printf("R^2 of time vs computed fraction: forward %.4f, backward %.4f\n",

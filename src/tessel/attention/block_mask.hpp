@@ -1,10 +1,13 @@
 #pragma once
 // FlashMask-3's optional block mask (spec specs/flashmask.md §2), ANDed with a ColumnMask:
 //   visible(i, j) = column mask visible(i, j) and block(i / kBlock, j / kBlock)
-// Input (the spec's): uint8 [B, Hm, ceil(Sq / kBlock), ceil(Sk / kBlock)], 1 = the block may be
-// attended, 0 = every element of the kBlock x kBlock block is masked (the last block row and
-// column are cut at Sq and Sk). Heads broadcast as the column mask's do (Hm = 1, Hq or Hk),
-// independently of the column mask's own Hm.
+// Input: [B, Hm, ceil(Sq / kBlock), ceil(Sk / kBlock)], 1 = the block may be attended, 0 = every
+// element of the kBlock x kBlock block is masked (the last block row and column are cut at Sq
+// and Sk). The spec gives no dtype; uint8, and Hm in {1, Hq, Hk} broadcast as the column mask's
+// heads but chosen independently of its Hm, are tessel's choices (upstream takes int32 with the
+// column mask's Hm). The grid is anchored top-left: block row i / kBlock over the call's rows,
+// not shifted by Sk - Sq as the bottom-right causal bound is. O(Sq * Sk / kBlock^2) bytes per
+// (b, mask head).
 //
 // The kernel's tiles need not be blocks: cover() says whether the blocks a tile touches are all
 // off (the tile is skipped), some off (partial) or all on (the column mask decides).
@@ -31,8 +34,10 @@ class BlockMask {
   int64_t mask_heads() const { return Hm_; }
   int64_t rows() const { return Sq_; }  // Sq
   int64_t cols() const { return Sk_; }  // Sk
-  int64_t block_rows() const { return (Sq_ + kBlock - 1) / kBlock; }
-  int64_t block_cols() const { return (Sk_ + kBlock - 1) / kBlock; }
+  // Blocks covering n rows or columns: ceil(n / kBlock).
+  static int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+  int64_t block_rows() const { return blocks(Sq_); }
+  int64_t block_cols() const { return blocks(Sk_); }
 
   // Whether block (br, bc) of mask head (b, hm) is on.
   bool on(int64_t b, int64_t hm, int64_t br, int64_t bc) const {

@@ -41,19 +41,19 @@ int64_t tiles_per_run(const FlashOptions& opt, const TiledMask& m) {
   return std::max<int64_t>(1, opt.run_cols / m.tile_k());
 }
 
-// The runs of query rows [r0, r1) under masks hk over key tiles [n_begin, n_end):
+// The runs of query rows [r0, r1) under `masks` over key tiles [n_begin, n_end):
 // maximal stretches of non-skipped key tiles, each split into the fewest near-equal whole-tile
 // pieces of at most opt.run_cols columns (so a stretch slightly over the limit does not leave
 // one short, slow GEMM). kinds[n] is set for the tiles of the range.
-void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const HeadMasks& hk,
+void plan_runs(std::vector<Run>& runs, std::vector<TileKind>& kinds, const HeadMasks& masks,
                int64_t r0, int64_t r1, int64_t n_begin, int64_t n_end, const FlashOptions& opt) {
   runs.clear();
-  const TiledMask& m = hk.tm;
+  const TiledMask& m = masks.tm;
   const int64_t Sk = m.mask().cols(), tk = m.tile_k();
   const int64_t max_tiles = tiles_per_run(opt, m);
   kinds.resize(size_t(m.num_key_tiles()));
   for (int64_t n = n_begin; n < n_end; ++n) {
-    TileKind kind = classify(m, hk.block, hk.b, hk.hm, hk.hb, r0, r1, n);
+    TileKind kind = classify_tile(m, masks.block, masks.b, masks.hm, masks.hb, r0, r1, n);
     if (kind == TileKind::skip && !opt.skip_tiles) kind = TileKind::partial;
     kinds[size_t(n)] = kind;
   }
@@ -83,18 +83,19 @@ void apply_block_mask(float* S, int64_t ldS, const Run& run, const BlockMask& bl
   for (int64_t r = 0; r < R; ++r)
     for (int64_t bc = run.c0 / K; bc * K < run.c1; ++bc) {
       if (block.on(b, hb, (r0 + r) / K, bc)) continue;
-      float* row = S + r * ldS - run.c0;
-      std::fill(row + std::max(run.c0, bc * K), row + std::min(run.c1, (bc + 1) * K), -INFINITY);
+      float* row = S + r * ldS;  // column j at row[j - run.c0]
+      std::fill(row + (std::max(run.c0, bc * K) - run.c0),
+                row + (std::min(run.c1, (bc + 1) * K) - run.c0), -INFINITY);
     }
 }
 
 // Sets S[r, j - run.c0] = -inf wherever row r0 + r may not see column j: the block mask over the
 // run, the column mask over its partial tiles (unmasked tiles are left alone).
 void apply_mask(float* S, int64_t ldS, const Run& run, const std::vector<TileKind>& kinds,
-                const HeadMasks& hk, int64_t r0, int64_t R) {
-  if (hk.block) apply_block_mask(S, ldS, run, *hk.block, hk.b, hk.hb, r0, R);
-  const TiledMask& m = hk.tm;
-  const int64_t b = hk.b, hm = hk.hm;
+                const HeadMasks& masks, int64_t r0, int64_t R) {
+  if (masks.block) apply_block_mask(S, ldS, run, *masks.block, masks.b, masks.hb, r0, R);
+  const TiledMask& m = masks.tm;
+  const int64_t b = masks.b, hm = masks.hm;
   const ColumnMask& mask = m.mask();
   const int32_t* lts = mask.vector(b, hm, kLTS);
   const int32_t* lte = mask.vector(b, hm, kLTE);
@@ -117,11 +118,11 @@ void apply_mask(float* S, int64_t ldS, const Run& run, const std::vector<TileKin
     for (int64_t r = 0; r < R; ++r) {
       const int32_t i = int32_t(r0 + r);
       const int64_t last = r0 + r + causal_off;  // last visible column under causality
-      float* s = S + r * ldS - run.c0;
+      float* s = S + r * ldS + (c0 - run.c0);    // column j at s[j - c0]
 #pragma omp simd
       for (int64_t j = c0; j < c1; ++j) {
         const bool masked = j > last || (i >= lts[j] && i < lte[j]) || (i >= uts[j] && i < ute[j]);
-        s[j] = masked ? -INFINITY : s[j];
+        s[j - c0] = masked ? -INFINITY : s[j - c0];
       }
     }
   }
@@ -185,8 +186,8 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
       for (int64_t h = 0; h < s.Hq; ++h)
         for (int64_t qt = 0; qt < st.query_tiles; ++qt) {
           const int64_t r0 = qt * Br, R = std::min(Br, s.Sq - r0), g = h / rep;
-          const HeadMasks hk = head_masks(tm, block, s, b, h);
-          plan_runs(runs, kinds, hk, r0, r0 + R, 0, tm.num_key_tiles(), opt);
+          const HeadMasks masks = head_masks(tm, block, s, b, h);
+          plan_runs(runs, kinds, masks, r0, r0 + R, 0, tm.num_key_tiles(), opt);
           std::fill(m.begin(), m.end(), -INFINITY);
           std::fill(l.begin(), l.end(), 0.0f);
           std::fill(acc.begin(), acc.end(), 0.0f);
@@ -196,7 +197,7 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
             const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
             kd::sgemm(false, true, R, J, D, st.scale, qt_ptr, L.ldq, k + kv0, L.ldkv, 0.0f,
                       S.data(), J);
-            if (run.partial) apply_mask(S.data(), J, run, kinds, hk, r0, R);
+            if (run.partial) apply_mask(S.data(), J, run, kinds, masks, r0, R);
             for (int64_t r = 0; r < R; ++r) {
               float* p = S.data() + r * J;
               float mx = -INFINITY;
@@ -381,8 +382,8 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
       for (int64_t step = 0; step < steps; ++step) {
         const int64_t h = g * rep + step / Qt, r0 = (Qt - 1 - step % Qt) * Br;
         const int64_t R = std::min(Br, s.Sq - r0);
-        const HeadMasks hk = head_masks(tm, block, s, b, h);
-        plan_runs(runs, kinds, hk, r0, r0 + R, n0, n1, opt);
+        const HeadMasks masks = head_masks(tm, block, s, b, h);
+        plan_runs(runs, kinds, masks, r0, r0 + R, n0, n1, opt);
         const int64_t q0 = L.q_offset(s, b, h, r0);
         const float* row_lse = lse + (b * s.Hq + h) * s.Sq + r0;
         const float* row_delta = delta.data() + (b * s.Hq + h) * s.Sq + r0;
@@ -392,7 +393,7 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
           const int64_t kv0 = L.kv_offset(s, b, g, run.c0);
           kd::sgemm(false, true, R, J, D, st.scale, q + q0, L.ldq, k + kv0, L.ldkv, 0.0f, P.data(),
                     J);
-          if (run.partial) apply_mask(P.data(), J, run, kinds, hk, r0, R);
+          if (run.partial) apply_mask(P.data(), J, run, kinds, masks, r0, R);
           kd::sgemm(false, true, R, J, D, 1.0f, dout + q0, L.ldq, v + kv0, L.ldkv, 0.0f, dS.data(),
                     J);
           for (int64_t r = 0; r < R; ++r) {

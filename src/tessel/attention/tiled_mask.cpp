@@ -46,8 +46,8 @@ bool TiledMask::intervals_touch(int64_t b, int64_t hm, int64_t r0, int64_t r1, i
   return (r0 < t[3] && r1 > t[0]) || (r0 < t[7] && r1 > t[4]);
 }
 
-TileKind classify(const TiledMask& m, const BlockMask* block, int64_t b, int64_t hm, int64_t hb,
-                  int64_t r0, int64_t r1, int64_t n) {
+TileKind classify_tile(const TiledMask& m, const BlockMask* block, int64_t b, int64_t hm,
+                       int64_t hb, int64_t r0, int64_t r1, int64_t n) {
   const TileKind kind = m.classify(b, hm, r0, r1, n);
   if (block == nullptr || kind == TileKind::skip) return kind;
   const int64_t c0 = n * m.tile_k(), c1 = std::min(m.mask().cols(), c0 + m.tile_k());
@@ -80,7 +80,7 @@ TileCounts count_tiles(const TiledMask& m, int64_t Hq, int64_t Hk, int64_t tile_
       for (int64_t r0 = row_begin; r0 < Sq; r0 += tile_q) {
         const int64_t r1 = std::min(Sq, r0 + tile_q);
         for (int64_t n = 0; n < m.num_key_tiles(); ++n) {
-          const TileKind kind = classify(m, block, b, hm, hb, r0, r1, n);
+          const TileKind kind = classify_tile(m, block, b, hm, hb, r0, r1, n);
           if (kind == TileKind::skip) {
             ++c.skipped;
             continue;

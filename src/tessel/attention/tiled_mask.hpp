@@ -42,8 +42,8 @@ class TiledMask {
 // The tile's kind under the column mask (head hm) ANDed with head hb of a block mask (nullptr:
 // m.classify itself): skipped when every block it touches is off, at least partial when some
 // is, the column mask's kind when all are on. Still conservative.
-TileKind classify(const TiledMask& m, const BlockMask* block, int64_t b, int64_t hm, int64_t hb,
-                  int64_t r0, int64_t r1, int64_t n);
+TileKind classify_tile(const TiledMask& m, const BlockMask* block, int64_t b, int64_t hm,
+                       int64_t hb, int64_t r0, int64_t r1, int64_t n);
 
 // How many (batch, query head, query tile, key tile) tiles of an attention call fall in each
 // class, and the query x key elements of the computed (non-skipped) tiles. Query tiles of tile_q

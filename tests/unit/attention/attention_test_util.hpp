@@ -137,8 +137,7 @@ inline MaskColumns random_mask(Rng& rng, int64_t Sq, int64_t Sk, bool causal) {
 // percent_on / 100.
 inline BlockMask random_block_mask(Rng& rng, int64_t B, int64_t Hm, int64_t Sq, int64_t Sk,
                                    uint64_t percent_on) {
-  constexpr int64_t K = BlockMask::kBlock;
-  std::vector<uint8_t> on(size_t(B * Hm * ((Sq + K - 1) / K) * ((Sk + K - 1) / K)));
+  std::vector<uint8_t> on(size_t(B * Hm * BlockMask::blocks(Sq) * BlockMask::blocks(Sk)));
   for (auto& x : on) x = rng.below(100) < percent_on ? 1 : 0;
   return BlockMask(B, Hm, Sq, Sk, std::move(on));
 }

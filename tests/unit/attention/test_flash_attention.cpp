@@ -35,11 +35,28 @@ Problem random_problem(const AttentionShape& s, uint64_t seed) {
           randn(rng, size_t(s.B * s.Sq * s.Hq * s.D))};
 }
 
-// Runs the fast kernel (f32) and the dense reference (f64) and compares O, LSE, dQ, dK, dV.
-void expect_matches_reference(const Problem& p, const ColumnMask& mask,
-                              const FlashOptions& opt = {},
-                              int64_t tile_k = TiledMask::kDefaultTileK,
-                              const BlockMask* block = nullptr) {
+// The dense f64 reference's O, LSE, dQ, dK, dV.
+struct Reference {
+  VecD o, lse, dq, dk, dv;
+};
+
+Reference reference(const Problem& p, const ColumnMask& mask, const BlockMask* block = nullptr) {
+  const AttentionShape& s = p.s;
+  const size_t nq = p.q.size(), nk = p.k.size(), nl = size_t(s.B * s.Hq * s.Sq);
+  const VecD q = to_f64(p.q), k = to_f64(p.k), v = to_f64(p.v), g = to_f64(p.dout);
+  Reference r{VecD(nq), VecD(nl), VecD(nq), VecD(nk), VecD(nk)};
+  naive::masked_attention_forward(r.o.data(), r.lse.data(), q.data(), k.data(), v.data(), s, mask,
+                                  block);
+  naive::masked_attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), g.data(), q.data(),
+                                   k.data(), v.data(), r.o.data(), r.lse.data(), s, mask, block);
+  return r;
+}
+
+// Runs the fast kernel (f32) and compares O, LSE, dQ, dK, dV with `ref` (of the same problem,
+// mask and block mask).
+void expect_matches(const Problem& p, const Reference& ref, const ColumnMask& mask,
+                    const FlashOptions& opt = {}, int64_t tile_k = TiledMask::kDefaultTileK,
+                    const BlockMask* block = nullptr) {
   const AttentionShape& s = p.s;
   const TiledMask tm(mask, tile_k);
   const size_t nq = p.q.size(), nk = p.k.size(), nl = size_t(s.B * s.Hq * s.Sq);
@@ -48,20 +65,21 @@ void expect_matches_reference(const Problem& p, const ColumnMask& mask,
                           block);
   flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(),
                            p.v.data(), o.data(), lse.data(), s, tm, opt, block);
-  const VecD q = to_f64(p.q), k = to_f64(p.k), v = to_f64(p.v), g = to_f64(p.dout);
-  VecD ro(nq), rl(nl), rdq(nq), rdk(nk), rdv(nk);
-  naive::masked_attention_forward(ro.data(), rl.data(), q.data(), k.data(), v.data(), s, mask,
-                                  block);
-  naive::masked_attention_backward(rdq.data(), rdk.data(), rdv.data(), g.data(), q.data(), k.data(),
-                                   v.data(), ro.data(), rl.data(), s, mask, block);
   // An all-zero reference (every row masked) compares absolutely.
-  EXPECT_LT(rel_error(o, ro, 1.0), kTol);
-  EXPECT_LT(lse_error(lse, rl), kTol);
-  EXPECT_LT(rel_error(dq, rdq, 1.0), kTol);
-  EXPECT_LT(rel_error(dk, rdk, 1.0), kTol);
-  EXPECT_LT(rel_error(dv, rdv, 1.0), kTol);
+  EXPECT_LT(rel_error(o, ref.o, 1.0), kTol);
+  EXPECT_LT(lse_error(lse, ref.lse), kTol);
+  EXPECT_LT(rel_error(dq, ref.dq, 1.0), kTol);
+  EXPECT_LT(rel_error(dk, ref.dk, 1.0), kTol);
+  EXPECT_LT(rel_error(dv, ref.dv, 1.0), kTol);
   for (float x : o) ASSERT_FALSE(std::isnan(x));
   for (float x : dq) ASSERT_FALSE(std::isnan(x));
+}
+
+void expect_matches_reference(const Problem& p, const ColumnMask& mask,
+                              const FlashOptions& opt = {},
+                              int64_t tile_k = TiledMask::kDefaultTileK,
+                              const BlockMask* block = nullptr) {
+  expect_matches(p, reference(p, mask, block), mask, opt, tile_k, block);
 }
 
 // All eleven masks at the spec's lengths; batch 2 with a different mask per row, GQA.
@@ -319,12 +337,27 @@ TEST(FlashAttention, BlockMaskMatchesReference) {
         const ColumnMask mask = stack_masks(N, N, 2, 1, {cases[t].columns, cases[t].columns});
         const BlockMask block = test::random_block_mask(rng, 2, Hm, N, N, 25 + 25 * (t % 3));
         const Problem p = random_problem(s, 31 + t);
-        expect_matches_reference(p, mask, {}, TiledMask::kDefaultTileK, &block);
-        expect_matches_reference(p, mask, {.tile_q = 37, .run_cols = 100}, 29, &block);
-        expect_matches_reference(p, mask, {.tile_q = 300, .run_cols = 600}, 300, &block);
-        if (N == 1000) expect_matches_reference(p, mask, {.skip_tiles = false}, 64, &block);
+        const Reference ref = reference(p, mask, &block);  // one per problem, for every tiling
+        expect_matches(p, ref, mask, {}, TiledMask::kDefaultTileK, &block);
+        expect_matches(p, ref, mask, {.tile_q = 37, .run_cols = 100}, 29, &block);
+        expect_matches(p, ref, mask, {.tile_q = 300, .run_cols = 600}, 300, &block);
+        if (N == 1000) expect_matches(p, ref, mask, {.skip_tiles = false}, 64, &block);
       }
     }
+  }
+}
+
+// Every standard mask under a random block mask (50 % on, one per kv head: Hm = Hk), default
+// tiles.
+TEST(FlashAttention, BlockMaskWithEveryMaskType) {
+  Rng rng(41);
+  const int64_t N = 300;
+  for (const auto& c : test::standard_masks(N, rng)) {
+    SCOPED_TRACE(c.name);
+    const BlockMask block = test::random_block_mask(rng, 1, 2, N, N, 50);
+    expect_matches_reference(random_problem({1, N, N, 4, 2, 8}, 42),
+                             stack_masks(N, N, 1, 1, {c.columns}), {}, TiledMask::kDefaultTileK,
+                             &block);
   }
 }
 
@@ -357,9 +390,10 @@ TEST(FlashAttention, RowsMaskedOnlyByBlocksGiveZeros) {
   const Problem p = random_problem({1, N, N, 1, 1, D}, 35);
   const AttentionShape s{1, N, N, 1, 1, D};
   const TiledMask tm(mask);
+  const Reference ref = reference(p, mask, &block);
   for (const FlashOptions& opt : {FlashOptions{}, FlashOptions{.tile_q = 100}}) {
     SCOPED_TRACE("tile_q=" + std::to_string(opt.tile_q));
-    expect_matches_reference(p, mask, opt, 64, &block);
+    expect_matches(p, ref, mask, opt, 64, &block);
     VecF o(p.q.size()), lse(static_cast<size_t>(N)), dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
     flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, opt,
                             &block);
@@ -380,6 +414,93 @@ TEST(FlashAttention, RowsMaskedOnlyByBlocksGiveZeros) {
     for (float x : dk) ASSERT_FALSE(std::isnan(x));
     for (float x : dv) ASSERT_FALSE(std::isnan(x));
   }
+}
+
+// The block mask's layout written out by hand, not through BlockMask::on or allows (which the
+// naive twin shares with the kernel): B = 2, Hq = 4, Hk = Hm = 2 (query heads 2h, 2h + 1 read
+// mask head h), Sq = 200, Sk = 300 (2 x 3 blocks), bottom-right causal (every row sees a key).
+// Block row 1 of one (batch, mask head) is off: exactly its query heads' rows 128-199 see
+// nothing. (b, hm) = (1, 0) and (0, 1) tell a swapped batch / head order from the right one.
+TEST(FlashAttention, BlockMaskLayoutByHand) {
+  const int64_t B = 2, Hq = 4, Hm = 2, Sq = 200, Sk = 300, D = 8;
+  const AttentionShape s{B, Sq, Sk, Hq, Hm, D};
+  const Problem p = random_problem(s, 40);
+  const ColumnMask mask = ColumnMask::causal_only(B, Sq, Sk);
+  const TiledMask tm(mask);
+  for (auto [b_off, hm_off] : {std::pair<int64_t, int64_t>{1, 1}, {1, 0}, {0, 1}}) {
+    SCOPED_TRACE("off: b=" + std::to_string(b_off) + " hm=" + std::to_string(hm_off));
+    std::vector<uint8_t> on(B * Hm * 2 * 3, 1);  // [B][Hm][2 block rows][3 block columns]
+    for (int64_t bc = 0; bc < 3; ++bc) on[size_t(((b_off * Hm + hm_off) * 2 + 1) * 3 + bc)] = 0;
+    const BlockMask block(B, Hm, Sq, Sk, on);
+    VecF o(p.q.size()), lse(size_t(B * Hq * Sq));
+    flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm, {},
+                            &block);
+    const VecD q = to_f64(p.q), k = to_f64(p.k), v = to_f64(p.v);
+    VecD ro(p.q.size()), rl(lse.size());
+    naive::masked_attention_forward(ro.data(), rl.data(), q.data(), k.data(), v.data(), s, mask,
+                                    &block);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t i = 0; i < Sq; ++i) {
+          const bool masked = b == b_off && h / 2 == hm_off && i >= 128;
+          const size_t x = size_t((b * Hq + h) * Sq + i);
+          SCOPED_TRACE("b=" + std::to_string(b) + " h=" + std::to_string(h) +
+                       " i=" + std::to_string(i));
+          ASSERT_EQ(lse[x] == -INFINITY, masked);
+          ASSERT_EQ(std::isfinite(lse[x]), !masked);
+          ASSERT_EQ(rl[x] == -INFINITY, masked);
+          ASSERT_EQ(std::isfinite(rl[x]), !masked);
+        }
+  }
+}
+
+// A pattern that is not symmetric in (block row, block column), Sq != Sk, no column mask: with
+// q = 0 every visible key scores 0, so row i's LSE is log(#visible keys) and, with V's channel d
+// = 1 on block column d's keys, O[i][d] = (block column d's visible keys) / #visible. A
+// transposed or otherwise wrong flat index reads other blocks and fails. Kernel (two tilings:
+// tiles inside blocks, tiles straddling them) and naive twin.
+TEST(FlashAttention, AsymmetricBlockPatternByHand) {
+  const int64_t Sq = 300, Sk = 500, D = 4;  // 3 x 4 blocks; block column 3 holds 116 keys
+  constexpr uint8_t kOn[3][4] = {{1, 1, 0, 0}, {0, 0, 0, 1}, {1, 0, 1, 0}};
+  std::vector<uint8_t> on(12);
+  for (int64_t br = 0; br < 3; ++br)
+    for (int64_t bc = 0; bc < 4; ++bc) on[size_t(br * 4 + bc)] = kOn[br][bc];
+  const BlockMask block(1, 1, Sq, Sk, on);
+  const ColumnMask mask =
+      stack_masks(Sq, Sk, 1, 1, {MaskColumns{false, 4, [&] {
+                                               std::vector<int32_t> x;
+                                               for (int64_t j = 0; j < Sk; ++j)
+                                                 x.insert(x.end(), {0, 0, 0, 0});
+                                               return x;
+                                             }()}});
+  const AttentionShape s{1, Sq, Sk, 1, 1, D};
+  VecF q(size_t(Sq * D), 0.0f), k(size_t(Sk * D), 1.0f), v(size_t(Sk * D), 0.0f);
+  for (int64_t j = 0; j < Sk; ++j) v[size_t(j * D + j / 128)] = 1.0f;
+  const int64_t width[4] = {128, 128, 128, 116};
+  const auto check = [&](const auto& o, const auto& lse) {
+    for (int64_t i = 0; i < Sq; ++i) {
+      const int64_t br = i / 128;
+      int64_t n = 0;
+      for (int64_t bc = 0; bc < 4; ++bc) n += kOn[br][bc] * width[bc];
+      ASSERT_NEAR(lse[size_t(i)], std::log(double(n)), 1e-5) << "row " << i;
+      for (int64_t d = 0; d < D; ++d)
+        ASSERT_NEAR(o[size_t(i * D + d)], double(kOn[br][d] * width[d]) / double(n), 1e-5)
+            << "row " << i << " channel " << d;
+    }
+  };
+  for (const auto& [opt, tile_k] : {std::pair<FlashOptions, int64_t>{{}, 64},
+                                    {FlashOptions{.tile_q = 100, .run_cols = 90}, 45}}) {
+    SCOPED_TRACE("tile_q=" + std::to_string(opt.tile_q) + " tile_k=" + std::to_string(tile_k));
+    VecF o(q.size()), lse(static_cast<size_t>(Sq));
+    flash_attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), s,
+                            TiledMask(mask, tile_k), opt, &block);
+    check(o, lse);
+  }
+  const VecD q64 = to_f64(q), k64 = to_f64(k), v64 = to_f64(v);
+  VecD ro(q.size()), rl(static_cast<size_t>(Sq));
+  naive::masked_attention_forward(ro.data(), rl.data(), q64.data(), k64.data(), v64.data(), s, mask,
+                                  &block);
+  check(ro, rl);
 }
 
 // Block masks skip irregular tiles, so key chunks visit query tiles their lower neighbours skip

@@ -69,7 +69,7 @@ TEST(TiledMask, ClassificationWithBlockMaskIsConservative) {
         for (int64_t i = r0; i < r1; ++i)
           for (int64_t j = c0; j < c1; ++j)
             visible += dense[size_t(i * Sk + j)] && block.allows(0, 0, i, j);
-        const TileKind kind = classify(tm, &block, 0, 0, 0, r0, r1, n);
+        const TileKind kind = classify_tile(tm, &block, 0, 0, 0, r0, r1, n);
         if (kind == TileKind::skip) {
           ++skipped;
           skipped_by_blocks += tm.classify(0, 0, r0, r1, n) != TileKind::skip;
@@ -112,8 +112,8 @@ TEST(TiledMask, BlockMaskSkipsItsOffBlocks) {
   EXPECT_EQ(c.skipped, 10);
   EXPECT_EQ(count_tiles(tm, 1, 1, 64).skipped, 6);
   // A 96-row tile across the block border (rows 96-191) is partial where it meets block (1, 0).
-  EXPECT_EQ(classify(tm, &block, 0, 0, 0, 96, 192, 0), TileKind::partial);
-  EXPECT_EQ(classify(tm, &block, 0, 0, 0, 128, 192, 0), TileKind::skip);
+  EXPECT_EQ(classify_tile(tm, &block, 0, 0, 0, 96, 192, 0), TileKind::partial);
+  EXPECT_EQ(classify_tile(tm, &block, 0, 0, 0, 128, 192, 0), TileKind::skip);
 }
 
 }  // namespace

@@ -15,25 +15,39 @@ int64_t at(const AttentionShape& s, int64_t b, int64_t pos, int64_t seq, int64_t
   return ((b * seq + pos) * heads + h) * s.D;
 }
 
-// Whether row i of query head h sees key j: the column mask AND the block mask (when given).
-bool visible(const ColumnMask& mask, const BlockMask* block, const AttentionShape& s, int64_t b,
-             int64_t h, int64_t i, int64_t j) {
-  return mask.visible(b, mask.head_for(h, s.Hq, s.Hk), i, j) &&
-         (block == nullptr || block->allows(b, block->head_for(h, s.Hq, s.Hk), i, j));
-}
+// The masks one (batch b, query head h) reads: column mask head hm, block mask head hb (found
+// once per head, not per element).
+struct HeadMasks {
+  const ColumnMask& mask;
+  const BlockMask* block;
+  int64_t b, h, hm, hb;
+
+  HeadMasks(const ColumnMask& m, const BlockMask* bm, const AttentionShape& s, int64_t b_,
+            int64_t h_)
+      : mask(m),
+        block(bm),
+        b(b_),
+        h(h_),
+        hm(m.head_for(h_, s.Hq, s.Hk)),
+        hb(bm ? bm->head_for(h_, s.Hq, s.Hk) : 0) {}
+
+  // Whether row i sees key j: the column mask AND the block mask (when given).
+  bool visible(int64_t i, int64_t j) const {
+    return mask.visible(b, hm, i, j) && (block == nullptr || block->allows(b, hb, i, j));
+  }
+};
 
 // Probabilities of row i of head h: p[j] = exp(s_ij - lse_i) over visible keys, 0 elsewhere.
 template <class T>
 void row_probabilities(std::vector<T>& p, T lse_i, const T* q, const T* k, const AttentionShape& s,
-                       const ColumnMask& mask, const BlockMask* block, int64_t b, int64_t h,
-                       int64_t i) {
+                       const HeadMasks& masks, int64_t i) {
+  const int64_t b = masks.b, h = masks.h;
   const int64_t g = h / (s.Hq / s.Hk);
   const T scale = T(1) / std::sqrt(T(s.D));
   const T* qi = q + at(s, b, i, s.Sq, s.Hq, h);
   for (int64_t j = 0; j < s.Sk; ++j) {
     p[size_t(j)] = 0;
-    if (!visible(mask, block, s, b, h, i, j) || lse_i == -std::numeric_limits<T>::infinity())
-      continue;
+    if (!masks.visible(i, j) || lse_i == -std::numeric_limits<T>::infinity()) continue;
     const T* kj = k + at(s, b, j, s.Sk, s.Hk, g);
     T dot = 0;
     for (int64_t d = 0; d < s.D; ++d) dot += qi[d] * kj[d];
@@ -43,15 +57,15 @@ void row_probabilities(std::vector<T>& p, T lse_i, const T* q, const T* k, const
 
 // Log-sum-exp of row i's visible scaled scores; -inf when none is visible.
 template <class T>
-T row_lse(const T* q, const T* k, const AttentionShape& s, const ColumnMask& mask,
-          const BlockMask* block, int64_t b, int64_t h, int64_t i) {
+T row_lse(const T* q, const T* k, const AttentionShape& s, const HeadMasks& masks, int64_t i) {
+  const int64_t b = masks.b, h = masks.h;
   const int64_t g = h / (s.Hq / s.Hk);
   const T scale = T(1) / std::sqrt(T(s.D));
   const T* qi = q + at(s, b, i, s.Sq, s.Hq, h);
   std::vector<T> sc;
   T mx = -std::numeric_limits<T>::infinity();
   for (int64_t j = 0; j < s.Sk; ++j) {
-    if (!visible(mask, block, s, b, h, i, j)) continue;
+    if (!masks.visible(i, j)) continue;
     const T* kj = k + at(s, b, j, s.Sk, s.Hk, g);
     T dot = 0;
     for (int64_t d = 0; d < s.D; ++d) dot += qi[d] * kj[d];
@@ -73,11 +87,12 @@ void masked_attention_forward(T* o, T* lse, const T* q, const T* k, const T* v,
   if (block) block->check_fits(mask, s.Hq, s.Hk);  // it is indexed without bounds checks
   std::vector<T> p(size_t(s.Sk));
   for (int64_t b = 0; b < s.B; ++b)
-    for (int64_t h = 0; h < s.Hq; ++h)
+    for (int64_t h = 0; h < s.Hq; ++h) {
+      const HeadMasks masks(mask, block, s, b, h);
       for (int64_t i = 0; i < s.Sq; ++i) {
-        const T l = row_lse(q, k, s, mask, block, b, h, i);
+        const T l = row_lse(q, k, s, masks, i);
         lse[(b * s.Hq + h) * s.Sq + i] = l;
-        row_probabilities(p, l, q, k, s, mask, block, b, h, i);
+        row_probabilities(p, l, q, k, s, masks, i);
         T* oi = o + ((b * s.Sq + i) * s.Hq + h) * s.D;
         for (int64_t d = 0; d < s.D; ++d) oi[d] = 0;
         for (int64_t j = 0; j < s.Sk; ++j) {
@@ -85,6 +100,7 @@ void masked_attention_forward(T* o, T* lse, const T* q, const T* k, const T* v,
           for (int64_t d = 0; d < s.D; ++d) oi[d] += p[size_t(j)] * vj[d];
         }
       }
+    }
 }
 
 template <class T>
@@ -97,8 +113,9 @@ void masked_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, c
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.Hq; ++h) {
       const int64_t g = h / (s.Hq / s.Hk);
+      const HeadMasks masks(mask, block, s, b, h);
       for (int64_t i = 0; i < s.Sq; ++i) {
-        row_probabilities(p, lse[(b * s.Hq + h) * s.Sq + i], q, k, s, mask, block, b, h, i);
+        row_probabilities(p, lse[(b * s.Hq + h) * s.Sq + i], q, k, s, masks, i);
         const T* gi = dout + at(s, b, i, s.Sq, s.Hq, h);
         const T* oi = o + at(s, b, i, s.Sq, s.Hq, h);
         const T* qi = q + at(s, b, i, s.Sq, s.Hq, h);
