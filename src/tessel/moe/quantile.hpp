@@ -62,7 +62,9 @@ using MaxValues = std::function<void(float* data, size_t n)>;
 // answer is its upper edge rounded to f32 (hi for the last bin; lo when lo = hi). Hence
 //   x_r <= answer <= x_r + w + half an f32 ulp of the answer
 // (x_r is an f32 below the edge, so rounding the edge keeps it above x_r): never below the
-// order statistic, at most one bin width above. Two collectives in all. The range is exact
+// order statistic, at most one bin width above. Two collectives in all: the spec (2.6) names
+// one, which holds for a range known in advance; the global [min, max] costs this second,
+// 2E-float one. The range is exact
 // (-0 counts as +0, so its bits do not depend on the reduction order) and the counts are
 // integers, so the answer is bitwise the same for any sharding. TESSEL_CHECK: every value
 // finite (NaN and +-inf have no place in uniform bins), bins >= 2, and the rank rules of
