@@ -8,50 +8,62 @@ namespace {
 
 using kernels::test::uniform_int;
 
-// Brute force over random valid masks (4-vector and causal forms, Sq = Sk and Sq != Sk) and
-// random tile sizes: a skipped tile holds no visible element, an unmasked tile no masked one.
+struct TileTally {
+  int64_t skipped = 0, partial = 0, unmasked = 0, skipped_by_blocks = 0;
+};
+
+// Brute force over every tile of `tm` (tile_q rows) with `block` ANDed in when set: a skipped
+// tile holds no visible element, an unmasked tile no masked one.
+void expect_conservative(const TiledMask& tm, const BlockMask* block, int64_t tile_q, int trial,
+                         TileTally& tally) {
+  const int64_t Sq = tm.mask().rows(), Sk = tm.mask().cols();
+  const auto dense = naive::dense_mask(tm.mask());
+  for (int64_t r0 = 0; r0 < Sq; r0 += tile_q) {
+    const int64_t r1 = std::min(Sq, r0 + tile_q);
+    for (int64_t n = 0; n < tm.num_key_tiles(); ++n) {
+      const int64_t c0 = n * tm.tile_k(), c1 = std::min(Sk, c0 + tm.tile_k());
+      int64_t visible = 0;
+      for (int64_t i = r0; i < r1; ++i)
+        for (int64_t j = c0; j < c1; ++j)
+          visible += dense[size_t(i * Sk + j)] && (!block || block->allows(0, 0, i, j));
+      const TileKind kind = classify_tile(tm, block, 0, 0, 0, r0, r1, n);
+      if (kind == TileKind::skip) {
+        ++tally.skipped;
+        tally.skipped_by_blocks += tm.classify(0, 0, r0, r1, n) != TileKind::skip;
+        ASSERT_EQ(visible, 0) << "skipped tile with visible elements, trial " << trial;
+      } else if (kind == TileKind::unmasked) {
+        ++tally.unmasked;
+        ASSERT_EQ(visible, (r1 - r0) * (c1 - c0)) << "unmasked tile with masked elements";
+      } else {
+        ++tally.partial;
+      }
+    }
+  }
+}
+
+// Random valid masks (4-vector and causal forms, Sq = Sk and Sq != Sk) and random tile sizes.
 TEST(TiledMask, ClassificationIsConservative) {
   Rng rng(11);
-  int64_t skipped = 0, partial = 0, unmasked = 0;
+  TileTally tally;
   for (int trial = 0; trial < 60; ++trial) {
     const int64_t Sq = uniform_int(rng, 1, 512);
     const int64_t Sk = trial % 3 == 0 ? uniform_int(rng, 1, 512) : Sq;
     const bool causal = trial % 2 == 0;
     const TiledMask tm(stack_masks(Sq, Sk, 1, 1, {test::random_mask(rng, Sq, Sk, causal)}),
                        uniform_int(rng, 1, 96));
-    const int64_t tile_q = uniform_int(rng, 1, 96);
-    const auto dense = naive::dense_mask(tm.mask());
-    for (int64_t r0 = 0; r0 < Sq; r0 += tile_q) {
-      const int64_t r1 = std::min(Sq, r0 + tile_q);
-      for (int64_t n = 0; n < tm.num_key_tiles(); ++n) {
-        const int64_t c0 = n * tm.tile_k(), c1 = std::min(Sk, c0 + tm.tile_k());
-        int64_t visible = 0;
-        for (int64_t i = r0; i < r1; ++i)
-          for (int64_t j = c0; j < c1; ++j) visible += dense[size_t(i * Sk + j)];
-        const TileKind kind = tm.classify(0, 0, r0, r1, n);
-        if (kind == TileKind::skip) {
-          ++skipped;
-          ASSERT_EQ(visible, 0) << "skipped tile with visible elements, trial " << trial;
-        } else if (kind == TileKind::unmasked) {
-          ++unmasked;
-          ASSERT_EQ(visible, (r1 - r0) * (c1 - c0)) << "unmasked tile with masked elements";
-        } else {
-          ++partial;
-        }
-      }
-    }
+    expect_conservative(tm, nullptr, uniform_int(rng, 1, 96), trial, tally);
   }
   // The masks exercise every class.
-  EXPECT_GT(skipped, 0);
-  EXPECT_GT(partial, 0);
-  EXPECT_GT(unmasked, 0);
+  EXPECT_GT(tally.skipped, 0);
+  EXPECT_GT(tally.partial, 0);
+  EXPECT_GT(tally.unmasked, 0);
 }
 
-// The same brute force with a random block mask ANDed in: tile sizes from 1 to 300, so a tile
-// may lie inside one 128-block or span several. Some tiles are skipped only for the block mask.
+// The same with a random block mask ANDed in: tile sizes from 1 to 300, so a tile may lie
+// inside one 128-block or span several. Some tiles are skipped only for the block mask.
 TEST(TiledMask, ClassificationWithBlockMaskIsConservative) {
   Rng rng(12);
-  int64_t skipped = 0, partial = 0, unmasked = 0, skipped_by_blocks = 0;
+  TileTally tally;
   for (int trial = 0; trial < 80; ++trial) {
     const int64_t Sq = uniform_int(rng, 1, 512);
     const int64_t Sk = trial % 3 == 0 ? uniform_int(rng, 1, 512) : Sq;
@@ -59,34 +71,12 @@ TEST(TiledMask, ClassificationWithBlockMaskIsConservative) {
     const TiledMask tm(stack_masks(Sq, Sk, 1, 1, {test::random_mask(rng, Sq, Sk, causal)}),
                        uniform_int(rng, 1, trial % 4 == 0 ? 300 : 96));
     const BlockMask block = test::random_block_mask(rng, 1, 1, Sq, Sk, 20 + 20 * (trial % 4));
-    const int64_t tile_q = uniform_int(rng, 1, trial % 4 == 1 ? 300 : 96);
-    const auto dense = naive::dense_mask(tm.mask());
-    for (int64_t r0 = 0; r0 < Sq; r0 += tile_q) {
-      const int64_t r1 = std::min(Sq, r0 + tile_q);
-      for (int64_t n = 0; n < tm.num_key_tiles(); ++n) {
-        const int64_t c0 = n * tm.tile_k(), c1 = std::min(Sk, c0 + tm.tile_k());
-        int64_t visible = 0;
-        for (int64_t i = r0; i < r1; ++i)
-          for (int64_t j = c0; j < c1; ++j)
-            visible += dense[size_t(i * Sk + j)] && block.allows(0, 0, i, j);
-        const TileKind kind = classify_tile(tm, &block, 0, 0, 0, r0, r1, n);
-        if (kind == TileKind::skip) {
-          ++skipped;
-          skipped_by_blocks += tm.classify(0, 0, r0, r1, n) != TileKind::skip;
-          ASSERT_EQ(visible, 0) << "skipped tile with visible elements, trial " << trial;
-        } else if (kind == TileKind::unmasked) {
-          ++unmasked;
-          ASSERT_EQ(visible, (r1 - r0) * (c1 - c0)) << "unmasked tile with masked elements";
-        } else {
-          ++partial;
-        }
-      }
-    }
+    expect_conservative(tm, &block, uniform_int(rng, 1, trial % 4 == 1 ? 300 : 96), trial, tally);
   }
-  EXPECT_GT(skipped_by_blocks, 0);
-  EXPECT_GT(partial, 0);
-  EXPECT_GT(unmasked, 0);
-  EXPECT_GT(skipped, skipped_by_blocks);
+  EXPECT_GT(tally.skipped_by_blocks, 0);
+  EXPECT_GT(tally.partial, 0);
+  EXPECT_GT(tally.unmasked, 0);
+  EXPECT_GT(tally.skipped, tally.skipped_by_blocks);
 }
 
 // Causal-document with 64-row tiles: the block structure is found exactly.
