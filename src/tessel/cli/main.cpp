@@ -73,8 +73,9 @@ int run_prepare(const data::PrepareOptions& opts) {
   return 0;
 }
 
-int run_train_bpe(const std::string& corpus, int64_t vocab_size, const std::string& out) {
-  const auto merges = data::learn_bpe_merges(data::load_corpus(corpus), vocab_size - 257);
+int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const std::string& out) {
+  const std::string& corpus = split.corpus;
+  const auto merges = data::learn_bpe_merges(data::training_documents(split), vocab_size - 257);
   const int64_t size = data::write_bpe_files(out, merges);
   std::printf(
       "learned %zu merges from %s%s: vocabulary of %lld ids -> %s/vocab.json, %s/merges.txt\n",
@@ -386,24 +387,35 @@ int main(int argc, char** argv) {
       "with them; with tokens:PATH, the vocabulary of its ids (default: none, ids only)");
   prepare->add_option("--val-fraction", prep.val_fraction, "share of documents (samples) held out")
       ->capture_default_str();
+  const CLI::Validator uint64_seed(  // CLI11 would wrap -1 and clamp 2^64 to 2^64 - 1
+      [](std::string& v) -> std::string {
+        uint64_t seed = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), seed);
+        if (ec == std::errc() && end == v.data() + v.size()) return "";
+        return "must be an integer from 0 to 18446744073709551615";
+      },
+      "UINT64");
   prepare->add_option("--seed", prep.seed, "seed of the train/validation split")
-      ->check(CLI::Validator(  // CLI11 would wrap -1 and clamp 2^64 to 2^64 - 1
-          [](std::string& v) -> std::string {
-            uint64_t seed = 0;
-            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), seed);
-            if (ec == std::errc() && end == v.data() + v.size()) return "";
-            return "must be an integer from 0 to 18446744073709551615";
-          },
-          "UINT64"))
+      ->check(uint64_seed)
       ->capture_default_str();
 
-  std::string bpe_corpus = "bible", bpe_out = "data/bpe-bible";
+  data::PrepareOptions bpe_split;  // which documents prepare would hold out: not learned from
+  bpe_split.corpus = "bible";
+  std::string bpe_out = "data/bpe-bible";
   int64_t bpe_vocab = 1024;
   auto* train_bpe = app.add_subcommand(
       "train-bpe",
       "learn a byte-level BPE vocabulary (GPT-2's vocab.json and merges.txt) from a text "
       "corpus, for prepare --tokenizer bpe:DIR");
-  train_bpe->add_option("--corpus", bpe_corpus, "a text corpus, as for prepare --corpus")
+  train_bpe->add_option("--corpus", bpe_split.corpus, "a text corpus, as for prepare --corpus")
+      ->capture_default_str();
+  train_bpe
+      ->add_option("--val-fraction", bpe_split.val_fraction,
+                   "leave out the validation documents prepare holds out with the same "
+                   "--val-fraction and --seed, so the vocabulary never sees them")
+      ->capture_default_str();
+  train_bpe->add_option("--seed", bpe_split.seed, "seed of that split (as prepare --seed)")
+      ->check(uint64_seed)
       ->capture_default_str();
   train_bpe
       ->add_option("--vocab-size", bpe_vocab,
@@ -579,7 +591,7 @@ int main(int argc, char** argv) {
 
   try {
     if (*prepare) return world.rank() == 0 ? run_prepare(prep) : 0;
-    if (*train_bpe) return world.rank() == 0 ? run_train_bpe(bpe_corpus, bpe_vocab, bpe_out) : 0;
+    if (*train_bpe) return world.rank() == 0 ? run_train_bpe(bpe_split, bpe_vocab, bpe_out) : 0;
     if (*trainc) {
       if (help_config) {
         if (world.rank() == 0) std::printf("%s", schema_help().c_str());

@@ -253,6 +253,15 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
 
 }  // namespace
 
+std::vector<std::string> training_documents(const PrepareOptions& options) {
+  std::vector<std::string> documents = load_corpus(options.corpus);
+  const std::vector<bool> is_val = validation_items(documents.size(), options, "documents");
+  std::vector<std::string> train;
+  for (size_t d = 0; d < documents.size(); ++d)
+    if (!is_val[d]) train.push_back(std::move(documents[d]));
+  return train;
+}
+
 PrepareResult prepare_documents(const std::vector<std::string>& documents,
                                 const PrepareOptions& options) {
   return prepare_items(documents, options);

@@ -70,6 +70,11 @@ struct PrepareResult {
 // directory.
 PrepareResult prepare_dataset(const PrepareOptions& options);
 
+// The documents of text corpus `options.corpus` that prepare would put in the training split
+// (the same val_fraction and seed leave out the same documents): what train-bpe learns from,
+// so that a vocabulary never sees the validation text. InputError as prepare_dataset.
+std::vector<std::string> training_documents(const PrepareOptions& options);
+
 // The split above for already loaded documents or SFT samples: the same files, with `corpus`
 // recorded.
 PrepareResult prepare_documents(const std::vector<std::string>& documents,

@@ -98,6 +98,11 @@ TEST(Prepare, FileCorpusRoundTrip) {
   const auto val = decode_shard(res.val.path);
   EXPECT_EQ(int64_t(train.size()), res.train.documents);
   EXPECT_EQ(int64_t(val.size()), res.val.documents);
+  // What train-bpe learns from: exactly the training split, in order.
+  EXPECT_EQ(training_documents(opt), train);
+  opt.seed = 6;
+  EXPECT_NE(training_documents(opt), train);
+  opt.seed = 5;
   // Each split keeps corpus order, and together they are the corpus exactly once.
   EXPECT_TRUE(in_order_subset(train, paragraphs));
   EXPECT_TRUE(in_order_subset(val, paragraphs));
