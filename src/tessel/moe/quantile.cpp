@@ -109,6 +109,14 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
                              [&comm](int32_t* data, size_t n) { comm.sum_counters(data, n); });
 }
 
+// The largest f32 at or below e: an upper bin edge rounded this way stays at or above every
+// f32 value of its bin (they lie below the edge) and never passes the edge itself, which keeps
+// the answer within one bin width of the order statistic (the spec's bound).
+float f32_at_or_below(double e) {
+  const float f = float(e);
+  return double(f) > e ? std::nextafter(f, -std::numeric_limits<float>::infinity()) : f;
+}
+
 std::vector<float> global_histogram_quantile(std::span<const float> values, int64_t columns,
                                              std::span<const uint8_t> valid, int64_t bins,
                                              const RankOf& rank_of, const MaxValues& max_values,
@@ -162,7 +170,7 @@ std::vector<float> global_histogram_quantile(std::span<const float> values, int6
     const int32_t* hc = h.data() + c * bins;
     int64_t r = checked_rank(rank_of, std::accumulate(hc, hc + bins, int64_t(0)), c);
     const int64_t b = select_bin(hc, bins, r);
-    out[size_t(c)] = width[size_t(c)] > 0 ? float(edge(c, b + 1)) : float(lo[size_t(c)]);
+    out[size_t(c)] = width[size_t(c)] > 0 ? f32_at_or_below(edge(c, b + 1)) : float(lo[size_t(c)]);
   }
   return out;
 }

@@ -59,10 +59,11 @@ using MaxValues = std::function<void(float* data, size_t n)>;
 // width w = (hi - lo) / bins have the edges lo + j w (j < bins, in f64) and hi, bin j holds
 // edge_j <= v < edge_j+1 (the last one hi too); one sum_counters call of columns * bins int32
 // counts finds the bin b that holds the rank_of(n)-th smallest valid value x_r, and the
-// answer is its upper edge rounded to f32 (hi for the last bin; lo when lo = hi). Hence
-//   x_r <= answer <= x_r + w + half an f32 ulp of the answer
-// (x_r is an f32 below the edge, so rounding the edge keeps it above x_r): never below the
-// order statistic, at most one bin width above. Two collectives in all: the spec (2.6) names
+// answer is its upper edge rounded down to f32 (hi for the last bin; lo when lo = hi). Hence
+//   x_r <= answer <= x_r + w
+// (x_r is an f32 below the edge, so the largest f32 at or below the edge is at least x_r):
+// never below the order statistic, at most one bin width above (up to the f64 rounding of the
+// edges). Two collectives in all: the spec (2.6) names
 // one, which holds for a range known in advance; the global [min, max] costs this second,
 // 2E-float one. The range is exact
 // (-0 counts as +0, so its bits do not depend on the reduction order) and the counts are
