@@ -254,6 +254,9 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
 }  // namespace
 
 std::vector<std::string> training_documents(const PrepareOptions& options) {
+  if (options.corpus.starts_with(kTokenFilePrefix) || is_sft_corpus(options.corpus))
+    input_error("corpus \"", options.corpus,
+                "\": a vocabulary is learned from text (bible, fortunes, file:PATH or jsonl:PATH)");
   std::vector<std::string> documents = load_corpus(options.corpus);
   const std::vector<bool> is_val = validation_items(documents.size(), options, "documents");
   std::vector<std::string> train;

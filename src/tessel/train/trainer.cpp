@@ -1244,7 +1244,8 @@ TrainResult Trainer::run() {
   if (c.train.sample_tokens > 0 && !s.sample_tokenizer)
     s.log(
         "no sample: data.path's token ids have no tokenizer (a tokens:PATH corpus prepared "
-        "without --tokenizer bpe:DIR); set train.sample_tokens = 0 to silence this");
+        "without --tokenizer bpe:DIR, or shards without dataset.json for a model.vocab other "
+        "than 256); set train.sample_tokens = 0 to silence this");
   if (c.train.sample_tokens > 0 && s.sample_tokenizer && s.samples()) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);

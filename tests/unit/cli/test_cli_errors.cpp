@@ -583,6 +583,8 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   expect_one_line_error(run_tessel("train-bpe --corpus file:" + dir + "/none.txt --out " + dir),
                         {"none.txt", "no such file"});
   EXPECT_NE(run_tessel("train-bpe --vocab-size 100").exit_code, 0);
+  expect_one_line_error(run_tessel("train-bpe --corpus chat:" + dir + "/text.txt"),
+                        {"chat:", "a vocabulary is learned from text"});
 }
 
 // An SFT corpus through the binary: a good JSON Lines file is prepared with its loss masks and
