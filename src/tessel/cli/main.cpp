@@ -89,14 +89,16 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  int64_t seed, const std::string& stop) {
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
-  // The tokenizer: --tokenizer's, else the run's own copy, else (a run from before copies were
-  // kept) its data's.
+  // The tokenizer: --tokenizer's (the run's own, where it kept one), else the run's copy, else
+  // (a run from before copies were kept) its data's.
+  const std::string copy = train::checkpoint_tokenizer_dir(run.checkpoint);
   std::string source = tokenizer_dir;
   if (!source.empty() && !data::tokenizer_name(source))
     input_error("--tokenizer ", source,
                 ": no tokenizer there (a prepared data directory, a run's tokenizer/ or a "
                 "directory with vocab.json and merges.txt)");
-  if (source.empty()) source = train::checkpoint_tokenizer_dir(run.checkpoint);
+  if (!source.empty()) data::check_same_tokenizer({copy, source});
+  if (source.empty()) source = copy;
   if (!data::tokenizer_name(source)) source = train::data_paths(run.config.data)[0];
   const std::unique_ptr<data::Tokenizer> tokenizer =
       data::load_tokenizer(source, run.config.model.vocab);
@@ -208,9 +210,10 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
                                      "pass --data)"
                                    : "");
   }
-  // The model reads the ids of its own tokenizer (its copy, or its data's where that still is).
+  // The model reads the ids of its own tokenizer: its copy, or (a run from before copies were
+  // kept) its data's, where that still is.
   std::vector<std::string> with_run_data = {train::checkpoint_tokenizer_dir(run.checkpoint)};
-  for (const auto& d : train::data_paths(run.config.data)) with_run_data.push_back(d);
+  if (!data::tokenizer_name(with_run_data[0])) with_run_data = train::data_paths(run.config.data);
   with_run_data.insert(with_run_data.end(), dirs.begin(), dirs.end());
   data::check_same_tokenizer(with_run_data);
   const char* weighted_by = data_dir.empty()       ? "data.weights"
@@ -454,8 +457,10 @@ int main(int argc, char** argv) {
                   "text of one token that ends generation once drawn, e.g. --stop $'\\n' after "
                   "a fine-tuned reply (docs/sft.md)");
   gen->add_option("--tokenizer", gen_tokenizer,
-                  "a prepared data directory whose tokenizer to use (default: the run's "
-                  "data.path; a byte-level model without one uses bytes)");
+                  "where the tokenizer is, for a run that kept no copy of its own: a prepared "
+                  "data directory or a vocabulary directory (vocab.json, merges.txt); default: "
+                  "the run's tokenizer/, else its data.path; a byte-level model without one "
+                  "uses bytes");
 
   std::string eval_run = "runs/default", eval_data, eval_weights, eval_split = "val";
   std::optional<int64_t> eval_sequences;

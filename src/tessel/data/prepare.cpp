@@ -98,39 +98,38 @@ std::optional<std::string> bpe_directory(const PrepareOptions& options) {
   input_error("prepare: --tokenizer must be byte or bpe:DIR, got \"", name, "\"");
 }
 
-// The output directory, created, with the old dataset.json removed first: it is written last
-// (write_metadata), so a prepare cut short leaves no description of half-written files.
-struct OutputDir {
-  fs::path path;
-  bool bpe_copies = false;  // the old dataset.json said "bpe": vocab.json, merges.txt are copies
-};
-
-OutputDir begin_output(const PrepareOptions& options) {
-  OutputDir out{fs::path(options.output_dir)};
+// The output directory, created. An earlier prepare's description goes first: the BPE copies
+// it made (never a vocabulary the user keeps there, e.g. train-bpe's), then dataset.json, which
+// is written last (write_metadata). So a prepare cut short leaves shards that describe
+// themselves as nothing, not as the old vocabulary's.
+fs::path begin_output(const PrepareOptions& options, const std::optional<std::string>& bpe_dir) {
+  const fs::path out(options.output_dir);
   std::error_code ec;
-  fs::create_directories(out.path, ec);
+  fs::create_directories(out, ec);
   if (ec) input_error(options.output_dir, ": cannot create output directory: ", ec.message());
-  const fs::path metadata = out.path / "dataset.json";
-  if (fs::exists(metadata)) {
-    out.bpe_copies = tokenizer_name(out.path.string()) == "bpe";
-    fs::remove(metadata, ec);
-    if (ec) input_error(metadata.string(), ": cannot remove: ", ec.message());
+  if (bpe_dir && fs::equivalent(*bpe_dir, out, ec))
+    input_error("prepare: --tokenizer bpe:", *bpe_dir,
+                " is the output directory; keep the vocabulary elsewhere (prepare copies it "
+                "there, and a later prepare replaces the copy)");
+  const fs::path metadata = out / "dataset.json";
+  if (!fs::exists(metadata)) return out;
+  bool bpe_copies = false;
+  try {
+    bpe_copies = tokenizer_name(out.string()) == "bpe";
+  } catch (const InputError&) {  // an unreadable description describes nothing to keep
   }
+  if (bpe_copies)
+    for (const char* file : kBpeFiles) fs::remove(out / file, ec);
+  fs::remove(metadata, ec);
+  if (ec) input_error(metadata.string(), ": cannot remove: ", ec.message());
   return out;
 }
 
-// Copies the BPE files from `bpe_dir` into the output directory, or (nullopt) removes the
-// copies an earlier prepare made (never a vocabulary the user keeps there, e.g. train-bpe's).
-void install_tokenizer_files(const std::optional<std::string>& bpe_dir, const OutputDir& out) {
-  for (const char* file : kBpeFiles) {
-    if (bpe_dir) {
-      write_file_atomically((out.path / file).string(),
-                            read_file((fs::path(*bpe_dir) / file).string()));
-    } else if (out.bpe_copies) {
-      std::error_code ec;
-      fs::remove(out.path / file, ec);
-    }
-  }
+// Copies the BPE files from `bpe_dir` into the output directory (after the shards).
+void install_tokenizer_files(const std::optional<std::string>& bpe_dir, const fs::path& out) {
+  if (!bpe_dir) return;
+  for (const char* file : kBpeFiles)
+    write_file_atomically((out / file).string(), read_file((fs::path(*bpe_dir) / file).string()));
 }
 
 // Which of n items (documents, or SFT samples) go to validation: a Fisher-Yates shuffle of
@@ -187,11 +186,11 @@ PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions
     tokenizer = std::make_unique<ByteTokenizer>();
   std::vector<size_t> train, val;
   for (size_t d = 0; d < items.size(); ++d) (is_val[d] ? val : train).push_back(d);
-  const OutputDir out = begin_output(options);
+  const fs::path out = begin_output(options, bpe_dir);
   PrepareResult result;
   result.sft = sft;
-  result.train = write_split(items, train, (out.path / "train.tok").string(), *tokenizer);
-  result.val = write_split(items, val, (out.path / "val.tok").string(), *tokenizer);
+  result.train = write_split(items, train, (out / "train.tok").string(), *tokenizer);
+  result.val = write_split(items, val, (out / "val.tok").string(), *tokenizer);
   install_tokenizer_files(bpe_dir, out);
   write_metadata(options, tokenizer->name(), tokenizer->vocab_size(), result);
   return result;
@@ -225,10 +224,10 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
                 "validation split need at least 2: are --eot and --token-dtype (", dtype,
                 ") right?");
   const std::vector<bool> is_val = validation_items(size_t(n), options, "documents");
-  const OutputDir out = begin_output(options);
+  const fs::path out = begin_output(options, bpe_dir);
   const TokenDtype shard_dtype = token_dtype_for_vocab(*options.vocab);
-  const std::string train_path = (out.path / "train.tok").string(),
-                    val_path = (out.path / "val.tok").string();
+  const std::string train_path = (out / "train.tok").string(),
+                    val_path = (out / "val.tok").string();
   ShardWriter train(train_path, shard_dtype, *options.vocab),
       val(val_path, shard_dtype, *options.vocab);
   size_t d = 0;

@@ -2,7 +2,7 @@
 // Supervised fine-tuning (SFT) corpora: conversations rendered into text samples whose loss
 // covers only the assistant's replies.
 //
-// Rendering (byte tokenizer, so no special tokens). Message by message, a conversation becomes
+// Rendering (no special tokens, whatever the tokenizer). Message by message, a conversation becomes
 //   "System: " content "\n"    "User: " content "\n"    "Assistant: " content "\n"
 // and only the bytes of an assistant's `content "\n"` are trained on. The rest, the role labels
 // included, is context the model reads but is never asked to predict; in particular the

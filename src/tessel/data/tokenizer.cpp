@@ -1,8 +1,11 @@
 #include "tessel/data/tokenizer.hpp"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
@@ -38,6 +41,7 @@ int32_t Tokenizer::single_token(std::string_view text, const std::string& what) 
 }
 
 std::optional<std::string> tokenizer_name(const std::string& dir) {
+  if (dir.empty()) return std::nullopt;
   for (const char* file : {"dataset.json", "tokenizer.json"}) {
     const fs::path metadata = fs::path(dir) / file;
     if (!fs::exists(metadata)) continue;
@@ -74,16 +78,26 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_
 
 void save_tokenizer(const std::string& data_dir, const std::string& to_dir) {
   const std::optional<std::string> name = tokenizer_name(data_dir);
-  if (!name || name->starts_with(kPretokenized)) return;
+  if (!name) return;
+  // Built beside it, then renamed into place: a reader sees the old copy, none, or the new
+  // one whole, never a vocabulary of one tokenizer with the name of another.
+  const fs::path target = fs::path(to_dir).lexically_normal();
+  const fs::path staging = target.string() + ".tmp." + std::to_string(::getpid());
   std::error_code ec;
-  fs::create_directories(to_dir, ec);
-  if (ec) input_error(to_dir, ": cannot create directory: ", ec.message());
+  fs::remove_all(staging, ec);
+  fs::create_directories(staging, ec);
+  if (ec) input_error(staging.string(), ": cannot create directory: ", ec.message());
   if (*name == "bpe")
     for (const char* file : kBpeFiles)
-      write_file_atomically((fs::path(to_dir) / file).string(),
+      write_file_atomically((staging / file).string(),
                             read_file((fs::path(data_dir) / file).string()));
-  write_file_atomically((fs::path(to_dir) / "tokenizer.json").string(),
+  // Pretokenized ids get their name too, so that no older copy speaks for them.
+  write_file_atomically((staging / "tokenizer.json").string(),
                         nlohmann::json{{"tokenizer", *name}}.dump() + "\n");
+  fs::remove_all(target, ec);
+  fs::rename(staging, target, ec);
+  if (ec) input_error(target.string(), ": cannot put the tokenizer copy in place: ", ec.message());
+  fsync_path(target.parent_path().empty() ? "." : target.parent_path().string());
 }
 
 void check_same_tokenizer(const std::vector<std::string>& dirs) {

@@ -43,9 +43,10 @@ std::optional<std::string> tokenizer_name(const std::string& dir);
 // too for pretokenized ids. InputError for a bad vocabulary or one larger than model_vocab.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_vocab);
 
-// Copies the tokenizer of data directory `data_dir` into `to_dir` (BPE files, then
-// tokenizer.json last), so that a run keeps what its ids mean when the data changes or moves;
-// nothing for ids without a tokenizer.
+// Replaces `to_dir` by a copy of the tokenizer of data directory `data_dir` (tokenizer.json
+// and, for BPE, the vocabulary files; built beside it and renamed into place), so that a run
+// keeps what its ids mean when the data changes or moves. Pretokenized ids are recorded by
+// name (no older copy then speaks for them); nothing is done for a directory without one.
 void save_tokenizer(const std::string& data_dir, const std::string& to_dir);
 
 // InputError naming two of `dirs` (data, run or vocabulary directories, e.g. a mixture's)

@@ -657,8 +657,11 @@ std::string run_tokenizer_dir(const std::string& run_dir) {
 }
 
 std::string checkpoint_tokenizer_dir(const std::string& checkpoint_dir) {
-  return run_tokenizer_dir(
-      std::filesystem::path(checkpoint_dir).parent_path().parent_path().string());
+  namespace fs = std::filesystem;
+  fs::path p = fs::absolute(checkpoint_dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();               // "step-5/"
+  if (p.parent_path().filename() != "checkpoints") return "";  // a checkpoint outside a run
+  return run_tokenizer_dir(p.parent_path().parent_path().string());
 }
 
 std::vector<std::string> data_names(const DataConfig& data) {

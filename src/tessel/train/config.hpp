@@ -157,7 +157,8 @@ void validate(const Config& config);
 std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c);
 // A run's copy of its data's tokenizer (data::save_tokenizer, written when the run starts), so
 // that generate, eval and fine-tuning know what its ids mean: <run.dir>/tokenizer; and that of
-// the run a checkpoint directory (<run.dir>/checkpoints/step-N) belongs to.
+// the run a checkpoint directory (<run.dir>/checkpoints/step-N, any spelling of it) belongs
+// to, "" for a checkpoint directory outside a run's checkpoints/.
 std::string run_tokenizer_dir(const std::string& run_dir);
 std::string checkpoint_tokenizer_dir(const std::string& checkpoint_dir);
 

@@ -328,8 +328,8 @@ struct Trainer::State {
   std::unique_ptr<comm::Communicator> ckpt_comm;  // the checkpointer's own collectives
   AsyncCheckpointer checkpointer;
   FaultInjector faults;
-  // The final sample's, when train.sample_tokens > 0 and the data has one (data_tokenizer),
-  // and its prompt and stop token.
+  // The data's tokenizer (data_tokenizer; null when it has none), and the final sample's
+  // prompt and stop token when train.sample_tokens > 0.
   std::unique_ptr<data::Tokenizer> sample_tokenizer;
   std::vector<int32_t> sample_prompt;
   int32_t sample_stop = -1;
@@ -386,10 +386,17 @@ struct Trainer::State {
                   " is not a rank of this job (world size ", w.size(), ")");
     model.set_expert_comm(&experts);
     const auto dirs = data_paths(config.data);
-    // A mixture's ids must mean the same text, and a resumed run's the same as before.
-    std::vector<std::string> with_run = {run_tokenizer_dir(config.run.dir)};
-    with_run.insert(with_run.end(), dirs.begin(), dirs.end());
-    data::check_same_tokenizer(with_run);
+    data::check_same_tokenizer(dirs);             // a mixture's ids must mean the same text
+    if (config.train.resume && store.latest()) {  // and a resumed run's, the same as before
+      try {
+        data::check_same_tokenizer({run_tokenizer_dir(config.run.dir), dirs[0]});
+      } catch (const InputError& e) {
+        input_error("the run's checkpoints were trained on the ids of ", config.run.dir,
+                    "/tokenizer, and data.path holds another tokenizer's: use data prepared with "
+                    "it, or a new run.dir (",
+                    e.what(), ")");
+      }
+    }
     if (loader.packed() && config.data.attention_mask != AttentionMaskKind::causal_document)
       input_error(dirs[0],
                   " is an SFT data set (it has loss-mask shards): its packed samples need "
@@ -406,8 +413,9 @@ struct Trainer::State {
     if (data_vocab > config.model.vocab)
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
+    // Loaded now, sample or not: a bad vocabulary fails before the run copies it.
+    sample_tokenizer = data_tokenizer(config);
     if (config.train.sample_tokens > 0) {  // encoded now: bad text fails before the training
-      sample_tokenizer = data_tokenizer(config);
       if (sample_tokenizer) {
         sample_prompt = sample_tokenizer->encode_text(config.train.sample_prompt,
                                                       "config key 'train.sample_prompt'");

@@ -561,6 +561,22 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
             0);
   expect_one_line_error(run_tessel(on_bpe + " --set train.steps=8"),
                         {run + "/tokenizer", "bpe vocabularies that differ"});
+  // A fresh run in a used directory resumes nothing: it trains and keeps the new copy.
+  const std::string fresh = dir + "/fresh";
+  ASSERT_EQ(run_tessel(train_args(fresh) + " --set data.path=" + dir + "/data.moved" +
+                       " --set model.vocab=300")
+                .exit_code,
+            0);
+  fs::remove_all(fresh + "/checkpoints");  // as the refusal of a fresh start over them says
+  o = run_tessel(train_args(fresh) + " --set data.path=" + dir + "/data --set model.vocab=300");
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_TRUE(slurp(fresh + "/tokenizer/vocab.json") == slurp(dir + "/bpe2/vocab.json"));
+  // A checkpoint directory, however spelled, finds its run's copy.
+  o = run_tessel("generate --run " + run + "/checkpoints/step-00000004/ --prompt 'the LORD'");
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  expect_one_line_error(
+      run_tessel("generate --run " + run + " --tokenizer " + dir + "/bytes --prompt 'the LORD'"),
+      {run + "/tokenizer", dir + "/bytes", "different tokenizers"});
   // --tokenizer takes a vocabulary directory as train-bpe wrote it, and must exist.
   o = run_tessel("generate --run " + run + " --tokenizer " + dir + "/bpe --prompt 'the LORD'");
   EXPECT_EQ(o.exit_code, 0) << o.err;

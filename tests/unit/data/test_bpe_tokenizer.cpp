@@ -266,9 +266,14 @@ TEST_F(BpeFiles, LoadTokenizerReadsWhatTheDirectoryHolds) {
   save_tokenizer(bytes, byte_copy);
   EXPECT_EQ(tokenizer_name(byte_copy), "byte");
   expect_input_error([&] { check_same_tokenizer({copy, byte_copy}); }, {"byte and bpe"});
-  // Pretokenized ids name no tokenizer to compare or copy.
+  // Pretokenized ids name no tokenizer to compare; their copy replaces an older one whole, so
+  // that no other vocabulary speaks for them.
   std::ofstream(bytes + "/dataset.json") << "{\"tokenizer\": \"pretokenized u32, eot 3\"}";
   check_same_tokenizer({copy, bytes});
-  save_tokenizer(bytes, empty.file("run3/tokenizer"));
+  save_tokenizer(bytes, copy);
+  EXPECT_EQ(tokenizer_name(copy), "pretokenized u32, eot 3");
+  EXPECT_FALSE(std::filesystem::exists(copy + "/vocab.json"));
+  EXPECT_EQ(load_tokenizer(copy, 512), nullptr);
+  save_tokenizer(none, empty.file("run3/tokenizer"));  // nothing to copy: nothing written
   EXPECT_FALSE(std::filesystem::exists(empty.file("run3/tokenizer")));
 }

@@ -342,7 +342,14 @@ TEST(Prepare, BpeTokenizerEncodesAndTravelsWithTheShards) {
       {other, same, "bpe vocabularies that differ"});
   check_same_tokenizer({same, dir.file("no-dataset-json")});
 
+  opt.output_dir = bpe;  // the vocabulary's own directory: a later prepare would drop it
+  opt.tokenizer = "bpe:" + bpe;
+  expect_input_error([&] { prepare_documents(docs, opt); }, {bpe, "is the output directory"});
+  std::ofstream(out + "/dataset.json") << "{not json";  // an unreadable old description
   opt.output_dir = out;
+  opt.tokenizer.reset();
+  prepare_documents(docs, opt);
+  EXPECT_EQ(load_tokenizer(out, 256)->name(), "byte");
   opt.tokenizer = "wordpiece";
   expect_input_error([&] { prepare_documents(docs, opt); }, {"byte or bpe:DIR", "wordpiece"});
 }

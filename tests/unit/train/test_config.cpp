@@ -293,3 +293,17 @@ TEST(Config, ModelFieldsAreValidated) {
       },
       {"model.heads"});
 }
+
+// A run keeps its tokenizer in <run.dir>/tokenizer; a checkpoint directory finds it however it
+// is spelled, and one outside a run's checkpoints/ has none.
+TEST(Config, ACheckpointFindsItsRunsTokenizerCopy) {
+  namespace fs = std::filesystem;
+  const std::string expected = (fs::absolute("runs/a").lexically_normal() / "tokenizer").string();
+  for (const char* spelled :
+       {"runs/a/checkpoints/step-00000005", "runs/a/checkpoints/step-00000005/",
+        "./runs/a/checkpoints/../checkpoints/step-00000005"})
+    EXPECT_EQ(train::checkpoint_tokenizer_dir(spelled), expected) << spelled;
+  EXPECT_EQ(train::checkpoint_tokenizer_dir("step-00000005"), "");
+  EXPECT_EQ(train::checkpoint_tokenizer_dir("/models/step-00000005"), "");
+  EXPECT_EQ(train::run_tokenizer_dir("runs/a"), "runs/a/tokenizer");
+}
