@@ -330,7 +330,7 @@ struct Trainer::State {
   FaultInjector faults;
   // The data's tokenizer (data_tokenizer; null when it has none), and the final sample's
   // prompt and stop token when train.sample_tokens > 0.
-  std::unique_ptr<data::Tokenizer> sample_tokenizer;
+  std::unique_ptr<data::Tokenizer> tokenizer;
   std::vector<int32_t> sample_prompt;
   int32_t sample_stop = -1;
   int64_t start_step = 0;
@@ -414,13 +414,13 @@ struct Trainer::State {
       input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
                   " exceeds model.vocab = ", config.model.vocab);
     // Loaded now, sample or not: a bad vocabulary fails before the run copies it.
-    sample_tokenizer = data_tokenizer(config);
+    tokenizer = data_tokenizer(config);
     if (config.train.sample_tokens > 0) {  // encoded now: bad text fails before the training
-      if (sample_tokenizer) {
-        sample_prompt = sample_tokenizer->encode_text(config.train.sample_prompt,
-                                                      "config key 'train.sample_prompt'");
-        sample_stop = sample_tokenizer->single_token(config.train.sample_stop,
-                                                     "config key 'train.sample_stop'");
+      if (tokenizer) {
+        sample_prompt =
+            tokenizer->encode_text(config.train.sample_prompt, "config key 'train.sample_prompt'");
+        sample_stop =
+            tokenizer->single_token(config.train.sample_stop, "config key 'train.sample_stop'");
       }
     }
     checkpointer.on_files_written = [this](int64_t step) { faults.in_checkpoint_write(step); };
@@ -776,7 +776,7 @@ struct Trainer::State {
   // runs alone; with sharded experts each ep group generates together; a pipeline's windows
   // pass through its stages. The same prompt, seed and length everywhere.
   std::string sample() {
-    const data::Tokenizer& tok = *sample_tokenizer;
+    const data::Tokenizer& tok = *tokenizer;
     Rng rng(uint64_t(config.run.seed) + 1);
     const auto& t = config.train;
     const int64_t ids_of_tokenizer = tok.vocab_size();  // never a padding id of the model
@@ -1249,12 +1249,12 @@ TrainResult Trainer::run() {
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  if (c.train.sample_tokens > 0 && !s.sample_tokenizer)
+  if (c.train.sample_tokens > 0 && !s.tokenizer)
     s.log(
         "no sample: data.path's token ids have no tokenizer (a tokens:PATH corpus prepared "
         "without --tokenizer bpe:DIR, or shards without dataset.json for a model.vocab other "
         "than 256); set train.sample_tokens = 0 to silence this");
-  if (c.train.sample_tokens > 0 && s.sample_tokenizer && s.samples()) {
+  if (c.train.sample_tokens > 0 && s.tokenizer && s.samples()) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }
