@@ -27,7 +27,6 @@
 #include "tessel/core/error.hpp"
 #include "tessel/core/threading.hpp"
 #include "tessel/data/bpe_trainer.hpp"
-#include "tessel/data/corpus.hpp"
 #include "tessel/data/mixture.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/data/tokenizer.hpp"
@@ -89,17 +88,16 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  int64_t seed, const std::string& stop) {
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
-  // The tokenizer: --tokenizer's (the run's own, where it kept one), else the run's copy, else
-  // (a run from before copies were kept) its data's.
-  const std::string copy = train::checkpoint_tokenizer_dir(run.checkpoint);
+  // The tokenizer: --tokenizer's (the run's own, where it kept one), else the model's.
   std::string source = tokenizer_dir;
   if (!source.empty() && !data::tokenizer_name(source))
     input_error("--tokenizer ", source,
                 ": no tokenizer there (a prepared data directory, a run's tokenizer/ or a "
                 "directory with vocab.json and merges.txt)");
-  if (!source.empty()) data::check_same_tokenizer({copy, source});
-  if (source.empty()) source = copy;
-  if (!data::tokenizer_name(source)) source = train::data_paths(run.config.data)[0];
+  if (!source.empty())
+    data::check_same_tokenizer({train::checkpoint_tokenizer_dir(run.checkpoint), source});
+  else
+    source = train::model_tokenizer_dirs(run)[0];
   const std::unique_ptr<data::Tokenizer> tokenizer =
       data::load_tokenizer(source, run.config.model.vocab);
   if (!tokenizer)
@@ -210,10 +208,8 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
                                      "pass --data)"
                                    : "");
   }
-  // The model reads the ids of its own tokenizer: its copy, or (a run from before copies were
-  // kept) its data's, where that still is.
-  std::vector<std::string> with_run_data = {train::checkpoint_tokenizer_dir(run.checkpoint)};
-  if (!data::tokenizer_name(with_run_data[0])) with_run_data = train::data_paths(run.config.data);
+  // The model reads the ids of its own tokenizer.
+  std::vector<std::string> with_run_data = train::model_tokenizer_dirs(run);
   with_run_data.insert(with_run_data.end(), dirs.begin(), dirs.end());
   data::check_same_tokenizer(with_run_data);
   const char* weighted_by = data_dir.empty()       ? "data.weights"

@@ -273,23 +273,22 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::from_directory(const std::string& di
   return std::make_unique<BpeTokenizer>(dir + "/" + kBpeFiles[0], dir + "/" + kBpeFiles[1]);
 }
 
-std::vector<int32_t> BpeTokenizer::encode_piece(std::string_view piece) const {
-  const auto cached = piece_cache_.find(std::string(piece));
-  if (cached != piece_cache_.end()) return cached->second;
-  std::vector<int32_t> ids(piece.size());
-  for (size_t i = 0; i < piece.size(); ++i) ids[i] = byte_id_[static_cast<unsigned char>(piece[i])];
-  ids = bpe_merge(std::move(ids), merges_);
-  if (piece_cache_.size() >= (1u << 20)) piece_cache_.clear();  // bounded memory
-  piece_cache_.emplace(std::string(piece), ids);
-  return ids;
+void BpeTokenizer::append_piece(std::string_view piece, std::vector<int32_t>& out) const {
+  std::string key(piece);
+  auto cached = piece_cache_.find(key);
+  if (cached == piece_cache_.end()) {
+    std::vector<int32_t> ids(piece.size());
+    for (size_t i = 0; i < piece.size(); ++i)
+      ids[i] = byte_id_[static_cast<unsigned char>(piece[i])];
+    if (piece_cache_.size() >= (1u << 20)) piece_cache_.clear();  // bounded memory
+    cached = piece_cache_.emplace(std::move(key), bpe_merge(std::move(ids), merges_)).first;
+  }
+  out.insert(out.end(), cached->second.begin(), cached->second.end());
 }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view text) const {
   std::vector<int32_t> ids;
-  for (std::string_view piece : gpt2_pretokenize(text)) {
-    const std::vector<int32_t> part = encode_piece(piece);
-    ids.insert(ids.end(), part.begin(), part.end());
-  }
+  for (std::string_view piece : gpt2_pretokenize(text)) append_piece(piece, ids);
   return ids;
 }
 

@@ -80,7 +80,8 @@ class BpeTokenizer final : public Tokenizer {
   int32_t end_of_text() const { return end_of_text_; }
 
  private:
-  std::vector<int32_t> encode_piece(std::string_view piece) const;
+  // Appends the ids of one pre-tokenized piece to `out` (through the cache).
+  void append_piece(std::string_view piece, std::vector<int32_t>& out) const;
 
   int32_t vocab_size_ = 0;
   int32_t end_of_text_ = -1;

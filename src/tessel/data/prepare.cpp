@@ -244,9 +244,9 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
   PrepareResult result;
   result.train = {train.num_documents(), train.num_tokens(), 0, train_path};
   result.val = {val.num_documents(), val.num_tokens(), 0, val_path};
-  write_metadata(options,
-                 bpe_dir ? "bpe" : detail::concat("pretokenized ", dtype, ", eot ", *options.eot),
-                 *options.vocab, result);
+  write_metadata(
+      options, bpe_dir ? "bpe" : detail::concat(kPretokenized, " ", dtype, ", eot ", *options.eot),
+      *options.vocab, result);
   return result;
 }
 

@@ -17,10 +17,6 @@ namespace tessel::data {
 
 namespace fs = std::filesystem;
 
-namespace {
-constexpr std::string_view kPretokenized = "pretokenized";  // ids of an unknown tokenizer
-}  // namespace
-
 std::vector<int32_t> Tokenizer::encode_text(std::string_view text, const std::string& what) const {
   try {
     return encode(text);

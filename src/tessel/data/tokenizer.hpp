@@ -13,6 +13,10 @@
 
 namespace tessel::data {
 
+// The start of dataset.json's tokenizer for a tokens:PATH corpus's ids without one:
+// "pretokenized <dtype>, eot <id>" (prepare.hpp).
+inline constexpr std::string_view kPretokenized = "pretokenized";
+
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;

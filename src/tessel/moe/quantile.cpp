@@ -52,6 +52,19 @@ int64_t rows_of(size_t size, int64_t columns, std::span<const uint8_t> valid) {
   return rows;
 }
 
+// Whether row t takes part (an empty mask: every row).
+bool is_valid(std::span<const uint8_t> valid, int64_t t) {
+  return valid.empty() || valid[size_t(t)] != 0;
+}
+
+// The largest f32 at or below e: an upper bin edge rounded this way stays at or above every
+// f32 value of its bin (they lie below the edge) and never passes the edge itself, which keeps
+// the answer within one bin width of the order statistic (the spec's bound).
+float f32_at_or_below(double e) {
+  const float f = float(e);
+  return double(f) > e ? std::nextafter(f, -std::numeric_limits<float>::infinity()) : f;
+}
+
 // The rank r (1-based) of n values, checked.
 int64_t checked_rank(const RankOf& rank_of, int64_t n, int64_t column) {
   TESSEL_CHECK(n >= 1, "column ", column, " has no valid value");
@@ -65,13 +78,12 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
                                           std::span<const uint8_t> valid, const RankOf& rank_of,
                                           const SumCounters& sum_counters) {
   const int64_t rows = rows_of(keys.size(), columns, valid);
-  auto is_valid = [&](int64_t t) { return valid.empty() || valid[size_t(t)] != 0; };
   std::vector<int32_t> h(size_t(columns * 256), 0);
   for (int64_t c = 0; c < columns; ++c) {
     const uint16_t* col = keys.data() + c * rows;
     int32_t* hc = h.data() + c * 256;
     for (int64_t t = 0; t < rows; ++t)
-      if (is_valid(t)) ++hc[col[t] >> 8];
+      if (is_valid(valid, t)) ++hc[col[t] >> 8];
   }
   sum_counters(h.data(), h.size());
   std::vector<int64_t> rank(static_cast<size_t>(columns));
@@ -90,7 +102,7 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
     int32_t* hc = h.data() + c * 256;
     const int b1 = high[size_t(c)];
     for (int64_t t = 0; t < rows; ++t)
-      if (is_valid(t) && (col[t] >> 8) == b1) ++hc[col[t] & 0xFF];
+      if (is_valid(valid, t) && (col[t] >> 8) == b1) ++hc[col[t] & 0xFF];
   }
   sum_counters(h.data(), h.size());
   std::vector<uint16_t> out(static_cast<size_t>(columns));
@@ -109,27 +121,18 @@ std::vector<uint16_t> global_kth_smallest(std::span<const uint16_t> keys, int64_
                              [&comm](int32_t* data, size_t n) { comm.sum_counters(data, n); });
 }
 
-// The largest f32 at or below e: an upper bin edge rounded this way stays at or above every
-// f32 value of its bin (they lie below the edge) and never passes the edge itself, which keeps
-// the answer within one bin width of the order statistic (the spec's bound).
-float f32_at_or_below(double e) {
-  const float f = float(e);
-  return double(f) > e ? std::nextafter(f, -std::numeric_limits<float>::infinity()) : f;
-}
-
 std::vector<float> global_histogram_quantile(std::span<const float> values, int64_t columns,
                                              std::span<const uint8_t> valid, int64_t bins,
                                              const RankOf& rank_of, const MaxValues& max_values,
                                              const SumCounters& sum_counters) {
   const int64_t rows = rows_of(values.size(), columns, valid);
   TESSEL_CHECK(bins >= 2, "a histogram of ", bins, " bins");
-  auto is_valid = [&](int64_t t) { return valid.empty() || valid[size_t(t)] != 0; };
   // range[c] = max, range[columns + c] = -min; -inf where a rank has no valid value.
   std::vector<float> range(size_t(2 * columns), -std::numeric_limits<float>::infinity());
   for (int64_t c = 0; c < columns; ++c) {
     const float* col = values.data() + c * rows;
     for (int64_t t = 0; t < rows; ++t) {
-      if (!is_valid(t)) continue;
+      if (!is_valid(valid, t)) continue;
       TESSEL_CHECK(std::isfinite(col[t]), "a histogram quantile of ", col[t]);
       const float v = col[t] + 0.0f;  // -0 -> +0
       range[size_t(c)] = std::max(range[size_t(c)], v);
@@ -154,7 +157,7 @@ std::vector<float> global_histogram_quantile(std::span<const float> values, int6
     int32_t* hc = h.data() + c * bins;
     const double w = width[size_t(c)];
     for (int64_t t = 0; t < rows; ++t) {
-      if (!is_valid(t)) continue;
+      if (!is_valid(valid, t)) continue;
       const double v = col[t];
       // A guess by division, then settled against the edges themselves, so that bin b holds
       // exactly edge_b <= v < edge_b+1 (the header's bound rests on it).

@@ -5,6 +5,7 @@
 #include "tessel/core/error.hpp"
 #include "tessel/data/loader.hpp"
 #include "tessel/data/shard.hpp"
+#include "tessel/data/tokenizer.hpp"
 #include "tessel/train/batch_inputs.hpp"
 
 namespace tessel::train {
@@ -21,6 +22,11 @@ RunModel load_run_model(const std::string& path) {
   for (const auto& p : run.gpt->parameters())
     restore_tensor(loaded.content.model, p.name, p.value, loaded.dir);
   return run;
+}
+
+std::vector<std::string> model_tokenizer_dirs(const RunModel& run) {
+  const std::string copy = checkpoint_tokenizer_dir(run.checkpoint);
+  return data::tokenizer_name(copy) ? std::vector<std::string>{copy} : data_paths(run.config.data);
 }
 
 Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences) {

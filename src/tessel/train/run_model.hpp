@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
@@ -20,6 +21,10 @@ struct RunModel {
   Config config;
   std::unique_ptr<model::Gpt> gpt;  // every block and expert, whatever layout (dp, ep, pp) saved it
 };
+
+// Where the tokenizer of the run's model is: its own copy (checkpoint_tokenizer_dir), or for a
+// run from before copies were kept, its data.path directories (taken relative to this one).
+std::vector<std::string> model_tokenizer_dirs(const RunModel& run);
 
 // `path` is a checkpoint directory (step-N) or a run directory (its newest checkpoint that
 // verifies, as for a resume). InputError naming the file on a damaged checkpoint.
