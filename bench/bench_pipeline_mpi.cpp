@@ -46,7 +46,7 @@ class GemmStage : public StageWork {
   size_t input_elems() const override { return first_ ? 0 : size_t(rows_ * width_); }
   size_t output_elems() const override { return last_ ? 0 : size_t(rows_ * width_); }
 
-  void forward(int64_t micro, std::span<const float> input, std::span<float> output) override {
+  void forward(int, int64_t micro, std::span<const float> input, std::span<float> output) override {
     Saved& slot = saved_[micro];
     if (!spare_.empty()) {
       slot = std::move(spare_.back());
@@ -61,7 +61,7 @@ class GemmStage : public StageWork {
     if (!last_) std::copy(y.begin(), y.end(), output.begin());
   }
 
-  void backward(int64_t micro, std::span<const float> output_grad,
+  void backward(int, int64_t micro, std::span<const float> output_grad,
                 std::span<float> input_grad) override {
     auto it = saved(micro);
     const Saved& s = it->second;
@@ -72,13 +72,13 @@ class GemmStage : public StageWork {
   }
 
   // ZB-H1's B keeps dY (the last stage's is Y, kept already) for its W.
-  void backward_input(int64_t micro, std::span<const float> output_grad,
+  void backward_input(int, int64_t micro, std::span<const float> output_grad,
                       std::span<float> input_grad) override {
     Saved& s = saved(micro)->second;
     if (!last_) s.dy.assign(output_grad.begin(), output_grad.end());
     input_gradient(last_ ? s.y.data() : s.dy.data(), input_grad);
   }
-  void backward_weights(int64_t micro) override {
+  void backward_weights(int, int64_t micro) override {
     auto it = saved(micro);
     const Saved& s = it->second;
     weight_gradient(s.x.data(), last_ ? s.y.data() : s.dy.data());

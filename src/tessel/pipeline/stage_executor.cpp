@@ -90,12 +90,13 @@ class StageRun {
     post_ahead(gradients_);
     for (const Op& op : ops_) {
       delay();
+      const Op global{op.kind, op.micro + first_micro_, op.chunk};
       if (op.kind == OpKind::forward)
-        forward(op.micro + first_micro_);
+        forward(global);
       else if (op.kind == OpKind::backward)
-        backward(op.micro + first_micro_);
+        backward(global);
       else if (op.kind == OpKind::weight)
-        weight(op.micro + first_micro_);
+        weight(global);
       else
         step();
     }
@@ -198,11 +199,11 @@ class StageRun {
       stats_.timeline.push_back({stage_, op, start - origin_, end - origin_});
   }
 
-  void forward(int64_t micro) {
+  void forward(const Op& op) {
+    const int64_t micro = op.micro;
     Transfer input = stage_ > 0 ? receive(activations_, micro) : Transfer{};
     std::vector<float> output = last_ ? std::vector<float>{} : downstream_.take();
-    timed({OpKind::forward, micro}, stats_.forward_seconds,
-          [&] { work_.forward(micro, input.data, output); });
+    timed(op, stats_.forward_seconds, [&] { work_.forward(op.chunk, micro, input.data, output); });
     if (input.pool) input.pool->give(std::move(input.data));
     if (!last_) send(std::move(output), downstream_, Msg::activation, stage_ + 1, micro);
     saved_versions_.push_back(version_);
@@ -210,14 +211,15 @@ class StageRun {
     stats_.peak_live_activations = std::max(stats_.peak_live_activations, ++live_);
   }
 
-  void backward(int64_t micro) {
+  void backward(const Op& op) {
+    const int64_t micro = op.micro;
     Transfer output_grad = last_ ? Transfer{} : receive(gradients_, micro);
     std::vector<float> input_grad = stage_ > 0 ? upstream_.take() : std::vector<float>{};
-    timed({OpKind::backward, micro}, stats_.backward_seconds, [&] {
+    timed(op, stats_.backward_seconds, [&] {
       if (split_)
-        work_.backward_input(micro, output_grad.data, input_grad);
+        work_.backward_input(op.chunk, micro, output_grad.data, input_grad);
       else
-        work_.backward(micro, output_grad.data, input_grad);
+        work_.backward(op.chunk, micro, output_grad.data, input_grad);
     });
     if (output_grad.pool) output_grad.pool->give(std::move(output_grad.data));
     if (stage_ > 0) send(std::move(input_grad), upstream_, Msg::gradient, stage_ - 1, micro);
@@ -233,8 +235,8 @@ class StageRun {
     ++stats_.gap_histogram[size_t(gap)];
   }
 
-  void weight(int64_t micro) {
-    timed({OpKind::weight, micro}, stats_.weight_seconds, [&] { work_.backward_weights(micro); });
+  void weight(const Op& op) {
+    timed(op, stats_.weight_seconds, [&] { work_.backward_weights(op.chunk, op.micro); });
     --live_;
     ++stats_.weights;
   }
@@ -282,37 +284,53 @@ StageExecutor::StageExecutor(comm::Communicator& pp_group, StageWork& work, Exec
       options_(options),
       delays_(options.delay_seed ^ (uint64_t(pp_group.rank()) * 0x9E3779B97F4A7C15ULL)) {
   const int P = pp_group.size();
-  const std::array<int64_t, 2> mine{int64_t(work.input_elems()), int64_t(work.output_elems())};
-  std::vector<int64_t> all(2 * size_t(P));
+  const std::array<int64_t, 3> mine{int64_t(work.input_elems()), int64_t(work.output_elems()),
+                                    int64_t(work.chunks())};
+  std::vector<int64_t> all(mine.size() * size_t(P));
   pp_group.all_gather(mine, all);
   // Every stage sees every size, so all throw the same error together.
-  auto in = [&](int s) { return all[2 * size_t(s)]; };
-  auto out = [&](int s) { return all[2 * size_t(s) + 1]; };
-  if (in(0) != 0)
+  auto in = [&](int s) { return all[mine.size() * size_t(s)]; };
+  auto out = [&](int s) { return all[mine.size() * size_t(s) + 1]; };
+  auto chunks = [&](int s) { return all[mine.size() * size_t(s) + 2]; };
+  for (int s = 0; s < P; ++s)
+    if (chunks(s) != chunks(0) || chunks(s) < 1)
+      input_error(
+          "pipeline: every stage must hold the same number (>= 1) of model chunks, but "
+          "stage 0 holds ",
+          chunks(0), " and stage ", s, " ", chunks(s));
+  // With several chunks the messages run round a ring: the last stage feeds stage 0.
+  const bool ring = chunks(0) > 1;
+  if (!ring && in(0) != 0)
     input_error("pipeline: stage 0 receives no activations but its input_elems() is ", in(0));
-  if (out(P - 1) != 0)
+  if (!ring && out(P - 1) != 0)
     input_error("pipeline: the last stage ", P - 1,
                 " sends no activations but its output_elems() is ", out(P - 1));
-  for (int s = 0; s + 1 < P; ++s)
-    if (out(s) != in(s + 1))
+  for (int s = 0; s + 1 < P || (ring && s < P); ++s)
+    if (out(s) != in((s + 1) % P))
       input_error("pipeline: stage ", s, " sends ", out(s), " elements per micro-batch but stage ",
-                  s + 1, " expects ", in(s + 1));
+                  (s + 1) % P, " expects ", in((s + 1) % P));
 }
 
 StageStats StageExecutor::run(const ScheduleOptions& schedule, int64_t first_micro) {
   if (schedule.stages != group_.size())
     input_error("pipeline: the schedule has ", schedule.stages, " stages but the pp group has ",
                 group_.size(), " ranks");
+  if (schedule.chunks != work_.chunks())
+    input_error("pipeline: the schedule has ", schedule.chunks, " chunks per stage but the stage ",
+                "holds ", work_.chunks());
+  if (schedule.chunks > 1)
+    input_error("pipeline: the stage executor does not run interleaved schedules yet");
   if (first_micro < 0) input_error("pipeline: first_micro must be >= 0, got ", first_micro);
   return StageRun(group_, work_, options_, delays_, version_, schedule, first_micro).run();
 }
 
 std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats) {
-  // Each op as four doubles (kind, micro, start, end); micro-batch numbers stay exact.
-  constexpr size_t kFields = 4;
+  // Each op as five doubles (kind, micro, chunk, start, end); micro-batch numbers stay exact.
+  constexpr size_t kFields = 5;
   std::vector<double> mine;
   for (const OpTiming& t : stats.timeline)
-    mine.insert(mine.end(), {double(int(t.op.kind)), double(t.op.micro), t.start, t.end});
+    mine.insert(mine.end(),
+                {double(int(t.op.kind)), double(t.op.micro), double(t.op.chunk), t.start, t.end});
   const int64_t count = int64_t(mine.size());
   std::vector<int64_t> counts(size_t(pp_group.size()));
   pp_group.all_gather(std::span(&count, 1), counts);
@@ -324,8 +342,10 @@ std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageS
   size_t at = 0;
   for (int s = 0; s < pp_group.size(); ++s)
     for (size_t i = 0; i < sizes[size_t(s)]; i += kFields, at += kFields)
-      timeline.push_back(
-          {s, {OpKind(int(all[at])), int64_t(all[at + 1])}, all[at + 2], all[at + 3]});
+      timeline.push_back({s,
+                          {OpKind(int(all[at])), int64_t(all[at + 1]), int(all[at + 2])},
+                          all[at + 3],
+                          all[at + 4]});
   return timeline;
 }
 

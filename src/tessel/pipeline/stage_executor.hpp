@@ -21,32 +21,41 @@
 
 namespace tessel::pipeline {
 
-// What one stage computes. Micro-batch numbers are global (schedule.hpp) and forwards on a
-// stage run in increasing micro-batch order, so a stage that reads data (the first for
-// tokens, the last for targets) can take the next batch of a deterministic loader.
+// What one stage computes. Micro-batch numbers are global (schedule.hpp) and forwards of
+// one chunk on a stage run in increasing micro-batch order, so a stage that reads data (the
+// first for tokens, the last for targets) can take the next batch of a deterministic loader.
+// A stage holds chunks() model chunks (interleaved schedules: v >= 2, else 1); chunk c of
+// stage s is virtual stage c * P + s, so the model runs virtual stages 0 .. v P - 1 in order
+// and the ops name their chunk first.
 class StageWork {
  public:
   virtual ~StageWork() = default;
-  // f32 elements per micro-batch received from the previous stage (0 on the first stage)
-  // and sent to the next (0 on the last). Checked against the neighbours once at start.
+  // Model chunks this stage holds; the same on every stage (checked once at start).
+  virtual int chunks() const { return 1; }
+  // f32 elements per message received from the previous stage and sent to the next, the same
+  // for every chunk. With one chunk: 0 on the first stage (input) and the last (output).
+  // With chunks() > 1 the virtual stages form a ring of messages (the last stage's chunk
+  // c < v - 1 sends to stage 0's chunk c + 1), so every stage receives and sends. Checked
+  // against the neighbours once at start.
   virtual size_t input_elems() const = 0;
   virtual size_t output_elems() const = 0;
-  // Forward of `micro`: reads `input` (empty on the first stage), writes `output` (empty on
-  // the last stage), keeps what its backward needs.
-  virtual void forward(int64_t micro, std::span<const float> input, std::span<float> output) = 0;
-  // Backward of `micro`: reads `output_grad` (empty on the last stage), writes `input_grad`
-  // (empty on the first stage), ADDS its weight gradients into the stage's accumulation
-  // buffer and releases what the forward kept.
-  virtual void backward(int64_t micro, std::span<const float> output_grad,
+  // Forward of `micro` through `chunk`: reads `input` (empty on virtual stage 0), writes
+  // `output` (empty on the last virtual stage), keeps what its backward needs.
+  virtual void forward(int chunk, int64_t micro, std::span<const float> input,
+                       std::span<float> output) = 0;
+  // Backward of `micro` through `chunk`: reads `output_grad` (empty on the last virtual
+  // stage), writes `input_grad` (empty on virtual stage 0), ADDS its weight gradients into
+  // the stage's accumulation buffer and releases what the forward kept.
+  virtual void backward(int chunk, int64_t micro, std::span<const float> output_grad,
                         std::span<float> input_grad) = 0;
   // ZB-H1 splits a backward in two: backward_input (B: the input gradient, plus any weight
   // gradients the stage does not defer) and later backward_weights (W: the deferred weight
   // gradients; releases what the forward kept). Together they must add into each gradient
   // buffer what backward adds, in the same order, so ZB-H1 equals 1F1B bitwise. A stage's Ws
   // run in micro-batch order, each after its B, with no STEP between a B and its W.
-  virtual void backward_input(int64_t micro, std::span<const float> output_grad,
+  virtual void backward_input(int chunk, int64_t micro, std::span<const float> output_grad,
                               std::span<float> input_grad) = 0;
-  virtual void backward_weights(int64_t micro) = 0;
+  virtual void backward_weights(int chunk, int64_t micro) = 0;
   // Optimizer step of this stage's parameters with the accumulated gradients, which it then
   // zeroes. `version` is the number of steps this stage has taken before this one. Flush
   // schedules reach STEP on every stage for the same micro-batches, so it may use
@@ -85,10 +94,12 @@ struct StageStats {
 
 class StageExecutor {
  public:
-  // Collective over `pp_group` (stage = rank): agrees the message sizes with the neighbours
-  // (InputError naming both stages on a mismatch). `pp_group` and `work` must outlive it.
+  // Collective over `pp_group` (stage = rank): agrees the chunk count with every stage and
+  // the message sizes with the neighbours (InputError naming both stages on a mismatch).
+  // `pp_group` and `work` must outlive it.
   StageExecutor(comm::Communicator& pp_group, StageWork& work, ExecutorOptions options = {});
-  // Runs this stage's list for `schedule` (schedule.stages must equal the group size),
+  // Runs this stage's list for `schedule` (schedule.stages must equal the group size and
+  // schedule.chunks the work's chunks(), else InputError),
   // numbering micro-batches from `first_micro`. Collective over `pp_group`: it begins with a
   // barrier (and a broadcast of the timeline origin) and ends with every forward's backward
   // done and every message delivered (flush schedules: after their last STEP; PACI: the

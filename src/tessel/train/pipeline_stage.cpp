@@ -61,7 +61,9 @@ int64_t GptStage::activation_bytes() const {
   return bytes;
 }
 
-void GptStage::forward(int64_t micro, std::span<const float> input, std::span<float> output) {
+void GptStage::forward(int chunk, int64_t micro, std::span<const float> input,
+                       std::span<float> output) {
+  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
   TESSEL_CHECK(!free_.empty(), "stage ", stage_, ": more than ", slots_.size(),
                " micro-batches in flight");
   auto batch = std::make_unique<data::Batch>(loader_.next());
@@ -124,14 +126,16 @@ std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,
   return std::vector<float>(last, last + V);
 }
 
-void GptStage::backward(int64_t micro, std::span<const float> output_grad,
+void GptStage::backward(int chunk, int64_t micro, std::span<const float> output_grad,
                         std::span<float> input_grad) {
+  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
   run_backward(micro, output_grad, input_grad, false);
   finish(micro);
 }
 
-void GptStage::backward_input(int64_t micro, std::span<const float> output_grad,
+void GptStage::backward_input(int chunk, int64_t micro, std::span<const float> output_grad,
                               std::span<float> input_grad) {
+  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
   run_backward(micro, output_grad, input_grad, true);
   int64_t deferred = 0;
   for (const auto& acts : slots_)
@@ -139,7 +143,8 @@ void GptStage::backward_input(int64_t micro, std::span<const float> output_grad,
   peak_deferred_bytes_ = std::max(peak_deferred_bytes_, deferred);
 }
 
-void GptStage::backward_weights(int64_t micro) {
+void GptStage::backward_weights(int chunk, int64_t micro) {
+  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
   model_.backward_weights(*slots_[in_flight(micro).slot]);
   finish(micro);
 }

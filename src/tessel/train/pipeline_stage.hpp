@@ -81,14 +81,15 @@ class GptStage final : public pipeline::StageWork {
 
   size_t input_elems() const override { return first_stage() ? 0 : boundary_elems_; }
   size_t output_elems() const override { return last_stage() ? 0 : boundary_elems_; }
-  void forward(int64_t micro, std::span<const float> input, std::span<float> output) override;
-  void backward(int64_t micro, std::span<const float> output_grad,
+  void forward(int chunk, int64_t micro, std::span<const float> input,
+               std::span<float> output) override;
+  void backward(int chunk, int64_t micro, std::span<const float> output_grad,
                 std::span<float> input_grad) override;
   // ZB-H1: the model's split backward (Activations::defer_weight_grads); the micro-batch's
   // activations stay in flight until its backward_weights.
-  void backward_input(int64_t micro, std::span<const float> output_grad,
+  void backward_input(int chunk, int64_t micro, std::span<const float> output_grad,
                       std::span<float> input_grad) override;
-  void backward_weights(int64_t micro) override;
+  void backward_weights(int chunk, int64_t micro) override;
   void step(int64_t version) override;
 
   // Before each executor run: its first micro-batch (the run starts drained).

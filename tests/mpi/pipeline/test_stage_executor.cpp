@@ -54,7 +54,7 @@ class ToyStage : public StageWork {
   size_t input_elems() const override { return stage_ == 0 ? 0 : in_; }
   size_t output_elems() const override { return last_ ? 0 : out_; }
 
-  void forward(int64_t micro, std::span<const float> input, std::span<float> output) override {
+  void forward(int, int64_t micro, std::span<const float> input, std::span<float> output) override {
     Saved s{
         stage_ == 0 ? micro_data(micro, in_, 1) : std::vector<float>(input.begin(), input.end()),
         std::vector<float>(out_),
@@ -69,18 +69,18 @@ class ToyStage : public StageWork {
   }
 
   // The whole backward is its two halves in a row.
-  void backward(int64_t micro, std::span<const float> output_grad,
+  void backward(int, int64_t micro, std::span<const float> output_grad,
                 std::span<float> input_grad) override {
     ++backwards_;
     input_gradient(micro, output_grad, input_grad);
     weight_gradient(micro);
   }
-  void backward_input(int64_t micro, std::span<const float> output_grad,
+  void backward_input(int, int64_t micro, std::span<const float> output_grad,
                       std::span<float> input_grad) override {
     ++backward_inputs_;
     input_gradient(micro, output_grad, input_grad);
   }
-  void backward_weights(int64_t micro) override {
+  void backward_weights(int, int64_t micro) override {
     EXPECT_GT(micro, last_weights_micro_) << "Ws in micro-batch order";
     last_weights_micro_ = micro;
     ++backward_weights_;
@@ -176,13 +176,13 @@ void accumulate(std::vector<ToyStage>& chain, int64_t first, int64_t n) {
     std::vector<float> a;
     for (ToyStage& stage : chain) {
       std::vector<float> out(stage.output_elems());
-      stage.forward(m, a, out);
+      stage.forward(0, m, a, out);
       a = std::move(out);
     }
     std::vector<float> g;
     for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
       std::vector<float> in(it->input_elems());
-      it->backward(m, g, in);
+      it->backward(0, m, g, in);
       g = std::move(in);
     }
   }
@@ -223,9 +223,9 @@ void replay(std::vector<ToyStage>& chain, const ScheduleOptions& schedule, int64
           std::vector<float> in = needs ? box.at({s, m}) : std::vector<float>{};
           std::vector<float> out(fwd ? st.output_elems() : st.input_elems());
           if (fwd)
-            st.forward(m, in, out);
+            st.forward(0, m, in, out);
           else
-            st.backward(m, in, out);
+            st.backward(0, m, in, out);
           if (!out.empty()) box[{fwd ? s + 1 : s - 1, m}] = std::move(out);
         }
         ++next[size_t(s)];

@@ -174,14 +174,29 @@ TEST(PipelineSimulator, ChromeTraceHasOneTrackPerStageAndOneSlicePerOp) {
 TEST(PipelineSchedule, BadOptionsAreInputErrors) {
   fixture::expect_input_error([] { stage_ops({ScheduleKind::paci, 2, 4, 1, 0}, 0); }, {"paci_k"});
   fixture::expect_input_error([] { stage_ops({ScheduleKind::gpipe, 0, 4, 1, 1}, 0); }, {"stages"});
-  fixture::expect_input_error([] { parse_schedule("zb"); }, {"gpipe, 1f1b, zb-h1 or paci", "'zb'"});
+  fixture::expect_input_error([] { parse_schedule("zb"); },
+                              {"gpipe, 1f1b, interleaved, zb-h1 or paci", "'zb'"});
+  ScheduleOptions o{ScheduleKind::interleaved, 2, 4, 1, 1, 1};
+  fixture::expect_input_error([&] { stage_ops(o, 0); }, {"chunks >= 2", "got 1"});
+  o.chunks = 2;
+  o.micro_batches = 3;
+  fixture::expect_input_error([&] { stage_ops(o, 0); },
+                              {"micro_batches divisible by stages", "3 micro_batches", "2 stages"});
+  o.chunks = 0;
+  fixture::expect_input_error([&] { stage_ops(o, 0); }, {"chunks must be >= 1", "got 0"});
+  fixture::expect_input_error(
+      [] {
+        stage_ops({ScheduleKind::one_f_one_b, 2, 4, 1, 1, 2}, 0);
+      },
+      {"chunks must be 1 under 1f1b", "got 2"});
 }
 
 TEST(PipelineSchedule, NamesRoundTrip) {
-  for (auto kind :
-       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci, ScheduleKind::zb_h1})
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::paci,
+                    ScheduleKind::zb_h1, ScheduleKind::interleaved})
     EXPECT_EQ(parse_schedule(schedule_name(kind)), kind);
   EXPECT_STREQ(schedule_name(ScheduleKind::zb_h1), "zb-h1");
+  EXPECT_STREQ(schedule_name(ScheduleKind::interleaved), "interleaved");
 }
 
 TEST(PipelineSchedule, ZbH1IsOneF1BWithEachBackwardSplitAndWLaggingSOnStageS) {

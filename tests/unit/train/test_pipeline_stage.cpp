@@ -68,14 +68,15 @@ std::vector<StepResult> run_chained(const train::Config& c, const std::vector<in
         if (op.kind == pipeline::OpKind::forward) {
           if (s > 0 && !acts_in[size_t(s)].count(op.micro)) break;
           std::vector<float> out(stage.output_elems());
-          stage.forward(op.micro, s > 0 ? acts_in[size_t(s)][op.micro] : std::vector<float>{}, out);
+          stage.forward(op.chunk, op.micro,
+                        s > 0 ? acts_in[size_t(s)][op.micro] : std::vector<float>{}, out);
           acts_in[size_t(s)].erase(op.micro);
           if (s + 1 < P) acts_in[size_t(s) + 1][op.micro] = std::move(out);
         } else if (op.kind == pipeline::OpKind::backward) {
           if (s + 1 < P && !grads_in[size_t(s)].count(op.micro)) break;
           std::vector<float> dx(stage.input_elems());
-          stage.backward(op.micro, s + 1 < P ? grads_in[size_t(s)][op.micro] : std::vector<float>{},
-                         dx);
+          stage.backward(op.chunk, op.micro,
+                         s + 1 < P ? grads_in[size_t(s)][op.micro] : std::vector<float>{}, dx);
           grads_in[size_t(s)].erase(op.micro);
           if (s > 0) grads_in[size_t(s) - 1][op.micro] = std::move(dx);
         } else {
