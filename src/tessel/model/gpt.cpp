@@ -115,7 +115,10 @@ Tensor Activations::residual_grad(int64_t boundary) const {
 }
 
 Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange blocks)
-    : config_(config), shard_(shard), range_(blocks) {
+    : Gpt(config, seed, shard, std::vector<BlockRange>{blocks}) {}
+
+Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, std::vector<BlockRange> chunks)
+    : config_(config), shard_(shard), chunks_(std::move(chunks)) {
   validate(config_);
   C_ = config_.width;
   H_ = config_.heads;
@@ -126,11 +129,19 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange b
   QKV_ = (H_ + 2 * Hkv_) * D_;
   const int64_t V = config_.vocab, L = config_.layers;
   const bool layernorm = config_.norm == NormType::layernorm;
-  if (range_.last < 0) range_.last = L;
-  TESSEL_CHECK(0 <= range_.first && range_.first <= range_.last && range_.last <= L &&
-                   (!range_.embedding || range_.first == 0) && (!range_.head || range_.last == L),
-               "blocks [", range_.first, ", ", range_.last, ") of ", L,
-               range_.embedding ? " with the embedding" : "", range_.head ? " with the head" : "");
+  TESSEL_CHECK(!chunks_.empty(), "a model of no chunks");
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    BlockRange& r = chunks_[c];
+    if (r.last < 0) r.last = L;
+    TESSEL_CHECK(
+        0 <= r.first && r.first <= r.last && r.last <= L &&
+            (!r.embedding || (r.first == 0 && c == 0)) &&
+            (!r.head || (r.last == L && c + 1 == chunks_.size())) &&
+            (c == 0 || chunks_[c - 1].last <= r.first),
+        "blocks [", r.first, ", ", r.last, ") of ", L, r.embedding ? " with the embedding" : "",
+        r.head ? " with the head" : "",
+        c > 0 ? " after a chunk ending at block " + std::to_string(chunks_[c - 1].last) : "");
+  }
 
   // The registry, in order (docs/model.md), less the experts outside the shard and the
   // parameters outside the block range (whose indices stay -1); every parameter keeps its
@@ -184,7 +195,9 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, BlockRange b
   blocks_.resize(size_t(L));
   for (int64_t i = 0; i < L; ++i) {
     const std::string p = "blocks." + std::to_string(i) + ".";
-    const bool in_range = range_.first <= i && i < range_.last;
+    const bool in_range = std::any_of(chunks_.begin(), chunks_.end(), [i](const BlockRange& r) {
+      return r.first <= i && i < r.last;
+    });
     held = in_range;
     BlockParams& b = blocks_[size_t(i)];
     add_norm(p + "attn_norm", b.attn_norm_w, b.attn_norm_b);
@@ -289,10 +302,19 @@ Tensor Gpt::expert_grads() const {
   return flat_grads_.view(dense_numel_, {num_parameters() - dense_numel_});
 }
 
+const BlockRange& Gpt::block_range() const {
+  TESSEL_CHECK(chunks_.size() == 1, "block_range() of a model of ", chunks_.size(), " chunks");
+  return chunks_.front();
+}
+
 void Gpt::check_blocks(int64_t first, int64_t last) const {
-  TESSEL_CHECK(range_.first <= first && first <= last && last <= range_.last, "blocks [", first,
-               ", ", last, ") are not held by a model of blocks [", range_.first, ", ", range_.last,
-               ")");
+  const bool held =
+      first <= last && std::any_of(chunks_.begin(), chunks_.end(), [&](const BlockRange& r) {
+        return r.first <= first && last <= r.last;
+      });
+  TESSEL_CHECK(held, "blocks [", first, ", ", last, ") are not held by a model of blocks [",
+               chunks_.front().first, ", ", chunks_.back().last, ") in ", chunks_.size(),
+               " chunk(s)");
 }
 
 const float* Gpt::value(int index) const {
@@ -726,10 +748,11 @@ void Gpt::set_expert_comm(moe::ExpertComm* comm) {
 }
 
 void Gpt::update_balance() {
-  for (int64_t l = range_.first; l < range_.last; ++l)
-    if (moe_mask_[size_t(l)])
-      moe_->update(balance_[size_t(l)],
-                   parameters_[size_t(moe_params_[size_t(l)].beta)].value.f32(), *expert_comm_);
+  for (const BlockRange& r : chunks_)
+    for (int64_t l = r.first; l < r.last; ++l)
+      if (moe_mask_[size_t(l)])
+        moe_->update(balance_[size_t(l)],
+                     parameters_[size_t(moe_params_[size_t(l)].beta)].value.f32(), *expert_comm_);
 }
 
 void Gpt::discard_balance() {

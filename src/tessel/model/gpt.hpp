@@ -172,7 +172,8 @@ struct ExpertShard {
 // head's weight is the embedding, so `head` holds it too. Explicit flags, because the first
 // or last stage of a split may hold no blocks while its neighbour's range touches the same
 // end. Placement is data, like ExpertShard: the model allocates only what it holds and never
-// sees the pipeline.
+// sees the pipeline. An interleaved pipeline stage holds several such chunks (the Gpt
+// constructor taking a list).
 struct BlockRange {
   int64_t first = 0, last = -1;
   bool embedding = true, head = true;
@@ -191,6 +192,9 @@ class Gpt {
   // experts of `shard` and the parameters of `blocks` are allocated; each parameter's values
   // do not depend on the shard or the range.
   Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard = {}, BlockRange blocks = {});
+  // Several chunks of blocks (an interleaved pipeline stage's), in block order and disjoint;
+  // the embedding only with a chunk from block 0, the head only with one through the last.
+  Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, std::vector<BlockRange> chunks);
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
   Gpt(Gpt&&) = default;
@@ -198,9 +202,11 @@ class Gpt {
 
   const GptConfig& config() const { return config_; }
   const ExpertShard& expert_shard() const { return shard_; }
-  const BlockRange& block_range() const { return range_; }  // resolved: last >= 0
-  bool holds_embedding() const { return range_.embedding; }
-  bool holds_head() const { return range_.head; }
+  // The one chunk of a model built with one BlockRange (checked), resolved: last >= 0.
+  const BlockRange& block_range() const;
+  const std::vector<BlockRange>& block_ranges() const { return chunks_; }  // resolved
+  bool holds_embedding() const { return chunks_.front().embedding; }
+  bool holds_head() const { return chunks_.back().head; }
   // Registry order, names, shapes and tags: docs/model.md. Experts outside the shard and
   // parameters outside the block range are left out; the others keep their global names
   // (blocks.{i}.moe.experts.{e}.*).
@@ -244,7 +250,7 @@ class Gpt {
   // default those this model holds.
   std::unique_ptr<Activations> make_activations(int64_t B, int64_t T,
                                                 Recompute recompute = Recompute::none) const {
-    return make_activations(B, T, range_, recompute);
+    return make_activations(B, T, block_range(), recompute);
   }
   // With `scratch_from` (activations of this model with the same B, T, range and recompute),
   // the new ones share its buffers that no forward leaves for a backward to read: the scratch
@@ -338,7 +344,7 @@ class Gpt {
 
   GptConfig config_;
   ExpertShard shard_;
-  BlockRange range_;
+  std::vector<BlockRange> chunks_;
   std::vector<int64_t> positions_;  // [parameters_] whole-registry positions
   std::vector<std::string> registry_names_;
   int64_t registry_size_ = 0, total_numel_ = 0, matmul_numel_ = 0;

@@ -414,11 +414,16 @@ std::vector<ConfigKey> build_schema() {
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
       string_key("pipeline.schedule",
-                 "pipeline schedule: gpipe, 1f1b, zb-h1 (1f1b with each backward's weight "
-                 "gradients run later, filling the flush bubble) or paci (no flush: a local step "
-                 "every paci_k backwards); \"\" = 1f1b when parallel.pp > 1, the plain loop at "
-                 "pp = 1",
+                 "pipeline schedule: gpipe, 1f1b, interleaved (1f1b over pipeline.chunks "
+                 "model chunks per stage, a 1/chunks flush bubble for chunks x the messages), "
+                 "zb-h1 (1f1b with each backward's weight gradients run later, filling the "
+                 "flush bubble) or paci (no flush: a local step every paci_k backwards); \"\" = "
+                 "1f1b when parallel.pp > 1, the plain loop at pp = 1",
                  FIELD(pipeline.schedule)),
+      int_key("pipeline.chunks",
+              "interleaved: model chunks per stage; stage s holds virtual stages s, s + pp, "
+              "s + 2 pp, ...; 0 = 2",
+              FIELD(pipeline.chunks)),
       int_key("pipeline.paci_k",
               "paci: micro-batches per local step (and per logged step); 0 = train.accum",
               FIELD(pipeline.paci_k)),
@@ -432,7 +437,8 @@ std::vector<ConfigKey> build_schema() {
                 "SpecTrain / PipeMare; 0 = off, at most 4; excludes paci_stash",
                 FIELD(pipeline.paci_predict)),
       string_key("pipeline.layout",
-                 "blocks per stage, comma-separated (\"3,2\"); \"\" = balanced by compute",
+                 "blocks per stage, comma-separated (\"3,2\"; interleaved: per virtual "
+                 "stage, pp x chunks counts in chain order); \"\" = balanced by compute",
                  FIELD(pipeline.layout)),
       float_key("mfu.peak_gflops", "per-rank peak GFLOP/s; 0 = measure GEMM peak at start",
                 FIELD(mfu.peak_gflops)),

@@ -98,11 +98,12 @@ struct ParallelConfig {
 
 // Pipeline parallelism over the pp axis (pipeline_trainer.hpp, docs/training.md).
 struct PipelineConfig {
-  std::string schedule;     // gpipe | 1f1b | zb-h1 | paci; "" = 1f1b when parallel.pp > 1
+  std::string schedule;     // gpipe | 1f1b | interleaved | zb-h1 | paci; "" = 1f1b when pp > 1
+  int64_t chunks = 0;       // interleaved: model chunks per stage (v); 0 = 2
   int64_t paci_k = 0;       // PACI: local backwards per local step; 0 = train.accum
   bool paci_stash = false;  // PACI: inconsistent backwards use their forward's weights
   double paci_predict = 0;  // PACI: stale forwards extrapolate this share of the last step
-  std::string layout;       // blocks per stage ("3,2"); "" = balanced by compute
+  std::string layout;       // blocks per (virtual) stage ("3,2"); "" = balanced by compute
 };
 
 struct MfuConfig {

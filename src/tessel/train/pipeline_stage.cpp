@@ -8,15 +8,13 @@
 
 namespace tessel::train {
 
-GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
+GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage, int stages,
                    data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
                    int64_t max_live, std::function<void(int64_t version)> on_step,
                    StaleWeights stale, ForwardHook on_forward)
     : model_(model),
       stage_(stage),
-      stages_(int(boundaries.size()) - 1),
-      first_(boundaries.at(size_t(stage))),
-      last_(boundaries.at(size_t(stage) + 1)),
+      stages_(stages),
       loader_(loader),
       config_(config),
       cp_group_(cp_group),
@@ -25,60 +23,85 @@ GptStage::GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, in
                  model.config().width)),
       on_step_(std::move(on_step)),
       on_forward_(std::move(on_forward)),
-      slots_(size_t(max_live)),
       stale_(std::move(stale)),
       previous_(stale_.weights.defined() ? size_t(stale_.weights.numel()) : 0),
       current_(stale_.mode == StaleWeights::Mode::predict ? previous_.size() : 0) {
-  TESSEL_CHECK(max_live >= 1 && boundaries.back() == model.config().layers, "stage ", stage);
+  const auto virtual_stages = int64_t(boundaries.size()) - 1;
+  TESSEL_CHECK(max_live >= 1 && stages >= 1 && virtual_stages % stages == 0 &&
+                   boundaries.back() == model.config().layers,
+               "stage ", stage, " of ", stages, " over ", virtual_stages, " virtual stages");
+  for (int64_t j = stage; j < virtual_stages; j += stages)
+    ranges_.push_back(
+        {boundaries[size_t(j)], boundaries[size_t(j) + 1], j == 0, j == virtual_stages - 1});
   TESSEL_CHECK(
       (stale_.mode == StaleWeights::Mode::plain) != stale_.weights.defined() && stale_.window >= 1,
       "stage ", stage, ": stale-weight options");
-  for (size_t i = slots_.size(); i-- > 0;) free_.push_back(i);
+  TESSEL_CHECK(stale_.mode == StaleWeights::Mode::plain || ranges_.size() == 1, "stage ", stage,
+               ": stale-weight options need one chunk");
+  slots_.resize(ranges_.size());
+  free_.resize(ranges_.size());
+  for (size_t c = 0; c < ranges_.size(); ++c) {
+    slots_[c].resize(size_t(max_live));
+    for (size_t i = size_t(max_live); i-- > 0;) free_[c].push_back(i);
+  }
 }
 
 size_t GptStage::boundary_elems(const data::Batch& batch) const {
   return size_t(batch.B * (batch.T / config_.parallel.cp) * model_.config().width);
 }
 
-double GptStage::forward_stage(model::Activations& acts, const model::ModelInputs& in,
+double GptStage::forward_stage(int chunk, model::Activations& acts, const model::ModelInputs& in,
                                std::span<const float> input, std::span<float> output) const {
+  const model::BlockRange& r = ranges_.at(size_t(chunk));
   model_.load_inputs(acts, in);
-  if (first_stage())
+  if (r.embedding)
     model_.forward_embedding(acts);
   else
-    std::copy(input.begin(), input.end(), acts.residual(first_).f32());
-  model_.forward_blocks(acts, first_, last_);
-  if (last_stage()) return model_.forward_head(acts);
-  const float* x = acts.residual(last_).f32();
+    std::copy(input.begin(), input.end(), acts.residual(r.first).f32());
+  model_.forward_blocks(acts, r.first, r.last);
+  if (r.head) return model_.forward_head(acts);
+  const float* x = acts.residual(r.last).f32();
   std::copy(x, x + output.size(), output.begin());
   return 0.0;
 }
 
 int64_t GptStage::activation_bytes() const {
   int64_t bytes = peak_deferred_bytes_;
-  for (const auto& acts : slots_)
-    if (acts) bytes += acts->tensor_bytes;
+  for (const auto& chunk : slots_)
+    for (const auto& acts : chunk)
+      if (acts) bytes += acts->tensor_bytes;
   return bytes;
 }
 
 void GptStage::forward(int chunk, int64_t micro, std::span<const float> input,
                        std::span<float> output) {
-  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
-  TESSEL_CHECK(!free_.empty(), "stage ", stage_, ": more than ", slots_.size(),
+  TESSEL_CHECK(chunk >= 0 && chunk < chunks(), "stage ", stage_, ": chunk ", chunk, " of ",
+               chunks());
+  auto& free = free_[size_t(chunk)];
+  auto& slots = slots_[size_t(chunk)];
+  TESSEL_CHECK(!free.empty(), "stage ", stage_, " chunk ", chunk, ": more than ", slots.size(),
                " micro-batches in flight");
-  auto batch = std::make_unique<data::Batch>(loader_.next());
-  auto in = std::make_unique<RankBatchInputs>(*batch, config_, cp_group_);
-  const size_t slot = free_.back();
-  free_.pop_back();
-  auto& acts = slots_[slot];
-  const model::ModelInputs& rows = in->inputs();
+  if (chunk == 0) {  // chunk 0's forwards run in micro-batch order: the loader's next batch
+    auto batch = std::make_unique<data::Batch>(loader_.next());
+    auto in = std::make_unique<RankBatchInputs>(*batch, config_, cp_group_);
+    const double tokens = in->loss_weight_sum();
+    micro_batches_.emplace(micro, MicroBatch{std::move(batch), std::move(in), tokens, chunks()});
+  }
+  const auto it = micro_batches_.find(micro);
+  TESSEL_CHECK(it != micro_batches_.end(), "stage ", stage_, ": forward of micro-batch ", micro,
+               " through chunk ", chunk, " before chunk 0's");
+  const model::ModelInputs& rows = it->second.inputs->inputs();
+  const size_t slot = free.back();
+  free.pop_back();
+  auto& acts = slots[slot];
   if (!acts) {
     // The micro-batches in flight share what no forward leaves for its backward (one op runs
     // whole before the next): the scratch, and under recomputation the block cache.
     const model::Activations* lender = nullptr;
-    for (const auto& other : slots_)
+    for (const auto& other : slots)
       if (other && other->B == rows.B && other->T == rows.T) lender = other.get();
-    acts = model_.make_activations(rows.B, rows.T, range(), config_.train.recompute, lender);
+    acts = model_.make_activations(rows.B, rows.T, ranges_[size_t(chunk)], config_.train.recompute,
+                                   lender);
   }
   struct Restore {  // the stage's own weights come back even if the forward throws
     float* w;
@@ -92,25 +115,26 @@ void GptStage::forward(int chunk, int64_t micro, std::span<const float> input,
     restore.emplace(w, current_);
     extrapolate_weights({w, current_.size()}, previous_, float(double(gap) * stale_.share));
   }
-  const double loss = forward_stage(*acts, rows, input, output);
+  const double loss = forward_stage(chunk, *acts, rows, input, output);
   restore.reset();
   if (on_forward_) on_forward_(micro, *acts);
-  const double tokens = in->loss_weight_sum();
-  live_.emplace(micro, Live{slot, loss, tokens, steps_, std::move(batch), std::move(in)});
+  live_.emplace(std::pair{micro, chunk}, Live{slot, loss, steps_});
 }
 
-StageWindow GptStage::evaluate(const data::Batch& batch, std::span<const float> input,
+StageWindow GptStage::evaluate(int chunk, const data::Batch& batch, std::span<const float> input,
                                std::span<float> output) {
   const RankBatchInputs in(batch, config_, cp_group_);
   const model::ModelInputs& rows = in.inputs();
-  auto& acts = eval_[{rows.B, rows.T}];
+  auto& acts = eval_[{chunk, rows.B, rows.T}];
   // No backward: one block's cache, whatever train.recompute says.
-  if (!acts) acts = model_.make_activations(rows.B, rows.T, range(), model::Recompute::blocks);
-  const double loss = forward_stage(*acts, rows, input, output);
+  if (!acts)
+    acts = model_.make_activations(rows.B, rows.T, ranges_.at(size_t(chunk)),
+                                   model::Recompute::blocks);
+  const double loss = forward_stage(chunk, *acts, rows, input, output);
   return {loss, in.loss_weight_sum(), 1, acts.get()};
 }
 
-std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,
+std::vector<float> GptStage::next_token_logits(int chunk, std::span<const int32_t> window,
                                                std::span<const float> input,
                                                std::span<float> output) {
   model::ModelInputs in;
@@ -118,9 +142,9 @@ std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,
   in.T = int64_t(window.size());
   in.tokens = window.data();
   // No backward: one block's cache, whatever train.recompute says.
-  auto acts = model_.make_activations(1, in.T, range(), model::Recompute::blocks);
-  forward_stage(*acts, in, input, output);
-  if (!last_stage()) return {};
+  auto acts = model_.make_activations(1, in.T, ranges_.at(size_t(chunk)), model::Recompute::blocks);
+  forward_stage(chunk, *acts, in, input, output);
+  if (!last_virtual(chunk)) return {};
   const int64_t V = model_.config().vocab;
   const float* last = acts->logits.f32() + (in.T - 1) * V;
   return std::vector<float>(last, last + V);
@@ -128,65 +152,67 @@ std::vector<float> GptStage::next_token_logits(std::span<const int32_t> window,
 
 void GptStage::backward(int chunk, int64_t micro, std::span<const float> output_grad,
                         std::span<float> input_grad) {
-  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
-  run_backward(micro, output_grad, input_grad, false);
-  finish(micro);
+  run_backward(chunk, micro, output_grad, input_grad, false);
+  finish(chunk, micro);
 }
 
 void GptStage::backward_input(int chunk, int64_t micro, std::span<const float> output_grad,
                               std::span<float> input_grad) {
-  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
-  run_backward(micro, output_grad, input_grad, true);
+  run_backward(chunk, micro, output_grad, input_grad, true);
   int64_t deferred = 0;
-  for (const auto& acts : slots_)
-    if (acts) deferred += acts->deferred_bytes;
+  for (const auto& slots : slots_)
+    for (const auto& acts : slots)
+      if (acts) deferred += acts->deferred_bytes;
   peak_deferred_bytes_ = std::max(peak_deferred_bytes_, deferred);
 }
 
 void GptStage::backward_weights(int chunk, int64_t micro) {
-  TESSEL_CHECK(chunk == 0, "stage ", stage_, ": one model chunk per stage, got chunk ", chunk);
-  model_.backward_weights(*slots_[in_flight(micro).slot]);
-  finish(micro);
+  model_.backward_weights(*slots_[size_t(chunk)][in_flight(chunk, micro).slot]);
+  finish(chunk, micro);
 }
 
-GptStage::Live& GptStage::in_flight(int64_t micro) {
-  auto it = live_.find(micro);
+GptStage::Live& GptStage::in_flight(int chunk, int64_t micro) {
+  auto it = live_.find({micro, chunk});
   TESSEL_CHECK(it != live_.end(), "stage ", stage_, ": backward or W of micro-batch ", micro,
-               " without its forward");
+               " through chunk ", chunk, " without its forward");
   return it->second;
 }
 
-void GptStage::run_backward(int64_t micro, std::span<const float> output_grad,
+void GptStage::run_backward(int chunk, int64_t micro, std::span<const float> output_grad,
                             std::span<float> input_grad, bool defer_weight_grads) {
-  const Live& started = in_flight(micro);
-  model::Activations& acts = *slots_[started.slot];
+  const Live& started = in_flight(chunk, micro);
+  const model::BlockRange& r = ranges_[size_t(chunk)];
+  model::Activations& acts = *slots_[size_t(chunk)][started.slot];
   const int64_t gap = steps_ - started.steps;
   const bool stashed = stale_.mode == StaleWeights::Mode::stash && gap > 0;
   TESSEL_CHECK(!stashed || gap == 1, "stage ", stage_, ": micro-batch ", micro, " is ", gap,
                " steps old; the stash keeps one version");
   if (stashed) swap_stashed();
   acts.defer_weight_grads = defer_weight_grads;
-  if (last_stage())
+  if (r.head)
     model_.backward_head(acts, 1.0f);
   else
-    std::copy(output_grad.begin(), output_grad.end(), acts.residual_grad(last_).f32());
-  model_.backward_blocks(acts, first_, last_);
-  if (first_stage()) {
+    std::copy(output_grad.begin(), output_grad.end(), acts.residual_grad(r.last).f32());
+  model_.backward_blocks(acts, r.first, r.last);
+  if (r.embedding) {
     model_.backward_embedding(acts);
   } else {
-    const float* dx = acts.residual_grad(first_).f32();
+    const float* dx = acts.residual_grad(r.first).f32();
     std::copy(dx, dx + input_grad.size(), input_grad.begin());
   }
   if (stashed) swap_stashed();
 }
 
-void GptStage::finish(int64_t micro) {
-  const Live& done = in_flight(micro);
+void GptStage::finish(int chunk, int64_t micro) {
+  const Live& done = in_flight(chunk, micro);
   window_.loss_sum += done.loss_sum;
-  window_.loss_tokens += done.loss_tokens;
+  free_[size_t(chunk)].push_back(done.slot);
+  live_.erase({micro, chunk});
+  const auto it = micro_batches_.find(micro);
+  if (--it->second.chunks_left > 0) return;
+  window_.loss_tokens += it->second.loss_tokens;
   ++window_.micro_batches;
-  free_.push_back(done.slot);
-  live_.erase(micro);
+  micro_batches_.erase(it);
 }
 
 void GptStage::step(int64_t version) {

@@ -19,6 +19,12 @@
 // Activations live in a pool, one set per micro-batch between its forward and its
 // backward (ZB-H1: its W), at most `max_live` at once (1F1B / PACI: P - s; GPipe: M; ZB-H1: P).
 //
+// Interleaved schedules (boundaries of v x P virtual stages): the stage holds v chunks, chunk c
+// being virtual stage c P + s with its blocks, the embedding on virtual stage 0 and the head on
+// the last. Each chunk has its own activation pool (at most `max_live` sets each). A
+// micro-batch is read from the loader at its chunk-0 forward (those run in micro-batch order)
+// and kept until its last chunk's backward; its loss tokens count once.
+//
 // PACI's stale micro-batches (StaleWeights): a forward that runs g STEPs before its backward
 // sees weights g versions older than the backward will.
 // - Stash (pipeline.paci_stash, PipeDream-2BW's two versions): the stage keeps a copy of its
@@ -36,6 +42,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "tessel/data/loader.hpp"
@@ -68,19 +75,25 @@ struct StaleWeights {
 
 class GptStage final : public pipeline::StageWork {
  public:
-  // `boundaries` is stage_boundaries() of the layout; `model`, `loader`, `config` (its
+  // `boundaries` is stage_boundaries() of the layout over `stages` x chunks virtual stages
+  // (pipeline_boundaries); `model`, `loader`, `config` (its
   // data.attention_mask and parallel.cp*) and `cp_group` (used when parallel.cp > 1) must
   // outlive the stage. `on_step(version)` runs at every STEP of the schedule,
   // `on_forward(micro, activations)` (if set) after every training forward (the MoE
   // statistics read the routing there).
   using ForwardHook = std::function<void(int64_t micro, const model::Activations&)>;
-  GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage,
+  GptStage(model::Gpt& model, const std::vector<int64_t>& boundaries, int stage, int stages,
            data::DataLoader& loader, const Config& config, comm::Communicator& cp_group,
            int64_t max_live, std::function<void(int64_t version)> on_step, StaleWeights stale = {},
            ForwardHook on_forward = {});
 
-  size_t input_elems() const override { return first_stage() ? 0 : boundary_elems_; }
-  size_t output_elems() const override { return last_stage() ? 0 : boundary_elems_; }
+  int chunks() const override { return int(ranges_.size()); }
+  size_t input_elems() const override {
+    return chunks() > 1 || !first_stage() ? boundary_elems_ : 0;
+  }
+  size_t output_elems() const override {
+    return chunks() > 1 || !last_stage() ? boundary_elems_ : 0;
+  }
   void forward(int chunk, int64_t micro, std::span<const float> input,
                std::span<float> output) override;
   void backward(int chunk, int64_t micro, std::span<const float> output_grad,
@@ -95,22 +108,24 @@ class GptStage final : public pipeline::StageWork {
   // Before each executor run: its first micro-batch (the run starts drained).
   void begin_run(int64_t first_micro);
   StageWindow take_window();
-  // Validation forward of `batch` (forward only, on activations of its own; the training's
-  // in-flight micro-batches are untouched): reads `input` (first stage: empty), writes
-  // `output` (last stage: empty); the loss sum on the last stage (0 elsewhere), the batch's
-  // loss tokens and the activations of the forward.
-  StageWindow evaluate(const data::Batch& batch, std::span<const float> input,
+  // Validation forward of `batch` through `chunk` (forward only, on activations of its own;
+  // the training's in-flight micro-batches are untouched): reads `input` (virtual stage 0:
+  // empty), writes `output` (the last virtual stage: empty); the loss sum on the last virtual
+  // stage (0 elsewhere), the batch's loss tokens and the activations of the forward.
+  StageWindow evaluate(int chunk, const data::Batch& batch, std::span<const float> input,
                        std::span<float> output);
-  // Inference forward of one sequence (every token of `window`, no cp), on activations of
-  // its own: reads `input`, writes `output` as evaluate(); the last stage returns the logits
-  // [V] of the last position (empty elsewhere).
-  std::vector<float> next_token_logits(std::span<const int32_t> window,
+  // Inference forward of one sequence (every token of `window`, no cp) through `chunk`, on
+  // activations of its own: reads `input`, writes `output` as evaluate(); the last virtual
+  // stage returns the logits [V] of the last position (empty elsewhere).
+  std::vector<float> next_token_logits(int chunk, std::span<const int32_t> window,
                                        std::span<const float> input, std::span<float> output);
   // f32 elements of `batch`'s residual stream on this rank: B x (T / cp) x width.
   size_t boundary_elems(const data::Batch& batch) const;
   int64_t live() const { return int64_t(live_.size()); }
-  bool first_stage() const { return stage_ == 0; }
-  bool last_stage() const { return stage_ == stages_ - 1; }
+  bool first_stage() const { return stage_ == 0; }           // holds the embedding
+  bool last_stage() const { return stage_ == stages_ - 1; }  // holds the head
+  bool first_virtual(int chunk) const { return ranges_.at(size_t(chunk)).embedding; }
+  bool last_virtual(int chunk) const { return ranges_.at(size_t(chunk)).head; }
   // Bytes of the training activations allocated so far (one set per micro-batch the schedule
   // has had in flight at once; the scratch, and under recomputation the block cache, once for
   // all of them) plus, under ZB-H1, the most bytes the queued Ws' copies have held at once
@@ -118,41 +133,49 @@ class GptStage final : public pipeline::StageWork {
   int64_t activation_bytes() const;
 
  private:
-  struct Live {
-    size_t slot;
-    double loss_sum, loss_tokens;
-    int64_t steps;  // STEPs taken before the forward
-    // The micro-batch and its inputs, kept until the backward: a context-parallel
-    // attention runs the backward's exchanges too.
+  // A micro-batch on this stage, from its first chunk's forward to its last chunk's end.
+  struct MicroBatch {
+    // Kept until the backwards: a context-parallel attention runs their exchanges too.
     std::unique_ptr<data::Batch> batch;
     std::unique_ptr<RankBatchInputs> inputs;
+    double loss_tokens;
+    int chunks_left;  // chunks whose backward (ZB-H1: W) has not finished
   };
-  // load_inputs, the stage's pieces of the forward, `output` from its last boundary; the
-  // loss sum on the last stage.
-  double forward_stage(model::Activations& acts, const model::ModelInputs& in,
+  // A micro-batch's chunk between its forward and its backward (ZB-H1: its W).
+  struct Live {
+    size_t slot;
+    double loss_sum;
+    int64_t steps;  // STEPs taken before the forward
+  };
+  // load_inputs, the chunk's pieces of the forward, `output` from its last boundary; the
+  // loss sum on the last virtual stage.
+  double forward_stage(int chunk, model::Activations& acts, const model::ModelInputs& in,
                        std::span<const float> input, std::span<float> output) const;
-  model::BlockRange range() const { return {first_, last_, first_stage(), last_stage()}; }
-  Live& in_flight(int64_t micro);  // the micro-batch between its forward and its end (checked)
-  void run_backward(int64_t micro, std::span<const float> output_grad, std::span<float> input_grad,
-                    bool defer_weight_grads);
-  void finish(int64_t micro);  // its loss into the window, its activations freed
+  // The chunk's activations between its forward and its end (checked).
+  Live& in_flight(int chunk, int64_t micro);
+  void run_backward(int chunk, int64_t micro, std::span<const float> output_grad,
+                    std::span<float> input_grad, bool defer_weight_grads);
+  void finish(int chunk, int64_t micro);  // its loss into the window, its activations freed
   void swap_stashed();
   // Prediction: how many STEPs will run between micro-batch `micro`'s forward (now) and its
   // backward; 0 when there is no last STEP of this run to extrapolate along.
   int64_t predicted_gap(int64_t micro) const;
   model::Gpt& model_;
   int stage_, stages_;
-  int64_t first_, last_;  // blocks [first_, last_)
+  std::vector<model::BlockRange> ranges_;  // per chunk
   data::DataLoader& loader_;
   const Config& config_;
   comm::Communicator& cp_group_;
   size_t boundary_elems_;  // micro_batch * (seq_len / cp) * width
   std::function<void(int64_t)> on_step_;
   ForwardHook on_forward_;
-  std::vector<std::unique_ptr<model::Activations>> slots_;  // [max_live], made on first use
-  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<model::Activations>> eval_;  // by B, T
-  std::vector<size_t> free_;
-  std::map<int64_t, Live> live_;  // by micro-batch
+  // Per chunk: [max_live] activations, made on first use, and the free ones.
+  std::vector<std::vector<std::unique_ptr<model::Activations>>> slots_;
+  std::vector<std::vector<size_t>> free_;
+  // Validation and inference activations by chunk, B, T.
+  std::map<std::tuple<int, int64_t, int64_t>, std::unique_ptr<model::Activations>> eval_;
+  std::map<int64_t, MicroBatch> micro_batches_;   // by micro-batch
+  std::map<std::pair<int64_t, int>, Live> live_;  // by micro-batch and chunk
   StageWindow window_;
   int64_t steps_ = 0;
   int64_t peak_deferred_bytes_ = 0;                   // ZB-H1: see activation_bytes()

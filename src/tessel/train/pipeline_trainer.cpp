@@ -30,9 +30,14 @@ int64_t micro_batches_per_step(const Config& c) {
   return c.train.accum;
 }
 
+int64_t pipeline_chunks(const Config& c) {
+  if (!pipeline_enabled(c) || pipeline_schedule(c) != pipeline::ScheduleKind::interleaved) return 1;
+  return c.pipeline.chunks > 0 ? c.pipeline.chunks : 2;
+}
+
 std::vector<int64_t> pipeline_boundaries(const Config& c) {
-  return stage_boundaries(
-      stage_layout(c.pipeline.layout, layer_costs(c.model, c.train.seq_len), c.parallel.pp));
+  return stage_boundaries(stage_layout(c.pipeline.layout, layer_costs(c.model, c.train.seq_len),
+                                       c.parallel.pp * pipeline_chunks(c)));
 }
 
 void validate_pipeline(const Config& c) {
@@ -42,6 +47,7 @@ void validate_pipeline(const Config& c) {
                       : c.pipeline.paci_k != 0       ? "pipeline.paci_k"
                       : c.pipeline.paci_stash        ? "pipeline.paci_stash"
                       : c.pipeline.paci_predict != 0 ? "pipeline.paci_predict"
+                      : c.pipeline.chunks != 0       ? "pipeline.chunks"
                                                      : nullptr;
     if (set)
       input_error("config key '", set, "' needs pipeline parallelism: set parallel.pp > 1 or ",
@@ -52,6 +58,19 @@ void validate_pipeline(const Config& c) {
   if (!name.empty() && !pipeline::find_schedule(name))
     input_error("config key 'pipeline.schedule' = \"", name, "\": expected ",
                 pipeline::kScheduleNames, " (or \"\" for 1f1b)");
+  if (c.pipeline.chunks != 0 && pipeline_schedule(c) != pipeline::ScheduleKind::interleaved)
+    input_error("config key 'pipeline.chunks' = ", c.pipeline.chunks,
+                " needs pipeline.schedule = interleaved");
+  if (pipeline_schedule(c) == pipeline::ScheduleKind::interleaved) {
+    if (c.pipeline.chunks < 0 || c.pipeline.chunks == 1)
+      input_error("config key 'pipeline.chunks' must be >= 2 (0 = 2) with pipeline.schedule = ",
+                  "interleaved (one chunk per stage is 1f1b), got ", c.pipeline.chunks);
+    if (c.parallel.pp < 2)
+      input_error("pipeline.schedule = interleaved needs parallel.pp >= 2, got ", c.parallel.pp);
+    if (c.train.accum % c.parallel.pp != 0)
+      input_error("pipeline.schedule = interleaved needs train.accum divisible by parallel.pp = ",
+                  c.parallel.pp, " (micro-batches enter in groups of pp), got ", c.train.accum);
+  }
   if (c.pipeline.paci_k < 0)
     input_error("config key 'pipeline.paci_k' must be >= 0 (0 = train.accum), got ",
                 c.pipeline.paci_k);
@@ -109,14 +128,18 @@ void validate_pipeline(const Config& c) {
   pipeline_boundaries(c);  // InputError for a bad layout, or too few blocks for the stages
 }
 
-model::BlockRange pipeline_block_range(const Config& config, const comm::Mesh& mesh) {
-  if (!pipeline_enabled(config)) return {};
+std::vector<model::BlockRange> pipeline_block_ranges(const Config& config, const comm::Mesh& mesh) {
+  if (!pipeline_enabled(config)) return {model::BlockRange{}};
   const auto bounds = pipeline_boundaries(config);
-  const auto s = size_t(mesh.coordinate(comm::Axis::pp));
-  return {bounds.at(s), bounds.at(s + 1), s == 0, s + 2 == bounds.size()};
+  const auto P = size_t(config.parallel.pp);
+  std::vector<model::BlockRange> chunks;
+  for (auto j = size_t(mesh.coordinate(comm::Axis::pp)); j + 1 < bounds.size(); j += P)
+    chunks.push_back({bounds[j], bounds[j + 1], j == 0, j + 2 == bounds.size()});
+  return chunks;
 }
 
-std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries) {
+std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries,
+                                  int stages) {
   const int last = int(boundaries.size()) - 2;
   std::vector<int> out;
   for (const Parameter& p : model.parameters()) {
@@ -130,7 +153,7 @@ std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int
     } else if (p.tag == ParamTag::embedding || p.tag == ParamTag::position_embedding) {
       stage = 0;
     }
-    out.push_back(stage);
+    out.push_back(stage % stages);  // virtual stage j is on stage j % P
   }
   return out;
 }
@@ -180,8 +203,8 @@ std::unique_ptr<parallel::ExpertShardedOptimizer> make_stage_optimizer(
   // Only this rank's stage: the other stages' optimizer state (momentum, Adam moments,
   // scratch) lives on their own ranks, so each rank holds 1/P of it.
   const int stage = mesh.coordinate(comm::Axis::pp);
-  const ParameterList own =
-      stage_parameters(model, parameter_stages(model, pipeline_boundaries(config)), stage);
+  const ParameterList own = stage_parameters(
+      model, parameter_stages(model, pipeline_boundaries(config), config.parallel.pp), stage);
   auto [dense, experts] = split_experts(model, own);
   return std::make_unique<parallel::ExpertShardedOptimizer>(
       config.optim, std::move(dense), std::move(experts), mesh.group(comm::Axis::dp),
@@ -202,7 +225,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       stage_(pp_.rank()),
       stages_(pp_.size()),
       micro_per_step_(micro_batches_per_step(config)),
-      param_stage_(parameter_stages(model, pipeline_boundaries(config))),
+      param_stage_(parameter_stages(model, pipeline_boundaries(config), config.parallel.pp)),
       own_params_(stage_parameters(model, param_stage_, stage_)),
       own_dense_(split_experts(model, own_params_).first),
       own_experts_(split_experts(model, own_params_).second),
@@ -210,18 +233,21 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       tied_(config.model.tied_head && stages_ > 1),
       ends_(tied_ ? pp_.split(stage_ == 0 || stage_ == stages_ - 1 ? 0 : 1, stage_) : nullptr),
       work_(
-          model, pipeline_boundaries(config), stage_, loader, config, mesh.group(comm::Axis::cp),
-          max_live_activations(), [this](int64_t version) { on_step(version); },
-          own_stale_weights(config),
+          model, pipeline_boundaries(config), stage_, stages_, loader, config,
+          mesh.group(comm::Axis::cp), max_live_activations(),
+          [this](int64_t version) { on_step(version); }, own_stale_weights(config),
           [this](int64_t micro, const model::Activations& acts) {
             if (!run_moe_.empty())
               run_moe_.at(size_t(micro / micro_per_step_ - run_step_)).add(acts);
           }),
       executor_(pp_, work_) {
-  const model::BlockRange blocks = pipeline_block_range(config, mesh);
-  const model::BlockRange& held = model.block_range();
-  TESSEL_CHECK(held.first == blocks.first && held.last == blocks.last &&
-                   held.embedding == blocks.embedding && held.head == blocks.head,
+  const std::vector<model::BlockRange> chunks = pipeline_block_ranges(config, mesh);
+  const std::vector<model::BlockRange>& held = model.block_ranges();
+  TESSEL_CHECK(std::equal(held.begin(), held.end(), chunks.begin(), chunks.end(),
+                          [](const model::BlockRange& a, const model::BlockRange& b) {
+                            return a.first == b.first && a.last == b.last &&
+                                   a.embedding == b.embedding && a.head == b.head;
+                          }),
                "the model holds other parts than stage ", stage_, "'s");
   const auto [begin, end] = own_range_;
   const auto bucket_bytes = int64_t(config.parallel.bucket_mb * 1024 * 1024);
@@ -233,6 +259,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
 int64_t PipelineTrainer::max_live_activations() const {
   switch (kind_) {
     case pipeline::ScheduleKind::gpipe:
+    case pipeline::ScheduleKind::interleaved:  // per chunk; made on first use
       return micro_per_step_;
     case pipeline::ScheduleKind::zb_h1:  // P - s forwards awaiting B, s backwards awaiting W
       return stages_;
@@ -364,9 +391,12 @@ PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
   sync_seconds_ = 0;
   Timer timer;
   window_timer_.reset();
-  pipeline::ScheduleOptions options{kind_, stages_,
-                                    paci ? windows * micro_per_step_ : micro_per_step_, 1,
-                                    paci ? micro_per_step_ : 1};
+  pipeline::ScheduleOptions options{kind_,
+                                    stages_,
+                                    paci ? windows * micro_per_step_ : micro_per_step_,
+                                    1,
+                                    paci ? micro_per_step_ : 1,
+                                    work_.chunks()};
   work_.begin_run(step * micro_per_step_);
   const pipeline::StageStats stats = executor_.run(options, step * micro_per_step_);
   hooks_ = {};  // they refer to the caller's step: only this run's updates may call them
@@ -461,13 +491,21 @@ PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
   return this->step(step, hooks);
 }
 
+template <class Forward>
+auto PipelineTrainer::through_chunk(int chunk, size_t elems, Forward forward) {
+  constexpr int kTag = 0;  // between executor runs no message is in flight
+  std::vector<float> input(work_.first_virtual(chunk) ? 0 : elems);
+  std::vector<float> output(work_.last_virtual(chunk) ? 0 : elems);
+  if (!input.empty()) pp_.recv(input, (stage_ + stages_ - 1) % stages_, kTag);
+  auto result = forward(std::span<const float>(input), std::span<float>(output));
+  if (!output.empty()) pp_.send(output, (stage_ + 1) % stages_, kTag);
+  return result;
+}
+
 std::vector<double> PipelineTrainer::validation_sums(const std::vector<data::Batch>& batches,
                                                      std::span<const int64_t> source,
                                                      int64_t data_sets, MoeMetrics& moe,
                                                      const std::function<void()>& on_batch) {
-  // Between executor runs no message is in flight, so any tag is free.
-  constexpr int kTag = 0;
-  std::vector<float> input, output;
   std::vector<double> sums(size_t(2 * data_sets), 0.0);
   // An MoE stage's forwards exchange tokens over its ep group: every rank runs as many as
   // the one with the most validation batches, the others on batches without loss tokens
@@ -478,18 +516,17 @@ std::vector<double> PipelineTrainer::validation_sums(const std::vector<data::Bat
   for (int64_t i = 0; i < rounds; ++i) {
     const data::Batch& b = i < int64_t(batches.size()) ? batches[size_t(i)] : idle;
     const size_t elems = work_.boundary_elems(b);
-    input.resize(work_.first_stage() ? 0 : elems);
-    output.resize(work_.last_stage() ? 0 : elems);
-    if (!input.empty()) pp_.recv(input, stage_ - 1, kTag);
-    const StageWindow r = work_.evaluate(b, input, output);
-    if (!output.empty()) pp_.send(output, stage_ + 1, kTag);
-    on_batch();
-    if (i >= int64_t(batches.size())) continue;
-    if (work_.last_stage()) {
-      const auto d = size_t(source[size_t(i)]);
-      sums[2 * d] += r.loss_sum, sums[2 * d + 1] += r.loss_tokens;
+    for (int chunk = 0; chunk < work_.chunks(); ++chunk) {
+      const StageWindow r = through_chunk(
+          chunk, elems, [&](auto in, auto out) { return work_.evaluate(chunk, b, in, out); });
+      if (i >= int64_t(batches.size())) continue;
+      if (work_.last_virtual(chunk)) {
+        const auto d = size_t(source[size_t(i)]);
+        sums[2 * d] += r.loss_sum, sums[2 * d + 1] += r.loss_tokens;
+      }
+      moe.add(*r.activations);
     }
-    moe.add(*r.activations);
+    on_batch();
   }
   pp_.all_reduce(std::span<double>(sums));  // the last stage's sums; + 0 is exact
   if (!moe.empty()) {  // each stage's blocks over dp x cp, then the stages' joined
@@ -500,13 +537,14 @@ std::vector<double> PipelineTrainer::validation_sums(const std::vector<data::Bat
 }
 
 std::vector<float> PipelineTrainer::next_token_logits(std::span<const int32_t> window) {
-  constexpr int kTag = 0;  // between executor runs no message is in flight
   const size_t elems = window.size() * size_t(model_.config().width);
-  std::vector<float> input(work_.first_stage() ? 0 : elems);
-  std::vector<float> output(work_.last_stage() ? 0 : elems);
-  if (!input.empty()) pp_.recv(input, stage_ - 1, kTag);
-  std::vector<float> logits = work_.next_token_logits(window, input, output);
-  if (!output.empty()) pp_.send(output, stage_ + 1, kTag);
+  std::vector<float> logits;
+  for (int chunk = 0; chunk < work_.chunks(); ++chunk) {
+    std::vector<float> mine = through_chunk(chunk, elems, [&](auto in, auto out) {
+      return work_.next_token_logits(chunk, window, in, out);
+    });
+    if (work_.last_virtual(chunk)) logits = std::move(mine);
+  }
   logits.resize(size_t(model_.config().vocab));
   pp_.broadcast(std::span<float>(logits), stages_ - 1);
   return logits;

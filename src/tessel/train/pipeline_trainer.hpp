@@ -56,22 +56,28 @@ bool pipeline_enabled(const Config& config);
 pipeline::ScheduleKind pipeline_schedule(const Config& config);
 // Micro-batches per trainer step (and per loader step): PACI's K, else train.accum.
 int64_t micro_batches_per_step(const Config& config);
-// The first block of each stage and the end (stage_boundaries) for parallel.pp and
-// pipeline.layout; InputError for a bad layout.
+// Model chunks per stage: pipeline.chunks under the interleaved schedule (0 = 2), else 1.
+int64_t pipeline_chunks(const Config& config);
+// The first block of each virtual stage and the end (stage_boundaries) for parallel.pp x
+// pipeline_chunks() virtual stages and pipeline.layout; InputError for a bad layout. Virtual
+// stage j runs on stage j % pp (without interleaving, j is the stage).
 std::vector<int64_t> pipeline_boundaries(const Config& config);
 // InputError naming the keys for what the pipeline path does not support (PACI with a tied
 // head or an adaptive checkpoint policy) and for a bad schedule or layout.
 void validate_pipeline(const Config& config);
 
-// What this rank's stage holds (the model's BlockRange): its pp coordinate's blocks
-// [boundaries[s], boundaries[s + 1]), the embeddings on the first stage, the final norm and
-// head on the last (either may hold no blocks); the whole model without a pipeline.
-model::BlockRange pipeline_block_range(const Config& config, const comm::Mesh& mesh);
+// What this rank's stage holds (the model's chunks, one BlockRange per virtual stage s,
+// s + pp, ...): blocks [boundaries[j], boundaries[j + 1]) of each, the embeddings on the first
+// virtual stage, the final norm and head on the last (either may hold no blocks); the whole
+// model without a pipeline.
+std::vector<model::BlockRange> pipeline_block_ranges(const Config& config, const comm::Mesh& mesh);
 
-// The stage of every parameter of `model`, in registry order: the embeddings on the first
-// stage, each block's on the stage holding it (stage_boundaries), the final norm and the
-// head on the last; a tied head's weight is the embedding, trained on the first.
-std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries);
+// The stage of every parameter of `model`, in registry order, for `stages` stages and the
+// virtual stages' `boundaries`: the embeddings on the first stage, each block's on the stage
+// running the virtual stage holding it, the final norm and the head on the last stage; a tied
+// head's weight is the embedding, trained on the first.
+std::vector<int> parameter_stages(const model::Gpt& model, const std::vector<int64_t>& boundaries,
+                                  int stages);
 
 // The optimizer of the pipeline path: this rank's stage's parameters only (its dense ones
 // over dp, its experts over edp), its state named "stage<s>/..." and held by that stage's
@@ -143,6 +149,11 @@ class PipelineTrainer {
   // pipeline.paci_stash / paci_predict: what GptStage needs for them; else plain.
   StaleWeights own_stale_weights(const Config& config) const;
   int64_t max_live_activations() const;  // micro-batches this stage holds at once (GptStage)
+  // A forward outside the executor (validation, sampling) through `chunk`: its input of
+  // `elems` received from the previous virtual stage (none on virtual stage 0), `forward(input,
+  // output)` run, its output sent to the next (none from the last); forward's result.
+  template <class Forward>
+  auto through_chunk(int chunk, size_t elems, Forward forward);
 
   const Config& config_;
   comm::Communicator& pp_;

@@ -351,7 +351,7 @@ struct Trainer::State {
         dp(mesh.group(comm::Axis::dp)),
         grad_group(mesh.group(comm::Axis::dp_cp)),
         model(config.model, uint64_t(config.run.seed), parallel::expert_shard(mesh),
-              pipeline_block_range(config, mesh)),
+              pipeline_block_ranges(config, mesh)),
         experts(mesh.group(comm::Axis::ep), grad_group, &mesh.group(comm::Axis::cp)),
         sample_experts(mesh.group(comm::Axis::ep), grad_group, nullptr),
         moe_step(model),

@@ -1,6 +1,6 @@
-// Pipeline parallelism on real MPI ranks (spec pipeline.md C2, C3): GPipe, 1F1B and ZB-H1 over pp
-// stages give bitwise the losses, gradient norms, validation losses and final weights of
-// the single-process run; pp x dp those of the plain dp run, pp x cp those of the plain cp
+// Pipeline parallelism on real MPI ranks (spec pipeline.md C2, C3): GPipe, 1F1B, interleaved
+// 1F1B and ZB-H1 over pp stages give bitwise the losses, gradient norms, validation losses and
+// final weights of the single-process run; pp x dp those of the plain dp run, pp x cp those of the plain cp
 // run; PACI drained after every window equals 1F1B; undrained PACI equals a sequential
 // single-process reference of its semantics; resume continues bitwise.
 #include <gtest/gtest.h>
@@ -126,7 +126,7 @@ PaciReference paci_reference(const train::Config& c) {
   const int64_t K = train::micro_batches_per_step(c);
   const std::vector<int64_t> bounds = train::pipeline_boundaries(c);
   model::Gpt model(c.model, uint64_t(c.run.seed));
-  const std::vector<int> stage_of = train::parameter_stages(model, bounds);
+  const std::vector<int> stage_of = train::parameter_stages(model, bounds, P);
   std::vector<ParameterList> params(static_cast<size_t>(P));
   for (size_t i = 0; i < stage_of.size(); ++i)
     params[size_t(stage_of[i])].push_back(model.parameters()[i]);
@@ -291,6 +291,59 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
         }
       }
     }
+}
+
+// Interleaved 1F1B (spec C2): each stage runs pipeline.chunks model chunks (stage s the
+// virtual stages s, s + P, ..), so its blocks are not adjacent, yet the run equals the single
+// process bitwise: losses, gradient norms, validation and the sample through the chunks, and
+// the final weights each stage saves. Peak live chunk activations are those of the schedule's
+// list; no backward is stale. A tied head (embedding on stage 0's chunk 0, head on the last
+// stage's last chunk) follows to rounding, as over plain stages.
+TEST(PipelineTrain, InterleavedChunksEqualTheSingleProcessRunBitwise) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  train::Config c = pipeline_config(world, "tessel-pp-inter");
+  c.model.layers = 2 * P + 2;  // enough blocks for every middle virtual stage
+  c.model.tied_head = false;
+  c.train.sample_tokens = 12;
+  const Reference ref = single_process(c);
+  for (const int chunks : P == 2 ? std::vector<int>{2, 3} : std::vector<int>{2})
+    for (const std::string layout :
+         {std::string(), std::string(chunks == 2 && P == 2 ? "0,3,3,0" : "")}) {
+      SCOPED_TRACE(std::to_string(chunks) + " chunks, layout '" + layout + "'");
+      c.parallel.pp = P;
+      c.pipeline.schedule = "interleaved";
+      c.pipeline.chunks = chunks;
+      c.pipeline.layout = layout;
+      c.run.dir = shared_temp_dir(world, "tessel-pp-inter");
+      const auto piped = run_on(world, c);
+      fixture::expect_same_steps(piped, ref.result);
+      fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+      if (world.rank() != 0) continue;
+      EXPECT_EQ(piped.sample, ref.result.sample);
+      const pipeline::ScheduleOptions list{pipeline::ScheduleKind::interleaved, P, 4, 1, 1, chunks};
+      for (const auto& r : pipeline_records(c.run.dir))
+        for (int s = 0; s < P; ++s) {
+          int64_t live = 0, peak = 0;
+          for (const pipeline::Op& op : pipeline::stage_ops(list, s))
+            peak = std::max(peak, live += op.kind == pipeline::OpKind::forward    ? 1
+                                          : op.kind == pipeline::OpKind::backward ? -1
+                                                                                  : 0);
+          EXPECT_EQ(r["stages"][s]["peak_live_activations"], peak) << "stage " << s;
+          EXPECT_EQ(r["stages"][s]["max_version_gap"], 0);
+        }
+    }
+
+  c.model.tied_head = true;
+  const Reference tied = single_process(c);
+  c.pipeline.chunks = 2;
+  c.pipeline.layout.clear();
+  c.run.dir = shared_temp_dir(world, "tessel-pp-inter");
+  const auto piped = run_on(world, c);
+  ASSERT_EQ(piped.steps.size(), tied.result.steps.size());
+  for (size_t i = 0; i < piped.steps.size(); ++i)
+    EXPECT_NEAR(piped.steps[i].loss, tied.result.steps[i].loss, 1e-5 * tied.result.steps[i].loss)
+        << "step " << i + 1;
 }
 
 // model.attention_window reaches every stage's blocks: 1F1B over the stages with a 3-key window
@@ -494,7 +547,7 @@ TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
     plain.run.dir = shared_temp_dir(*half, "tessel-ppdp-ref");
     const auto ref = run_on(*half, plain);
     const auto ref_weights = fixture::final_weights(plain.run.dir);
-    for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "interleaved"}) {
       SCOPED_TRACE(std::string(optimizer) + ", " + schedule);
       c.parallel.pp = 2;
       c.pipeline.schedule = schedule;
@@ -1147,8 +1200,8 @@ TEST(PipelineTrain, EachRankHoldsOnlyItsStagesParameters) {
       ASSERT_EQ(held.size(), size_t(world.size()));
 
       const comm::Mesh mesh = comm::Mesh::build(world, {pp, world.size() / pp, 1, 1});
-      const model::BlockRange range = train::pipeline_block_range(c, mesh);
-      const model::Gpt stage(c.model, uint64_t(c.run.seed), {}, range);
+      const model::Gpt stage(c.model, uint64_t(c.run.seed), {},
+                             train::pipeline_block_ranges(c, mesh));
       EXPECT_EQ(held[size_t(world.rank())], stage.num_parameters());
       EXPECT_LT(stage.num_parameters(), stage.total_parameters());
       int64_t replica = stage.num_parameters();  // summed over this dp replica's stages
@@ -1181,7 +1234,8 @@ TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
       run_on(world, c);
 
       model::Gpt model(c.model, uint64_t(c.run.seed));
-      const auto stage_of = train::parameter_stages(model, train::pipeline_boundaries(c));
+      const auto stage_of =
+          train::parameter_stages(model, train::pipeline_boundaries(c), c.parallel.pp);
       std::map<std::string, int> param_stage;
       for (size_t i = 0; i < stage_of.size(); ++i)
         param_stage[model.parameters()[i].name] = stage_of[i];

@@ -445,6 +445,86 @@ TEST(GptBlockRange, StageModelsComposeTheWholeModel) {
   }
 }
 
+// An interleaved stage's model holds several chunks. Two models of 4 blocks, chunks
+// {[0, 1) + embedding, [2, 3)} and {[1, 2), [3, 4) + head}, hold exactly their blocks with the
+// whole model's values, and run in the chain 0, 1, 0, 1 they give the whole model's loss and
+// gradients bit for bit (untied head: every parameter on one model). Chunks out of order,
+// overlapping, or with the ends on the wrong chunk are errors, as are pieces not held.
+TEST(GptBlockRange, ChunkedModelsHoldTheirChunksAndComposeTheWholeModel) {
+  GptConfig c = gelu_config();
+  c.layers = 4;
+  c.tied_head = false;
+  Gpt whole(c, 31);
+  const Batch batch = random_batch(c, 2, 6, 33, false);
+  auto whole_acts = whole.make_activations(2, 6);
+  whole.zero_grads();
+  const double loss = forward_backward(whole, *whole_acts, batch);
+
+  const std::vector<std::vector<BlockRange>> held = {{{0, 1, true, false}, {2, 3, false, false}},
+                                                     {{1, 2, false, false}, {3, 4, false, true}}};
+  std::vector<std::unique_ptr<Gpt>> models;
+  std::map<std::string, int> holders;
+  for (const auto& chunks : held) {
+    models.push_back(std::make_unique<Gpt>(c, 31, ExpertShard{}, chunks));
+    const Gpt& m = *models.back();
+    EXPECT_EQ(m.block_ranges().size(), 2u);
+    EXPECT_ANY_THROW(m.block_range());
+    for (size_t i = 0; i < m.parameters().size(); ++i) {
+      const Parameter& p = m.parameters()[i];
+      const Parameter& q = whole.parameters()[size_t(m.registry_position(i))];
+      EXPECT_EQ(p.name, q.name);
+      EXPECT_TRUE(bitwise_equal(p.value, q.value)) << p.name;
+      ++holders[p.name];
+      if (p.name.rfind("blocks.", 0) == 0) {  // block b on model b % 2
+        EXPECT_EQ(std::stoll(p.name.substr(7)) % 2, &m == models[1].get()) << p.name;
+      }
+    }
+    models.back()->zero_grads();
+  }
+  for (const Parameter& p : whole.parameters()) EXPECT_EQ(holders[p.name], 1) << p.name;
+
+  // Virtual stage j = chunk * 2 + model holds block j.
+  std::vector<std::unique_ptr<Activations>> acts;
+  for (int64_t j = 0; j < 4; ++j) {
+    const BlockRange& r = held[size_t(j % 2)][size_t(j / 2)];
+    acts.push_back(models[size_t(j % 2)]->make_activations(2, 6, r));
+  }
+  for (int64_t j = 0; j < 4; ++j) {
+    Gpt& m = *models[size_t(j % 2)];
+    m.load_inputs(*acts[size_t(j)], batch.inputs());
+    if (j == 0)
+      m.forward_embedding(*acts[0]);
+    else
+      std::memcpy(acts[size_t(j)]->residual(j).raw(), acts[size_t(j) - 1]->residual(j).raw(),
+                  acts[size_t(j)]->residual(j).bytes());
+    m.forward_blocks(*acts[size_t(j)], j, j + 1);
+  }
+  EXPECT_EQ(models[1]->forward_head(*acts[3]), loss);
+  for (int64_t j = 4; j-- > 0;) {
+    Gpt& m = *models[size_t(j % 2)];
+    if (j == 3)
+      m.backward_head(*acts[3], 1.0f);
+    else
+      std::memcpy(acts[size_t(j)]->residual_grad(j + 1).raw(),
+                  acts[size_t(j) + 1]->residual_grad(j + 1).raw(),
+                  acts[size_t(j)]->residual_grad(j + 1).bytes());
+    m.backward_blocks(*acts[size_t(j)], j, j + 1);
+    if (j == 0) m.backward_embedding(*acts[0]);
+  }
+  for (const auto& m : models)
+    for (const Parameter& p : m->parameters())
+      EXPECT_TRUE(bitwise_equal(p.grad, whole.parameter(p.name).grad)) << p.name;
+
+  EXPECT_ANY_THROW(models[0]->forward_blocks(*acts[0], 0, 3));  // block 1 is not held
+  EXPECT_ANY_THROW(models[0]->forward_head(*acts[2]));
+  using Chunks = std::vector<BlockRange>;
+  for (const Chunks& bad : {Chunks{}, Chunks{{2, 3, false, false}, {0, 1, false, false}},
+                            Chunks{{0, 2, false, false}, {1, 3, false, false}},
+                            Chunks{{0, 1, false, true}, {3, 4, false, false}},
+                            Chunks{{1, 2, false, false}, {0, 1, true, false}}})
+    EXPECT_ANY_THROW(Gpt(c, 31, ExpertShard{}, bad));
+}
+
 // Token (0, 3) changes: logits of row 0 before position 3 and all of row 1 must
 // not move (causal attention, rows independent). Up to GEMM rounding: 1e-5.
 TEST(GptForward, CausalAndRowIndependent) {

@@ -35,27 +35,32 @@ std::vector<float> copy_of(const Tensor& t) {
 
 // Runs every stage's list of `schedule` over one model in one process: an op runs when its
 // input has arrived; a STEP waits for every stage to reach it (the collective of a flush
-// STEP), then the gradients are recorded and zeroed.
+// STEP), then the gradients are recorded and zeroed. `layout` counts blocks per virtual stage
+// (schedule.stages x schedule.chunks of them); chunk c of stage s is virtual stage c P + s.
 std::vector<StepResult> run_chained(const train::Config& c, const std::vector<int64_t>& layout,
                                     const pipeline::ScheduleOptions& schedule) {
   model::Gpt model(c.model, uint64_t(c.run.seed));
   const int P = schedule.stages;
+  const int last = P * schedule.chunks - 1;  // the last virtual stage
   const auto boundaries = train::stage_boundaries(layout);
   std::vector<data::DataLoader> loaders;
   std::vector<std::unique_ptr<train::GptStage>> stages;
   for (int s = 0; s < P; ++s) loaders.push_back(make_loader(c));
   std::vector<int64_t> versions_seen;
   comm::SingleCommunicator no_cp;  // parallel.cp = 1
+  const bool all_at_once = schedule.kind == pipeline::ScheduleKind::gpipe ||
+                           schedule.kind == pipeline::ScheduleKind::interleaved;
   for (int s = 0; s < P; ++s)
     stages.push_back(std::make_unique<train::GptStage>(
-        model, boundaries, s, loaders[size_t(s)], c, no_cp,
-        schedule.kind == pipeline::ScheduleKind::gpipe ? schedule.micro_batches : P - s,
+        model, boundaries, s, P, loaders[size_t(s)], c, no_cp,
+        all_at_once ? schedule.micro_batches : P - s,
         [&versions_seen](int64_t v) { versions_seen.push_back(v); }));
   std::vector<std::vector<pipeline::Op>> ops;
   for (int s = 0; s < P; ++s) ops.push_back(pipeline::stage_ops(schedule, s));
   std::vector<size_t> next(static_cast<size_t>(P), 0);
-  std::vector<std::map<int64_t, std::vector<float>>> acts_in(static_cast<size_t>(P)),
-      grads_in(static_cast<size_t>(P));
+  // Messages by virtual stage, then micro-batch.
+  std::vector<std::map<int64_t, std::vector<float>>> acts_in(size_t(last) + 1),
+      grads_in(size_t(last) + 1);
   std::vector<StepResult> steps;
   int64_t version = 0;
   model.zero_grads();
@@ -65,20 +70,21 @@ std::vector<StepResult> run_chained(const train::Config& c, const std::vector<in
       auto& stage = *stages[size_t(s)];
       while (next[size_t(s)] < ops[size_t(s)].size()) {
         const pipeline::Op op = ops[size_t(s)][next[size_t(s)]];
+        const int j = op.chunk * P + s;
         if (op.kind == pipeline::OpKind::forward) {
-          if (s > 0 && !acts_in[size_t(s)].count(op.micro)) break;
-          std::vector<float> out(stage.output_elems());
+          if (j > 0 && !acts_in[size_t(j)].count(op.micro)) break;
+          std::vector<float> out(j < last ? stage.output_elems() : 0);
           stage.forward(op.chunk, op.micro,
-                        s > 0 ? acts_in[size_t(s)][op.micro] : std::vector<float>{}, out);
-          acts_in[size_t(s)].erase(op.micro);
-          if (s + 1 < P) acts_in[size_t(s) + 1][op.micro] = std::move(out);
+                        j > 0 ? acts_in[size_t(j)][op.micro] : std::vector<float>{}, out);
+          acts_in[size_t(j)].erase(op.micro);
+          if (j < last) acts_in[size_t(j) + 1][op.micro] = std::move(out);
         } else if (op.kind == pipeline::OpKind::backward) {
-          if (s + 1 < P && !grads_in[size_t(s)].count(op.micro)) break;
-          std::vector<float> dx(stage.input_elems());
+          if (j < last && !grads_in[size_t(j)].count(op.micro)) break;
+          std::vector<float> dx(j > 0 ? stage.input_elems() : 0);
           stage.backward(op.chunk, op.micro,
-                         s + 1 < P ? grads_in[size_t(s)][op.micro] : std::vector<float>{}, dx);
-          grads_in[size_t(s)].erase(op.micro);
-          if (s > 0) grads_in[size_t(s) - 1][op.micro] = std::move(dx);
+                         j < last ? grads_in[size_t(j)][op.micro] : std::vector<float>{}, dx);
+          grads_in[size_t(j)].erase(op.micro);
+          if (j > 0) grads_in[size_t(j) - 1][op.micro] = std::move(dx);
         } else {
           bool all_there = true;  // every stage waits at its STEP
           for (int o = 0; o < P; ++o)
@@ -171,6 +177,23 @@ TEST_F(PipelineStageTest, FlushSchedulesEqualTheWholeModelBitwise) {
       pipeline::ScheduleOptions s{kind, P, 4, 2, 1};
       expect_equal_steps(run_chained(config, layout, s), whole, P);
     }
+}
+
+// Interleaved: each stage runs its chunks' pieces (embedding on virtual stage 0, head on the
+// last); each micro-batch's loss tokens count once per stage however many chunks it crosses.
+TEST_F(PipelineStageTest, InterleavedChunksEqualTheWholeModelBitwise) {
+  config.model.layers = 6;
+  const auto whole = run_whole(config, 2, 4);
+  struct Case {
+    int stages, chunks;
+    std::vector<int64_t> layout;  // per virtual stage
+  };
+  for (const Case& k : {Case{2, 2, {2, 1, 2, 1}}, Case{2, 3, {1, 1, 1, 1, 1, 1}},
+                        Case{2, 2, {0, 2, 2, 2}}, Case{4, 2, {1, 1, 1, 0, 1, 1, 1, 0}}}) {
+    SCOPED_TRACE(std::to_string(k.stages) + " stages x " + std::to_string(k.chunks) + " chunks");
+    pipeline::ScheduleOptions s{pipeline::ScheduleKind::interleaved, k.stages, 4, 2, 1, k.chunks};
+    expect_equal_steps(run_chained(config, k.layout, s), whole, k.stages);
+  }
 }
 
 TEST_F(PipelineStageTest, PaciWithoutAStepInsideTheHorizonEquals1F1B) {

@@ -148,7 +148,7 @@ TEST_F(PipelineTrainerTest, ParametersBelongToTheStageOfTheirPiece) {
     config.model.tied_head = tied;
     model::Gpt model(config.model, 1);
     // Layout 0,3,1: the first stage holds only the embedding.
-    const auto stages = train::parameter_stages(model, {0, 0, 3, 4});
+    const auto stages = train::parameter_stages(model, {0, 0, 3, 4}, 3);
     ASSERT_EQ(stages.size(), model.parameters().size());
     for (size_t i = 0; i < stages.size(); ++i) {
       const std::string& name = model.parameters()[i].name;
