@@ -36,8 +36,10 @@ int64_t pipeline_chunks(const Config& c) {
 }
 
 std::vector<int64_t> pipeline_boundaries(const Config& c) {
-  return stage_boundaries(stage_layout(c.pipeline.layout, layer_costs(c.model, c.train.seq_len),
-                                       c.parallel.pp * pipeline_chunks(c)));
+  const int64_t chunks = pipeline_chunks(c);
+  return stage_boundaries(
+      stage_layout(c.pipeline.layout, layer_costs(c.model, c.train.seq_len), c.parallel.pp * chunks,
+                   chunks > 1 ? "parallel.pp x pipeline.chunks" : "parallel.pp"));
 }
 
 void validate_pipeline(const Config& c) {

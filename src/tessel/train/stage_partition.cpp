@@ -48,12 +48,13 @@ std::vector<double> stage_costs(const LayerCosts& costs, const std::vector<int64
   return out;
 }
 
-std::vector<int64_t> balanced_layout(const LayerCosts& costs, int64_t stages) {
+std::vector<int64_t> balanced_layout(const LayerCosts& costs, int64_t stages,
+                                     const std::string& stages_key) {
   const int64_t L = int64_t(costs.blocks.size()), P = stages;
   TESSEL_CHECK(P >= 1, "stages = ", P);
   const int64_t needed = P == 1 ? 1 : P - 2;  // blocks the middle stages (or a lone one) need
   if (L < needed)
-    input_error("model.layers = ", L, " is too few for parallel.pp = ", P,
+    input_error("model.layers = ", L, " is too few for ", stages_key, " = ", P,
                 ": every middle stage needs a block");
   std::vector<double> prefix(size_t(L) + 1, 0.0);
   for (int64_t i = 0; i < L; ++i)
@@ -88,13 +89,13 @@ std::vector<int64_t> balanced_layout(const LayerCosts& costs, int64_t stages) {
 }
 
 std::vector<int64_t> stage_layout(const std::string& layout, const LayerCosts& costs,
-                                  int64_t stages) {
-  if (layout.empty()) return balanced_layout(costs, stages);
+                                  int64_t stages, const std::string& stages_key) {
+  if (layout.empty()) return balanced_layout(costs, stages, stages_key);
   const int64_t L = int64_t(costs.blocks.size());
   const std::vector<int64_t> counts = parse_int_list("pipeline.layout", layout, 0);
   if (int64_t(counts.size()) != stages)
     input_error("config key 'pipeline.layout' = \"", layout, "\" has ", counts.size(),
-                " stage(s) but parallel.pp = ", stages);
+                " stage(s) but ", stages_key, " = ", stages);
   int64_t sum = 0;
   for (int64_t n : counts) sum += n;
   if (sum != L)

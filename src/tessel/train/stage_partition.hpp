@@ -26,14 +26,16 @@ std::vector<double> stage_costs(const LayerCosts& costs, const std::vector<int64
 
 // Blocks per stage minimizing the largest stage cost. Every middle stage gets at least one
 // block; the first and last may get none (they still hold the embedding / the head).
-// InputError when the model has too few blocks for the stages.
-std::vector<int64_t> balanced_layout(const LayerCosts& costs, int64_t stages);
+// InputError when the model has too few blocks for the stages, naming `stages_key` (the
+// config keys that set their number).
+std::vector<int64_t> balanced_layout(const LayerCosts& costs, int64_t stages,
+                                     const std::string& stages_key = "parallel.pp");
 
 // Parses `pipeline.layout` ("2,2"); "" = balanced_layout. InputError naming the key when
 // the counts are not integers, are not `stages` of them, do not sum to the layers, or leave
 // a middle stage (or the only stage's) without blocks.
 std::vector<int64_t> stage_layout(const std::string& layout, const LayerCosts& costs,
-                                  int64_t stages);
+                                  int64_t stages, const std::string& stages_key = "parallel.pp");
 
 // The first block of every stage, and one past the last: [stages + 1].
 std::vector<int64_t> stage_boundaries(const std::vector<int64_t>& counts);

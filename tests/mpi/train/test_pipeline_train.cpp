@@ -1,7 +1,7 @@
 // Pipeline parallelism on real MPI ranks (spec pipeline.md C2, C3): GPipe, 1F1B, interleaved
 // 1F1B and ZB-H1 over pp stages give bitwise the losses, gradient norms, validation losses and
-// final weights of the single-process run; pp x dp those of the plain dp run, pp x cp those of the plain cp
-// run; PACI drained after every window equals 1F1B; undrained PACI equals a sequential
+// final weights of the single-process run; pp x dp those of the plain dp run, pp x cp those of the
+// plain cp run; PACI drained after every window equals 1F1B; undrained PACI equals a sequential
 // single-process reference of its semantics; resume continues bitwise.
 #include <gtest/gtest.h>
 

@@ -98,7 +98,7 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
   };
   fixture::expect_input_error(with({"pipeline.schedule=zb"}), {"pipeline.schedule", "zb"});
   for (std::string key : {"pipeline.layout=2", "pipeline.paci_k=2", "pipeline.paci_stash=true",
-                          "pipeline.paci_predict=1"})
+                          "pipeline.paci_predict=1", "pipeline.chunks=2"})
     fixture::expect_input_error(with({key}), {key.substr(0, key.find('=')), "parallel.pp > 1"});
   fixture::expect_input_error(with({"pipeline.schedule=1f1b", "pipeline.layout=1,1"}),
                               {"pipeline.layout", "parallel.pp = 1"});
@@ -128,6 +128,29 @@ TEST_F(PipelineTrainerTest, UnsupportedCombinationsAreClearErrors) {
   fixture::expect_input_error(
       with({"parallel.pp=2", "pipeline.schedule=1f1b", "pipeline.paci_k=2"}),
       {"pipeline.paci_k", "pipeline.schedule = paci"});
+  // Interleaved: chunks >= 2 (0 = 2), pp >= 2, accum in groups of pp, a block for every middle
+  // virtual stage, a layout per virtual stage.
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=1f1b", "pipeline.chunks=2"}),
+      {"pipeline.chunks", "pipeline.schedule = interleaved"});
+  for (const char* chunks : {"pipeline.chunks=1", "pipeline.chunks=-2"})
+    fixture::expect_input_error(
+        with({"parallel.pp=2", "pipeline.schedule=interleaved", chunks}),
+        {"pipeline.chunks", ">= 2", chunks + std::string("pipeline.chunks=").size()});
+  fixture::expect_input_error(with({"pipeline.schedule=interleaved"}),
+                              {"interleaved", "parallel.pp >= 2"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=interleaved", "train.accum=3"}),
+      {"train.accum", "parallel.pp = 2", "got 3"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=interleaved", "train.accum=2", "model.layers=1"}),
+      {"model.layers = 1", "parallel.pp x pipeline.chunks = 4"});
+  fixture::expect_input_error(
+      with({"parallel.pp=2", "pipeline.schedule=interleaved", "train.accum=2", "model.layers=4",
+            "pipeline.layout=2,2"}),
+      {"pipeline.layout", "2 stage(s)", "parallel.pp x pipeline.chunks = 4"});
+  EXPECT_NO_THROW(with({"parallel.pp=2", "pipeline.schedule=interleaved", "train.accum=2",
+                        "model.layers=4", "pipeline.layout=1,1,1,1"})());
   // The stash keeps one version: 3 stages with K = 1 would have gaps of 2.
   fixture::expect_input_error(with({"parallel.pp=3", "model.layers=3", "pipeline.schedule=paci",
                                     "pipeline.paci_stash=true", "pipeline.paci_k=1"}),
