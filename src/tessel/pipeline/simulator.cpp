@@ -23,14 +23,18 @@ SimResult simulate(const SimOptions& o) {
   auto cost = [&](int s) -> const StageCosts& {
     return o.costs[o.costs.size() == 1 ? 0 : size_t(s)];
   };
-  if (o.links.size() > 1 && o.links.size() != size_t(P - 1))
+  const int v = sched.chunks;
+  // Interleaved messages also cross the wrap P - 1 -> 0, the last boundary.
+  const int boundaries = v > 1 ? P : P - 1;
+  if (o.links.size() > 1 && o.links.size() != size_t(boundaries))
     input_error("pipeline simulator: links must list none, one for all or one per boundary (",
-                P - 1, "), got ", o.links.size());
+                boundaries, v > 1 ? ", the last the wrap from the last stage to the first" : "",
+                "), got ", o.links.size());
   for (const LinkCosts& l : o.links)
     if (!(l.latency >= 0 && l.bandwidth >= 0 && l.bytes >= 0 && std::isfinite(l.transfer())))
       input_error("pipeline simulator: a link's latency, bandwidth and bytes must be finite and ",
                   ">= 0, got ", l.latency, ", ", l.bandwidth, ", ", l.bytes);
-  // Time of a message between stages b and b + 1.
+  // Time of a message between stages b and (b + 1) mod P.
   auto link = [&](int b) {
     return o.links.empty() ? 0.0 : o.links[o.links.size() == 1 ? 0 : size_t(b)].transfer();
   };
@@ -41,12 +45,16 @@ SimResult simulate(const SimOptions& o) {
   const bool flush = sched.kind != ScheduleKind::paci;
   const bool split = sched.kind == ScheduleKind::zb_h1;  // B and W instead of whole backwards
   const int64_t micros = flush ? sched.micro_batches * sched.steps : sched.micro_batches;
+  // Virtual stage j = chunk * P + stage runs the model's j-th piece; a chunk's op costs 1/v
+  // of the stage's.
+  const int V = P * v;
+  const double share = 1.0 / v;
 
   std::vector<std::vector<Op>> ops(static_cast<size_t>(P));
   for (int s = 0; s < P; ++s) ops[size_t(s)] = stage_ops(sched, s);
-  std::vector<std::vector<double>> f_end(size_t(P), std::vector<double>(size_t(micros), kNotDone));
+  std::vector<std::vector<double>> f_end(size_t(V), std::vector<double>(size_t(micros), kNotDone));
   auto b_end = f_end;
-  std::vector<std::vector<int64_t>> f_version(size_t(P), std::vector<int64_t>(size_t(micros), 0));
+  std::vector<std::vector<int64_t>> f_version(size_t(V), std::vector<int64_t>(size_t(micros), 0));
   std::vector<size_t> next(size_t(P), 0);
   std::vector<double> free_at(size_t(P), 0);
   std::vector<int64_t> version(size_t(P), 0), live(size_t(P), 0), gapped(size_t(P), 0),
@@ -76,30 +84,32 @@ SimResult simulate(const SimOptions& o) {
       while (next[size_t(s)] < ops[size_t(s)].size()) {
         const Op op = ops[size_t(s)][next[size_t(s)]];
         const size_t m = size_t(op.micro);
+        const int j = op.chunk * P + s;
         if (op.kind == OpKind::forward) {
-          double dep = s == 0 ? 0 : f_end[size_t(s - 1)][m];
+          double dep = j == 0 ? 0 : f_end[size_t(j - 1)][m];
           if (dep == kNotDone) break;
-          f_end[size_t(s)][m] = run(s, s == 0 ? 0 : dep + link(s - 1), cost(s).forward);
-          f_version[size_t(s)][m] = version[size_t(s)];
+          f_end[size_t(j)][m] =
+              run(s, j == 0 ? 0 : dep + link((j - 1) % P), share * cost(s).forward);
+          f_version[size_t(j)][m] = version[size_t(s)];
           r.peak_activations[size_t(s)] =
               std::max(r.peak_activations[size_t(s)], ++live[size_t(s)]);
         } else if (op.kind == OpKind::backward) {
-          const bool last = s == P - 1;
-          double dep = last ? f_end[size_t(s)][m] : b_end[size_t(s + 1)][m];
-          if (dep == kNotDone || f_end[size_t(s)][m] == kNotDone) break;
-          b_end[size_t(s)][m] =
-              run(s, last ? dep : dep + link(s), cost(s).backward - (split ? cost(s).weight : 0));
+          const bool last = j == V - 1;
+          double dep = last ? f_end[size_t(j)][m] : b_end[size_t(j + 1)][m];
+          if (dep == kNotDone || f_end[size_t(j)][m] == kNotDone) break;
+          b_end[size_t(j)][m] = run(s, last ? dep : dep + link(j % P),
+                                    share * (cost(s).backward - (split ? cost(s).weight : 0)));
           live[size_t(s)] -= !split;
           ++backwards[size_t(s)];
-          const int64_t gap = version[size_t(s)] - f_version[size_t(s)][m];
+          const int64_t gap = version[size_t(s)] - f_version[size_t(j)][m];
           r.max_version_gap[size_t(s)] = std::max(r.max_version_gap[size_t(s)], gap);
           gapped[size_t(s)] += gap != 0;
           auto& histogram = r.gap_histogram[size_t(s)];
           if (histogram.size() <= size_t(gap)) histogram.resize(size_t(gap) + 1);
           ++histogram[size_t(gap)];
         } else if (op.kind == OpKind::weight) {
-          if (b_end[size_t(s)][m] == kNotDone) break;
-          run(s, b_end[size_t(s)][m], cost(s).weight);
+          if (b_end[size_t(j)][m] == kNotDone) break;
+          run(s, b_end[size_t(j)][m], share * cost(s).weight);
           --live[size_t(s)];
         } else if (!flush) {
           run(s, 0, cost(s).step);
@@ -136,6 +146,8 @@ SimResult simulate(const SimOptions& o) {
 
 nlohmann::json chrome_trace(const std::vector<OpTiming>& timeline, int stages,
                             double microseconds_per_unit) {
+  const bool chunked = std::any_of(timeline.begin(), timeline.end(),
+                                   [](const OpTiming& t) { return t.op.chunk > 0; });
   nlohmann::json events = nlohmann::json::array();
   for (int s = 0; s < stages; ++s)
     events.push_back({{"name", "thread_name"},
@@ -148,7 +160,10 @@ nlohmann::json chrome_trace(const std::vector<OpTiming>& timeline, int stages,
                          : t.op.kind == OpKind::backward ? "B"
                                                          : "W";
     std::string name = t.op.kind == OpKind::step ? "STEP" : letter;
-    if (t.op.kind != OpKind::step) name += std::to_string(t.op.micro);
+    if (t.op.kind != OpKind::step) {
+      name += std::to_string(t.op.micro);
+      if (chunked) name += '.' + std::to_string(t.op.chunk);
+    }
     events.push_back({{"name", name},
                       {"ph", "X"},
                       {"pid", 0},

@@ -3,10 +3,14 @@
 // lists: each stage runs its list in order, one op at a time; F_s(m) waits for F_{s-1}(m)
 // plus the message's time over the link between them, B_s(m) for B_{s+1}(m) plus that link's
 // time (the last stage: for its own F(m)), ZB-H1's W_s(m) for the stage's own B_s(m); a flush
-// STEP is a barrier of all stages, a PACI STEP is local. Links carry any number of messages
-// at once (no contention) and compute does not wait for a send. Reports makespan,
-// bubble = 1 - sum(busy) / (P * makespan), throughput, peak live activations per stage and
-// the forward/backward weight-version gaps (versions = local steps taken).
+// STEP is a barrier of all stages, a PACI STEP is local. Interleaved (v chunks per stage):
+// the same over the virtual stages j = chunk P + s, 0 .. v P - 1 (F_j(m) waits for F_{j-1}(m),
+// B_j(m) for B_{j+1}(m), the last virtual stage's B for its F), with messages from virtual
+// stage j to j + 1 over the link from stage j mod P to (j + 1) mod P (P - 1 -> 0 is the wrap);
+// StageCosts stay a stage's whole work per micro-batch, of which each chunk's op costs 1/v. Links
+// carry any number of messages at once (no contention) and compute does not wait for a send.
+// Reports makespan, bubble = 1 - sum(busy) / (P * makespan), throughput, peak live activations per
+// stage and the forward/backward weight-version gaps (versions = local steps taken).
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -36,7 +40,9 @@ struct LinkCosts {
 struct SimOptions {
   ScheduleOptions schedule;
   std::vector<StageCosts> costs;  // one per stage, or one for all
-  std::vector<LinkCosts> links;   // one per boundary (P - 1), or one for all; none: free
+  // One per boundary s -> s + 1 (P - 1 of them; interleaved: P, the last the wrap from stage
+  // P - 1 to stage 0), or one for all; none: free.
+  std::vector<LinkCosts> links;
 };
 
 struct OpTiming {
@@ -51,7 +57,7 @@ struct SimResult {
   double throughput = 0;                   // micro-batches per time unit
   std::vector<double> busy;                // per stage
   std::vector<int64_t> peak_activations;   // per stage: most forwards awaiting their backward
-                                           // (ZB-H1: their W)
+                                           // (ZB-H1: their W; interleaved: chunk forwards)
   std::vector<int64_t> max_version_gap;    // per stage: max over micro-batches of v_B - v_F
   std::vector<double> inconsistent_share;  // per stage: share of backwards with v_B != v_F
   std::vector<std::vector<int64_t>> gap_histogram;  // per stage: [gap] -> backwards
@@ -60,8 +66,9 @@ struct SimResult {
 
 SimResult simulate(const SimOptions& options);
 
-// Chrome trace (Perfetto, chrome://tracing): one track per stage, one slice per op;
-// `microseconds_per_unit` scales the op times.
+// Chrome trace (Perfetto, chrome://tracing): one track per stage, one slice per op, named
+// F3 (forward of micro-batch 3), B3, W3, STEP; when any op has a chunk > 0 (interleaved) also
+// by chunk: F3.1 = micro-batch 3 through chunk 1. `microseconds_per_unit` scales the op times.
 nlohmann::json chrome_trace(const std::vector<OpTiming>& timeline, int stages,
                             double microseconds_per_unit);
 

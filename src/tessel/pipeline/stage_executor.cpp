@@ -16,13 +16,14 @@ namespace tessel::pipeline {
 
 namespace {
 
-// Tag = 2 * (micro mod 2^14) + kind: below 32767, the smallest tag bound MPI guarantees.
-// Messages between two stages also arrive in micro-batch order (MPI does not overtake), so
-// the wrap-around is harmless.
+// Tag = 2 * ((micro v + chunk) mod 2^14) + kind, with v chunks per stage: below 32767, the
+// smallest tag bound MPI guarantees. The messages of one kind from one stage to another are
+// sent in the order the receiver consumes them (the lists number both stages' ops alike) and
+// MPI does not overtake, so the wrap-around is harmless.
 enum class Msg : int { activation = 0, gradient = 1 };
-constexpr int64_t kTagMicros = int64_t(1) << 14;
-int tag(Msg kind, int64_t micro) {
-  return int(2 * (micro % kTagMicros) + int(kind));
+constexpr int64_t kTagSlots = int64_t(1) << 14;
+int tag(Msg kind, const Op& op, int chunks) {
+  return int(2 * ((op.micro * chunks + op.chunk) % kTagSlots) + int(kind));
 }
 
 // Receives posted per direction ahead of the op that consumes them ("double-buffered"): a
@@ -48,7 +49,7 @@ class BufferPool {
 
 // A message buffer and its request: a posted receive or a send in flight.
 struct Transfer {
-  int64_t micro = -1;
+  Op op{OpKind::forward};  // the op that sends or consumes it (global micro-batch number)
   std::vector<float> data;
   BufferPool* pool = nullptr;  // where `data` goes back once the transfer is done
   comm::Request request;
@@ -65,7 +66,8 @@ class StageRun {
         delays_(delays),
         version_(version),
         stage_(group.rank()),
-        last_(group.rank() == group.size() - 1),
+        stages_(group.size()),
+        chunks_(schedule.chunks),
         ops_(stage_ops(schedule, group.rank())),
         split_(schedule.kind == ScheduleKind::zb_h1),
         first_micro_(first_micro),
@@ -90,7 +92,7 @@ class StageRun {
     post_ahead(gradients_);
     for (const Op& op : ops_) {
       delay();
-      const Op global{op.kind, op.micro + first_micro_, op.chunk};
+      const Op global = offset(op);
       if (op.kind == OpKind::forward)
         forward(global);
       else if (op.kind == OpKind::backward)
@@ -106,6 +108,7 @@ class StageRun {
     TESSEL_CHECK(saved_versions_.empty() && live_ == 0, "pipeline stage ", stage_, ": ",
                  saved_versions_.size(), " forwards without their backward, ", live_,
                  " without releasing their activations");
+    stats_.chunks = chunks_;
     stats_.total_seconds = now_seconds() - start;
     return std::move(stats_);
   }
@@ -124,10 +127,23 @@ class StageRun {
   struct Inbox {
     Msg kind;
     OpKind consumer;
-    int source;       // -1: this stage receives nothing of this kind
+    int source;
     size_t scan = 0;  // next op of the list to look at for a receive to post
     std::deque<Transfer> posted;
   };
+
+  // Op numbered from the run's first micro-batch.
+  Op offset(const Op& op) const { return {op.kind, op.micro + first_micro_, op.chunk}; }
+  // The model's piece that `op` runs: virtual stage chunk P + s of v P.
+  int virtual_stage(const Op& op) const { return op.chunk * stages_ + stage_; }
+  bool first_piece(const Op& op) const { return virtual_stage(op) == 0; }
+  bool last_piece(const Op& op) const { return virtual_stage(op) == stages_ * chunks_ - 1; }
+  // A forward receives activations except on the model's first piece, a backward gradients
+  // except on its last.
+  bool receives(const Op& op, OpKind consumer) const {
+    return op.kind == consumer &&
+           (consumer == OpKind::forward ? !first_piece(op) : !last_piece(op));
+  }
 
   // The timeline origin is stage 0's leaving the barrier, read on the system clock: ranks
   // leave a barrier milliseconds apart on a loaded machine, while one machine's system clock
@@ -142,21 +158,20 @@ class StageRun {
   }
 
   void post_ahead(Inbox& in) {
-    if (in.source < 0) return;
     BufferPool& pool = in.kind == Msg::activation ? upstream_ : downstream_;
     while (in.posted.size() < kReceivesAhead && in.scan < ops_.size()) {
       const Op& op = ops_[in.scan++];
-      if (op.kind != in.consumer) continue;
-      Transfer t{op.micro + first_micro_, pool.take(), &pool, {}};
-      t.request = group_.irecv(t.data, in.source, tag(in.kind, t.micro));
+      if (!receives(op, in.consumer)) continue;
+      Transfer t{offset(op), pool.take(), &pool, {}};
+      t.request = group_.irecv(t.data, in.source, tag(in.kind, t.op, chunks_));
       in.posted.push_back(std::move(t));
     }
   }
 
-  // Waits for the message of `micro`, then posts the next receive before the op computes.
-  Transfer receive(Inbox& in, int64_t micro) {
-    TESSEL_CHECK(!in.posted.empty() && in.posted.front().micro == micro, "pipeline stage ", stage_,
-                 ": no receive posted for micro-batch ", micro);
+  // Waits for the message of `op`, then posts the next receive before the op computes.
+  Transfer receive(Inbox& in, const Op& op) {
+    TESSEL_CHECK(!in.posted.empty() && in.posted.front().op == op, "pipeline stage ", stage_,
+                 ": no receive posted for micro-batch ", op.micro, " chunk ", op.chunk);
     Transfer t = std::move(in.posted.front());
     in.posted.pop_front();
     const double start = now_seconds();
@@ -167,9 +182,13 @@ class StageRun {
   }
 
   // Starts sending `data`, kept alive until the send completes; recycles finished sends.
-  void send(std::vector<float> data, BufferPool& pool, Msg kind, int dest, int64_t micro) {
-    Transfer t{micro, std::move(data), &pool, {}};
-    t.request = group_.isend(t.data, dest, tag(kind, micro));
+  // To the op that consumes it: the next piece's forward (activations) or the previous
+  // piece's backward (gradients), on stage piece mod P.
+  void send(std::vector<float> data, BufferPool& pool, Msg kind, const Op& op) {
+    const int piece = virtual_stage(op) + (kind == Msg::activation ? 1 : -1);
+    const Op consumer{op.kind, op.micro, piece / stages_};
+    Transfer t{op, std::move(data), &pool, {}};
+    t.request = group_.isend(t.data, piece % stages_, tag(kind, consumer, chunks_));
     sends_.push_back(std::move(t));
     std::erase_if(sends_, [](Transfer& sent) {
       if (!sent.request.test()) return false;
@@ -200,32 +219,31 @@ class StageRun {
   }
 
   void forward(const Op& op) {
-    const int64_t micro = op.micro;
-    Transfer input = stage_ > 0 ? receive(activations_, micro) : Transfer{};
-    std::vector<float> output = last_ ? std::vector<float>{} : downstream_.take();
-    timed(op, stats_.forward_seconds, [&] { work_.forward(op.chunk, micro, input.data, output); });
+    Transfer input = first_piece(op) ? Transfer{} : receive(activations_, op);
+    std::vector<float> output = last_piece(op) ? std::vector<float>{} : downstream_.take();
+    timed(op, stats_.forward_seconds,
+          [&] { work_.forward(op.chunk, op.micro, input.data, output); });
     if (input.pool) input.pool->give(std::move(input.data));
-    if (!last_) send(std::move(output), downstream_, Msg::activation, stage_ + 1, micro);
-    saved_versions_.push_back(version_);
+    if (!last_piece(op)) send(std::move(output), downstream_, Msg::activation, op);
+    saved_versions_[{op.micro, op.chunk}] = version_;
     ++stats_.forwards;
     stats_.peak_live_activations = std::max(stats_.peak_live_activations, ++live_);
   }
 
   void backward(const Op& op) {
-    const int64_t micro = op.micro;
-    Transfer output_grad = last_ ? Transfer{} : receive(gradients_, micro);
-    std::vector<float> input_grad = stage_ > 0 ? upstream_.take() : std::vector<float>{};
+    Transfer output_grad = last_piece(op) ? Transfer{} : receive(gradients_, op);
+    std::vector<float> input_grad = first_piece(op) ? std::vector<float>{} : upstream_.take();
     timed(op, stats_.backward_seconds, [&] {
       if (split_)
-        work_.backward_input(op.chunk, micro, output_grad.data, input_grad);
+        work_.backward_input(op.chunk, op.micro, output_grad.data, input_grad);
       else
-        work_.backward(op.chunk, micro, output_grad.data, input_grad);
+        work_.backward(op.chunk, op.micro, output_grad.data, input_grad);
     });
     if (output_grad.pool) output_grad.pool->give(std::move(output_grad.data));
-    if (stage_ > 0) send(std::move(input_grad), upstream_, Msg::gradient, stage_ - 1, micro);
-    // Backwards run in forward order, so the oldest saved version is this micro-batch's.
-    const int64_t gap = version_ - saved_versions_.front();
-    saved_versions_.pop_front();
+    if (!first_piece(op)) send(std::move(input_grad), upstream_, Msg::gradient, op);
+    const auto saved = saved_versions_.find({op.micro, op.chunk});
+    const int64_t gap = version_ - saved->second;
+    saved_versions_.erase(saved);
     live_ -= !split_;  // ZB-H1: the W releases the activations
     ++stats_.backwards;
     stats_.backward_versions.push_back(version_);
@@ -252,18 +270,20 @@ class StageRun {
   const ExecutorOptions& options_;
   Rng& delays_;
   int64_t& version_;
-  const int stage_;
-  const bool last_;
+  const int stage_, stages_;
+  const int chunks_;  // v: the model's pieces are virtual stages 0 .. v P - 1
   const std::vector<Op> ops_;
   const bool split_;  // ZB-H1: backward_input for B ops, backward_weights for W ops
   const int64_t first_micro_;
   // Buffers of the messages exchanged with the previous stage (activations in, gradients
-  // out) and with the next (activations out, gradients in).
+  // out) and with the next (activations out, gradients in); with v > 1 the stages form a
+  // ring.
   BufferPool upstream_, downstream_;
-  Inbox activations_{Msg::activation, OpKind::forward, stage_ > 0 ? stage_ - 1 : -1, 0, {}};
-  Inbox gradients_{Msg::gradient, OpKind::backward, last_ ? -1 : stage_ + 1, 0, {}};
+  Inbox activations_{Msg::activation, OpKind::forward, (stage_ + stages_ - 1) % stages_, 0, {}};
+  Inbox gradients_{Msg::gradient, OpKind::backward, (stage_ + 1) % stages_, 0, {}};
   std::vector<Transfer> sends_;
-  std::deque<int64_t> saved_versions_;  // version of each forward awaiting its backward
+  // Version of each (micro-batch, chunk) forward awaiting its backward.
+  std::map<std::pair<int64_t, int>, int64_t> saved_versions_;
   int64_t live_ = 0;   // forwards whose activations are kept: until the backward (ZB-H1: W)
   double origin_ = 0;  // the monotonic-clock time that the timeline counts from
   StageStats stats_;
@@ -273,9 +293,10 @@ class StageRun {
 
 StageCosts StageStats::profiled_costs() const {
   auto mean = [](double seconds, int64_t n) { return n > 0 ? seconds / double(n) : 0.0; };
-  const double weight = mean(weight_seconds, weights);
-  return {mean(forward_seconds, forwards), mean(backward_seconds, backwards) + weight,
-          mean(step_seconds, steps), weight};
+  // A micro-batch's work on the stage is v chunk ops.
+  const double weight = chunks * mean(weight_seconds, weights);
+  return {chunks * mean(forward_seconds, forwards),
+          chunks * mean(backward_seconds, backwards) + weight, mean(step_seconds, steps), weight};
 }
 
 StageExecutor::StageExecutor(comm::Communicator& pp_group, StageWork& work, ExecutorOptions options)
@@ -318,8 +339,6 @@ StageStats StageExecutor::run(const ScheduleOptions& schedule, int64_t first_mic
   if (schedule.chunks != work_.chunks())
     input_error("pipeline: the schedule has ", schedule.chunks, " chunks per stage but the stage ",
                 "holds ", work_.chunks());
-  if (schedule.chunks > 1)
-    input_error("pipeline: the stage executor does not run interleaved schedules yet");
   if (first_micro < 0) input_error("pipeline: first_micro must be >= 0, got ", first_micro);
   return StageRun(group_, work_, options_, delays_, version_, schedule, first_micro).run();
 }
@@ -349,18 +368,22 @@ std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageS
   return timeline;
 }
 
-double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages) {
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages, int chunks) {
+  // (virtual stage chunk P + s, kind, micro-batch) -> end
   std::map<std::tuple<int, OpKind, int64_t>, double> ends;
-  for (const OpTiming& t : timeline) ends[{t.stage, t.op.kind, t.op.micro}] = t.end;
+  for (const OpTiming& t : timeline)
+    ends[{t.op.chunk * stages + t.stage, t.op.kind, t.op.micro}] = t.end;
   std::vector<double> free_at(size_t(stages), 0);  // end of each stage's previous op
   double sum = 0;
   int64_t waited = 0;
   for (const OpTiming& t : timeline) {
-    const int from = t.op.kind == OpKind::forward ? t.stage - 1 : t.stage + 1;
+    const int piece = t.op.chunk * stages + t.stage;
+    const int from = t.op.kind == OpKind::forward ? piece - 1 : piece + 1;
     const bool message = t.op.kind == OpKind::forward || t.op.kind == OpKind::backward;
-    if (message && from >= 0 && from < stages) {
+    if (message && from >= 0 && from < stages * chunks) {
       const double sent = ends.at({from, t.op.kind, t.op.micro});
-      if (sent > free_at[size_t(t.stage)]) {
+      // At or after: with one stage and v chunks the producer is the consumer's previous op.
+      if (sent >= free_at[size_t(t.stage)]) {
         sum += t.start - sent;
         ++waited;
       }

@@ -72,9 +72,11 @@ struct ExecutorOptions {
 };
 
 struct StageStats {
+  int chunks = 1;  // v, the model chunks of the stage; the op counts count chunk ops
   int64_t forwards = 0, backwards = 0, steps = 0;  // backwards: ZB-H1's Bs
   int64_t weights = 0;                             // ZB-H1's Ws
-  // Most forwards awaiting their backward (ZB-H1: their W) at once.
+  // Most forwards awaiting their backward (ZB-H1: their W) at once; interleaved: chunk
+  // forwards, each holding 1/v of a stage's activations.
   int64_t peak_live_activations = 0;
   int64_t max_version_gap = 0;             // over this run's backwards
   int64_t inconsistent_backwards = 0;      // backwards whose gap is not 0
@@ -87,8 +89,9 @@ struct StageStats {
   // This stage's ops, in seconds since stage 0 left run()'s opening barrier (aligned across
   // stages through the system clock).
   std::vector<OpTiming> timeline;
-  // Mean per-op costs, for feeding the simulator with a measured run's profile. After Ws:
-  // backward = mean B + mean W and weight = mean W; otherwise weight = 0.
+  // Mean costs per micro-batch, for feeding the simulator with a measured run's profile: the
+  // mean op times v (the simulator charges each chunk's op 1/v of them, so the same v
+  // predicts the run). After Ws: backward = B + W and weight = W; otherwise weight = 0.
   StageCosts profiled_costs() const;
 };
 
@@ -120,12 +123,14 @@ class StageExecutor {
 // each in its execution order (empty on the other stages).
 std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageStats& stats);
 // Mean time from the end of the op that produced a message to the start of the op that
-// consumed it, over the consumers that were idle when it was produced (they waited for it):
+// consumed it, over the consumers that were idle when it was produced, or produced it (they
+// waited for it):
 // the link latency, transfer and wake-up, to feed SimOptions::links (as latency) beside the
 // stages' profiled_costs(). `timeline` holds every stage's ops, each stage's in execution
-// order (gather_timeline's, or a SimResult's, whose link latency it returns); 0 when no
-// consumer waited.
-double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages);
+// order (gather_timeline's, or a SimResult's, whose link latency it returns), for `chunks`
+// model chunks per stage (interleaved: v; the message into chunk c of stage 0 comes from
+// chunk c - 1 of the last stage); 0 when no consumer waited.
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages, int chunks = 1);
 // The gathered timelines as a Chrome trace on stage 0 (one track per stage; empty JSON
 // elsewhere).
 nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats);

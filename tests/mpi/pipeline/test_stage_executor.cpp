@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -29,36 +30,35 @@ using namespace tessel::pipeline;
 namespace {
 
 constexpr float kLearningRate = 0.05f;
-size_t width(int boundary) {
-  return size_t(4 + boundary);
-}  // differs per boundary
 
-// Deterministic per micro-batch: the first stage's input and the last stage's target.
+// Deterministic per micro-batch: the first piece's input and the last piece's target.
 std::vector<float> micro_data(int64_t micro, size_t n, uint64_t salt) {
   std::vector<float> v(n);
   Rng(salt * 1000003 + uint64_t(micro)).fill_uniform(v.data(), int64_t(n), -1.f, 1.f);
   return v;
 }
 
-class ToyStage : public StageWork {
+// One piece of the model, virtual stage j of V: y = tanh(W x), loss 0.5 |y - target|^2 after
+// the last, SGD. Widths 4 + (boundary mod period) differ per boundary; a period of P gives
+// every message between two stages one size, as chunks of a stage need.
+class ToyPiece {
  public:
-  ToyStage(int stage, int stages)
-      : stage_(stage),
-        last_(stage == stages - 1),
-        in_(width(stage)),
-        out_(width(stage + 1)),
+  ToyPiece(int piece, int pieces, int period)
+      : first_(piece == 0),
+        last_(piece == pieces - 1),
+        in_(4 + size_t(piece % period)),
+        out_(4 + size_t((piece + 1) % period)),
         weight_(in_ * out_),
         grad_(in_ * out_, 0.f) {
-    Rng(17 + uint64_t(stage)).fill_uniform(weight_.data(), int64_t(weight_.size()), -.5f, .5f);
+    Rng(17 + uint64_t(piece)).fill_uniform(weight_.data(), int64_t(weight_.size()), -.5f, .5f);
   }
-  size_t input_elems() const override { return stage_ == 0 ? 0 : in_; }
-  size_t output_elems() const override { return last_ ? 0 : out_; }
+  size_t in() const { return in_; }
+  size_t out() const { return out_; }
 
-  void forward(int, int64_t micro, std::span<const float> input, std::span<float> output) override {
-    Saved s{
-        stage_ == 0 ? micro_data(micro, in_, 1) : std::vector<float>(input.begin(), input.end()),
-        std::vector<float>(out_),
-        {}};
+  void forward(int64_t micro, std::span<const float> input, std::span<float> output) {
+    Saved s{first_ ? micro_data(micro, in_, 1) : std::vector<float>(input.begin(), input.end()),
+            std::vector<float>(out_),
+            {}};
     for (size_t o = 0; o < out_; ++o) {
       float z = 0;
       for (size_t i = 0; i < in_; ++i) z += weight_[o * in_ + i] * s.x[i];
@@ -67,48 +67,6 @@ class ToyStage : public StageWork {
     if (!last_) std::copy(s.y.begin(), s.y.end(), output.begin());
     EXPECT_TRUE(saved_.emplace(micro, std::move(s)).second) << "forward twice: " << micro;
   }
-
-  // The whole backward is its two halves in a row.
-  void backward(int, int64_t micro, std::span<const float> output_grad,
-                std::span<float> input_grad) override {
-    ++backwards_;
-    input_gradient(micro, output_grad, input_grad);
-    weight_gradient(micro);
-  }
-  void backward_input(int, int64_t micro, std::span<const float> output_grad,
-                      std::span<float> input_grad) override {
-    ++backward_inputs_;
-    input_gradient(micro, output_grad, input_grad);
-  }
-  void backward_weights(int, int64_t micro) override {
-    EXPECT_GT(micro, last_weights_micro_) << "Ws in micro-batch order";
-    last_weights_micro_ = micro;
-    ++backward_weights_;
-    weight_gradient(micro);
-  }
-
-  void step(int64_t version) override {
-    EXPECT_EQ(version, steps_) << "stage " << stage_;
-    ++steps_;
-    for (size_t j = 0; j < weight_.size(); ++j) {
-      weight_[j] -= kLearningRate * grad_[j];
-      grad_[j] = 0;
-    }
-  }
-
-  const std::vector<float>& weight() const { return weight_; }
-  const std::vector<float>& grad() const { return grad_; }
-  int64_t steps() const { return steps_; }
-  // Calls of backward, backward_input and backward_weights.
-  int64_t backwards() const { return backwards_; }
-  int64_t backward_inputs() const { return backward_inputs_; }
-  int64_t backward_weights() const { return backward_weights_; }
-
- private:
-  struct Saved {
-    std::vector<float> x, y;
-    std::vector<float> dz;  // from the input gradient, until the weight gradient
-  };
 
   // dz = dL/d(W x), kept, and the input gradient W^T dz.
   void input_gradient(int64_t micro, std::span<const float> output_grad,
@@ -139,11 +97,94 @@ class ToyStage : public StageWork {
     saved_.erase(it);
   }
 
-  int stage_;
-  bool last_;
+  void step() {
+    for (size_t j = 0; j < weight_.size(); ++j) {
+      weight_[j] -= kLearningRate * grad_[j];
+      grad_[j] = 0;
+    }
+  }
+
+  const std::vector<float>& weight() const { return weight_; }
+  const std::vector<float>& grad() const { return grad_; }
+
+ private:
+  struct Saved {
+    std::vector<float> x, y;
+    std::vector<float> dz;  // from the input gradient, until the weight gradient
+  };
+
+  bool first_, last_;
   size_t in_, out_;
   std::vector<float> weight_, grad_;
   std::map<int64_t, Saved> saved_;
+};
+
+// Stage s of P holding `chunks` pieces of a chain of P chunks: chunk c is piece c P + s.
+class ToyStage : public StageWork {
+ public:
+  ToyStage(int stage, int stages, int chunks = 1, int period = 0) : stage_(stage) {
+    for (int c = 0; c < chunks; ++c)
+      pieces_.emplace_back(c * stages + stage, chunks * stages, period > 0 ? period : stages);
+    first_ = stage == 0 && chunks == 1;
+    last_ = stage == stages - 1 && chunks == 1;
+  }
+  int chunks() const override { return int(pieces_.size()); }
+  size_t input_elems() const override { return first_ ? 0 : pieces_[0].in(); }
+  size_t output_elems() const override { return last_ ? 0 : pieces_[0].out(); }
+
+  void forward(int chunk, int64_t micro, std::span<const float> input,
+               std::span<float> output) override {
+    piece(chunk).forward(micro, input, output);
+  }
+
+  // The whole backward is its two halves in a row.
+  void backward(int chunk, int64_t micro, std::span<const float> output_grad,
+                std::span<float> input_grad) override {
+    ++backwards_;
+    piece(chunk).input_gradient(micro, output_grad, input_grad);
+    piece(chunk).weight_gradient(micro);
+  }
+  void backward_input(int chunk, int64_t micro, std::span<const float> output_grad,
+                      std::span<float> input_grad) override {
+    ++backward_inputs_;
+    piece(chunk).input_gradient(micro, output_grad, input_grad);
+  }
+  void backward_weights(int chunk, int64_t micro) override {
+    EXPECT_GT(micro, last_weights_micro_) << "Ws in micro-batch order";
+    last_weights_micro_ = micro;
+    ++backward_weights_;
+    piece(chunk).weight_gradient(micro);
+  }
+
+  void step(int64_t version) override {
+    EXPECT_EQ(version, steps_) << "stage " << stage_;
+    ++steps_;
+    for (ToyPiece& p : pieces_) p.step();
+  }
+
+  ToyPiece& piece(int chunk) {
+    EXPECT_TRUE(chunk >= 0 && chunk < chunks()) << "chunk " << chunk;
+    return pieces_.at(size_t(chunk));
+  }
+  // Every chunk's weights (gradients), in chunk order.
+  std::vector<float> weight() const { return joined(&ToyPiece::weight); }
+  std::vector<float> grad() const { return joined(&ToyPiece::grad); }
+  int64_t steps() const { return steps_; }
+  // Calls of backward, backward_input and backward_weights.
+  int64_t backwards() const { return backwards_; }
+  int64_t backward_inputs() const { return backward_inputs_; }
+  int64_t backward_weights() const { return backward_weights_; }
+
+ private:
+  std::vector<float> joined(const std::vector<float>& (ToyPiece::*part)() const) const {
+    std::vector<float> all;
+    for (const ToyPiece& p : pieces_) all.insert(all.end(), (p.*part)().begin(), (p.*part)().end());
+    return all;
+  }
+
+  int stage_;
+  bool first_, last_;  // the model's first (last) piece, with no input (output) message
+  std::vector<ToyPiece> pieces_;
   int64_t steps_ = 0;
   int64_t backwards_ = 0, backward_inputs_ = 0, backward_weights_ = 0;
   int64_t last_weights_micro_ = -1;
@@ -163,34 +204,39 @@ class FailingStepStage : public ToyStage {
   void step(int64_t) override { throw std::runtime_error("step failed"); }
 };
 
-std::vector<ToyStage> make_chain(int stages) {
+std::vector<ToyStage> make_chain(int stages, int chunks = 1, int period = 0) {
   std::vector<ToyStage> chain;
-  for (int s = 0; s < stages; ++s) chain.emplace_back(s, stages);
+  for (int s = 0; s < stages; ++s) chain.emplace_back(s, stages, chunks, period);
   return chain;
 }
 
 // Plain gradient accumulation in one process: micro-batches first .. first + n - 1, each
-// forward through every stage and back.
+// forward through every piece (chunk c of stage s is piece c P + s) and back.
 void accumulate(std::vector<ToyStage>& chain, int64_t first, int64_t n) {
+  const int P = int(chain.size()), V = P * chain[0].chunks();
   for (int64_t m = first; m < first + n; ++m) {
     std::vector<float> a;
-    for (ToyStage& stage : chain) {
-      std::vector<float> out(stage.output_elems());
-      stage.forward(0, m, a, out);
+    for (int j = 0; j < V; ++j) {
+      ToyPiece& piece = chain[size_t(j % P)].piece(j / P);
+      std::vector<float> out(j + 1 < V ? piece.out() : 0);
+      piece.forward(m, a, out);
       a = std::move(out);
     }
     std::vector<float> g;
-    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-      std::vector<float> in(it->input_elems());
-      it->backward(0, m, g, in);
+    for (int j = V - 1; j >= 0; --j) {
+      ToyPiece& piece = chain[size_t(j % P)].piece(j / P);
+      std::vector<float> in(j > 0 ? piece.in() : 0);
+      piece.input_gradient(m, g, in);
+      piece.weight_gradient(m);
       g = std::move(in);
     }
   }
 }
 
 // The single-process chain: `steps` steps of M accumulated micro-batches.
-std::vector<ToyStage> chain_reference(int stages, int64_t M, int64_t steps) {
-  auto chain = make_chain(stages);
+std::vector<ToyStage> chain_reference(int stages, int64_t M, int64_t steps, int chunks = 1,
+                                      int period = 0) {
+  auto chain = make_chain(stages, chunks, period);
   for (int64_t t = 0; t < steps; ++t) {
     accumulate(chain, t * M, M);
     for (ToyStage& stage : chain) stage.step(t);
@@ -249,6 +295,17 @@ ScheduleOptions paci(int P, int64_t n, int64_t K) {
   return {ScheduleKind::paci, P, n, 1, K};
 }
 
+ScheduleOptions interleaved(int P, int v, int64_t M, int64_t steps) {
+  ScheduleOptions o = flush(ScheduleKind::interleaved, P, M, steps);
+  o.chunks = v;
+  return o;
+}
+
+// Chunk forwards stage s holds at most: its warm-up plus one, at most all M v of a step.
+int64_t interleaved_peak(int P, int v, int64_t M, int s) {
+  return std::min<int64_t>(2 * (P - 1 - s) + int64_t(v - 1) * P + 1, M * v);
+}
+
 // ceil(a / b) for a >= 0, b > 0.
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -281,6 +338,60 @@ TEST(StageExecutor, FlushSchedulesEqualTheSingleProcessChainBitwise) {
     }
 }
 
+TEST(StageExecutor, InterleavedEqualsTheSingleProcessChainOfVirtualStagesBitwise) {
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  const int64_t steps = 3;
+  for (int v : {2, 3})
+    for (int64_t M : {int64_t(P), int64_t(2 * P)}) {
+      SCOPED_TRACE("v " + std::to_string(v) + " M " + std::to_string(M));
+      ToyStage stage(s, P, v);
+      StageExecutor executor(pp, stage);
+      const auto stats = executor.run(interleaved(P, v, M, steps));
+      EXPECT_EQ(stats.chunks, v);
+      EXPECT_EQ(stats.forwards, steps * M * v);
+      EXPECT_EQ(stats.backwards, steps * M * v);
+      EXPECT_EQ(stage.backwards(), steps * M * v);
+      EXPECT_EQ(stats.steps, steps);
+      EXPECT_EQ(executor.version(), steps);
+      EXPECT_EQ(stats.max_version_gap, 0);
+      EXPECT_EQ(stats.inconsistent_backwards, 0);
+      EXPECT_EQ(stats.peak_live_activations, interleaved_peak(P, v, M, s));
+      const auto reference = chain_reference(P, M, steps, v);
+      expect_bitwise_equal(stage.weight(), reference[size_t(s)].weight(), "interleaved");
+    }
+}
+
+TEST(StageExecutor, InterleavedOnHalfTheRanksEquals1F1BOverTheSameVirtualStages) {
+  // The same chain of 2G pieces (G = half the ranks, widths of period G): 1F1B with one piece
+  // per rank on all 2G ranks, and interleaved with v = 2 on each half (rank s of a half
+  // holds pieces s and s + G; G = 1 sends to itself). Every rank compares its interleaved
+  // pieces with the 1F1B ranks that held them.
+  comm::Communicator& world = comm::world();
+  const int G = world.size() / 2, r = world.rank();
+  const int64_t M = 2 * G, steps = 2;
+  ToyStage single(r, 2 * G, 1, G);
+  StageExecutor(world, single).run(flush(ScheduleKind::one_f_one_b, 2 * G, M, steps));
+  auto half = world.split(r / G, r);
+  const int s = half->rank();
+  ToyStage chunked(s, G, 2, G);
+  StageExecutor(*half, chunked).run(interleaved(G, 2, M, steps));
+  const std::vector<float> mine = single.weight();
+  const int64_t count = int64_t(mine.size());
+  std::vector<int64_t> counts(size_t(world.size()));
+  world.all_gather(std::span(&count, 1), counts);
+  const std::vector<size_t> sizes(counts.begin(), counts.end());
+  std::vector<float> all(std::accumulate(sizes.begin(), sizes.end(), size_t(0)));
+  world.all_gatherv(mine, all, sizes);
+  std::vector<float> expected;  // pieces s and s + G, as 1F1B's ranks s and s + G hold them
+  for (int piece : {s, s + G}) {
+    const size_t at = std::accumulate(sizes.begin(), sizes.begin() + piece, size_t(0));
+    expected.insert(expected.end(), all.begin() + ptrdiff_t(at),
+                    all.begin() + ptrdiff_t(at + sizes[size_t(piece)]));
+  }
+  expect_bitwise_equal(chunked.weight(), expected, "interleaved vs 1f1b");
+}
+
 TEST(StageExecutor, OneStageUnderEveryScheduleIsGradientAccumulation) {
   auto alone = comm::world().split(comm::world().rank(), 0);
   const int64_t M = 4, steps = 3;
@@ -293,6 +404,16 @@ TEST(StageExecutor, OneStageUnderEveryScheduleIsGradientAccumulation) {
     executor.run(schedule);
     EXPECT_EQ(executor.version(), steps);
     expect_bitwise_equal(stage.weight(), reference[0].weight(), schedule_name(schedule.kind));
+  }
+  // Interleaved on one stage sends every message to itself.
+  for (int v : {2, 3}) {
+    ToyStage stage(0, 1, v);
+    StageExecutor executor(*alone, stage);
+    const auto stats = executor.run(interleaved(1, v, M, steps));
+    EXPECT_EQ(stats.peak_live_activations, interleaved_peak(1, v, M, 0));
+    EXPECT_EQ(executor.version(), steps);
+    expect_bitwise_equal(stage.weight(), chain_reference(1, M, steps, v)[0].weight(),
+                         "interleaved");
   }
 }
 
@@ -454,6 +575,70 @@ TEST(StageExecutor, NoDeadlockOverTenThousandMicroBatchesWithRandomDelays) {
   }
 }
 
+TEST(StageExecutor, InterleavedHasNoDeadlockOverTenThousandMicroBatchesWithRandomDelays) {
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  const int64_t M = 4 * P, steps = 10000 / M, n = M * steps;  // 10^4 at P = 2 and 4
+  ExecutorOptions options;
+  options.max_random_delay_us = 5;
+  options.delay_seed = 9;
+  for (int v : {2, 3}) {
+    ToyStage stage(s, P, v);
+    StageExecutor executor(pp, stage, options);
+    const auto stats = executor.run(interleaved(P, v, M, steps));
+    EXPECT_EQ(stats.forwards, n * v);
+    EXPECT_EQ(stats.backwards, n * v);
+    EXPECT_EQ(stats.max_version_gap, 0);
+    EXPECT_EQ(stats.peak_live_activations, interleaved_peak(P, v, M, s));
+    expect_bitwise_equal(stage.weight(), chain_reference(P, M, steps, v)[size_t(s)].weight(),
+                         "interleaved");
+  }
+}
+
+TEST(StageExecutor, InterleavedTimelineChunksAndProfiledCosts) {
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  const int v = 2;
+  const int64_t M = P, steps = 2;
+  const ScheduleOptions schedule = interleaved(P, v, M, steps);
+  ToyStage stage(s, P, v);
+  ExecutorOptions options;
+  options.record_timeline = true;
+  StageExecutor executor(pp, stage, options);
+  const StageStats stats = executor.run(schedule);
+  // The timeline follows the list, chunks included.
+  const std::vector<Op> ops = stage_ops(schedule, s);
+  ASSERT_EQ(stats.timeline.size(), ops.size());
+  double forward = 0, backward = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    EXPECT_EQ(stats.timeline[i].op, ops[i]);
+    const OpTiming& t = stats.timeline[i];
+    forward += t.op.kind == OpKind::forward ? t.end - t.start : 0;
+    backward += t.op.kind == OpKind::backward ? t.end - t.start : 0;
+  }
+  // Per micro-batch: all v chunk ops (M steps micro-batches); 1e-12 s: summation order.
+  const StageCosts costs = stats.profiled_costs();
+  EXPECT_NEAR(costs.forward, forward / double(M * steps), 1e-12);
+  EXPECT_NEAR(costs.backward, backward / double(M * steps), 1e-12);
+  EXPECT_NEAR(costs.step, stats.step_seconds / double(steps), 1e-12);
+
+  const std::vector<OpTiming> timeline = gather_timeline(pp, stats);
+  const nlohmann::json trace = nlohmann::json::parse(gather_chrome_trace(pp, stats).dump());
+  if (s != 0) return;
+  // Gathered with their chunks: every stage's list; the trace names micro-batch and chunk.
+  size_t at = 0;
+  for (int q = 0; q < P; ++q)
+    for (const Op& op : stage_ops(schedule, q)) EXPECT_EQ(timeline.at(at++).op, op);
+  std::set<std::string> names;
+  for (const auto& e : trace.at("traceEvents"))
+    if (e.at("ph") == "X") names.insert(e.at("name").get<std::string>());
+  for (int64_t m = 0; m < M * steps; ++m)
+    for (int c = 0; c < v; ++c) {
+      const std::string name = std::to_string(m) + "." + std::to_string(c);
+      EXPECT_TRUE(names.count("F" + name) && names.count("B" + name)) << name;
+    }
+}
+
 TEST(StageExecutor, MeasuredChromeTraceHasOneSlicePerOpOnEachStageTrack) {
   comm::Communicator& pp = comm::world();
   const int P = pp.size(), s = pp.rank();
@@ -538,6 +723,32 @@ TEST(StageExecutor, MismatchedBoundarySizesAreAnInputErrorNamingBothStages) {
   StageWork& work = s == 1 ? static_cast<StageWork&>(bad) : good;
   fixture::expect_input_error([&] { StageExecutor executor(pp, work); },
                               {"stage 0 sends 5", "stage 1 expects 6"});
+}
+
+TEST(StageExecutor, ChunkCountsThatDisagreeAreInputErrors) {
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  ToyStage two(s, P, 2), three(s, P, 3);
+  StageWork& work = s == P - 1 ? static_cast<StageWork&>(three) : two;
+  fixture::expect_input_error(
+      [&] { StageExecutor executor(pp, work); },
+      {"same number", "stage 0 holds 2", "stage " + std::to_string(P - 1) + " 3"});
+  StageExecutor executor(pp, two);
+  fixture::expect_input_error([&] { executor.run(flush(ScheduleKind::one_f_one_b, P, P, 1)); },
+                              {"1 chunks per stage", "holds 2"});
+  fixture::expect_input_error([&] { executor.run(interleaved(P, 3, P, 1)); },
+                              {"3 chunks per stage", "holds 2"});
+}
+
+TEST(StageExecutor, WithChunksTheLastStageMustFeedTheFirst) {
+  // The ring's wrap: stage P - 1 sends 4 + (P mod P) = 4 elements, stage 0 expects one more.
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  ToyStage good(s, P, 2);
+  MisSizedStage bad(s, P, 2);
+  StageWork& work = s == 0 ? static_cast<StageWork&>(bad) : good;
+  fixture::expect_input_error([&] { StageExecutor executor(pp, work); },
+                              {"stage " + std::to_string(P - 1) + " sends 4", "stage 0 expects 5"});
 }
 
 TEST(StageExecutor, AScheduleForAnotherStageCountIsAnInputError) {
