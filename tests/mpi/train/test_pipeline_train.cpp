@@ -565,7 +565,7 @@ TEST(PipelineTrain, StagesTimesDataParallelEqualThePlainDataParallelRun) {
 // with the causal-document mask and the per-micro-batch balanced layout, and with MoE blocks
 // (EQB + LEI and the z-loss: their sums over dp x cp and cp; gradient norms to 1e-12, and the
 // MoE records of GPipe and 1F1B equal); PACI drained after every window equals it too. np 2: pp 1
-// (schedule set) x cp 2; np 4: pp 2 x cp 2.
+// (schedule set) x cp 2; np 4: pp 2 x cp 2, also interleaved (2 chunks per stage).
 TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
   comm::Communicator& world = comm::world();
   auto pair = world.split(world.rank() / 2, world.rank());  // the plain cp runs: 2 ranks each
@@ -595,7 +595,8 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
     plain.run.dir = shared_temp_dir(*pair, "tessel-ppcp-ref");
     const auto ref = run_on(*pair, plain);
     const auto ref_weights = fixture::final_weights(plain.run.dir);
-    for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "paci"}) {
+    for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "paci", "interleaved"}) {
+      if (world.size() / 2 < 2 && std::string(schedule) == "interleaved") continue;  // pp >= 2
       SCOPED_TRACE(schedule);
       c.parallel.pp = world.size() / 2;
       c.pipeline.schedule = schedule;
@@ -625,6 +626,7 @@ TEST(PipelineTrain, StagesTimesContextParallelEqualThePlainContextParallelRun) {
 // dense ones, then the experts'). Uneven validation batches over dp keep each ep group in step
 // (idle rounds). np 2: pp 2 against one process; np 4: pp 2 x dp 2 with ep 2 against the plain
 // dp 2 x ep 2 run; the step and validation records' MoE statistics are the plain run's.
+// Interleaved (2 chunks per stage) too, plain and with recomputation.
 // Also with MoE in the last stage only (1F1B), on SFT data (1F1B: each stage leaves the
 // padding out of its MoE blocks), with activation recomputation (GPipe, 1F1B and ZB-H1: the
 // micro-batches in flight share the one block cache, rebuilt through the token exchange; ZB-H1's
@@ -637,10 +639,10 @@ TEST(PipelineTrain, MoeStagesEqualThePlainExpertParallelRun) {
     std::vector<const char*> schedules;
     bool sft, recompute;
   };
-  const Case cases[] = {{"all", {"gpipe", "1f1b", "paci"}, false, false},
+  const Case cases[] = {{"all", {"gpipe", "1f1b", "paci", "interleaved"}, false, false},
                         {"3", {"1f1b"}, false, false},
                         {"all", {"1f1b"}, true, false},
-                        {"all", {"gpipe", "1f1b", "zb-h1"}, false, true}};
+                        {"all", {"gpipe", "1f1b", "zb-h1", "interleaved"}, false, true}};
   for (const auto& [moe_layers, schedules, sft, recompute] : cases) {
     SCOPED_TRACE(std::string("moe_layers = ") + moe_layers + (sft ? ", SFT" : "") +
                  (recompute ? ", recompute" : ""));
