@@ -312,9 +312,12 @@ void Gpt::check_blocks(int64_t first, int64_t last) const {
       first <= last && std::any_of(chunks_.begin(), chunks_.end(), [&](const BlockRange& r) {
         return r.first <= first && last <= r.last;
       });
-  TESSEL_CHECK(held, "blocks [", first, ", ", last, ") are not held by a model of blocks [",
-               chunks_.front().first, ", ", chunks_.back().last, ") in ", chunks_.size(),
-               " chunk(s)");
+  if (held) return;
+  std::string chunks;
+  for (const BlockRange& r : chunks_)
+    chunks += detail::concat(chunks.empty() ? "" : ", ", "[", r.first, ", ", r.last, ")");
+  TESSEL_CHECK(false, "blocks [", first, ", ", last, ") are not held by a model of blocks ",
+               chunks);
 }
 
 const float* Gpt::value(int index) const {
@@ -347,24 +350,21 @@ std::unique_ptr<Activations> Gpt::make_activations(int64_t B, int64_t T, BlockRa
   a->first_layer = first;
   a->last_layer = last;
   a->recompute = recompute;
-  TESSEL_CHECK(
-      !scratch_from ||
-          (scratch_from->B == B && scratch_from->T == T && scratch_from->first_layer == first &&
-           scratch_from->last_layer == last && scratch_from->logits.defined() == (V > 0) &&
-           scratch_from->recompute == recompute),
-      "scratch shared between activations of different shapes");
+  TESSEL_CHECK(!scratch_from || (scratch_from->B == B && scratch_from->T == T &&
+                                 scratch_from->recompute == recompute),
+               "scratch shared between activations of different shapes");
   // Every tensor this set owns is allocated here, so that tensor_bytes counts them all.
   auto make = [&a](Shape shape, DType dtype = DType::f32) {
     Tensor t(std::move(shape), dtype);
     a->tensor_bytes += int64_t(t.bytes());
     return t;
   };
-  // A buffer `scratch_from` may lend: its own (the same storage), else a new one.
+  // A buffer `scratch_from` may lend: its own (the same storage) when it has one of this
+  // shape (another range may hold no blocks, or no head), else a new one.
   auto lend = [&](Tensor Activations::*field, bool shareable, Shape shape) {
     if (!scratch_from || !shareable) return make(std::move(shape));
     const Tensor& lent = scratch_from->*field;
-    TESSEL_CHECK(lent.shape() == shape, "scratch lent by activations of another model");
-    return lent;
+    return lent.defined() && lent.shape() == shape ? lent : make(std::move(shape));
   };
   const bool rebuilt = recompute == Recompute::blocks;  // the block cache
   a->tokens = make({N}, DType::i32);

@@ -252,12 +252,14 @@ class Gpt {
                                                 Recompute recompute = Recompute::none) const {
     return make_activations(B, T, block_range(), recompute);
   }
-  // With `scratch_from` (activations of this model with the same B, T, range and recompute),
-  // the new ones share its buffers that no forward leaves for a backward to read: the scratch
-  // and the residual-stream gradients, and under Recompute::blocks also the block cache (a
-  // backward rebuilds it). A pipeline stage's micro-batches in flight share them: each forward or
-  // backward runs whole before the next starts (a split backward's weight gradients, which run
-  // later, copy what they read of them). tensor_bytes counts only its own buffers.
+  // With `scratch_from` (activations of this model with the same B, T and recompute, of any
+  // range), the new ones share those of its buffers that no forward leaves for a backward to
+  // read and that have the same shape: the scratch and the residual-stream gradients, under
+  // Recompute::blocks also the block cache (a backward rebuilds it; the same shape when both
+  // ranges hold blocks), and the logits' gradient when both hold the head. A pipeline stage's
+  // micro-batches in flight share them, over all its chunks: each forward or backward runs
+  // whole before the next starts (a split backward's weight gradients, which run later, copy
+  // what they read of them). tensor_bytes counts only its own buffers.
   std::unique_ptr<Activations> make_activations(int64_t B, int64_t T, BlockRange range,
                                                 Recompute recompute = Recompute::none,
                                                 const Activations* scratch_from = nullptr) const;

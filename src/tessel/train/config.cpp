@@ -735,12 +735,13 @@ void validate(const Config& c) {
     input_error(
         "fault.spike_step = ", c.fault.spike_step,
         " scales the gradients of a whole step, which PACI's stages do not share; use it "
-        "with a flush schedule (pipeline.schedule = \"gpipe\", \"1f1b\" or \"zb-h1\") or none");
+        "with a flush schedule (pipeline.schedule = \"gpipe\", \"1f1b\", \"interleaved\" or "
+        "\"zb-h1\") or none");
   if (c.train.spike_factor > 0 && paci)
     input_error("train.spike_factor = ", c.train.spike_factor,
                 " skips whole updates, which PACI's stages step on their own, each with its own "
                 "gradient norm; use it with a flush schedule (pipeline.schedule = \"gpipe\", "
-                "\"1f1b\" or \"zb-h1\") or none");
+                "\"1f1b\", \"interleaved\" or \"zb-h1\") or none");
   positive("parallel.cp_chunks", c.parallel.cp_chunks);
   if (c.parallel.cp > 1 && c.parallel.cp_layout == CpLayoutKind::zigzag &&
       c.train.seq_len % (2 * c.parallel.cp) != 0)

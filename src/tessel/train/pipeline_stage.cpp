@@ -95,11 +95,14 @@ void GptStage::forward(int chunk, int64_t micro, std::span<const float> input,
   free.pop_back();
   auto& acts = slots[slot];
   if (!acts) {
-    // The micro-batches in flight share what no forward leaves for its backward (one op runs
-    // whole before the next): the scratch, and under recomputation the block cache.
+    // The micro-batches in flight, of every chunk, share what no forward leaves for its
+    // backward (one op runs whole before the next): the scratch, and under recomputation the
+    // block cache. A lender of the same chunk first: it has every buffer of the same shape
+    // (the logits' gradient on the head's chunk).
     const model::Activations* lender = nullptr;
-    for (const auto& other : slots)
-      if (other && other->B == rows.B && other->T == rows.T) lender = other.get();
+    for (size_t i = 0; i < slots_.size() && !lender; ++i)
+      for (const auto& other : slots_[(size_t(chunk) + i) % slots_.size()])
+        if (other && other->B == rows.B && other->T == rows.T) lender = other.get();
     acts = model_.make_activations(rows.B, rows.T, ranges_[size_t(chunk)], config_.train.recompute,
                                    lender);
   }

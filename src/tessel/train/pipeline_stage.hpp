@@ -121,7 +121,8 @@ class GptStage final : public pipeline::StageWork {
                                        std::span<const float> input, std::span<float> output);
   // f32 elements of `batch`'s residual stream on this rank: B x (T / cp) x width.
   size_t boundary_elems(const data::Batch& batch) const;
-  int64_t live() const { return int64_t(live_.size()); }
+  // Nothing in flight: no activations and no micro-batch's inputs kept.
+  bool drained() const { return live_.empty() && micro_batches_.empty(); }
   bool first_stage() const { return stage_ == 0; }           // holds the embedding
   bool last_stage() const { return stage_ == stages_ - 1; }  // holds the head
   bool first_virtual(int chunk) const { return ranges_.at(size_t(chunk)).embedding; }

@@ -114,7 +114,7 @@ void validate_pipeline(const Config& c) {
           "config key 'model.tied_head' = true is not available with pipeline.schedule = "
           "paci and parallel.pp > 1 (the first and last stage would have to sync the tied "
           "weight at every local step); set model.tied_head = false or use a flush schedule "
-          "(gpipe, 1f1b, zb-h1)");
+          "(gpipe, 1f1b, interleaved, zb-h1)");
     // A stale backward runs against newer weights than its forward did; only the stash puts
     // the forward's weights back before it, so that a recomputed forward is the forward.
     if (c.train.recompute != model::Recompute::none && c.parallel.pp > 1 && !c.pipeline.paci_stash)

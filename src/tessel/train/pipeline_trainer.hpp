@@ -63,7 +63,8 @@ int64_t pipeline_chunks(const Config& config);
 // stage j runs on stage j % pp (without interleaving, j is the stage).
 std::vector<int64_t> pipeline_boundaries(const Config& config);
 // InputError naming the keys for what the pipeline path does not support (PACI with a tied
-// head or an adaptive checkpoint policy) and for a bad schedule or layout.
+// head or an adaptive checkpoint policy; interleaving at pp = 1, with one chunk, or with
+// train.accum not divisible by pp) and for a bad schedule or layout.
 void validate_pipeline(const Config& config);
 
 // What this rank's stage holds (the model's chunks, one BlockRange per virtual stage s,

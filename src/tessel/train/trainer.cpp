@@ -176,6 +176,9 @@ struct PhaseMark {
 // not compared (restore_optimizer finds each stage's state under any split), so that an older
 // tessel, which compares it, still resumes the checkpoint with the same split.
 constexpr const char* kPipelineKey = "pipeline stage boundaries (parallel.pp, pipeline.layout)";
+// Beside it under the interleaved schedule (the boundaries are then the virtual stages', which
+// the same blocks per stage at another pp could repeat); recorded, not compared, either.
+constexpr const char* kPipelineChunksKey = "pipeline chunks per stage (pipeline.chunks)";
 // Written into every checkpoint's compatibility record: renaming it breaks resuming them.
 constexpr std::string_view kGlobalBatchKey =
     "global batch (sequences per step: dp * accum * micro_batch)";
@@ -531,6 +534,7 @@ struct Trainer::State {
       keys[data_set_key("", d, " documents")] = loader.shard(d).num_documents();
     }
     if (pipeline) keys[kPipelineKey] = pipeline_boundaries(config);
+    if (pipeline_chunks(config) > 1) keys[kPipelineChunksKey] = pipeline_chunks(config);
     if (loader.packed()) {
       for (int64_t d = 0; d < loader.sources(); ++d) keys[sft_rows_key(d)] = loader.windows(d);
       keys["data.overlong"] = data::overlong_name(config.data.overlong);
@@ -626,9 +630,12 @@ struct Trainer::State {
           have.contains(sft_key) ? "an SFT data set" : "a text data set (or by an older tessel)",
           " but this run's data.path ", config.data.path, " is ",
           want.contains(sft_key) ? "an SFT data set" : "a text data set", "; use a new run.dir");
-    const bool same_stage_split =
-        have.value(kPipelineKey, nlohmann::json()) == want.value(kPipelineKey, nlohmann::json());
-    want.erase(kPipelineKey);  // any stage split resumes: restore_optimizer maps the stages
+    bool same_stage_split = true;
+    for (const char* key : {kPipelineKey, kPipelineChunksKey}) {
+      same_stage_split = same_stage_split &&
+                         have.value(key, nlohmann::json()) == want.value(key, nlohmann::json());
+      want.erase(key);  // any stage split resumes: restore_optimizer maps the stages
+    }
     for (const auto& [key, value] : want.items())
       if (!have.contains(key)) {
         const std::string why = absent_key_mismatch(key, value);

@@ -970,7 +970,8 @@ TEST(PipelineTrain, SpikeSkippingResumesAndComposesWithDataParallel) {
 // the single process bitwise: with Muon (the demo's optimizer) and AdamW, a 1F1B run over
 // pp = P stages saved at step 4 continues bitwise as the uninterrupted run when resumed on one
 // process (pp = 1), and under another layout at pp = P as ZB-H1; a single-process checkpoint does
-// so under GPipe over P stages. np 4 also: pp 2 x dp 2, Muon's momentum in ZeRO-1 row shards of
+// so under GPipe over P stages; np 2 also as interleaved 1F1B, and an interleaved run's
+// checkpoint as 1F1B. np 4 also: pp 2 x dp 2, Muon's momentum in ZeRO-1 row shards of
 // each stage's dp group, resumes as plain dp 2 on two ranks, and plain dp 2 as pp 2 x dp 2
 // under another layout.
 TEST(PipelineTrain, ResumesWithAnotherStageSplitBitwise) {
@@ -1006,6 +1007,28 @@ TEST(PipelineTrain, ResumesWithAnotherStageSplitBitwise) {
     relaid.pipeline.schedule = "zb-h1";
     relaid.run.dir = copy_to_resume(world, c.run.dir, 4);
     expect_continues(run_on(world, relaid), relaid.run.dir, full, weights);
+
+    if (P == 2) {                     // 2 x 2 virtual stages for the 4 blocks (4 x 2 would need 6)
+      train::Config interleaved = c;  // its chunks hold blocks of both 1F1B stages
+      interleaved.pipeline.schedule = "interleaved";
+      interleaved.pipeline.layout = "1,1,1,1";
+      interleaved.run.dir = copy_to_resume(world, c.run.dir, 4);
+      expect_continues(run_on(world, interleaved), interleaved.run.dir, full, weights);
+      // And back: an interleaved run's checkpoint (chunks recorded beside the boundaries, which
+      // pp 4 x 1F1B could repeat) continues as 1F1B.
+      interleaved.run.dir = shared_temp_dir(world, "tessel-pp-resplit");
+      const auto interleaved_full = run_on(world, interleaved);
+      fixture::expect_same_steps(interleaved_full, full);
+      if (world.rank() == 0) {
+        nlohmann::json manifest;
+        std::ifstream(interleaved.run.dir + "/checkpoints/step-00000004/manifest.json") >> manifest;
+        EXPECT_EQ(manifest["state"]["compatibility"]["pipeline chunks per stage (pipeline.chunks)"],
+                  2);
+      }
+      train::Config back = c;
+      back.run.dir = copy_to_resume(world, interleaved.run.dir, 4);
+      expect_continues(run_on(world, back), back.run.dir, full, weights);
+    }
 
     train::Config single = without_pipeline(c);
     single.run.dir = shared_temp_dir(world, "tessel-pp-resplit");
@@ -1175,20 +1198,26 @@ TEST(PipelineTrain, StagesWithDifferentStepCountsResumeOnlyUnderTheirSplit) {
 // stage): the counts every rank reports at the start equal a model built with the stage's
 // block range, and one dp replica's stages together hold the whole model once. pp = world
 // (balanced, and with the last stage holding no blocks, so that its neighbour's blocks reach
-// the end), and pp 2 x dp 2 on 4 ranks; tied and untied head.
+// the end), and pp 2 x dp 2 on 4 ranks; interleaved pp 2 with 2 chunks per stage (blocks 0 and 2
+// on the first, 1 and 3 on the second); tied and untied head.
 TEST(PipelineTrain, EachRankHoldsOnlyItsStagesParameters) {
   comm::Communicator& world = comm::world();
-  std::vector<std::pair<int, std::string>> splits = {
-      {world.size(), ""}, {world.size(), world.size() == 2 ? "4,0" : "1,2,1,0"}};
-  if (world.size() == 4) splits.emplace_back(2, "");
+  struct Split {
+    int pp;
+    std::string layout, schedule;
+  };
+  std::vector<Split> splits = {{world.size(), "", "1f1b"},
+                               {world.size(), world.size() == 2 ? "4,0" : "1,2,1,0", "1f1b"},
+                               {2, "1,1,1,1", "interleaved"}};
+  if (world.size() == 4) splits.push_back({2, "", "1f1b"});
   for (const bool tied : {false, true})
-    for (const auto& [pp, layout] : splits) {
-      SCOPED_TRACE("pp " + std::to_string(pp) + ", layout '" + layout + "'" +
+    for (const auto& [pp, layout, schedule] : splits) {
+      SCOPED_TRACE("pp " + std::to_string(pp) + ", layout '" + layout + "', " + schedule +
                    (tied ? ", tied head" : ""));
       train::Config c = pipeline_config(world, "tessel-pp-held");
       c.parallel.pp = pp;
       c.pipeline.layout = layout;
-      c.pipeline.schedule = "1f1b";
+      c.pipeline.schedule = schedule;
       c.model.tied_head = tied;
       c.train.steps = 2;
       c.optim.warmup_steps = 1;
@@ -1217,20 +1246,25 @@ TEST(PipelineTrain, EachRankHoldsOnlyItsStagesParameters) {
 // the per-parameter state of the single-process optimizer, each tensor once, and so does a
 // checkpoint, also when dp replicas of a stage hold the same state (pp 2 x dp 2, with ep 1
 // and ep 2: a dense model with parallel.ep = 2 has two edp groups per stage) or each its own
-// rows of it (Muon's ZeRO-1 momentum, saved as row shards).
+// rows of it (Muon's ZeRO-1 momentum, saved as row shards); also interleaved, each stage's
+// state covering both its chunks' blocks.
 TEST(PipelineTrain, EachStageHoldsOnlyItsOwnOptimizerState) {
   comm::Communicator& world = comm::world();
-  std::vector<std::pair<int, int>> meshes = {{world.size(), 1}};  // pp, ep
-  if (world.size() == 4) meshes.insert(meshes.end(), {{2, 1}, {2, 2}});
+  struct Layout {
+    int pp, ep;
+    const char* schedule;
+  };
+  std::vector<Layout> meshes = {{world.size(), 1, "1f1b"}, {2, 1, "interleaved"}};
+  if (world.size() == 4) meshes.insert(meshes.end(), {{2, 1, "1f1b"}, {2, 2, "1f1b"}});
   for (const char* optimizer : {"adamw", "muon"})
-    for (const auto& [pp, ep] : meshes) {
+    for (const auto& [pp, ep, schedule] : meshes) {
       SCOPED_TRACE(std::string(optimizer) + ", pp " + std::to_string(pp) + ", ep " +
-                   std::to_string(ep));
+                   std::to_string(ep) + ", " + schedule);
       train::Config c = pipeline_config(world, "tessel-pp-state");
       c.optim.name = optimizer;
       c.parallel.pp = pp;
       c.parallel.ep = ep;
-      c.pipeline.schedule = "1f1b";
+      c.pipeline.schedule = schedule;
       c.train.eval_every = 0;
       c.train.save_final = true;
       run_on(world, c);

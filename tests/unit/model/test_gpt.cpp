@@ -515,6 +515,20 @@ TEST(GptBlockRange, ChunkedModelsHoldTheirChunksAndComposeTheWholeModel) {
     for (const Parameter& p : m->parameters())
       EXPECT_TRUE(bitwise_equal(p.grad, whole.parameter(p.name).grad)) << p.name;
 
+  // Chunks of other ranges share the scratch; under recomputation the block cache too, and
+  // the logits' gradient only between head chunks (a range without the head has none).
+  for (const auto recompute : {Recompute::none, Recompute::blocks}) {
+    auto lender = models[1]->make_activations(2, 6, held[1][1], recompute);
+    auto other = models[1]->make_activations(2, 6, held[1][0], recompute, lender.get());
+    EXPECT_EQ(other->qkv.raw(), lender->qkv.raw());
+    EXPECT_EQ(other->d_stream.raw(), lender->d_stream.raw());
+    EXPECT_EQ(other->q.raw() == lender->q.raw(), recompute == Recompute::blocks);
+    EXPECT_FALSE(other->d_logits.defined());
+    auto head = models[1]->make_activations(2, 6, held[1][1], recompute, other.get());
+    EXPECT_TRUE(head->d_logits.defined());
+    EXPECT_NE(head->d_logits.raw(), lender->d_logits.raw());  // `other` had none to lend
+    EXPECT_EQ(head->qkv.raw(), lender->qkv.raw());
+  }
   EXPECT_ANY_THROW(models[0]->forward_blocks(*acts[0], 0, 3));  // block 1 is not held
   EXPECT_ANY_THROW(models[0]->forward_head(*acts[2]));
   using Chunks = std::vector<BlockRange>;

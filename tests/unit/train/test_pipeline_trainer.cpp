@@ -180,6 +180,15 @@ TEST_F(PipelineTrainerTest, ParametersBelongToTheStageOfTheirPiece) {
       if (name.rfind("blocks.", 0) == 0) want = name[7] == '3' ? 2 : 1;
       EXPECT_EQ(stages[i], want) << name;
     }
+    // Interleaved, 2 stages x 2 chunks of one block: virtual stage j (block j) on stage j % 2.
+    const auto interleaved = train::parameter_stages(model, {0, 1, 2, 3, 4}, 2);
+    for (size_t i = 0; i < interleaved.size(); ++i) {
+      const std::string& name = model.parameters()[i].name;
+      int want = 1;  // final norm, head: the last stage
+      if (name == "embed.weight") want = 0;
+      if (name.rfind("blocks.", 0) == 0) want = (name[7] - '0') % 2;
+      EXPECT_EQ(interleaved[i], want) << name;
+    }
   }
 }
 
