@@ -7,12 +7,19 @@
 // latter beside the closed form's (M + P - 1)(F + B + W) / (M (F + B + W) + (P - 1)(F + B - W))
 // on the ZB-H1 run's stage-mean profiled costs, step included), measured bubble, and the
 // simulator's makespan fed that run's profiled per-stage costs, alone and with the run's
-// profiled link latency (profiled_link_latency). The last repeat's Chrome traces, measured
-// and simulated (costs and latency), go to --trace-dir.
+// profiled link latency (profiled_link_latency). Then, per repeat, interleaved 1F1B with
+// --chunks v (default 2) chunks of one GEMM layer per stage against 1F1B with v layers per
+// stage (the same work, v times the messages of the same size) at M = P and 2P: measured
+// throughput ratio beside the simulator's from each run's profiled costs (and latency) and
+// the closed form (M + P - 1) / (M + (P - 1) / v). --compare paci or interleaved runs one
+// part. The last repeat's Chrome traces, measured and simulated (costs and latency), go to
+// --trace-dir.
 //
 //   mpirun --oversubscribe --bind-to none -np 2 -x OMP_NUM_THREADS=1
 //          build/release/bench/bench_pipeline_mpi [--k 2] [--micro-batches 64] [--rows 512]
-//          [--width 512] [--repeats 3] [--trace-dir DIR]
+//          [--width 512] [--repeats 3] [--chunks 2] [--compare all|paci|interleaved]
+//          [--trace-dir DIR]
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -33,98 +40,140 @@ using namespace tessel::pipeline;
 
 namespace {
 
+// A stage of `chunks` model chunks (interleaved: v; else 1) of `layers` GEMM layers each,
+// rows x width activations throughout, so a stage of v chunks of L / v layers does the work
+// of a stage of L layers, over v times the messages of the same size.
 class GemmStage : public StageWork {
  public:
-  GemmStage(int stage, int stages, int64_t rows, int64_t width)
-      : first_(stage == 0),
-        last_(stage == stages - 1),
+  GemmStage(int stage, int stages, int64_t rows, int64_t width, int chunks = 1, int layers = 1)
+      : stage_(stage),
+        stages_(stages),
+        chunks_(chunks),
         rows_(rows),
         width_(width),
-        weight_(size_t(width * width), 1.f / float(width)),
-        grad_(weight_.size(), 0.f),
+        weights_(size_t(chunks * layers),
+                 std::vector<float>(size_t(width * width), 1.f / float(width))),
+        grads_(weights_.size(), std::vector<float>(size_t(width * width), 0.f)),
         source_(size_t(rows * width), 0.5f) {}
-  size_t input_elems() const override { return first_ ? 0 : size_t(rows_ * width_); }
-  size_t output_elems() const override { return last_ ? 0 : size_t(rows_ * width_); }
+  int chunks() const override { return chunks_; }
+  // With one chunk the first stage receives nothing and the last sends nothing.
+  size_t input_elems() const override {
+    return stage_ == 0 && chunks_ == 1 ? 0 : size_t(rows_ * width_);
+  }
+  size_t output_elems() const override {
+    return stage_ == stages_ - 1 && chunks_ == 1 ? 0 : size_t(rows_ * width_);
+  }
 
-  void forward(int, int64_t micro, std::span<const float> input, std::span<float> output) override {
-    Saved& slot = saved_[micro];
+  void forward(int chunk, int64_t micro, std::span<const float> input,
+               std::span<float> output) override {
+    Saved& slot = saved_[{chunk, micro}];
     if (!spare_.empty()) {
       slot = std::move(spare_.back());
       spare_.pop_back();
     }
-    auto& [x, y, dy] = slot;
-    const std::span<const float> in = first_ ? std::span<const float>(source_) : input;
-    x.assign(in.begin(), in.end());
-    y.resize(x.size());
-    kernels::gemm(false, false, rows_, width_, width_, 1.f, x.data(), width_, weight_.data(),
-                  width_, 0.f, y.data(), width_);
-    if (!last_) std::copy(y.begin(), y.end(), output.begin());
+    const int L = layers();
+    slot.x.resize(size_t(L) + 1);  // x[l]: layer l's input; x[L]: the chunk's output Y
+    slot.dy.resize(size_t(L));
+    const std::span<const float> in = first(chunk) ? std::span<const float>(source_) : input;
+    slot.x[0].assign(in.begin(), in.end());
+    for (int l = 0; l < L; ++l) {
+      slot.x[size_t(l) + 1].resize(slot.x[0].size());
+      kernels::gemm(false, false, rows_, width_, width_, 1.f, slot.x[size_t(l)].data(), width_,
+                    weight(chunk, l).data(), width_, 0.f, slot.x[size_t(l) + 1].data(), width_);
+    }
+    if (!last(chunk)) std::copy(slot.x.back().begin(), slot.x.back().end(), output.begin());
   }
 
-  void backward(int, int64_t micro, std::span<const float> output_grad,
+  // Per layer, last first: dW += X^T dY, then dX = dY W^T is the next layer's dY.
+  void backward(int chunk, int64_t micro, std::span<const float> output_grad,
                 std::span<float> input_grad) override {
-    auto it = saved(micro);
+    auto it = saved(chunk, micro);
     const Saved& s = it->second;
-    const float* dy = last_ ? s.y.data() : output_grad.data();
-    weight_gradient(s.x.data(), dy);
-    input_gradient(dy, input_grad);
+    const float* dy = last(chunk) ? s.x.back().data() : output_grad.data();
+    for (int l = layers() - 1; l >= 0; --l) {
+      weight_gradient(chunk, l, s.x[size_t(l)].data(), dy);
+      dy = input_gradient(chunk, l, dy);
+    }
+    finish(chunk, dy, input_grad);
     release(it);
   }
 
-  // ZB-H1's B keeps dY (the last stage's is Y, kept already) for its W.
-  void backward_input(int, int64_t micro, std::span<const float> output_grad,
+  // ZB-H1's B keeps each layer's dY (the last stage's is Y, kept already) for its W.
+  void backward_input(int chunk, int64_t micro, std::span<const float> output_grad,
                       std::span<float> input_grad) override {
-    Saved& s = saved(micro)->second;
-    if (!last_) s.dy.assign(output_grad.begin(), output_grad.end());
-    input_gradient(last_ ? s.y.data() : s.dy.data(), input_grad);
+    Saved& s = saved(chunk, micro)->second;
+    const float* dy = last(chunk) ? s.x.back().data() : output_grad.data();
+    for (int l = layers() - 1; l >= 0; --l) {
+      s.dy[size_t(l)].assign(dy, dy + rows_ * width_);
+      dy = input_gradient(chunk, l, dy);
+    }
+    finish(chunk, dy, input_grad);
   }
-  void backward_weights(int, int64_t micro) override {
-    auto it = saved(micro);
+  void backward_weights(int chunk, int64_t micro) override {
+    auto it = saved(chunk, micro);
     const Saved& s = it->second;
-    weight_gradient(s.x.data(), last_ ? s.y.data() : s.dy.data());
+    for (int l = layers() - 1; l >= 0; --l)
+      weight_gradient(chunk, l, s.x[size_t(l)].data(), s.dy[size_t(l)].data());
     release(it);
   }
 
   void step(int64_t) override {
-    for (size_t j = 0; j < weight_.size(); ++j) {
-      weight_[j] -= 1e-6f * grad_[j];
-      grad_[j] = 0;
-    }
+    for (size_t i = 0; i < weights_.size(); ++i)
+      for (size_t j = 0; j < weights_[i].size(); ++j) {
+        weights_[i][j] -= 1e-6f * grads_[i][j];
+        grads_[i][j] = 0;
+      }
   }
 
  private:
   struct Saved {
-    std::vector<float> x, y, dy;  // dy: ZB-H1, from B to W (not on the last stage: dY = Y)
+    std::vector<std::vector<float>> x;   // each layer's input, then the chunk's output
+    std::vector<std::vector<float>> dy;  // ZB-H1: each layer's output gradient, from B to W
   };
+  using Key = std::pair<int, int64_t>;  // (chunk, micro-batch)
+
+  int layers() const { return int(weights_.size()) / chunks_; }
+  // The model's first and last pieces: stage 0's chunk 0, the last stage's last chunk.
+  bool first(int chunk) const { return stage_ == 0 && chunk == 0; }
+  bool last(int chunk) const { return stage_ == stages_ - 1 && chunk == chunks_ - 1; }
+  std::vector<float>& weight(int chunk, int l) { return weights_[size_t(chunk * layers() + l)]; }
 
   // Keeps the buffers for the next forward: allocating them afresh costs page faults, which
   // would charge a schedule that keeps more micro-batches alive for its memory, not compute.
-  void release(std::map<int64_t, Saved>::iterator it) {
+  void release(std::map<Key, Saved>::iterator it) {
     spare_.push_back(std::move(it->second));
     saved_.erase(it);
   }
-  std::map<int64_t, Saved>::iterator saved(int64_t micro) {
-    auto it = saved_.find(micro);
-    TESSEL_CHECK(it != saved_.end(), "backward before forward: ", micro);
+  std::map<Key, Saved>::iterator saved(int chunk, int64_t micro) {
+    auto it = saved_.find({chunk, micro});
+    TESSEL_CHECK(it != saved_.end(), "backward before forward: ", micro, " chunk ", chunk);
     return it;
   }
   // dW += X^T dY.
-  void weight_gradient(const float* x, const float* dy) {
-    kernels::gemm(true, false, width_, width_, rows_, 1.f, x, width_, dy, width_, 1.f, grad_.data(),
-                  width_);
+  void weight_gradient(int chunk, int l, const float* x, const float* dy) {
+    kernels::gemm(true, false, width_, width_, rows_, 1.f, x, width_, dy, width_, 1.f,
+                  grads_[size_t(chunk * layers() + l)].data(), width_);
   }
-  // dX = dY W^T; the first stage computes it too, for equal cost.
-  void input_gradient(const float* dy, std::span<float> input_grad) {
-    dx_.resize(size_t(rows_ * width_));
-    kernels::gemm(false, true, rows_, width_, width_, 1.f, dy, width_, weight_.data(), width_, 0.f,
-                  dx_.data(), width_);
-    if (!first_) std::copy(dx_.begin(), dx_.end(), input_grad.begin());
+  // dX = dY W^T into the scratch buffer of layer l (dY may be the other one's); returns it.
+  const float* input_gradient(int chunk, int l, const float* dy) {
+    std::vector<float>& dx = dx_[size_t(l % 2)];
+    dx.resize(size_t(rows_ * width_));
+    kernels::gemm(false, true, rows_, width_, width_, 1.f, dy, width_, weight(chunk, l).data(),
+                  width_, 0.f, dx.data(), width_);
+    return dx.data();
+  }
+  // The chunk's input gradient goes out unless it is the model's first piece, which
+  // computes it too, for equal cost.
+  void finish(int chunk, const float* dx, std::span<float> input_grad) const {
+    if (!first(chunk)) std::copy(dx, dx + rows_ * width_, input_grad.begin());
   }
 
-  bool first_, last_;
+  int stage_, stages_, chunks_;
   int64_t rows_, width_;
-  std::vector<float> weight_, grad_, source_, dx_;
-  std::map<int64_t, Saved> saved_;  // the last stage's loss is 0.5 |Y|^2, so its dY = Y
+  std::vector<std::vector<float>> weights_, grads_;  // [chunk * layers + layer]
+  std::vector<float> source_;
+  std::array<std::vector<float>, 2> dx_;
+  std::map<Key, Saved> saved_;  // the last piece's loss is 0.5 |Y|^2, so its dY = Y
   std::vector<Saved> spare_;
 };
 
@@ -142,10 +191,11 @@ struct Measured {
   SimResult costs_only, with_latency;  // the simulator fed the profiled costs (and latency)
 };
 
-// Runs `schedule` on this rank's stage; the result is complete on rank 0.
+// Runs `schedule` on this rank's stage (schedule.chunks chunks of `layers` GEMM layers); the
+// result is complete on rank 0.
 Measured measure(comm::Communicator& pp, const ScheduleOptions& schedule, int64_t rows,
-                 int64_t width, const std::string& trace_prefix) {
-  GemmStage stage(pp.rank(), pp.size(), rows, width);
+                 int64_t width, const std::string& trace_prefix, int layers = 1) {
+  GemmStage stage(pp.rank(), pp.size(), rows, width, schedule.chunks, layers);
   ExecutorOptions options;
   options.record_timeline = true;
   StageExecutor executor(pp, stage, options);
@@ -177,7 +227,7 @@ Measured measure(comm::Communicator& pp, const ScheduleOptions& schedule, int64_
   }
   m.bubble = 1 - busy / (pp.size() * m.makespan);
   m.costs_only = simulate(sim);
-  m.latency = profiled_link_latency(timeline, pp.size());
+  m.latency = profiled_link_latency(timeline, pp.size(), schedule.chunks);
   sim.links = {{m.latency}};
   m.with_latency = simulate(sim);
   if (!trace_prefix.empty()) {
@@ -189,40 +239,14 @@ Measured measure(comm::Communicator& pp, const ScheduleOptions& schedule, int64_
   return m;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  auto guard = comm::init_communication(&argc, &argv);
-  comm::Communicator& pp = comm::world();
-  int64_t K = 2, micro_batches = 64, rows = 512, width = 512, repeats = 3;
-  std::string trace_dir;
-  for (int i = 1; i < argc; i += 2) {
-    const std::string flag = argv[i];
-    if (i + 1 == argc) input_error("bench_pipeline_mpi: ", flag, " needs a value");
-    if (flag == "--k")
-      K = std::atoll(argv[i + 1]);
-    else if (flag == "--micro-batches")
-      micro_batches = std::atoll(argv[i + 1]);
-    else if (flag == "--rows")
-      rows = std::atoll(argv[i + 1]);
-    else if (flag == "--width")
-      width = std::atoll(argv[i + 1]);
-    else if (flag == "--repeats")
-      repeats = std::atoll(argv[i + 1]);
-    else if (flag == "--trace-dir")
-      trace_dir = argv[i + 1];
-    else
-      input_error("bench_pipeline_mpi: unknown flag ", flag);
-  }
+// Per repeat, in the same run: 1F1B (M = K per step), ZB-H1 (the same steps) and PACI(K)
+// over the same micro-batches.
+void compare_paci(comm::Communicator& pp, int64_t K, int64_t micro_batches, int64_t rows,
+                  int64_t width, int64_t repeats, const std::string& trace_dir) {
   const int P = pp.size();
   const ScheduleOptions one_f_one_b{ScheduleKind::one_f_one_b, P, K, micro_batches / K, 1};
   const ScheduleOptions zb_h1{ScheduleKind::zb_h1, P, K, micro_batches / K, 1};
   const ScheduleOptions paci{ScheduleKind::paci, P, micro_batches, 1, K};
-  if (pp.rank() == 0)
-    std::printf("P = %d, K = M = %lld, %lld micro-batches, GEMM %lld x %lld x %lld; load %s\n", P,
-                (long long)K, (long long)micro_batches, (long long)rows, (long long)width,
-                (long long)width, load_average().c_str());
-  measure(pp, {ScheduleKind::one_f_one_b, P, K, 2, 1}, rows, width, "");  // warm-up
   for (int64_t r = 0; r < repeats; ++r) {
     const bool last = r + 1 == repeats && !trace_dir.empty();
     const Measured f = measure(pp, one_f_one_b, rows, width, last ? trace_dir + "/1f1b" : "");
@@ -252,5 +276,83 @@ int main(int argc, char** argv) {
         (long long)r, f.makespan / z.makespan, f.with_latency.makespan / z.with_latency.makespan,
         closed_1f1b / closed_zb, 1e3 * F, 1e3 * B, 1e3 * W, 1e3 * c.step);
   }
+}
+
+// Interleaved with v chunks of one GEMM layer per stage against 1F1B with one chunk of v
+// layers (the same work per stage, v times the messages), at M = P and 2P micro-batches per
+// step over the same micro-batches, per repeat in the same run.
+void compare_interleaved(comm::Communicator& pp, int v, int64_t micro_batches, int64_t rows,
+                         int64_t width, int64_t repeats, const std::string& trace_dir) {
+  const int P = pp.size();
+  for (int64_t r = 0; r < repeats; ++r)
+    for (const int64_t M : {int64_t(P), int64_t(2 * P)}) {
+      const bool traced = r + 1 == repeats && !trace_dir.empty();
+      const std::string prefix = trace_dir + "/M" + std::to_string(M) + "_";
+      ScheduleOptions interleaved{ScheduleKind::interleaved, P, M, micro_batches / M, 1};
+      interleaved.chunks = v;
+      const Measured f = measure(pp, {ScheduleKind::one_f_one_b, P, M, micro_batches / M, 1}, rows,
+                                 width, traced ? prefix + "1f1b" : "", v);
+      const Measured i =
+          measure(pp, interleaved, rows, width, traced ? prefix + "interleaved" : "", 1);
+      if (pp.rank() != 0) continue;
+      // With uniform costs and free links: (M + P - 1)(F + B) against (M + (P - 1) / v)(F + B).
+      const double closed = double(M + P - 1) / (double(M) + double(P - 1) / v);
+      std::printf(
+          "repeat %lld M %lld: 1f1b (%d layers) %.4f s, interleaved (%d chunks) %.4f s; "
+          "interleaved / 1f1b throughput %.3f (simulated from each run's profiled costs %.3f, "
+          "with its profiled latency %.2f, %.2f ms %.3f; closed form %.3f); bubble measured "
+          "%.3f, %.3f (simulated with latency %.3f, %.3f); stage-mean F %.2f, B %.2f ms "
+          "(1f1b), %.2f, %.2f (interleaved, per micro-batch); load %s\n",
+          (long long)r, (long long)M, v, f.makespan, v, i.makespan, f.makespan / i.makespan,
+          f.costs_only.makespan / i.costs_only.makespan, 1e3 * f.latency, 1e3 * i.latency,
+          f.with_latency.makespan / i.with_latency.makespan, closed, f.bubble, i.bubble,
+          f.with_latency.bubble, i.with_latency.bubble, 1e3 * f.mean.forward, 1e3 * f.mean.backward,
+          1e3 * i.mean.forward, 1e3 * i.mean.backward, load_average().c_str());
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto guard = comm::init_communication(&argc, &argv);
+  comm::Communicator& pp = comm::world();
+  int64_t K = 2, micro_batches = 64, rows = 512, width = 512, repeats = 3, chunks = 2;
+  std::string trace_dir, compare = "all";
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (i + 1 == argc) input_error("bench_pipeline_mpi: ", flag, " needs a value");
+    if (flag == "--k")
+      K = std::atoll(argv[i + 1]);
+    else if (flag == "--micro-batches")
+      micro_batches = std::atoll(argv[i + 1]);
+    else if (flag == "--rows")
+      rows = std::atoll(argv[i + 1]);
+    else if (flag == "--width")
+      width = std::atoll(argv[i + 1]);
+    else if (flag == "--repeats")
+      repeats = std::atoll(argv[i + 1]);
+    else if (flag == "--trace-dir")
+      trace_dir = argv[i + 1];
+    else if (flag == "--chunks")
+      chunks = std::atoll(argv[i + 1]);
+    else if (flag == "--compare")
+      compare = argv[i + 1];
+    else
+      input_error("bench_pipeline_mpi: unknown flag ", flag);
+  }
+  if (compare != "all" && compare != "paci" && compare != "interleaved")
+    input_error("bench_pipeline_mpi: --compare must be all, paci or interleaved, got ", compare);
+  const int P = pp.size();
+  if (micro_batches % (2 * P) != 0 && compare != "paci")
+    input_error("bench_pipeline_mpi: --micro-batches must be divisible by 2 P = ", 2 * P,
+                " for interleaved, got ", micro_batches);
+  if (pp.rank() == 0)
+    std::printf("P = %d, K = M = %lld, %lld micro-batches, GEMM %lld x %lld x %lld; load %s\n", P,
+                (long long)K, (long long)micro_batches, (long long)rows, (long long)width,
+                (long long)width, load_average().c_str());
+  measure(pp, {ScheduleKind::one_f_one_b, P, K, 2, 1}, rows, width, "");  // warm-up
+  if (compare != "interleaved") compare_paci(pp, K, micro_batches, rows, width, repeats, trace_dir);
+  if (compare != "paci")
+    compare_interleaved(pp, int(chunks), micro_batches, rows, width, repeats, trace_dir);
   return 0;
 }

@@ -260,11 +260,11 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
 }
 
 int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_t micro_batches,
-                 double link_latency, double link_bandwidth, bool json) {
+                 int chunks, double link_latency, double link_bandwidth, bool json) {
   const train::PipelineProfile p = train::read_pipeline_profile(run_dir, skip);
   const int64_t M = micro_batches > 0 ? micro_batches : p.micro_batches;
   const pipeline::LinkCosts link{link_latency, link_bandwidth, p.message_bytes};
-  const auto sims = train::simulate_schedules(p.costs, M, steps, link);
+  const auto sims = train::simulate_schedules(p.costs, M, steps, link, chunks);
   auto simulated = [&sims](const std::string& name) {
     return std::find_if(sims.begin(), sims.end(), [&](const auto& s) { return s.name == name; });
   };
@@ -276,6 +276,7 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
                             {"averaged_steps", {p.first_step, p.last_step}},
                             {"step_seconds", p.step_seconds}}},
                           {"micro_batches", M},
+                          {"chunks", chunks},
                           {"steps", steps},
                           {"link",
                            {{"latency", link.latency},
@@ -306,8 +307,10 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     std::printf("%5zu  %19.4f  %20.4f  %10.4f  %14.4f\n", s, p.costs[s].forward,
                 p.costs[s].backward, p.costs[s].weight, p.costs[s].step);
   std::printf("measured %s step: %.4f s\n", p.schedule.c_str(), p.step_seconds);
-  std::printf("simulated, %lld steps of %lld micro-batches (PACI: K = %lld), ",
-              static_cast<long long>(steps), static_cast<long long>(M), static_cast<long long>(M));
+  std::printf(
+      "simulated, %lld steps of %lld micro-batches (PACI: K = %lld; interleaved: %d chunks "
+      "per stage), ",
+      static_cast<long long>(steps), static_cast<long long>(M), static_cast<long long>(M), chunks);
   if (link.bandwidth > 0)
     std::printf("%.0f-byte messages taking %.6f s each over every link:\n", link.bytes,
                 link.transfer());
@@ -315,13 +318,20 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     std::printf("messages taking %.6f s each over every link:\n", link.transfer());
   else
     std::printf("free links (set --link-latency, --link-bandwidth):\n");
-  std::printf("schedule  step (s)  bubble  throughput vs 1f1b  peak activations per stage\n");
+  std::printf(
+      "schedule     step (s)  bubble  throughput vs 1f1b  peak activations per stage "
+      "(interleaved: chunk forwards, 1/v of a stage's each)\n");
   for (const auto& s : sims) {
     std::string peaks;
     for (int64_t a : s.peak_activations) peaks += (peaks.empty() ? "" : " ") + std::to_string(a);
-    std::printf("%-8s  %8.4f  %6.3f  %18.3f  %s\n", s.name.c_str(), s.step_seconds, s.bubble,
+    std::printf("%-11s  %8.4f  %6.3f  %18.3f  %s\n", s.name.c_str(), s.step_seconds, s.bubble,
                 one_f_one_b / s.step_seconds, peaks.c_str());
   }
+  if (simulated("interleaved") == sims.end())
+    std::printf(
+        "interleaved: not simulated, %lld micro-batches per step are not divisible by the "
+        "%zu stages (set --micro-batches)\n",
+        static_cast<long long>(M), p.costs.size());
   if (simulated("zb-h1") == sims.end())
     std::printf(
         "zb-h1: not simulated, the run measured no W (weight-gradient) ops; a run with "
@@ -545,12 +555,13 @@ int main(int argc, char** argv) {
 
   std::string sim_run;
   int64_t sim_skip = 10, sim_steps = 100, sim_micro = 0;
+  int sim_chunks = 2;
   double sim_latency = 0, sim_bandwidth = 0;
   bool sim_json = false;
   auto* simc = app.add_subcommand(
       "simulate",
-      "GPipe, 1F1B, PACI(K = M) and (from a run that measured its W ops) ZB-H1 simulated from "
-      "the stage costs a pipeline run measured");
+      "GPipe, 1F1B, interleaved 1F1B, PACI(K = M) and (from a run that measured its W ops) "
+      "ZB-H1 simulated from the stage costs a pipeline run measured");
   simc->add_option("RUN_DIR", sim_run, "run directory of a pipeline run (parallel.pp > 1)")
       ->required();
   simc->add_option("--skip", sim_skip,
@@ -564,6 +575,10 @@ int main(int argc, char** argv) {
   simc->add_option("--micro-batches", sim_micro,
                    "micro-batches per step, M (and PACI's K); 0 = the run's")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
+      ->capture_default_str();
+  simc->add_option("--chunks", sim_chunks,
+                   "interleaved 1F1B's model chunks per stage, v (each 1/v of the stage's costs)")
+      ->check(CLI::Range(2, 1 << 10))
       ->capture_default_str();
   simc->add_option("--link-latency", sim_latency,
                    "seconds per activation or gradient message between stages, before its bytes")
@@ -627,8 +642,8 @@ int main(int argc, char** argv) {
     if (*report) return world.rank() == 0 ? run_ett_report(report_dir, max_ttr) : 0;
     if (*exportc) return world.rank() == 0 ? run_export(export_from, export_to) : 0;
     if (*simc)
-      return world.rank() == 0 ? run_simulate(sim_run, sim_skip, sim_steps, sim_micro, sim_latency,
-                                              sim_bandwidth, sim_json)
+      return world.rank() == 0 ? run_simulate(sim_run, sim_skip, sim_steps, sim_micro, sim_chunks,
+                                              sim_latency, sim_bandwidth, sim_json)
                                : 0;
     if (*evalc)
       return world.rank() == 0 ? run_eval(eval_run, eval_data, eval_weights, eval_split,

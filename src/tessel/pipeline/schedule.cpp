@@ -51,6 +51,8 @@ void plain_one_f_one_b(std::vector<Op>& ops, int stages, int stage, int64_t firs
 // micro-batch (k / (P v)) P + k % P); the backwards the same with the chunks in reverse.
 // Warm-up 2 (P - 1 - s) + (v - 1) P forwards: stage s's first backward (virtual stage
 // (v - 1) P + s) needs the first micro-batch through all v P virtual stages and back to it.
+// Megatron runs all forwards first when M = P; here that case needs nothing of its own: the
+// simulator meets the closed form and the executor runs M = P without deadlock as it is.
 void interleaved(std::vector<Op>& ops, int stages, int chunks, int stage, int64_t first,
                  int64_t M) {
   const int64_t P = stages, v = chunks, n = M * v;

@@ -10,6 +10,11 @@
 // the version it used; each backward (ZB-H1: each B) measures the gap (version now - version
 // at its forward). Under ZB-H1 the executor calls StageWork::backward_input for B ops and
 // backward_weights for W ops; under the other schedules backward.
+//
+// Interleaved (v chunks per stage): chunk c of stage s is virtual stage c P + s; activations
+// go from virtual stage j to j + 1 and gradients back, so stage s receives activations from
+// stage (s - 1) mod P and gradients from (s + 1) mod P, and the last stage's chunk c feeds
+// stage 0's chunk c + 1 (P = 1 sends to itself).
 #include <cstdint>
 #include <span>
 #include <vector>

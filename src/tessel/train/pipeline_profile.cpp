@@ -120,7 +120,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
 
 std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::StageCosts>& costs,
                                                   int64_t micro_batches, int64_t steps,
-                                                  const pipeline::LinkCosts& link) {
+                                                  const pipeline::LinkCosts& link, int chunks) {
   using pipeline::ScheduleKind;
   const int P = int(costs.size());
   // ZB-H1 needs the split of each backward into B and W, which only a run of its own measures;
@@ -128,8 +128,10 @@ std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::St
   // the weightless attention, so without measured Ws it is left out and the caller says so.
   const bool measured_w = std::any_of(costs.begin(), costs.end(),
                                       [](const pipeline::StageCosts& c) { return c.weight > 0; });
-  std::vector<ScheduleKind> kinds = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
-                                     ScheduleKind::paci};
+  std::vector<ScheduleKind> kinds = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b};
+  // Megatron's interleaving deals out micro-batches in groups of P.
+  if (micro_batches % P == 0) kinds.push_back(ScheduleKind::interleaved);
+  kinds.push_back(ScheduleKind::paci);
   if (measured_w) kinds.push_back(ScheduleKind::zb_h1);
   std::vector<SimulatedSchedule> out;
   for (const ScheduleKind kind : kinds) {
@@ -137,6 +139,8 @@ std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::St
     sim.schedule = kind == ScheduleKind::paci
                        ? pipeline::ScheduleOptions{kind, P, micro_batches * steps, 1, micro_batches}
                        : pipeline::ScheduleOptions{kind, P, micro_batches, steps, 1};
+    // The simulator charges each chunk's op 1/v of the stage's costs; v times the messages.
+    if (kind == ScheduleKind::interleaved) sim.schedule.chunks = chunks;
     sim.costs = costs;
     sim.links = {link};
     const pipeline::SimResult r = pipeline::simulate(sim);

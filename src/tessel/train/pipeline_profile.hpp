@@ -1,7 +1,8 @@
 #pragma once
 // The schedule simulator (pipeline/simulator.hpp) fed the per-stage costs a pipeline training
 // run measured (`tessel simulate RUN_DIR`): what GPipe, 1F1B and PACI would take per step on
-// this model, these stages and this machine, from one run of any of them, and ZB-H1 from a
+// this model, these stages and this machine (and interleaved 1F1B with its stages cut into v
+// chunks of equal cost), from one run of any of them, and ZB-H1 from a
 // run that measured its W ops. A run's step records carry each stage's forward, backward and
 // optimizer seconds (docs/training.md), a ZB-H1 run's also `weight_seconds`, the part of its
 // `backward_seconds` (the whole backward, B + W) spent in its Ws;
@@ -38,18 +39,22 @@ struct PipelineProfile {
 PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip);
 
 struct SimulatedSchedule {
-  std::string name;  // "gpipe", "1f1b", "paci", "zb-h1"
+  std::string name;  // "gpipe", "1f1b", "interleaved", "paci", "zb-h1"
   double step_seconds = 0;
   double bubble = 0;
   std::vector<int64_t> peak_activations;  // per stage
 };
 
-// GPipe, 1F1B, PACI(K = M) and, when some stage's costs have a weight (a run that measured
-// ZB-H1's Ws), ZB-H1, in that order, over `steps` steps of M = `micro_batches` micro-batches,
-// each stage with `costs`, every boundary with `link` (default: free); PACI's step is a window
-// (its fill and drain once).
+// GPipe, 1F1B, interleaved with `chunks` model chunks per stage (when M is divisible by the
+// stages; each chunk 1/v of its stage's costs, v times the messages), PACI(K = M) and, when
+// some stage's costs have a weight (a run that measured ZB-H1's Ws), ZB-H1, in that order,
+// over `steps` steps of M = `micro_batches` micro-batches, each stage with `costs`, every
+// boundary (interleaved: and the wrap from the last stage to the first) with `link`
+// (default: free); PACI's step is a window (its fill and drain once). InputError for
+// chunks < 2 when interleaved is simulated.
 std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::StageCosts>& costs,
                                                   int64_t micro_batches, int64_t steps,
-                                                  const pipeline::LinkCosts& link = {});
+                                                  const pipeline::LinkCosts& link = {},
+                                                  int chunks = 2);
 
 }  // namespace tessel::train

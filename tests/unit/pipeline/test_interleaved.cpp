@@ -66,6 +66,46 @@ TEST(InterleavedSchedule, MatchesTheHandWrittenListForTwoStagesTwoChunks) {
   EXPECT_EQ(two[32], b(7, 0));
 }
 
+TEST(InterleavedSchedule, OneChunkListsAreTheHandWrittenOnes) {
+  // The 1F1B pattern the interleaved list shares, with one chunk (chunk 0 everywhere): 1F1B at
+  // P = 3, M = 4 (stage 0 warms up with 2 forwards, stage 2 with none) and PACI(K = 2).
+  auto ops = [](std::initializer_list<std::pair<char, int64_t>> list) {
+    std::vector<Op> out;
+    for (const auto& [kind, micro] : list)
+      out.push_back(kind == 'S' ? Op{OpKind::step} : kind == 'F' ? f(micro, 0) : b(micro, 0));
+    return out;
+  };
+  const ScheduleOptions flush{ScheduleKind::one_f_one_b, 3, 4, 1, 1};
+  EXPECT_EQ(stage_ops(flush, 0), ops({{'F', 0},
+                                      {'F', 1},
+                                      {'F', 2},
+                                      {'B', 0},
+                                      {'F', 3},
+                                      {'B', 1},
+                                      {'B', 2},
+                                      {'B', 3},
+                                      {'S', 0}}));
+  EXPECT_EQ(stage_ops(flush, 2), ops({{'F', 0},
+                                      {'B', 0},
+                                      {'F', 1},
+                                      {'B', 1},
+                                      {'F', 2},
+                                      {'B', 2},
+                                      {'F', 3},
+                                      {'B', 3},
+                                      {'S', 0}}));
+  EXPECT_EQ(stage_ops({ScheduleKind::paci, 2, 4, 1, 2}, 0), ops({{'F', 0},
+                                                                 {'F', 1},
+                                                                 {'B', 0},
+                                                                 {'F', 2},
+                                                                 {'B', 1},
+                                                                 {'S', 0},
+                                                                 {'F', 3},
+                                                                 {'B', 2},
+                                                                 {'B', 3},
+                                                                 {'S', 0}}));
+}
+
 TEST(InterleavedSchedule, EveryStageRunsEachMicroBatchChunkOnceInTheModelsOrder) {
   for (int P : {1, 2, 3, 4})
     for (int v : {2, 3})

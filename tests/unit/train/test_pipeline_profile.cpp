@@ -161,27 +161,39 @@ TEST(PipelineProfile, ARunWithoutPipelineRecordsIsAClearError) {
 }
 
 TEST(PipelineProfile, SimulatedSchedulesFollowTheClosedForms) {
-  // Uniform stages: a flush step takes (M + P - 1)(F + B) + o; PACI's window M (F + B) + o
-  // once filled, its fill and drain (P - 1)(F + B) paid once over the run.
+  // Uniform stages: a flush step takes (M + P - 1)(F + B) + o, interleaved with v chunks
+  // (M + (P - 1) / v)(F + B) + o when P divides M (else it is left out); PACI's window
+  // M (F + B) + o once filled, its fill and drain (P - 1)(F + B) paid once over the run.
   const double F = 0.01, B = 0.02, o = 0.007;
   for (const int P : {2, 4})
-    for (const int64_t M : {2, 8}) {
-      SCOPED_TRACE("P " + std::to_string(P) + ", M " + std::to_string(M));
-      const int64_t steps = 50;
-      const auto sims = train::simulate_schedules(
-          std::vector<pipeline::StageCosts>(size_t(P), {F, B, o}), M, steps);
-      ASSERT_EQ(sims.size(), 3u);
-      EXPECT_EQ(sims[0].name, "gpipe");
-      EXPECT_EQ(sims[1].name, "1f1b");
-      EXPECT_EQ(sims[2].name, "paci");
-      const double flush = double(M + P - 1) * (F + B) + o;
-      EXPECT_NEAR(sims[0].step_seconds, flush, 1e-12);
-      EXPECT_NEAR(sims[1].step_seconds, flush, 1e-12);
-      const double paci = double(M) * (F + B) + o + double(P - 1) * (F + B) / double(steps);
-      EXPECT_NEAR(sims[2].step_seconds, paci, 0.01 * paci);
-      EXPECT_EQ(sims[1].peak_activations.front(), std::min<int64_t>(M, P));
-      EXPECT_EQ(sims[0].peak_activations.front(), M);
-    }
+    for (const int64_t M : {2, 8})
+      for (const int v : {2, 3}) {
+        SCOPED_TRACE("P " + std::to_string(P) + ", M " + std::to_string(M) + ", v " +
+                     std::to_string(v));
+        const int64_t steps = 50;
+        const auto sims = train::simulate_schedules(
+            std::vector<pipeline::StageCosts>(size_t(P), {F, B, o}), M, steps, {}, v);
+        const bool interleaved = M % P == 0;
+        ASSERT_EQ(sims.size(), interleaved ? 4u : 3u);
+        EXPECT_EQ(sims[0].name, "gpipe");
+        EXPECT_EQ(sims[1].name, "1f1b");
+        const auto& paci_row = sims.back();
+        EXPECT_EQ(paci_row.name, "paci");
+        const double flush = double(M + P - 1) * (F + B) + o;
+        EXPECT_NEAR(sims[0].step_seconds, flush, 1e-12);
+        EXPECT_NEAR(sims[1].step_seconds, flush, 1e-12);
+        if (interleaved) {
+          EXPECT_EQ(sims[2].name, "interleaved");
+          EXPECT_NEAR(sims[2].step_seconds, (double(M) + double(P - 1) / v) * (F + B) + o, 1e-12);
+          // Chunk forwards: stage 0 warms up with 2 (P - 1) + (v - 1) P of them.
+          EXPECT_EQ(sims[2].peak_activations.front(),
+                    std::min<int64_t>(2 * (P - 1) + (v - 1) * P + 1, M * v));
+        }
+        const double paci = double(M) * (F + B) + o + double(P - 1) * (F + B) / double(steps);
+        EXPECT_NEAR(paci_row.step_seconds, paci, 0.01 * paci);
+        EXPECT_EQ(sims[1].peak_activations.front(), std::min<int64_t>(M, P));
+        EXPECT_EQ(sims[0].peak_activations.front(), M);
+      }
 }
 
 TEST(PipelineProfile, ZbH1RecordsGiveTheWeightCostAndTheWholeBackward) {
@@ -211,16 +223,16 @@ TEST(PipelineProfile, ZbH1IsSimulatedOnlyFromMeasuredWeightCosts) {
       SCOPED_TRACE("P " + std::to_string(P) + ", M " + std::to_string(M));
       const auto sims = train::simulate_schedules(
           std::vector<pipeline::StageCosts>(size_t(P), {F, B + W, o, W}), M, 20);
-      ASSERT_EQ(sims.size(), 4u);
-      EXPECT_EQ(sims[3].name, "zb-h1");
-      EXPECT_NEAR(sims[3].step_seconds, double(M) * (F + B + W) + double(P - 1) * (F + B - W) + o,
+      ASSERT_EQ(sims.size(), 5u);  // gpipe, 1f1b, interleaved, paci, zb-h1
+      EXPECT_EQ(sims[4].name, "zb-h1");
+      EXPECT_NEAR(sims[4].step_seconds, double(M) * (F + B + W) + double(P - 1) * (F + B - W) + o,
                   1e-12);
       EXPECT_NEAR(sims[1].step_seconds, double(M + P - 1) * (F + B + W) + o, 1e-12);
-      EXPECT_EQ(sims[3].peak_activations, std::vector<int64_t>(size_t(P), P));
+      EXPECT_EQ(sims[4].peak_activations, std::vector<int64_t>(size_t(P), P));
     }
   // Without measured Ws (weight 0 everywhere) there is no ZB-H1 to simulate.
   const auto sims =
       train::simulate_schedules(std::vector<pipeline::StageCosts>(2, {F, B + W, o}), 4, 20);
-  ASSERT_EQ(sims.size(), 3u);
+  ASSERT_EQ(sims.size(), 4u);
   EXPECT_EQ(sims.back().name, "paci");
 }
