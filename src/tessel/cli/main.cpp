@@ -264,6 +264,7 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
   const train::PipelineProfile p = train::read_pipeline_profile(run_dir, skip);
   const int64_t M = micro_batches > 0 ? micro_batches : p.micro_batches;
   const pipeline::LinkCosts link{link_latency, link_bandwidth, p.message_bytes};
+  if (chunks == 0) chunks = p.chunks > 1 ? p.chunks : 2;  // an interleaved run's own v
   const auto sims = train::simulate_schedules(p.costs, M, steps, link, chunks);
   auto simulated = [&sims](const std::string& name) {
     return std::find_if(sims.begin(), sims.end(), [&](const auto& s) { return s.name == name; });
@@ -273,6 +274,7 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     nlohmann::json out = {{"run",
                            {{"schedule", p.schedule},
                             {"micro_batches", p.micro_batches},
+                            {"chunks", p.chunks},
                             {"averaged_steps", {p.first_step, p.last_step}},
                             {"step_seconds", p.step_seconds}}},
                           {"micro_batches", M},
@@ -555,7 +557,7 @@ int main(int argc, char** argv) {
 
   std::string sim_run;
   int64_t sim_skip = 10, sim_steps = 100, sim_micro = 0;
-  int sim_chunks = 2;
+  int sim_chunks = 0;
   double sim_latency = 0, sim_bandwidth = 0;
   bool sim_json = false;
   auto* simc = app.add_subcommand(
@@ -577,8 +579,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
       ->capture_default_str();
   simc->add_option("--chunks", sim_chunks,
-                   "interleaved 1F1B's model chunks per stage, v (each 1/v of the stage's costs)")
-      ->check(CLI::Range(2, 1 << 10))
+                   "interleaved 1F1B's model chunks per stage, v (each 1/v of the stage's "
+                   "costs); 0 = an interleaved run's own, else 2")
+      ->check(CLI::Range(0, 1 << 10))
       ->capture_default_str();
   simc->add_option("--link-latency", sim_latency,
                    "seconds per activation or gradient message between stages, before its bytes")

@@ -81,6 +81,7 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
       if (p.schedule.empty()) {
         p.schedule = pipe.at("schedule").get<std::string>();
         p.micro_batches = pipe.value("micro_batches", p.micro_batches);
+        p.chunks = pipe.value("chunks", 1);
         p.first_step = step;
         const size_t stages = pipe.at("stages").size();
         forward.assign(stages, 0.0), backward.assign(stages, 0.0), weight.assign(stages, 0.0);

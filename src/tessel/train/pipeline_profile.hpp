@@ -17,8 +17,9 @@
 namespace tessel::train {
 
 struct PipelineProfile {
-  std::string schedule;                   // the run's: gpipe, 1f1b, paci or zb-h1
+  std::string schedule;                   // the run's: gpipe, 1f1b, interleaved, paci or zb-h1
   int64_t micro_batches = 0;              // the run's per step: train.accum, or PACI's K
+  int chunks = 1;                         // the run's model chunks per stage (interleaved: v)
   int64_t first_step = 0, last_step = 0;  // the steps averaged
   double step_seconds = 0;                // measured: their mean
   // Seconds, per stage: forward and whole backward of one micro-batch, one optimizer step, and

@@ -455,6 +455,7 @@ PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
   };
   nlohmann::json metrics = {{"schedule", pipeline::schedule_name(kind_)},
                             {"micro_batches", micro_per_step_}};
+  if (work_.chunks() > 1) metrics["chunks"] = work_.chunks();
   for (int s = 0; s < stages_; ++s) {
     const double* r = per_stage.data() + kFields * size_t(s);
     metrics["stages"].push_back({{"busy_seconds", r[0]},

@@ -229,6 +229,21 @@ TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   EXPECT_GE(gpipe_linked, gpipe);
   EXPECT_LE(gpipe_linked, gpipe + 2 * message + 1e-12);
 
+  // An interleaved run's records name its chunks, which simulate takes as its default v.
+  const std::string interleaved = temp_dir("tessel-cli-ppi");
+  o = run_tessel(train_args(interleaved) +
+                     " --set model.layers=4 --set parallel.pp=2 --set train.accum=2"
+                     " --set pipeline.schedule=interleaved --set pipeline.chunks=3"
+                     " --set model.tied_head=false",
+                 2);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  o = run_tessel("simulate " + interleaved + " --skip 1 --steps 20 --json");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const auto from_interleaved = nlohmann::json::parse(o.out);
+  EXPECT_EQ(from_interleaved["run"]["schedule"], "interleaved");
+  EXPECT_EQ(from_interleaved["run"]["chunks"], 3);
+  EXPECT_EQ(from_interleaved["chunks"], 3);
+
   std::string plain = temp_dir("tessel-cli-plain");
   ASSERT_EQ(run_tessel(train_args(plain)).exit_code, 0);
   expect_one_line_error(run_tessel("simulate " + plain), {"not a pipeline run"});
