@@ -67,14 +67,22 @@ Reference single_process(train::Config c) {
   return r;
 }
 
+// A run of `c` (in c.run.dir) gives `ref`'s steps and weights bitwise; its result.
+train::TrainResult expect_run_equals(comm::Communicator& world, const train::Config& c,
+                                     const Reference& ref) {
+  train::TrainResult r = run_on(world, c);
+  fixture::expect_same_steps(r, ref.result);
+  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+  return r;
+}
+
 // `c` with 1F1B over every rank as a stage gives `ref`'s steps and weights bitwise.
 void expect_1f1b_equals(comm::Communicator& world, train::Config c, const Reference& ref,
                         const char* run_name) {
   c.parallel.pp = world.size();
   c.pipeline.schedule = "1f1b";
   c.run.dir = shared_temp_dir(world, run_name);
-  fixture::expect_same_steps(run_on(world, c), ref.result);
-  fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+  expect_run_equals(world, c, ref);
 }
 
 // Every record of a run's metrics.jsonl (rank 0 writes them), in order.
@@ -255,9 +263,7 @@ TEST(PipelineTrain, FlushSchedulesEqualTheSingleProcessRunBitwise) {
       c.pipeline.schedule = schedule;
       c.pipeline.layout = layout;
       c.run.dir = shared_temp_dir(world, "tessel-pp-run");
-      const auto piped = run_on(world, c);
-      fixture::expect_same_steps(piped, ref.result);
-      fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+      const auto piped = expect_run_equals(world, c, ref);
       if (world.rank() != 0) continue;
       EXPECT_EQ(piped.sample, ref.result.sample);
       const auto records = pipeline_records(c.run.dir);
@@ -316,9 +322,7 @@ TEST(PipelineTrain, InterleavedChunksEqualTheSingleProcessRunBitwise) {
       c.pipeline.chunks = chunks;
       c.pipeline.layout = layout;
       c.run.dir = shared_temp_dir(world, "tessel-pp-inter");
-      const auto piped = run_on(world, c);
-      fixture::expect_same_steps(piped, ref.result);
-      fixture::expect_same_weights(fixture::final_weights(c.run.dir), ref.weights);
+      const auto piped = expect_run_equals(world, c, ref);
       if (world.rank() != 0) continue;
       EXPECT_EQ(piped.sample, ref.result.sample);
       const pipeline::ScheduleOptions list{pipeline::ScheduleKind::interleaved, P, 4, 1, 1, chunks};

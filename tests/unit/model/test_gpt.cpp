@@ -355,6 +355,18 @@ TEST(GptPieces, CompositionEqualsWholeModel) {
   }
 }
 
+// Each parameter `part` holds has the whole model's name and values at its registry
+// position; counted into `holders` by name.
+void count_held_as_in(const Gpt& whole, const Gpt& part, std::map<std::string, int>& holders) {
+  for (size_t i = 0; i < part.parameters().size(); ++i) {
+    const Parameter& p = part.parameters()[i];
+    const Parameter& q = whole.parameters()[size_t(part.registry_position(i))];
+    EXPECT_EQ(p.name, q.name);
+    EXPECT_TRUE(bitwise_equal(p.value, q.value)) << p.name;
+    ++holders[p.name];
+  }
+}
+
 // Models holding only a block range (pipeline stages) hold exactly their parameters, with
 // the whole model's values, names and registry positions; run in sequence with the residual
 // stream (and its gradient) copied between them, they give the whole model's loss and
@@ -383,13 +395,7 @@ TEST(GptBlockRange, StageModelsComposeTheWholeModel) {
       EXPECT_EQ(m.total_parameters(), whole.total_parameters());
       EXPECT_EQ(m.matmul_parameters(), whole.matmul_parameters());
       EXPECT_EQ(m.registry_size(), int64_t(whole.parameters().size()));
-      for (size_t i = 0; i < m.parameters().size(); ++i) {
-        const Parameter& p = m.parameters()[i];
-        const Parameter& q = whole.parameters()[size_t(m.registry_position(i))];
-        EXPECT_EQ(p.name, q.name);
-        EXPECT_TRUE(bitwise_equal(p.value, q.value)) << p.name;
-        ++holders[p.name];
-      }
+      count_held_as_in(whole, m, holders);
       acts.push_back(m.make_activations(2, 6));
       EXPECT_EQ(acts.back()->logits.defined(), s == last);
       stages.back()->zero_grads();
@@ -469,16 +475,11 @@ TEST(GptBlockRange, ChunkedModelsHoldTheirChunksAndComposeTheWholeModel) {
     const Gpt& m = *models.back();
     EXPECT_EQ(m.block_ranges().size(), 2u);
     EXPECT_ANY_THROW(m.block_range());
-    for (size_t i = 0; i < m.parameters().size(); ++i) {
-      const Parameter& p = m.parameters()[i];
-      const Parameter& q = whole.parameters()[size_t(m.registry_position(i))];
-      EXPECT_EQ(p.name, q.name);
-      EXPECT_TRUE(bitwise_equal(p.value, q.value)) << p.name;
-      ++holders[p.name];
+    count_held_as_in(whole, m, holders);
+    for (const Parameter& p : m.parameters())
       if (p.name.rfind("blocks.", 0) == 0) {  // block b on model b % 2
         EXPECT_EQ(std::stoll(p.name.substr(7)) % 2, &m == models[1].get()) << p.name;
       }
-    }
     models.back()->zero_grads();
   }
   for (const Parameter& p : whole.parameters()) EXPECT_EQ(holders[p.name], 1) << p.name;
