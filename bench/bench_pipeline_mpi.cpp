@@ -227,7 +227,7 @@ Measured measure(comm::Communicator& pp, const ScheduleOptions& schedule, int64_
   }
   m.bubble = 1 - busy / (pp.size() * m.makespan);
   m.costs_only = simulate(sim);
-  m.latency = profiled_link_latency(timeline, pp.size(), schedule.chunks);
+  m.latency = profiled_link_latency(timeline, pp.size());
   sim.links = {{m.latency}};
   m.with_latency = simulate(sim);
   if (!trace_prefix.empty()) {

@@ -261,6 +261,10 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
 
 int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_t micro_batches,
                  int chunks, double link_latency, double link_bandwidth, bool json) {
+  if (chunks == 1)
+    input_error(
+        "simulate --chunks must be 0 (an interleaved run's own, else 2) or >= 2 "
+        "(one chunk per stage is 1f1b), got 1");
   const train::PipelineProfile p = train::read_pipeline_profile(run_dir, skip);
   const int64_t M = micro_batches > 0 ? micro_batches : p.micro_batches;
   const pipeline::LinkCosts link{link_latency, link_bandwidth, p.message_bytes};

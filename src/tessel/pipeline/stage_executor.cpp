@@ -16,7 +16,7 @@ namespace tessel::pipeline {
 
 namespace {
 
-// Tag = 2 * ((micro v + chunk) mod 2^14) + kind, with v chunks per stage: below 32767, the
+// Tag = 2 * ((micro v + chunk) mod 2^14) + kind, with v chunks per stage: at most 32767, the
 // smallest tag bound MPI guarantees. The messages of one kind from one stage to another are
 // sent in the order the receiver consumes them (the lists number both stages' ops alike) and
 // MPI does not overtake, so the wrap-around is harmless.
@@ -368,7 +368,7 @@ std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageS
   return timeline;
 }
 
-double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages, int chunks) {
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages) {
   // (virtual stage chunk P + s, kind, micro-batch) -> end
   std::map<std::tuple<int, OpKind, int64_t>, double> ends;
   for (const OpTiming& t : timeline)
@@ -380,8 +380,10 @@ double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages, 
     const int piece = t.op.chunk * stages + t.stage;
     const int from = t.op.kind == OpKind::forward ? piece - 1 : piece + 1;
     const bool message = t.op.kind == OpKind::forward || t.op.kind == OpKind::backward;
-    if (message && from >= 0 && from < stages * chunks) {
-      const double sent = ends.at({from, t.op.kind, t.op.micro});
+    // No producer past the model's ends (virtual stage -1, or v P).
+    const auto producer = ends.find({from, t.op.kind, t.op.micro});
+    if (message && producer != ends.end()) {
+      const double sent = producer->second;
       // At or after: with one stage and v chunks the producer is the consumer's previous op.
       if (sent >= free_at[size_t(t.stage)]) {
         sum += t.start - sent;

@@ -132,10 +132,12 @@ std::vector<OpTiming> gather_timeline(comm::Communicator& pp_group, const StageS
 // waited for it):
 // the link latency, transfer and wake-up, to feed SimOptions::links (as latency) beside the
 // stages' profiled_costs(). `timeline` holds every stage's ops, each stage's in execution
-// order (gather_timeline's, or a SimResult's, whose link latency it returns), for `chunks`
-// model chunks per stage (interleaved: v; the message into chunk c of stage 0 comes from
-// chunk c - 1 of the last stage); 0 when no consumer waited.
-double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages, int chunks = 1);
+// order (gather_timeline's, or a SimResult's, whose link latency it returns); the producer of
+// an op's message is the op of the same kind and micro-batch on the previous (forward) or
+// next (backward) virtual stage, chunk c of stage s being virtual stage c P + s (interleaved:
+// the message into chunk c of stage 0 comes from chunk c - 1 of the last stage); 0 when no
+// consumer waited.
+double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages);
 // The gathered timelines as a Chrome trace on stage 0 (one track per stage; empty JSON
 // elsewhere).
 nlohmann::json gather_chrome_trace(comm::Communicator& pp_group, const StageStats& stats);

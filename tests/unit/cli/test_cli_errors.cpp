@@ -243,6 +243,16 @@ TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   EXPECT_EQ(from_interleaved["run"]["schedule"], "interleaved");
   EXPECT_EQ(from_interleaved["run"]["chunks"], 3);
   EXPECT_EQ(from_interleaved["chunks"], 3);
+  std::vector<tessel::pipeline::StageCosts> own;
+  for (const auto& c : from_interleaved["stage_costs"])
+    own.push_back({.forward = c["forward"], .backward = c["backward"], .step = c["step"]});
+  for (const auto& s : tessel::train::simulate_schedules(own, 2, 20, {}, 3))
+    if (s.name == "interleaved") {
+      EXPECT_DOUBLE_EQ(from_interleaved["simulated"]["interleaved"]["step_seconds"].get<double>(),
+                       s.step_seconds);
+    }
+  expect_one_line_error(run_tessel("simulate " + interleaved + " --chunks 1"),
+                        {"--chunks", "got 1"});
 
   std::string plain = temp_dir("tessel-cli-plain");
   ASSERT_EQ(run_tessel(train_args(plain)).exit_code, 0);

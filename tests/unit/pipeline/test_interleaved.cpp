@@ -257,6 +257,21 @@ TEST(InterleavedSimulator, TheWrapIsTheLastOfPLinks) {
   EXPECT_NO_THROW(simulate(o));
   o.links = {{0.1}, {0.1}, {0.1}};
   fixture::expect_input_error([&] { simulate(o); }, {"one per boundary (2", "wrap"});
+
+  // Which link is which, P = 3: latency on the wrap (index 2) alone delays chunk 1's first
+  // forward on stage 0 after chunk 0's on stage 2, and not the hand-over from stage 0 to 1.
+  SimOptions three = uniform(3, v, 3, 1);
+  three.links = {{0}, {0}, {0.75}};
+  const SimResult r = simulate(three);
+  auto timing = [&r](int stage, const Op& op) {
+    for (const OpTiming& t : r.timeline)
+      if (t.stage == stage && t.op == op) return t;
+    ADD_FAILURE() << "no op on stage " << stage;
+    return OpTiming{};
+  };
+  EXPECT_EQ(timing(1, f(0, 0)).start, timing(0, f(0, 0)).end);
+  EXPECT_GE(timing(0, f(0, 1)).start, timing(2, f(0, 0)).end + 0.75);
+  EXPECT_GE(timing(2, b(0, 0)).start, timing(0, b(0, 1)).end + 0.75);
 }
 
 TEST(InterleavedSimulator, ChromeTraceNamesMicroBatchAndChunk) {

@@ -32,7 +32,7 @@ TEST(ProfiledLinkLatency, RecoversTheSimulatorsLatencyWithChunks) {
         o.costs = {{1.5, 2.5, 0.1}, {1.0, 3.0, 0.1}};
         o.costs.resize(size_t(P), {1.25, 2.0, 0.1});
         o.links = {{latency}};
-        EXPECT_NEAR(profiled_link_latency(simulate(o).timeline, P, v), latency, 1e-12)
+        EXPECT_NEAR(profiled_link_latency(simulate(o).timeline, P), latency, 1e-12)
             << "P " << P << " v " << v;
       }
 }
