@@ -32,10 +32,11 @@ function(tessel_unit_tests module)
                        LABELS unit)
 endfunction()
 
-# tessel_mpi_tests(MODULE DEPS ...): tests/mpi/<module>/*.cpp -> one gtest binary
-# with an MPI main, registered twice: under mpirun with 2 and with 4 ranks.
+# tessel_mpi_tests(MODULE DEPS ... [ALSO_NP n ... ALSO_FILTER pattern]): tests/mpi/<module>/*.cpp
+# -> one gtest binary with an MPI main, registered twice: under mpirun with 2 and with 4 ranks;
+# and with each ALSO_NP rank count for the tests ALSO_FILTER selects (mpi_<module>_<np>_only).
 function(tessel_mpi_tests module)
-  cmake_parse_arguments(ARG "" "" "DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "" "ALSO_FILTER" "DEPS;ALSO_NP" ${ARGN})
   file(GLOB sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/mpi/${module}/*.cpp)
   if(NOT sources)
     return()
@@ -50,12 +51,18 @@ function(tessel_mpi_tests module)
   if(TESSEL_SANITIZE)
     set(sanitizer_env ";ASAN_OPTIONS=detect_leaks=0")
   endif()
-  foreach(np 2 4)
-    add_test(NAME mpi_${module}_np${np}
+  foreach(np 2 4 ${ARG_ALSO_NP})
+    set(name mpi_${module}_np${np})
+    set(filter "")
+    if(NOT np EQUAL 2 AND NOT np EQUAL 4)
+      set(name mpi_${module}_np${np}_only)
+      set(filter --gtest_filter=${ARG_ALSO_FILTER})
+    endif()
+    add_test(NAME ${name}
              COMMAND ${MPIEXEC_EXECUTABLE} --oversubscribe --bind-to none -np ${np}
                      -x OMP_NUM_THREADS=1
-                     $<TARGET_FILE:mpi_${module}>)
-    set_tests_properties(mpi_${module}_np${np} PROPERTIES
+                     $<TARGET_FILE:mpi_${module}> ${filter})
+    set_tests_properties(${name} PROPERTIES
       ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1${sanitizer_env}"
       LABELS mpi PROCESSORS ${np})
   endforeach()
