@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -220,6 +222,28 @@ JobEnd wait_job(const std::string& log, double hang_timeout) {
   return end;
 }
 
+// Waits (at most kHangKillGraceNs) until no process holds the job's lock of `run_dir`.
+// mpirun's exit does not mean its ranks are gone: Open MPI kills them and exits without
+// reaping them, so rank 0 may still hold the lock, or be writing its last ledger line. After
+// this the exit line comes last, and a relaunch finds the run directory free.
+void wait_for_job_lock(const std::string& run_dir) {
+  const std::string path = run_dir + "/" + kJobLock;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return;  // no job took it
+  const int64_t deadline = monotonic_ns() + kHangKillGraceNs;
+  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK && errno != EINTR) break;
+    if (monotonic_ns() > deadline) {
+      std::fprintf(stderr,
+                   "tessel run: %s is still locked %.0f s after the job's launcher exited\n",
+                   path.c_str(), double(kHangKillGraceNs) * 1e-9);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::close(fd);  // releases the lock if taken
+}
+
 }  // namespace
 
 int supervise(const SuperviseOptions& o) {
@@ -279,6 +303,7 @@ int supervise(const SuperviseOptions& o) {
       }
     }
     const JobEnd end = wait_job(log, o.hang_timeout);
+    wait_for_job_lock(o.run_dir);
     const int status = end.status;
     if (attempt_withdrawn(log)) {  // bad input, or nothing to train: no attempt, no relaunch
       remove_attempt(log);

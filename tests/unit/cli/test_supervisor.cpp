@@ -474,6 +474,29 @@ TEST_F(SupervisorTest, AStopSignalEndsTheJobAndIsRecorded) {
   }
 }
 
+// mpirun may exit before its ranks are gone (Open MPI kills them and exits without reaping
+// them), so the supervisor waits until no process holds the job's lock before it records the
+// attempt's end and decides what next (a relaunch would otherwise find the run directory in
+// use). A launcher that leaves a process holding the lock for a second and fails at once:
+// `tessel run` returns only after that process let go, with the exit line last.
+TEST_F(SupervisorTest, AnAttemptEndsOnlyOnceItsLockIsFree) {
+  const std::string run = fixture::temp_dir("tessel-sup-lingering");
+  const std::string launcher = run + "/launcher.sh";
+  std::ofstream(launcher) << "#!/bin/sh\n"
+                          << "flock " << run << "/lock sh -c 'sleep 1; touch " << run
+                          << "/released' >/dev/null 2>&1 &\n"
+                          << "until ! flock -n " << run << "/lock true; do sleep 0.01; done\n"
+                          << "exit 1\n";
+  fs::permissions(launcher, fs::perms::owner_all);
+  const Outcome o = run_tessel(run_args(run, "", 0, "--launcher " + launcher));
+  EXPECT_EQ(o.exit_code, 1) << o.err;
+  EXPECT_TRUE(fs::exists(run + "/released")) << "tessel run returned while the lock was held";
+  EXPECT_TRUE(unlocked(run + "/lock"));
+  const auto lines = jsonl(train::attempt_path(run, 0));
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines.back().value("event", ""), "exit");
+}
+
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
   std::string run = fixture::temp_dir("tessel-sup-seconds");
   // Attempt 0 dies 1 ms after its process began: by the time the trainer arms the injector
