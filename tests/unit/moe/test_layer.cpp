@@ -333,16 +333,30 @@ VecF step_beta(const Layout& l, const VecF& params, const VecF& beta0, const std
   return beta;
 }
 
-TEST(MoeLayer, EqbStepMovesBetaTowardTheExactQuantile) {
-  Layout l = layout(ExpertMlp::gelu, ScoreFn::softmax, true, 0, true, 0, DropPolicy::probability,
-                    Balance::eqb);
-  const int64_t E = l.config.experts, k = l.config.top_k;
+// A layer balanced by `balance`, its parameters, a starting beta and two micro-batches of one
+// step: the inputs of step_beta that the balancing tests share.
+struct OneStep {
+  Layout l;
+  VecF params, beta0;
+  std::vector<VecF> xs;
+};
+OneStep one_step(Balance balance) {
+  OneStep s{
+      layout(ExpertMlp::gelu, ScoreFn::softmax, true, 0, true, 0, DropPolicy::probability, balance),
+      {},
+      {},
+      {}};
   Rng rng(31);
-  const VecF params = testing::random_params(l, 12);
-  const VecF beta0 = kernels::test::randn(rng, size_t(E), 0.3f);
-  // Two micro-batches of one step.
-  const std::vector<VecF> xs = {kernels::test::randn(rng, size_t(7 * l.shape.C)),
-                                kernels::test::randn(rng, size_t(9 * l.shape.C))};
+  s.params = testing::random_params(s.l, 12);
+  s.beta0 = kernels::test::randn(rng, size_t(s.l.config.experts), 0.3f);
+  s.xs = {kernels::test::randn(rng, size_t(7 * s.l.shape.C)),
+          kernels::test::randn(rng, size_t(9 * s.l.shape.C))};
+  return s;
+}
+
+TEST(MoeLayer, EqbStepMovesBetaTowardTheExactQuantile) {
+  auto [l, params, beta0, xs] = one_step(Balance::eqb);
+  const int64_t E = l.config.experts, k = l.config.top_k;
   for (double eta : {1.0, 0.3, 0.01}) {
     SCOPED_TRACE("eta " + std::to_string(eta));
     l.config.eqb_step = eta;
@@ -371,17 +385,11 @@ TEST(MoeLayer, EqbStepMovesBetaTowardTheExactQuantile) {
 
 // qb_hist on the same step: the layer records the same bf16 margins as EQB, and its beta
 // (eta = 1) is the histogram estimate, never below EQB's exact quantile and at most one bin
-// width ((max - min) / B of that expert's margins, plus the edge's f32 rounding) above it.
+// width ((max - min) / B of that expert's margins) above it, beta's own f32 rounding aside.
 // With the damped step the same bound scales by eta.
 TEST(MoeLayer, QbHistStepIsWithinOneBinAboveTheExactQuantile) {
-  Layout l = layout(ExpertMlp::gelu, ScoreFn::softmax, true, 0, true, 0, DropPolicy::probability,
-                    Balance::qb_hist);
+  auto [l, params, beta0, xs] = one_step(Balance::qb_hist);
   const int64_t E = l.config.experts, k = l.config.top_k;
-  Rng rng(31);
-  const VecF params = testing::random_params(l, 12);
-  const VecF beta0 = kernels::test::randn(rng, size_t(E), 0.3f);
-  const std::vector<VecF> xs = {kernels::test::randn(rng, size_t(7 * l.shape.C)),
-                                kernels::test::randn(rng, size_t(9 * l.shape.C))};
   for (int64_t bins : {int64_t(1000), int64_t(10)}) {
     for (double eta : {1.0, 0.3}) {
       SCOPED_TRACE(std::to_string(bins) + " bins, eta " + std::to_string(eta));
@@ -390,12 +398,12 @@ TEST(MoeLayer, QbHistStepIsWithinOneBinAboveTheExactQuantile) {
       std::vector<VecF> logits;
       const VecF beta = step_beta(l, params, beta0, xs, logits);
       const auto columns = margin_columns(logits, beta0, E, k);
+      const VecD q = quantile_beta(logits, beta0, E, k);
       int64_t above = 0;  // experts where the estimate is not the exact quantile
       for (int64_t e = 0; e < E; ++e) {
         const VecF& c = columns[size_t(e)];
-        const double q = c[size_t(qb_rank(int64_t(c.size()), k, E) - 1)];
         const double w = (double(c.back()) - double(c.front())) / double(bins);
-        const double exact = std::lerp(double(beta0[size_t(e)]), q, eta);
+        const double exact = std::lerp(double(beta0[size_t(e)]), q[size_t(e)], eta);
         const double b = beta[size_t(e)];
         const double rounding = std::abs(b) * std::numeric_limits<float>::epsilon();
         EXPECT_GE(b, exact - rounding) << "expert " << e;
