@@ -314,7 +314,7 @@ TEST(PipelineTrain, InterleavedChunksEqualTheSingleProcessRunBitwise) {
   c.train.sample_tokens = 12;
   const Reference ref = single_process(c);
   for (const int chunks : P == 2 ? std::vector<int>{2, 3} : std::vector<int>{2})
-    for (const std::string layout :
+    for (const std::string& layout :
          {std::string(), std::string(chunks == 2 && P == 2 ? "0,3,3,0" : "")}) {
       SCOPED_TRACE(std::to_string(chunks) + " chunks, layout '" + layout + "'");
       c.parallel.pp = P;
