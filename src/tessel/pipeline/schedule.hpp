@@ -56,6 +56,12 @@ struct ScheduleOptions {
   int chunks = 1;             // v, model chunks per stage: >= 2 for interleaved, else 1
 };
 
+// The model's piece that `op` runs on `stage` of `stages`: virtual stage chunk P + stage (the
+// stage itself with one chunk).
+inline int virtual_stage(const Op& op, int stage, int stages) {
+  return op.chunk * stages + stage;
+}
+
 // InputError naming the field for P < 1, M < 1, steps < 1, K < 1, chunks < 1, interleaved
 // with chunks < 2 or M not divisible by P, or chunks != 1 under another schedule.
 void validate(const ScheduleOptions& options);

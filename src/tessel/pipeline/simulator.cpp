@@ -84,7 +84,7 @@ SimResult simulate(const SimOptions& o) {
       while (next[size_t(s)] < ops[size_t(s)].size()) {
         const Op op = ops[size_t(s)][next[size_t(s)]];
         const size_t m = size_t(op.micro);
-        const int j = op.chunk * P + s;
+        const int j = virtual_stage(op, s, P);
         if (op.kind == OpKind::forward) {
           double dep = j == 0 ? 0 : f_end[size_t(j - 1)][m];
           if (dep == kNotDone) break;

@@ -135,9 +135,9 @@ class StageRun {
   // Op numbered from the run's first micro-batch.
   Op offset(const Op& op) const { return {op.kind, op.micro + first_micro_, op.chunk}; }
   // The model's piece that `op` runs: virtual stage chunk P + s of v P.
-  int virtual_stage(const Op& op) const { return op.chunk * stages_ + stage_; }
-  bool first_piece(const Op& op) const { return virtual_stage(op) == 0; }
-  bool last_piece(const Op& op) const { return virtual_stage(op) == stages_ * chunks_ - 1; }
+  int piece(const Op& op) const { return virtual_stage(op, stage_, stages_); }
+  bool first_piece(const Op& op) const { return piece(op) == 0; }
+  bool last_piece(const Op& op) const { return piece(op) == stages_ * chunks_ - 1; }
   // A forward receives activations except on the model's first piece, a backward gradients
   // except on its last.
   bool receives(const Op& op, OpKind consumer) const {
@@ -185,10 +185,10 @@ class StageRun {
   // To the op that consumes it: the next piece's forward (activations) or the previous
   // piece's backward (gradients), on stage piece mod P.
   void send(std::vector<float> data, BufferPool& pool, Msg kind, const Op& op) {
-    const int piece = virtual_stage(op) + (kind == Msg::activation ? 1 : -1);
-    const Op consumer{op.kind, op.micro, piece / stages_};
+    const int to = piece(op) + (kind == Msg::activation ? 1 : -1);
+    const Op consumer{op.kind, op.micro, to / stages_};
     Transfer t{op, std::move(data), &pool, {}};
-    t.request = group_.isend(t.data, piece % stages_, tag(kind, consumer, chunks_));
+    t.request = group_.isend(t.data, to % stages_, tag(kind, consumer, chunks_));
     sends_.push_back(std::move(t));
     std::erase_if(sends_, [](Transfer& sent) {
       if (!sent.request.test()) return false;
@@ -372,12 +372,12 @@ double profiled_link_latency(const std::vector<OpTiming>& timeline, int stages) 
   // (virtual stage chunk P + s, kind, micro-batch) -> end
   std::map<std::tuple<int, OpKind, int64_t>, double> ends;
   for (const OpTiming& t : timeline)
-    ends[{t.op.chunk * stages + t.stage, t.op.kind, t.op.micro}] = t.end;
+    ends[{virtual_stage(t.op, t.stage, stages), t.op.kind, t.op.micro}] = t.end;
   std::vector<double> free_at(size_t(stages), 0);  // end of each stage's previous op
   double sum = 0;
   int64_t waited = 0;
   for (const OpTiming& t : timeline) {
-    const int piece = t.op.chunk * stages + t.stage;
+    const int piece = virtual_stage(t.op, t.stage, stages);
     const int from = t.op.kind == OpKind::forward ? piece - 1 : piece + 1;
     const bool message = t.op.kind == OpKind::forward || t.op.kind == OpKind::backward;
     // No producer past the model's ends (virtual stage -1, or v P).
