@@ -43,6 +43,7 @@ struct Spec {
   Init init;
   bool expert;        // an MoE expert's (in the experts' range of the flat buffers)
   uint64_t position;  // in the whole model's registry: keys the init stream
+  int64_t block;      // its block; -1 the embeddings (and a tied head), L the final norm and head
 };
 
 // Normal draws come in chunks, each from its own stream keyed by (parameter,
@@ -149,12 +150,13 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, std::vector<
   std::vector<Spec> specs;
   uint64_t position = 0;
   bool expert = false, held = true;  // adding an expert's parameters; one this model holds
+  int64_t block = -1;                // the block being added
   auto add = [&](std::string name, ParamTag tag, Shape shape, Init init) {
     const uint64_t at = position++;
     registry_names_.push_back(name);
     total_numel_ += shape_numel(shape);
     if (!held) return -1;
-    specs.push_back({std::move(name), tag, std::move(shape), init, expert, at});
+    specs.push_back({std::move(name), tag, std::move(shape), init, expert, at, block});
     return int(specs.size() - 1);
   };
   auto add_norm = [&](const std::string& prefix, int& w, int& b) {
@@ -194,6 +196,7 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, std::vector<
   balance_.resize(size_t(L));
   blocks_.resize(size_t(L));
   for (int64_t i = 0; i < L; ++i) {
+    block = i;
     const std::string p = "blocks." + std::to_string(i) + ".";
     const bool in_range = std::any_of(chunks_.begin(), chunks_.end(), [i](const BlockRange& r) {
       return r.first <= i && i < r.last;
@@ -242,6 +245,7 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, std::vector<
     add_linear(p + "mlp.fc_out", C_, F_, Init::scaled_normal, b.fc_out_w, b.fc_out_b);
   }
   held = holds_head();
+  block = L;
   add_norm("final_norm", final_norm_w_, final_norm_b_);
   head_ = config_.tied_head ? embed_ : add("head.weight", ParamTag::head, {V, C_}, Init::normal);
   registry_size_ = int64_t(position);
@@ -256,6 +260,15 @@ Gpt::Gpt(const GptConfig& config, uint64_t seed, ExpertShard shard, std::vector<
   }
   flat_params_ = Tensor({total});
   flat_grads_ = Tensor({total});
+  final_from_block_.assign(size_t(L + 1), {dense_numel_, total - dense_numel_});
+  for (size_t i = 0; i < specs.size(); ++i)
+    for (int64_t b = 0; b <= std::min(specs[i].block, L); ++b) {
+      GradsFinal& f = final_from_block_[size_t(b)];
+      if (specs[i].expert)
+        f.experts = std::min(f.experts, offset[i] - dense_numel_);
+      else
+        f.dense = std::min(f.dense, offset[i]);
+    }
   for (size_t i = 0; i < specs.size(); ++i) {
     const Spec& s = specs[i];
     parameters_.push_back({s.name, s.tag, flat_params_.view(offset[i], s.shape),
@@ -632,6 +645,14 @@ void Gpt::backward_head(Activations& acts, float loss_scale) {
   std::fill(dx, dx + N * C_, 0.0f);
   norm_backward(dx, final_norm_w_, final_norm_b_, acts.d_norm.f32(), acts.residual(L).f32(),
                 at(acts.final_norm_mean, 0), acts.final_norm_rstd.f32(), N);
+  report_grads_final(acts, L);
+}
+
+void Gpt::report_grads_final(Activations& acts, int64_t block) const {
+  if (!acts.on_grads_final) return;
+  TESSEL_CHECK(!acts.defer_weight_grads && chunks_.size() == 1,
+               "on_grads_final needs a backward that adds its weight gradients, of one chunk");
+  acts.on_grads_final(block < 0 ? GradsFinal{} : final_from_block_[size_t(block)]);
 }
 
 void Gpt::backward_blocks(Activations& acts, int64_t first, int64_t last) {
@@ -641,6 +662,7 @@ void Gpt::backward_blocks(Activations& acts, int64_t first, int64_t last) {
     if (recompute) block_forward(acts, l, true);
     block_backward(acts, l);
     if (recompute && moe_mask_[size_t(l)]) acts.moe[size_t(acts.slot(l))].release_buffers();
+    report_grads_final(acts, l);
   }
 }
 
@@ -770,7 +792,10 @@ void Gpt::backward_embedding(Activations& acts) {
       kn::embedding_backward(grad(pos_embed_), dx, acts.positions.i32(), N, config_.max_seq, C_);
   };
   const float* dx = acts.residual_grad(0).f32();
-  if (!acts.defer_weight_grads) return add_grads(dx);
+  if (!acts.defer_weight_grads) {
+    add_grads(dx);
+    return report_grads_final(acts, -1);
+  }
   // residual_grad(0) is shared scratch: the queued gradient reads its own copy.
   acts.deferred_bytes += N * C_ * int64_t(sizeof(float));
   acts.deferred_weight_grads.push_back(

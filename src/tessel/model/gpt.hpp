@@ -52,6 +52,14 @@ struct ModelInputs {
   const int32_t* token_index = nullptr;
 };
 
+// Where a backward stands in the flat gradient buffers: every gradient at offset >= dense of
+// Gpt::dense_grads() and at offset >= experts of Gpt::expert_grads() holds its final value for
+// this backward (the registry lays parameters out in forward order, which a backward visits in
+// reverse).
+struct GradsFinal {
+  int64_t dense = 0, experts = 0;
+};
+
 // Everything one micro-batch's forward keeps for its backward, plus backward
 // scratch, allocated once by Gpt::make_activations. Shapes, with N = B*T tokens,
 // L blocks held (last_layer - first_layer), Lc = L (Recompute::none) or min(L, 1) (blocks)
@@ -133,6 +141,13 @@ struct Activations {
   bool defer_weight_grads = false;
   std::vector<std::function<void()>> deferred_weight_grads;
   int64_t deferred_bytes = 0;
+
+  // Called by the backward pieces as they finish parameters (after the head, after each block,
+  // after the embedding; offsets non-increasing): the data-parallel all-reduce starts each
+  // bucket then, overlapping the rest of the backward. A tied head's gradient is final only
+  // after the embedding's. Not with defer_weight_grads (the weight gradients come later) or a
+  // model of several chunks (one backward does not finish a chunk's range). null: not called.
+  std::function<void(GradsFinal)> on_grads_final;
 
   // The blocks [first_layer, last_layer) these buffers hold (a pipeline stage's; the whole
   // model by default): per-layer buffers stack only those, and the head's (final norm,
@@ -343,6 +358,9 @@ class Gpt {
 
   // Checks that the blocks [first, last) are held.
   void check_blocks(int64_t first, int64_t last) const;
+  // Tells acts.on_grads_final (if set) that the parameters of blocks >= `block` are final
+  // (block L: the final norm and an untied head; -1: everything).
+  void report_grads_final(Activations& acts, int64_t block) const;
 
   GptConfig config_;
   ExpertShard shard_;
@@ -353,6 +371,8 @@ class Gpt {
   int64_t C_, H_, Hkv_, D_, F_, Fi_, QKV_;
   Tensor flat_params_, flat_grads_;
   int64_t dense_numel_ = 0;  // the dense range of the flat buffers: [0, dense_numel_)
+  // [L + 1]: the GradsFinal of the parameters of blocks >= b (b = L: final norm and untied head)
+  std::vector<GradsFinal> final_from_block_;
   ParameterList parameters_, dense_params_, expert_params_;
   int embed_ = -1, pos_embed_ = -1, final_norm_w_ = -1, final_norm_b_ = -1, head_ = -1;
   std::vector<BlockParams> blocks_;

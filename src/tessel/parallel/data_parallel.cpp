@@ -12,22 +12,32 @@ GradientReducer::GradientReducer(comm::Communicator& dp_group, Tensor flat_grads
   TESSEL_CHECK(bucket_bytes > 0, "bucket size must be positive");
   int64_t per_bucket = std::max<int64_t>(1, bucket_bytes / int64_t(sizeof(float)));
   for (int64_t b = 0; b < grads_.numel(); b += per_bucket) bucket_begin_.push_back(b);
+  unstarted_ = num_buckets();
+  pending_.reserve(bucket_begin_.size());
+}
+
+void GradientReducer::start_from(int64_t from) {
+  if (group_.size() == 1) return;
+  float* g = grads_.f32();
+  for (; unstarted_ > 0 && bucket_begin_[size_t(unstarted_ - 1)] >= from; --unstarted_) {
+    const int64_t begin = bucket_begin_[size_t(unstarted_ - 1)];
+    const int64_t end =
+        unstarted_ < num_buckets() ? bucket_begin_[size_t(unstarted_)] : grads_.numel();
+    pending_.push_back(group_.iall_reduce(g + begin, size_t(end - begin), comm::ElemType::f32,
+                                          comm::ReduceOp::sum));
+  }
+  // Testing the oldest unfinished request drives the library's progress engine for all.
+  for (comm::Request& r : pending_)
+    if (!r.test()) break;
 }
 
 void GradientReducer::reduce(float scale) {
+  start_from(0);
+  comm::wait_all(pending_);
+  pending_.clear();
+  unstarted_ = num_buckets();
   float* g = grads_.f32();
-  int64_t n = grads_.numel();
-  if (group_.size() > 1) {
-    std::vector<comm::Request> pending;
-    pending.reserve(bucket_begin_.size());
-    for (size_t i = 0; i < bucket_begin_.size(); ++i) {
-      int64_t begin = bucket_begin_[i];
-      int64_t end = i + 1 < bucket_begin_.size() ? bucket_begin_[i + 1] : n;
-      pending.push_back(group_.iall_reduce(g + begin, size_t(end - begin), comm::ElemType::f32,
-                                           comm::ReduceOp::sum));
-    }
-    comm::wait_all(pending);
-  }
+  const int64_t n = grads_.numel();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) g[i] *= scale;
 }

@@ -2,10 +2,10 @@
 // Data parallelism: the gradient all-reduce over the dp group.
 //
 // The flat gradient buffer is cut into buckets of about bucket_bytes, always at the
-// same offsets and reduced in the same order, so the reduction is deterministic for
-// a given layout. Every bucket's all-reduce is started non-blocking before any is
-// waited on, after the last backward of the step: nothing overlaps the backward yet (with
-// or without a pipeline; starting each bucket as the last backward completes it would).
+// same offsets, each all-reduced on its own, so the result is deterministic for a given
+// layout whenever each bucket starts. start_from starts the buckets a backward has finished
+// (it visits the buffer from the end: the model's on_grads_final), so their reduction
+// overlaps the rest of the backward; reduce starts the rest, waits for all, and scales.
 // Gradients are summed, then multiplied by `scale` (1 / global loss-token count):
 // the mean over the global batch, whatever the dp size and accumulation.
 #include <cstdint>
@@ -19,14 +19,22 @@ namespace tessel::parallel {
 class GradientReducer {
  public:
   GradientReducer(comm::Communicator& dp_group, Tensor flat_grads, int64_t bucket_bytes);
-  // All-reduces (sum) every bucket over the dp group, then scales by `scale`.
+  // Every element at offset >= `from` holds its final gradient for this step: starts the
+  // all-reduce (sum) of each bucket wholly past it that has not started, the last first, then
+  // lets the started ones progress (MPI moves a non-blocking collective only inside MPI calls).
+  // Every rank must pass the same offsets in the same order.
+  void start_from(int64_t from);
+  // All-reduces (sum) every bucket not yet started, waits for all, then scales by `scale`.
   void reduce(float scale);
   int64_t num_buckets() const { return int64_t(bucket_begin_.size()); }
+  int64_t started_buckets() const { return num_buckets() - unstarted_; }
 
  private:
   comm::Communicator& group_;
   Tensor grads_;
   std::vector<int64_t> bucket_begin_;  // element offsets; bucket i ends where i+1 begins
+  int64_t unstarted_;                  // buckets [0, unstarted_) have not started this step
+  std::vector<comm::Request> pending_;
 };
 
 }  // namespace tessel::parallel

@@ -31,6 +31,11 @@ ExpertShardedGradients::ExpertShardedGradients(const model::Gpt& model,
       dense_reducer_(dense_group, model.dense_grads(), bucket_bytes),
       expert_reducer_(expert_group, model.expert_grads(), bucket_bytes) {}
 
+void ExpertShardedGradients::start_from(model::GradsFinal final) {
+  dense_reducer_.start_from(final.dense);
+  expert_reducer_.start_from(final.experts);
+}
+
 void ExpertShardedGradients::reduce(float scale) {
   dense_reducer_.reduce(scale);
   expert_reducer_.reduce(scale);

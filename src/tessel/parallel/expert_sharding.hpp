@@ -39,6 +39,9 @@ class ExpertShardedGradients {
   ExpertShardedGradients(const model::Gpt& model, comm::Communicator& dense_group,
                          comm::Communicator& expert_group, comm::Communicator& ep_group,
                          int64_t bucket_bytes);
+  // Starts the all-reduce of the buckets a backward has finished (model::Activations::
+  // on_grads_final), so that it overlaps the rest of the backward.
+  void start_from(model::GradsFinal final);
   // Sums every gradient over its group, then multiplies by `scale` (GradientReducer).
   void reduce(float scale);
   // Scales every gradient by min(1, max_norm / (norm + 1e-6)) (optim::clip_grad_norm) with

@@ -413,6 +413,11 @@ std::vector<ConfigKey> build_schema() {
       int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
       float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
                 FIELD(parallel.bucket_mb)),
+      bool_key("parallel.overlap_grad_reduce",
+               "start each gradient bucket's data-parallel all-reduce as soon as the step's "
+               "last backward has finished it, overlapping the rest of that backward (the "
+               "results are bitwise the same either way; without a pipeline)",
+               FIELD(parallel.overlap_grad_reduce)),
       string_key("pipeline.schedule",
                  "pipeline schedule: gpipe, 1f1b, interleaved (1f1b over pipeline.chunks "
                  "model chunks per stage, a 1/chunks flush bubble for chunks x the messages), "

@@ -93,7 +93,8 @@ struct ParallelConfig {
   CpLayoutKind cp_layout = CpLayoutKind::zigzag;
   int64_t cp_chunks = 4;  // chunks per cp rank (contiguous, balanced)
   int64_t ep = 1;
-  double bucket_mb = 4.0;  // gradient all-reduce bucket size
+  double bucket_mb = 4.0;           // gradient all-reduce bucket size
+  bool overlap_grad_reduce = true;  // start each bucket's all-reduce as the backward ends it
 };
 
 // Pipeline parallelism over the pp axis (pipeline_trainer.hpp, docs/training.md).

@@ -20,3 +20,31 @@ TEST(GradientReducer, SumsAndScalesEveryBucket) {
       ASSERT_EQ(g.f32()[i], 0.5f * float((i % 7 - 3) * P * (P + 1) / 2)) << "element " << i;
   }
 }
+
+// Buckets started during the backward (start_from, as the model finishes gradients from the
+// end of the buffer) reduce to the same closed form. Each start_from starts exactly the
+// buckets lying wholly at or past its offset, none twice, and a later lower offset only adds;
+// the reducer is reused for a second step.
+TEST(GradientReducer, StartsEachBucketOnceItsGradientsAreFinal) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size();
+  const int64_t n = 1001, per_bucket = 10;  // 40-byte buckets begin at 0, 10, ..., 1000
+  Tensor g({n});
+  parallel::GradientReducer reducer(world, g, per_bucket * int64_t(sizeof(float)));
+  ASSERT_EQ(reducer.num_buckets(), 101);
+  for (int step = 0; step < 2; ++step) {
+    for (int64_t i = 0; i < n; ++i) g.f32()[i] = float((world.rank() + 1) * (i % 7 - 3 + step));
+    if (P > 1) {
+      EXPECT_EQ(reducer.started_buckets(), 0);
+      for (int64_t from : {1001, 995, 990, 990, 523, 17, 0}) {
+        reducer.start_from(from);
+        EXPECT_EQ(reducer.started_buckets(), (n - 1) / per_bucket + 1 - (from + 9) / per_bucket)
+            << "from " << from;
+      }
+    }
+    reducer.reduce(0.25f);
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(g.f32()[i], 0.25f * float((i % 7 - 3 + step) * P * (P + 1) / 2))
+          << "step " << step << ", element " << i;
+  }
+}
