@@ -6,8 +6,9 @@
 #        --set model.max_seq=2048 --set train.seq_len=2048 --set train.micro_batch=2
 # Needs `tessel prepare`. Each run trains 16 steps; prints, per run, the activation MiB of the
 # start line, the peak resident MiB of the done line (the largest rank's), the mean
-# step_seconds of steps 5-16 and the final validation loss (and with several dp ranks the mean
-# grad_wait_seconds of steps 5-16: the gradient all-reduce's exposed wait), then the B / A ratios.
+# step_seconds of steps 5-16 and the final validation loss (and with several dp ranks the means
+# of grad_wait_seconds and grad_start_seconds over steps 5-16: the gradient all-reduce after and
+# during the last backward), then the B / A ratios.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
@@ -29,17 +30,18 @@ for ((r = 0; r < repeats; ++r)); do
       --set "$key=$value")
     activations=$(sed -n 's/.*activations \([0-9.]*\) MiB per micro-batch.*/\1/p' <<<"$log")
     memory=$(sed -n 's/.*peak resident memory \([0-9]*\) MiB.*/\1/p' <<<"$log")
-    read -r step val wait < <(python3 - "$run/metrics.jsonl" <<'PY'
+    read -r step val wait start < <(python3 - "$run/metrics.jsonl" <<'PY'
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 timed = [r for r in records if "step_seconds" in r and r["step"] > 4]
-waits = [r["grad_wait_seconds"] for r in timed if "grad_wait_seconds" in r]
-print(sum(r["step_seconds"] for r in timed) / len(timed),
-      [r["val_loss"] for r in records if "val_loss" in r][-1],
-      sum(waits) / len(waits) if waits else "n/a")
+def mean(key):
+    values = [r[key] for r in timed if key in r]
+    return sum(values) / len(values) if values else "n/a"
+print(mean("step_seconds"), [r["val_loss"] for r in records if "val_loss" in r][-1],
+      mean("grad_wait_seconds"), mean("grad_start_seconds"))
 PY
 )
-    echo "repeat $r $key=$value activations_mib=$activations peak_resident_mib=$memory step_s=$step val_loss=$val grad_wait_s=$wait"
+    echo "repeat $r $key=$value activations_mib=$activations peak_resident_mib=$memory step_s=$step val_loss=$val grad_wait_s=$wait grad_start_s=$start"
     step_total[$value]=$(python3 -c "print(${step_total[$value]} + $step)")
     memory_total[$value]=$(python3 -c "print(${memory_total[$value]} + $memory)")
     rm -rf "$run"

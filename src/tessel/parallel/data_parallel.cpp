@@ -32,10 +32,17 @@ void GradientReducer::start_from(int64_t from) {
 }
 
 void GradientReducer::reduce(float scale) {
+  // Also when a wait throws, the next step starts with no bucket started (the requests'
+  // destructors wait for them).
+  struct NextStep {
+    GradientReducer& reducer;
+    ~NextStep() {
+      reducer.pending_.clear();
+      reducer.unstarted_ = reducer.num_buckets();
+    }
+  } next_step{*this};
   start_from(0);
   comm::wait_all(pending_);
-  pending_.clear();
-  unstarted_ = num_buckets();
   float* g = grads_.f32();
   const int64_t n = grads_.numel();
 #pragma omp parallel for schedule(static)

@@ -416,7 +416,7 @@ std::vector<ConfigKey> build_schema() {
       bool_key("parallel.overlap_grad_reduce",
                "start each gradient bucket's data-parallel all-reduce as soon as the step's "
                "last backward has finished it, overlapping the rest of that backward (the "
-               "results are bitwise the same either way; without a pipeline)",
+               "results are bitwise the same either way; ignored with a pipeline)",
                FIELD(parallel.overlap_grad_reduce)),
       string_key("pipeline.schedule",
                  "pipeline schedule: gpipe, 1f1b, interleaved (1f1b over pipeline.chunks "

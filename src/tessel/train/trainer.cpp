@@ -1076,7 +1076,9 @@ TrainResult Trainer::run() {
     bool skipped = false;     // a gradient spike, not applied
     double spike_median = 0;  // the median norm it was compared with
     double cp_imbalance = 0;  // mean over the micro-batches (cp > 1)
-    double grad_wait = 0;     // seconds waited for the gradient all-reduce (no pipeline)
+    // No pipeline: seconds from the end of the last backward to the reduced gradients, and
+    // seconds inside that backward starting and progressing bucket all-reduces.
+    double grad_wait = 0, grad_start = 0;
     // The schedule counts updates from 1 (update 1 is the first warm-up step).
     const double lr = s.schedule.lr(step + 1);
     auto wait_staged = [&] {
@@ -1115,10 +1117,15 @@ TrainResult Trainer::run() {
         // The step's last backward finishes each gradient; its buckets' all-reduce starts then.
         acts.on_grads_final = nullptr;
         if (m + 1 == c.train.accum && c.parallel.overlap_grad_reduce)
-          acts.on_grads_final = [&](model::GradsFinal f) { s.grads.start_from(f); };
+          acts.on_grads_final = [&](model::GradsFinal f) {
+            Timer start_timer;
+            s.grads.start_from(f);
+            grad_start += start_timer.seconds();
+          };
         s.model.backward(acts, 1.0f);
         if (!s.moe_step.empty()) s.moe_step.add(acts);
       }
+      Timer reduce_timer;  // the stats' all-reduce below also moves started buckets on
       s.grad_group.all_reduce(std::span<double>(stats, 2));
       if (!s.moe_step.empty()) {
         ep_skew = s.moe_step.ep_skew_json(s.mesh.group(comm::Axis::ep));
@@ -1127,7 +1134,6 @@ TrainResult Trainer::run() {
         s.grad_group.all_reduce(s.moe_step.values());
       }
       TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
-      Timer reduce_timer;
       s.grads.reduce(float(1.0 / stats[1]) * s.faults.gradient_scale(step + 1));
       grad_wait = reduce_timer.seconds();
       grad_norm = s.grads.clip(c.train.grad_clip);
@@ -1178,7 +1184,10 @@ TrainResult Trainer::run() {
                              {"hfu", rec.hfu},
                              {"step_seconds", dt}};
     if (c.parallel.cp > 1 && !piped) record["cp_imbalance"] = cp_imbalance;
-    if (s.grad_group.size() > 1 && !piped) record["grad_wait_seconds"] = grad_wait;
+    if (s.grad_group.size() > 1 && !piped) {
+      record["grad_wait_seconds"] = grad_wait;
+      record["grad_start_seconds"] = grad_start;
+    }
     if (skipped) record["skipped"] = {{"spike_median", spike_median}};
     if (piped) record["pipeline"] = piped->metrics;
     if (const MoeMetrics* moe = piped ? (piped->moe ? &*piped->moe : nullptr)

@@ -706,8 +706,11 @@ TEST(DataParallel, ResumesWithADifferentDataParallelSize) {
 // (small buckets, so many start early); the results are bitwise those of reducing after the
 // backward: losses, gradient norms and validation, with accumulation (a bucket started after the
 // first micro-batch would miss the second's gradients), a tied head (final only after the
-// embedding), learned positions, cp = 2, and MoE blocks with experts sharded over ep (dense and
-// expert ranges over their own groups) under recomputation. Rank 0 records the wait.
+// embedding), learned positions, cp = 2, and MoE blocks: experts over all ranks (ep = P) under
+// recomputation, and over half of them (ep = P / 2: the experts' own range is reduced over 2
+// ranks) with aux_global balancing, whose backward runs a blocking all-reduce over dp x cp while
+// buckets are pending there. Rank 0 records the time spent starting buckets in the backward:
+// none when reducing after it.
 TEST(DataParallel, OverlappedGradientReduceEqualsReducingAfterTheBackwardBitwise) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
@@ -725,12 +728,17 @@ TEST(DataParallel, OverlappedGradientReduceEqualsReducingAfterTheBackwardBitwise
                         "parallel.bucket_mb=0.004", "train.recompute=blocks"})
     train::apply_override(ep, s);
   ep.parallel.ep = P;
-  for (train::Config c : {dense, cp, ep}) {
+  train::Config ep_half = ep;
+  ep_half.parallel.ep = P / 2;
+  ep_half.train.recompute = model::Recompute::none;
+  train::apply_override(ep_half, "model.moe_balance=aux_global");
+  for (train::Config c : {dense, cp, ep, ep_half}) {
     SCOPED_TRACE("cp = " + std::to_string(c.parallel.cp) +
                  ", ep = " + std::to_string(c.parallel.ep));
     c.parallel.overlap_grad_reduce = false;
     c.run.dir = shared_temp_dir(world, "tessel-ov");
     const auto after = run_on(world, c);
+    const std::string after_dir = c.run.dir;
     c.parallel.overlap_grad_reduce = true;
     c.run.dir = shared_temp_dir(world, "tessel-ov");
     const auto overlapped = run_on(world, c);
@@ -742,9 +750,18 @@ TEST(DataParallel, OverlappedGradientReduceEqualsReducingAfterTheBackwardBitwise
     }
     EXPECT_EQ(overlapped.validation, after.validation);
     if (world.rank() == 0) {
-      const auto waits = step_field(c.run.dir, "grad_wait_seconds");
-      ASSERT_EQ(waits.size(), 8u);
-      for (const auto& w : waits) EXPECT_GE(w.get<double>(), 0.0);
+      for (const auto& [dir, overlap] : {std::pair{after_dir, false}, {c.run.dir, true}}) {
+        const auto starts = step_field(dir, "grad_start_seconds");
+        ASSERT_EQ(starts.size(), 8u);
+        for (const auto& t : starts) {
+          if (overlap) {
+            EXPECT_GT(t.get<double>(), 0.0);
+          } else {
+            EXPECT_EQ(t.get<double>(), 0.0);
+          }
+        }
+        for (const auto& w : step_field(dir, "grad_wait_seconds")) EXPECT_GT(w.get<double>(), 0.0);
+      }
     }
   }
 }
