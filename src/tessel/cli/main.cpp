@@ -629,6 +629,7 @@ int main(int argc, char** argv) {
       // Its own mpirun, started from inside an MPI job (even of one rank), would fail.
       if (comm::launched_by_mpi())
         input_error("tessel run starts its own MPI job; run it without mpirun");
+      train::check_supervise_options(sup);  // before the lock below creates run.dir
       sup.run_dir = train::load_config(sup_config, sup_overrides).run.dir;  // also validates
       train::check_run_dir(sup.run_dir);  // before the supervisor writes its ETT log there
       // Held until the report is written: a second `tessel run` or a plain `tessel train` on

@@ -3,6 +3,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -50,19 +51,31 @@ nlohmann::json read_json(const fs::path& path) {
   }
 }
 
-bool is_complete(const fs::path& dir) {
-  return fs::is_directory(dir) && fs::exists(dir / kManifest) && dir.extension() != ".incomplete";
+// The step of a directory named exactly as step_name names it; -1 for any other name
+// (`step-N.incomplete`, a copy such as `step-N.old`).
+int64_t step_of(const fs::path& dir) {
+  const std::string name = dir.filename().string();
+  if (name.rfind("step-", 0) != 0) return -1;
+  int64_t step = -1;
+  const char* end = name.data() + name.size();
+  const auto [at, ec] = std::from_chars(name.data() + 5, end, step);
+  return ec == std::errc() && at == end && step >= 0 && name == step_name(step) ? step : -1;
 }
 
-// Complete checkpoint directories, oldest first (names sort by step).
+// Complete checkpoint directories, oldest first. Only the `step-N` directories themselves
+// count: never what `latest` names, which a crash before its rewrite or a hand edit can leave
+// pointing at an older checkpoint or outside the run.
 std::vector<fs::path> complete_checkpoints(const fs::path& root) {
-  std::vector<fs::path> dirs;
-  if (!fs::is_directory(root)) return dirs;
+  std::vector<std::pair<int64_t, fs::path>> found;
+  if (!fs::is_directory(root)) return {};
   for (const auto& e : fs::directory_iterator(root)) {
-    auto name = e.path().filename().string();
-    if (name.rfind("step-", 0) == 0 && is_complete(e.path())) dirs.push_back(e.path());
+    const int64_t step = step_of(e.path());
+    if (step >= 0 && e.is_directory() && fs::exists(e.path() / kManifest))
+      found.emplace_back(step, e.path());
   }
-  std::sort(dirs.begin(), dirs.end());
+  std::sort(found.begin(), found.end());
+  std::vector<fs::path> dirs;
+  for (auto& [step, dir] : found) dirs.push_back(std::move(dir));
   return dirs;
 }
 
@@ -624,23 +637,17 @@ void AsyncCheckpointer::advance(bool block) {
 
 // ---------------------------------------------------------------------------
 std::optional<std::string> CheckpointStore::latest() const {
-  fs::path root(root_);
-  std::ifstream in(root / "latest");
-  std::string name;
-  if (in >> name && is_complete(root / name)) return (root / name).string();
-  auto dirs = complete_checkpoints(root);
+  auto dirs = complete_checkpoints(fs::path(root_));
   if (dirs.empty()) return std::nullopt;
   return dirs.back().string();
 }
 
 std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
     const std::function<void(const std::string&)>& warn, CheckpointParts parts) const {
-  auto newest = latest();
-  if (!newest) return std::nullopt;
-  std::vector<std::string> candidates{*newest};
-  auto dirs = complete_checkpoints(fs::path(root_));
-  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it)
-    if (it->filename() < fs::path(*newest).filename()) candidates.push_back(it->string());
+  std::vector<std::string> candidates;  // newest first
+  for (const auto& dir : complete_checkpoints(fs::path(root_))) candidates.push_back(dir.string());
+  if (candidates.empty()) return std::nullopt;
+  std::reverse(candidates.begin(), candidates.end());
   std::exception_ptr newest_failure;
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
@@ -681,7 +688,7 @@ CheckpointStore::Loaded load_run_checkpoint(const std::string& path) {
 
 void CheckpointStore::discard_newer_than(const std::string& dir) const {
   for (const auto& d : complete_checkpoints(fs::path(root_)))
-    if (d.filename() > fs::path(dir).filename()) fs::remove_all(d);
+    if (step_of(d) > step_of(dir)) fs::remove_all(d);
 }
 
 CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointParts parts) {

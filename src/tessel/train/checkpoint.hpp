@@ -25,7 +25,9 @@
 // checkpointer's own), rank 0's writer then writes the manifest, renames the directory to
 // `step-N/`, fsyncs `checkpoints/`, points `latest` at it and applies retention; a second
 // agreement ends the save. At most one save is in flight. A crash at any moment leaves
-// the previous checkpoint intact and `latest` valid. Loading verifies every checksum.
+// the previous checkpoint intact. Loading verifies every checksum. `latest` is a pointer for
+// people and scripts only: loads take the newest complete `step-N/` directory, so a stale or
+// edited `latest` can neither hide newer checkpoints nor lead outside `checkpoints/`.
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -92,8 +94,8 @@ class CheckpointStore {
   // Collective over `group`.
   void save(comm::Communicator& group, const CheckpointContent& content);
 
-  // Path of the newest complete checkpoint, if any. Follows `latest`; when that is
-  // missing or incomplete, falls back to the newest directory with a manifest.
+  // Path of the newest complete checkpoint, if any: the `step-N` directory with a manifest
+  // and the highest N (whatever `latest` says).
   std::optional<std::string> latest() const;
 
   // Reads and verifies the checkpoint at `dir` (sizes, checksums, manifest fields); the

@@ -611,6 +611,13 @@ Config parse_config(const std::string& text, const std::string& source,
 
 void check_run_dir(const std::string& dir) {
   if (dir.empty()) input_error("config key 'run.dir' must not be empty");
+  // Found now, not when the run's first save fails after all its steps.
+  const std::filesystem::path checkpoints = std::filesystem::path(dir) / "checkpoints";
+  std::error_code ignored;
+  if (std::filesystem::exists(checkpoints, ignored) &&
+      !std::filesystem::is_directory(checkpoints, ignored))
+    input_error("config key 'run.dir' = \"", dir, "\": ", checkpoints.string(),
+                " exists and is not a directory (the run saves its checkpoints there)");
   for (std::filesystem::path p = dir; !p.empty(); p = p.parent_path()) {
     std::error_code ec;
     const auto status = std::filesystem::status(p, ec);

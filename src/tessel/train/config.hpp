@@ -164,9 +164,10 @@ std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c);
 std::string run_tokenizer_dir(const std::string& run_dir);
 std::string checkpoint_tokenizer_dir(const std::string& checkpoint_dir);
 
-// InputError naming run.dir when it is empty or it, or the nearest of its parents that
-// exists, is not a directory (so the run could not create its files there). Reads the filesystem,
-// so not part of validate: a checkpoint's stored config is validated on other machines too.
+// InputError naming run.dir when it is empty or it, the nearest of its parents that exists, or
+// its `checkpoints` is not a directory (so the run could not create its files there). Reads
+// the filesystem, so not part of validate: a checkpoint's stored config is validated on other
+// machines too.
 void check_run_dir(const std::string& dir);
 // The resolved config as TOML text (every key, grouped by table).
 std::string to_toml(const Config& config);

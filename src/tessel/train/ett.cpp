@@ -177,6 +177,32 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
+// `text` as HTML text or attribute value: the run directory and the causes in the logs are
+// the user's, and may hold markup.
+std::string html_escaped(const std::string& text) {
+  std::string out;
+  for (char ch : text) switch (ch) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += ch;
+    }
+  return out;
+}
+
 // Consecutive segments of one leaf merged (for drawing).
 std::vector<EttSegment> merged(const std::vector<EttSegment>& segs) {
   std::vector<EttSegment> out;
@@ -279,7 +305,9 @@ void remove_attempt(const std::string& path) {
 }
 
 RunDirLock::RunDirLock(const std::string& run_dir, const char* name) {
-  fs::create_directories(run_dir);
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) input_error("config key 'run.dir' = \"", run_dir, "\": cannot create it: ", ec.message());
   const std::string path = run_dir + "/" + name;
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) input_error(path, ": cannot open: ", std::strerror(errno));
@@ -449,13 +477,15 @@ nlohmann::json ett_chrome_trace(const EttReport& r) {
 
 std::string ett_html(const EttReport& r, const std::string& title) {
   std::ostringstream h;
-  h << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>ETT report: " << title
+  const std::string escaped_title = html_escaped(title);
+  h << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>ETT report: " << escaped_title
     << "</title>\n<style>body{font-family:sans-serif;margin:24px}table{border-collapse:collapse}"
        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
        "th{background:#f3f3f3}.l{text-align:left}</style></head><body>\n";
-  h << "<h1>Effective training time: " << title << "</h1>\n<table>\n";
+  h << "<h1>Effective training time: " << escaped_title << "</h1>\n<table>\n";
   auto row = [&](const std::string& k, const std::string& v) {
-    h << "<tr><th class=\"l\">" << k << "</th><td>" << v << "</td></tr>\n";
+    h << "<tr><th class=\"l\">" << html_escaped(k) << "</th><td>" << html_escaped(v)
+      << "</td></tr>\n";
   };
   row("wall time W", fmt("%.3f s", r.wall));
   row("productive T_prod", fmt("%.3f s", r.productive));

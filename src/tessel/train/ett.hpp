@@ -104,7 +104,7 @@ class RunDirLock {
  public:
   RunDirLock() = default;  // holds nothing (the ranks other than 0)
   // Creates `run_dir` and takes <run_dir>/<name> without waiting: InputError naming the
-  // directory when another process holds it.
+  // directory when another process holds it, naming run.dir when it cannot be created.
   RunDirLock(const std::string& run_dir, const char* name);
   ~RunDirLock();
   RunDirLock(const RunDirLock&) = delete;
@@ -197,7 +197,8 @@ EttReport analyze_ett(const std::string& run_dir);
 nlohmann::json ett_json(const EttReport& report);
 // Chrome trace (chrome://tracing, Perfetto): one row per attempt, one slice per segment.
 nlohmann::json ett_chrome_trace(const EttReport& report);
-// A self-contained HTML page: summary table, stacked bar of leaves per attempt, timeline.
+// A self-contained HTML page: summary table, stacked bar of leaves per attempt, timeline;
+// `title` and the other text it shows are HTML-escaped.
 std::string ett_html(const EttReport& report, const std::string& title);
 // "exit_status 2, hang 1": NoF by cause.
 std::string nof_by_cause_text(const EttReport& report);

@@ -125,6 +125,26 @@ pid_t start_job(const std::vector<std::string>& args) {
   return pid;
 }
 
+// Whether posix_spawnp could start `name`: with a '/', that file; else a file of that name in a
+// PATH directory (the C library's default path when PATH is unset). Executable regular files.
+bool spawnable(const std::string& name) {
+  auto executable = [](const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+           ::access(path.c_str(), X_OK) == 0;
+  };
+  if (name.empty()) return false;
+  if (name.find('/') != std::string::npos) return executable(name);
+  const char* path = std::getenv("PATH");
+  const std::string dirs = path ? path : "/bin:/usr/bin";
+  for (size_t b = 0, e; b <= dirs.size(); b = e + 1) {
+    e = std::min(dirs.find(':', b), dirs.size());
+    const std::string dir = dirs.substr(b, e - b);
+    if (executable((dir.empty() ? "." : dir) + "/" + name)) return true;
+  }
+  return false;
+}
+
 // The attempt log's modification time: the job's liveness signal (each line rank 0 writes,
 // each EttLedger::beat). Zero when it cannot be read, which the next read then tells apart.
 timespec log_mtime(const std::string& log) {
@@ -246,7 +266,7 @@ void wait_for_job_lock(const std::string& run_dir) {
 
 }  // namespace
 
-int supervise(const SuperviseOptions& o) {
+void check_supervise_options(const SuperviseOptions& o) {
   if (o.ranks < 1) input_error("tessel run: --np must be at least 1, got ", o.ranks);
   if (o.max_restarts < 0)
     input_error("tessel run: --max-restarts must not be negative, got ", o.max_restarts);
@@ -255,6 +275,13 @@ int supervise(const SuperviseOptions& o) {
                 o.hang_timeout);
   // Refused before a job starts, not once it runs unwatched.
   if (o.hang_timeout > 0) ::close(open_pidfd(::getpid()));
+  if (!spawnable(o.launcher))
+    input_error("tessel run: cannot start ", o.launcher, " (--launcher): no executable file",
+                o.launcher.find('/') == std::string::npos ? " of that name on PATH" : "");
+}
+
+int supervise(const SuperviseOptions& o) {
+  check_supervise_options(o);
   int threads = o.threads > 0
                     ? o.threads
                     : std::max(1, int(std::max(1u, std::thread::hardware_concurrency())) / o.ranks);

@@ -36,6 +36,11 @@ struct SuperviseOptions {
   double hang_timeout = 0;              // seconds without progress that make a hang; 0 = off
 };
 
+// InputError for an option supervise() refuses: --np below 1, negative --max-restarts, a
+// --hang-timeout outside [0, 1e6] s or one this kernel cannot watch, a --launcher that is no
+// executable file. `tessel run` checks them before it creates anything in run.dir.
+void check_supervise_options(const SuperviseOptions& options);
+
 // Runs the job to success, until the restarts are spent or until stopped by a signal;
 // returns the last attempt's exit status (0 = success), or 128 + the stop signal.
 int supervise(const SuperviseOptions& options);

@@ -357,6 +357,24 @@ TEST_F(SupervisorTest, ARunDirectoryThatIsAFileIsRefused) {
   }
 }
 
+// A rejected option of `tessel run` leaves no trace: neither run.dir nor its supervisor.lock.
+TEST_F(SupervisorTest, ARejectedOptionCreatesNoFile) {
+  const std::string parent = fixture::temp_dir("tessel-sup-options");
+  const std::string run = parent + "/job";
+  for (const char* options :
+       {"--np 0 --max-restarts 3", "--np 2 --max-restarts -1", "--np 2 --hang-timeout -1",
+        "--np 2 --launcher /nonexistent/mpirun", "--np 2 --launcher no-such-launcher"}) {
+    const Outcome o = run_tessel(std::string("run ") + options + " --threads 1" + settings(run));
+    EXPECT_EQ(o.exit_code, 2) << options << ": " << o.err;
+    EXPECT_EQ(o.err.rfind("tessel: error: tessel run: ", 0), 0u) << options << ": " << o.err;
+    EXPECT_FALSE(fs::exists(run)) << options;
+  }
+  fs::create_directories(run);  // an existing run.dir gets no lock file either
+  const Outcome o = run_tessel("run --np 0 --threads 1" + settings(run));
+  EXPECT_EQ(o.exit_code, 2) << o.err;
+  EXPECT_TRUE(fs::is_empty(run));
+}
+
 // A launcher that cannot start ran nothing: no attempt is left to count as a failure of the
 // job's later runs.
 TEST_F(SupervisorTest, ALauncherThatCannotStartLeavesNoAttempt) {

@@ -166,6 +166,35 @@ TEST(Checkpoint, IncompleteDirectoriesAreNeverLoaded) {
       std::string::npos);
 }
 
+// `latest` only points: naming an older checkpoint (a crash between the rename and its
+// rewrite, a hand edit), another run's or a copy that is no `step-N` directory, it is never
+// followed, and never hides the newest step directory.
+TEST(Checkpoint, LatestNeverOverridesTheNewestStepDirectory) {
+  comm::SingleCommunicator group;
+  const std::string base = fixture::temp_dir("tessel-ckpt-latest");
+  CheckpointStore other(base + "/other/checkpoints", 2);
+  other.save(group, content_at(20));
+  const std::string root = base + "/run/checkpoints";
+  CheckpointStore store(root, 0);
+  for (int64_t step : {5, 10, 15}) store.save(group, content_at(step));
+  fs::copy(*other.latest(), root + "/step-00000020.old", fs::copy_options::recursive);
+  for (const char* name :
+       {"step-00000005", "../../other/checkpoints/step-00000020", "step-00000020.old"}) {
+    std::ofstream(root + "/latest") << name << "\n";
+    EXPECT_EQ(*store.latest(), root + "/step-00000015") << name;
+    const auto loaded = store.load_newest_valid([](const std::string&) {});
+    ASSERT_TRUE(loaded.has_value()) << name;
+    EXPECT_EQ(loaded->content.step, 15) << name;
+  }
+  // A run without checkpoints of its own loads none, wherever its `latest` points.
+  const std::string empty = base + "/empty";
+  fs::create_directories(empty + "/checkpoints");
+  std::ofstream(empty + "/checkpoints/latest") << "../../other/checkpoints/step-00000020\n";
+  EXPECT_FALSE(CheckpointStore(empty + "/checkpoints", 2).latest().has_value());
+  EXPECT_NE(input_error_of([&] { load_run_checkpoint(empty); }).find("no complete checkpoint"),
+            std::string::npos);
+}
+
 TEST(Checkpoint, CorruptionIsDetectedByChecksumAndSize) {
   comm::SingleCommunicator group;
   std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";

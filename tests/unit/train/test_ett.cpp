@@ -158,6 +158,20 @@ TEST(EttLedger, ChromeTraceAndHtmlCoverEverySegment) {
   EXPECT_EQ(html.find("<script"), std::string::npos);  // self-contained, static
 }
 
+// The run directory and the failure causes come from the user and the logs: the page shows
+// them as text, never as markup.
+TEST(EttLedger, TheHtmlReportEscapesTheTextItShows) {
+  EttReport r = analyze_ett(two_attempt_run());
+  r.nof_by_cause = {{"<i>oom</i>", 1}};
+  const std::string html = ett_html(r, "runs/\"<b>x</b>\" & 'y'");
+  const std::string shown = "runs/&quot;&lt;b&gt;x&lt;/b&gt;&quot; &amp; &#39;y&#39;";
+  EXPECT_NE(html.find("<title>ETT report: " + shown + "</title>"), std::string::npos) << html;
+  EXPECT_NE(html.find("<h1>Effective training time: " + shown + "</h1>"), std::string::npos);
+  EXPECT_NE(html.find("&lt;i&gt;oom&lt;/i&gt; 1"), std::string::npos);
+  for (const char* markup : {"<b>", "<i>", "\"<", "'y'"})
+    EXPECT_EQ(html.find(markup), std::string::npos) << markup;
+}
+
 TEST(EttLedger, AMalformedLineInsideALogNamesTheFile) {
   std::string run = two_attempt_run();
   std::string a0 = attempt_path(run, 0);
@@ -380,6 +394,22 @@ TEST(RunDirLock, ASecondHolderIsRefusedNamingTheDirectory) {
     const RunDirLock job(run, kJobLock);  // the other lock is another file
   }
   const RunDirLock again(run, kSupervisorLock);  // released with its holder
+}
+
+// A run directory that cannot be created (below a regular file, which stops root too) is bad
+// input naming run.dir, not a raw filesystem error.
+TEST(RunDirLock, ARunDirectoryThatCannotBeCreatedIsAnInputErrorNamingRunDir) {
+  const std::string file = fixture::temp_dir("tessel-lock") + "/file";
+  std::ofstream(file) << "x";
+  const std::string run = file + "/run";
+  try {
+    RunDirLock lock(run, kJobLock);
+    FAIL() << "created";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("config key 'run.dir' = \"" + run + "\": cannot create"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // A process that the holder starts (the supervisor's mpirun) does not inherit the lock, so it

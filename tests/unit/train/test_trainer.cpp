@@ -169,6 +169,31 @@ TEST_F(TrainerTest, ADamagedNewestCheckpointResumesFromThePreviousOne) {
     EXPECT_EQ(resumed.steps[i].loss, full.steps[40 + i].loss) << "step " << 41 + i;
 }
 
+// A `latest` naming an older checkpoint (a crash between the rename and its rewrite, a hand
+// edit) does not make the resume go back and overwrite the newer ones.
+TEST_F(TrainerTest, ResumeTakesTheNewestCheckpointWhateverLatestNames) {
+  std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = fixture::tiny_config(data_dir, run);
+  c.train.steps = 15;
+  c.train.checkpoint_every = 5;
+  c.train.keep_checkpoints = 0;
+  c.optim.warmup_steps = 2;
+  train_run(c);  // checkpoints at 5, 10 and 15
+  auto manifest = [&](const char* step) {
+    std::ifstream in(run + "/checkpoints/" + step + "/manifest.json");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string manifests[2] = {manifest("step-00000010"), manifest("step-00000015")};
+  std::ofstream(run + "/checkpoints/latest") << "step-00000005\n";
+  c.train.steps = 20;  // in every manifest's config: one rewritten would differ
+  const auto resumed = train_run(c);
+  EXPECT_EQ(resumed.resumed_from, 15);
+  EXPECT_EQ(resumed.steps.size(), 5u);
+  EXPECT_EQ(manifest("step-00000010"), manifests[0]);
+  EXPECT_EQ(manifest("step-00000015"), manifests[1]);
+  EXPECT_FALSE(manifest("step-00000020").empty());
+}
+
 namespace {
 // A 10-step run into `run` (its last checkpoint: step 10), and its config.
 train::Config ten_steps(const std::string& data_dir, const std::string& run) {
@@ -420,6 +445,19 @@ TEST_F(TrainerTest, FreshRunRefusesADirectoryWithCheckpoints) {
   train_run(c);
   c.train.resume = false;
   fixture::expect_input_error([&] { train_run(c); }, {"train.resume"});
+}
+
+// A `checkpoints` that is a file would stop the run at its first save, after the steps before
+// it: the start refuses it.
+TEST_F(TrainerTest, ACheckpointsPathThatIsAFileIsRefusedAtTheStart) {
+  const std::string run = fixture::temp_dir("tessel-run");
+  std::ofstream(run + "/checkpoints") << "x";
+  train::Config c = fixture::tiny_config(data_dir, run);
+  c.train.steps = 4;
+  c.optim.warmup_steps = 1;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"run.dir", run + "/checkpoints exists and is not a directory"});
+  EXPECT_FALSE(fs::exists(run + "/metrics.jsonl")) << "it trained";
 }
 
 TEST_F(TrainerTest, ARunDirectoryTakesOneRunAtATime) {
