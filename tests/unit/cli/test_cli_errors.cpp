@@ -446,6 +446,27 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
   }
 }
 
+// Without --out, prepare and train-bpe write a file corpus to data/<stem> and data/bpe-<stem>
+// under the current directory, never over data/bible.
+TEST_F(CliTest, PrepareAndTrainBpeNameTheirOutputAfterTheCorpus) {
+  const std::string dir = temp_dir("prepare-default");
+  {
+    std::ofstream text(dir + "/two.txt");
+    for (int p = 0; p < 20; ++p) text << "the " << p << " of the earth\n\n";
+  }
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir);
+  const Outcome prepared = run_tessel("prepare --corpus file:two.txt");
+  const Outcome learned = run_tessel("train-bpe --corpus file:two.txt --vocab-size 260");
+  fs::current_path(cwd);
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.err;
+  ASSERT_EQ(learned.exit_code, 0) << learned.err;
+  EXPECT_TRUE(fs::exists(dir + "/data/two/train.tok"));
+  EXPECT_TRUE(fs::exists(dir + "/data/bpe-two/merges.txt"));
+  EXPECT_FALSE(fs::exists(dir + "/data/bible"));
+  EXPECT_FALSE(fs::exists(dir + "/data/bpe-bible"));
+}
+
 TEST_F(CliTest, BadCorpusForPrepare) {
   expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " + temp_dir("p")),
                         {"/nonexistent.txt"});

@@ -167,6 +167,20 @@ TEST(Prepare, SplitBoundsAndErrors) {
   expect_input_error([&] { prepare_dataset(opt); }, {"unknown corpus"});
 }
 
+// Without --out, each corpus gets its own directory: only `tessel prepare` of the Bible
+// writes data/bible.
+TEST(Prepare, EachCorpusNamesItsOwnDefaultDirectory) {
+  EXPECT_EQ(corpus_directory_name("bible"), "bible");
+  EXPECT_EQ(corpus_directory_name("fortunes"), "fortunes");
+  EXPECT_EQ(corpus_directory_name("bible-quotes"), "bible-quotes");
+  EXPECT_EQ(corpus_directory_name("file:/tmp/two.txt"), "two");
+  EXPECT_EQ(corpus_directory_name("jsonl:web.jsonl"), "web");
+  EXPECT_EQ(corpus_directory_name("tokens:owt/train.bin"), "train");
+  EXPECT_EQ(corpus_directory_name("chat:talks.jsonl"), "talks");
+  for (const char* nameless : {"file:", "file:/tmp/", "file:..", "jsonl:."})
+    expect_input_error([&] { corpus_directory_name(nameless); }, {nameless, "--out"});
+}
+
 // A tokens:PATH corpus: every document (ending at the eot id, the tail after the last eot one
 // more) lands in exactly one split, in file order, with its ids unchanged; the split is the
 // one a text corpus of as many documents gets; the shards take the narrowest dtype for the
