@@ -627,14 +627,17 @@ void check_run_dir(const std::string& dir) {
 std::vector<std::string> data_paths(const DataConfig& data) {
   auto paths = split_list("data.path", data.path);
   if (paths.empty()) input_error("config key 'data.path' is empty");
-  // The same directory twice would only double its share: data.weights says that.
+  // The same directory twice would only double its share: data.weights says that. An existing
+  // one is compared resolved, so that another spelling (absolute, through a link) is caught.
   std::vector<std::filesystem::path> seen;
   for (const auto& p : paths) {
-    const auto normal = (std::filesystem::path(p) / "").lexically_normal();
-    if (std::find(seen.begin(), seen.end(), normal) != seen.end())
+    std::error_code ec;
+    auto same = std::filesystem::canonical(p, ec);
+    if (ec) same = (std::filesystem::path(p) / "").lexically_normal();
+    if (std::find(seen.begin(), seen.end(), same) != seen.end())
       input_error("config key 'data.path' = \"", data.path, "\" lists ", p,
                   " twice; give a data set a larger share in data.weights instead");
-    seen.push_back(normal);
+    seen.push_back(same);
   }
   return paths;
 }

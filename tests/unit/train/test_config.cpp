@@ -231,6 +231,15 @@ TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
             (std::vector<std::string>{"web", "data/code", "x/code/", "/"}));
   expect_input_error([&] { load("data/a,b,./data/a/", "1,1,1"); },
                      {"data.path", "lists ./data/a/ twice", "larger share in data.weights"});
+  // An existing directory is the same data set however its path is spelled.
+  const std::string dir = fixture::temp_dir("tessel-config-data");
+  std::filesystem::create_directory(dir + "/set");
+  std::filesystem::create_directory_symlink(dir + "/set", dir + "/link");
+  const std::string relative = std::filesystem::relative(dir + "/set").string();
+  expect_input_error([&] { load(relative + "," + dir + "/set", "1,1"); },
+                     {"data.path", "lists " + dir + "/set twice"});
+  expect_input_error([&] { load(dir + "/set," + dir + "/link", "1,1"); },
+                     {"data.path", "lists " + dir + "/link twice"});
   expect_input_error([&] { load("a,b", "1e308,1e308"); }, {"data.weights", "sum overflows"});
   expect_input_error([&] { load("a,b", ""); },
                      {"data.weights", "0 weights for the 2 data sets", "one weight per data set"});
