@@ -500,6 +500,15 @@ std::string toml_value_text(const toml::node& node) {
   return "";
 }
 
+// Whether the key takes a TOML string (a string or a choice), not a number or bool.
+bool takes_string(const ConfigKey& key) {
+  return key.type == "string" || key.type.find('|') != std::string::npos;
+}
+
+[[noreturn]] void wrong_type(const std::string& where, const ConfigKey& key) {
+  input_error(where, "config key '", key.name, "' expects a ", key.type, " value");
+}
+
 void apply_table(Config& config, const toml::table& table, const std::string& prefix,
                  const std::string& file) {
   for (const auto& [k, node] : table) {
@@ -515,8 +524,7 @@ void apply_table(Config& config, const toml::table& table, const std::string& pr
     if (text.empty() && !is_string)
       input_error(file, ": config key '", name, "' has an unsupported value type");
     // A string where a number or bool is expected is a type error, not a parse.
-    if (is_string != (key->type == "string" || key->type.find('|') != std::string::npos))
-      input_error(file, ": config key '", name, "' expects a ", key->type, " value");
+    if (is_string != takes_string(*key)) wrong_type(file + ": ", *key);
     try {
       key->set(config, text);
     } catch (const InputError& e) {
@@ -556,6 +564,8 @@ void apply_override(Config& config, const std::string& assignment) {
   // A value that starts with a quote is one TOML string, as in a config file ("..." with
   // escapes such as \n, or '...' taken literally); any other value is taken as written.
   if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
+    // A string where a number or bool is expected is a type error, as in a file.
+    if (!takes_string(*key)) wrong_type("--set: ", *key);
     std::optional<std::string> parsed;
     try {
       const toml::table table = toml::parse("v = " + value);

@@ -271,6 +271,13 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
   // A config file's string is taken as it stands, quotes inside it included.
   const std::string path = write_file("q.toml", "[train]\nsample_prompt = '\"quoted\"'\n");
   EXPECT_EQ(train::load_config(path, {}).train.sample_prompt, "\"quoted\"");
+  // A quoted string for a number or bool key is refused as in a file, with the same words.
+  const std::string file = write_file("s.toml", "[train]\nsteps = \"7\"\n");
+  expect_input_error([&] { train::load_config(file, {}); },
+                     {file + ": config key 'train.steps' expects a int value"});
+  for (std::string bad : {"train.steps=\"7\"", "optim.lr='0.1'", "run.quiet=\"true\""})
+    expect_input_error([&] { train::load_config("", {bad}); },
+                       {"--set: config key '" + bad.substr(0, bad.find('=')) + "' expects a"});
 }
 
 // run.dir must be a directory or creatable as one: empty, a file, or below a file is an
