@@ -655,7 +655,13 @@ std::vector<std::string> data_paths(const DataConfig& data) {
 std::vector<double> data_weights(const DataConfig& data) {
   const size_t n = data_paths(data).size();
   auto weights = parse_real_list("data.weights", data.weights, 0);
-  if (weights.empty() && n == 1) return {1.0};
+  if (n == 1) {
+    if (!weights.empty())
+      input_error("config key 'data.weights' = \"", data.weights,
+                  "\" needs several data sets in data.path (one has all the sequences); "
+                  "leave it \"\"");
+    return {1.0};
+  }
   if (weights.size() != n)
     input_error("config key 'data.weights' = \"", data.weights, "\" gives ", weights.size(),
                 " weights for the ", n, " data set", n == 1 ? "" : "s", " of data.path",

@@ -88,7 +88,8 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
 TEST_F(CliTest, GenerateRefusesBadInputBeforePrinting) {
   std::string run = temp_dir("tessel-cli-gen");
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
-  for (const char* bad : {"--temperature -1", "--temperature nan", "--top-k -5"}) {
+  for (const char* bad :
+       {"--temperature -1", "--temperature nan", "--temperature inf", "--top-k -5"}) {
     SCOPED_TRACE(bad);
     const Outcome o = run_tessel("generate --run " + run + " --prompt ab " + bad);
     EXPECT_EQ(o.out, "");

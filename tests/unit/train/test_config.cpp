@@ -204,6 +204,8 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
   }
   expect_input_error([] { train::load_config("", {"train.spike_factor=0.5"}); },
                      {"train.spike_factor = 0.5"});
+  expect_input_error([] { train::load_config("", {"train.spike_factor=-2"}); },
+                     {"train.spike_factor = -2"});
   EXPECT_EQ(train::load_config("", {"train.spike_factor=5"}).train.spike_factor, 5);
   expect_input_error(
       [] {
@@ -221,7 +223,7 @@ TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
     return train::load_config("", {"data.path=" + path, "data.weights=" + weights});
   };
   EXPECT_EQ(train::data_weights(load("a", "").data), std::vector<double>{1.0});
-  EXPECT_EQ(train::data_weights(load("a", "7").data), std::vector<double>{7.0});
+  expect_input_error([&] { load("a", "7"); }, {"'data.weights' = \"7\"", "several data sets"});
   const auto mixture = load(" data/web , data/code,x/code/,/ ", "3, 1,4,2");
   EXPECT_EQ(train::data_paths(mixture.data),
             (std::vector<std::string>{"data/web", "data/code", "x/code/", "/"}));
