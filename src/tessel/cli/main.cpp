@@ -497,11 +497,19 @@ int main(int argc, char** argv) {
   evalc->add_option("--split", eval_split, "which shard: val or train")
       ->check(CLI::IsMember({"val", "train"}))
       ->capture_default_str();
+  const CLI::Validator count(  // CLI::NonNegativeNumber names its bound, DBL_MAX, in 300 digits
+      [](std::string& v) -> std::string {
+        int64_t n = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+        if (ec == std::errc() && end == v.data() + v.size() && n >= 0) return "";
+        return "must be an integer from 0 to 9223372036854775807, got " + v;
+      },
+      "INT>=0");
   evalc
       ->add_option("--sequences", eval_sequences,
                    "sequences of train.seq_len tokens from the shard's start, 0 = all; default: "
                    "the run's train.eval_sequences (then it repeats the run's validation loss)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(count);
   evalc->add_flag("--json", eval_json, "print JSON");
 
   int64_t gemm_size = 1024;

@@ -445,6 +445,12 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
     const std::string option = args.substr(args.find("--"), args.rfind(' ') - args.find("--"));
     EXPECT_NE(o.err.find(option), std::string::npos) << o.err;
   }
+  // The bound in a few digits, not CLI::NonNegativeNumber's DBL_MAX in 300.
+  const Outcome o = run_tessel("eval --sequences -1");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_EQ(
+      o.err.rfind("--sequences: must be an integer from 0 to 9223372036854775807, got -1\n", 0), 0u)
+      << o.err;
 }
 
 // Without --out, prepare and train-bpe write a file corpus to data/<stem> and data/bpe-<stem>
