@@ -718,6 +718,9 @@ void validate(const Config& c) {
   model::validate(c.model);
   data_weights(c.data);
   positive("train.steps", c.train.steps);
+  if (c.train.steps > kMaxSteps)
+    input_error("config key 'train.steps' = ", c.train.steps, " is larger than tessel supports (",
+                kMaxSteps, ")");
   positive("train.seq_len", c.train.seq_len);
   positive("train.micro_batch", c.train.micro_batch);
   positive("train.accum", c.train.accum);

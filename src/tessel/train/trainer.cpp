@@ -67,10 +67,11 @@ int auto_threads_per_rank(int world_size) {
   return std::max(1, machine_cores() / (local > 0 ? local : world_size));
 }
 
-namespace {
-
 std::string format_duration(double seconds) {
-  long s = std::lround(std::max(0.0, seconds));
+  constexpr double kMaxHours = 1e6;  // lround overflows long past 9.2e18 s; an ETA this far is moot
+  seconds = std::max(0.0, seconds);
+  if (!(seconds < kMaxHours * 3600)) return ">1000000h";
+  const long s = std::lround(seconds);
   char buf[32];
   if (s >= 3600)
     std::snprintf(buf, sizeof buf, "%ldh%02ldm", s / 3600, (s / 60) % 60);
@@ -78,6 +79,8 @@ std::string format_duration(double seconds) {
     std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
   return buf;
 }
+
+namespace {
 
 // A config value of a compatibility record as a user wrote it: strings without quotes.
 std::string json_text(const nlohmann::json& v) {

@@ -204,6 +204,9 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
   }
   expect_input_error([] { train::load_config("", {"train.spike_factor=0.5"}); },
                      {"train.spike_factor = 0.5"});
+  expect_input_error([] { train::load_config("", {"train.steps=9223372036854775807"}); },
+                     {"'train.steps' = 9223372036854775807", "larger than tessel supports"});
+  EXPECT_EQ(train::load_config("", {"train.steps=1099511627776"}).train.steps, int64_t(1) << 40);
   expect_input_error([] { train::load_config("", {"train.spike_factor=-2"}); },
                      {"train.spike_factor = -2"});
   EXPECT_EQ(train::load_config("", {"train.spike_factor=5"}).train.spike_factor, 5);
