@@ -308,6 +308,11 @@ TEST_F(CliTest, CorruptCheckpoint) {
 TEST_F(CliTest, MissingCheckpoint) {
   std::string run = temp_dir("tessel-cli-run");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "neither a run directory"});
+  // A live run before its first checkpoint is named as one, by generate and export alike.
+  std::ofstream(run + "/config.toml") << "[train]\nsteps = 4\n";
+  for (const std::string& command : {"generate --run " + run, "export " + run + " " + run + "/out"})
+    expect_one_line_error(run_tessel(command), {run + ": the run has no checkpoint yet"});
+  fs::remove(run + "/config.toml");
   fs::create_directories(run + "/checkpoints");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "no complete checkpoint"});
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
