@@ -998,6 +998,13 @@ TrainResult Trainer::run() {
         " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : "") +
         (s.initialized_from.empty() ? "" : ", weights from " + s.initialized_from));
+  // A relaunch resumes from the newest checkpoint; without interim ones (an adaptive policy
+  // needs checkpoint_every >= 1) it has only step 0.
+  if (attempt_->supervised && c.train.checkpoint_every == 0)
+    s.log(
+        "tessel: warning: train.checkpoint_every = 0 saves no checkpoint before the end, so a "
+        "relaunch after a failure starts again from step 0; set train.checkpoint_every (e.g. "
+        "100) to resume near the failure");
 
   std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics (none: no step)
   if (s.is_root && s.start_step < c.train.steps)

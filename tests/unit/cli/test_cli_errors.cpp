@@ -396,6 +396,25 @@ TEST_F(CliTest, MaxTtrNamesTheAttemptOfEachFailure) {
   EXPECT_EQ(o.err, "tessel: TTR of failure 1 (attempt 1) was 0.600 s, over --max-ttr 0.100 s\n");
 }
 
+// Under `tessel run` a relaunch resumes from the newest checkpoint: a run that saves none
+// before its end is warned once at start that a relaunch starts from step 0.
+TEST_F(CliTest, ASupervisedRunWithoutInterimCheckpointsIsWarned) {
+  const std::string warning = "relaunch after a failure starts again from step 0";
+  auto warnings = [&](const std::string& args) {
+    const Outcome o = run_tessel(args + " --set run.quiet=false");
+    EXPECT_EQ(o.exit_code, 0) << o.err;
+    size_t n = 0;
+    for (size_t at = o.out.find(warning); at != std::string::npos; at = o.out.find(warning, at + 1))
+      ++n;
+    return n;
+  };
+  EXPECT_EQ(warnings("run --np 1 --threads 1" + settings(temp_dir("sup"))), 1u);
+  EXPECT_EQ(warnings("run --np 1 --threads 1" + settings(temp_dir("sup")) +
+                     " --set train.checkpoint_every=2"),
+            0u);
+  EXPECT_EQ(warnings(train_args(temp_dir("plain"))), 0u);  // nothing relaunches it
+}
+
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=2"),
                         {"parallel.dp", "world has 1"});
