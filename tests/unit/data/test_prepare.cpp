@@ -164,7 +164,8 @@ TEST(Prepare, SplitBoundsAndErrors) {
   expect_input_error([&] { prepare_documents({"a\n", "b\n"}, opt); }, {"val_fraction"});
   opt.val_fraction = 0.1;
   opt.corpus = "nope";
-  expect_input_error([&] { prepare_dataset(opt); }, {"unknown corpus"});
+  expect_input_error([&] { prepare_dataset(opt); },
+                     {"unknown corpus", "file:PATH, jsonl:PATH or tokens:PATH", "chat:PATH"});
 }
 
 // Without --out, each corpus gets its own directory: only `tessel prepare` of the Bible
