@@ -370,7 +370,6 @@ int main(int argc, char** argv) {
 
   data::PrepareOptions prep;
   prep.corpus = "bible";
-  prep.output_dir = "data/bible";
   auto* prepare = app.add_subcommand(
       "prepare",
       "turn a text corpus, a token-id file or an SFT corpus (conversations) into token shards");
@@ -385,7 +384,9 @@ int main(int argc, char** argv) {
                    "1:3.\" -> the verse) or chat:PATH (JSON Lines, {\"messages\": [{\"role\", "
                    "\"content\"}, ...]} or {\"prompt\", \"response\"} per line)")
       ->capture_default_str();
-  prepare->add_option("--out", prep.output_dir, "output directory")->capture_default_str();
+  prepare->add_option("--out", prep.output_dir,
+                      "output directory; default: data/ and the corpus's name, or its file's "
+                      "without the extension (bible -> data/bible, file:notes.txt -> data/notes)");
   prepare->add_option(
       "--vocab", prep.vocab,
       "tokens:PATH: vocabulary size of the ids (model.vocab must be at least this)");
@@ -416,7 +417,7 @@ int main(int argc, char** argv) {
 
   data::PrepareOptions bpe_split;  // which documents prepare would hold out: not learned from
   bpe_split.corpus = "bible";
-  std::string bpe_out = "data/bpe-bible";
+  std::string bpe_out;
   int64_t bpe_vocab = 1024;
   auto* train_bpe = app.add_subcommand(
       "train-bpe",
@@ -438,7 +439,9 @@ int main(int argc, char** argv) {
                    "at least this)")
       ->check(CLI::Range(int64_t(257), int64_t(1) << 20))
       ->capture_default_str();
-  train_bpe->add_option("--out", bpe_out, "output directory")->capture_default_str();
+  train_bpe->add_option("--out", bpe_out,
+                        "output directory; default: data/bpe- and the corpus's name, as for "
+                        "prepare (bible -> data/bpe-bible)");
 
   std::string config_path;
   std::vector<std::string> overrides;
@@ -494,11 +497,19 @@ int main(int argc, char** argv) {
   evalc->add_option("--split", eval_split, "which shard: val or train")
       ->check(CLI::IsMember({"val", "train"}))
       ->capture_default_str();
+  const CLI::Validator count(  // CLI::NonNegativeNumber names its bound, DBL_MAX, in 300 digits
+      [](std::string& v) -> std::string {
+        int64_t n = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+        if (ec == std::errc() && end == v.data() + v.size() && n >= 0) return "";
+        return "must be an integer from 0 to 9223372036854775807, got " + v;
+      },
+      "INT>=0");
   evalc
       ->add_option("--sequences", eval_sequences,
                    "sequences of train.seq_len tokens from the shard's start, 0 = all; default: "
                    "the run's train.eval_sequences (then it repeats the run's validation loss)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(count);
   evalc->add_flag("--json", eval_json, "print JSON");
 
   int64_t gemm_size = 1024;
@@ -613,8 +624,15 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (*prepare) return world.rank() == 0 ? run_prepare(prep) : 0;
-    if (*train_bpe) return world.rank() == 0 ? run_train_bpe(bpe_split, bpe_vocab, bpe_out) : 0;
+    if (*prepare) {
+      if (prep.output_dir.empty())
+        prep.output_dir = "data/" + data::corpus_directory_name(prep.corpus);
+      return world.rank() == 0 ? run_prepare(prep) : 0;
+    }
+    if (*train_bpe) {
+      if (bpe_out.empty()) bpe_out = "data/bpe-" + data::corpus_directory_name(bpe_split.corpus);
+      return world.rank() == 0 ? run_train_bpe(bpe_split, bpe_vocab, bpe_out) : 0;
+    }
     if (*trainc) {
       if (help_config) {
         if (world.rank() == 0) std::printf("%s", schema_help().c_str());

@@ -274,6 +274,15 @@ PrepareResult prepare_samples(const std::vector<SftSample>& samples,
   return prepare_items(samples, options);
 }
 
+std::string corpus_directory_name(const std::string& corpus) {
+  const size_t colon = corpus.find(':');
+  if (colon == std::string::npos) return corpus;  // an unknown name is refused when loaded
+  const std::string stem = fs::path(corpus.substr(colon + 1)).stem().string();
+  if (stem.empty() || stem == "." || stem == "..")
+    input_error("corpus \"", corpus, "\": its path names no output directory; pass --out");
+  return stem;
+}
+
 PrepareResult prepare_dataset(const PrepareOptions& options) {
   const bool tokens = options.corpus.starts_with(kTokenFilePrefix) &&
                       options.corpus.size() > kTokenFilePrefix.size();

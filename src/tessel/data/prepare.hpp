@@ -70,6 +70,12 @@ struct PrepareResult {
 // directory.
 PrepareResult prepare_dataset(const PrepareOptions& options);
 
+// The name prepare and train-bpe give a corpus's output directory when --out is not given
+// (data/<name>, data/bpe-<name>), so that another corpus never replaces data/bible: a built-in
+// corpus's own name, or the stem of a PREFIX:PATH corpus's file ("file:notes.txt" -> "notes").
+// InputError when the path has no usable stem.
+std::string corpus_directory_name(const std::string& corpus);
+
 // The documents of text corpus `options.corpus` that prepare would put in the training split
 // (the same val_fraction and seed leave out the same documents): what train-bpe learns from,
 // so that a vocabulary never sees the validation text. InputError as prepare_dataset.

@@ -75,7 +75,8 @@ std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>&
 }
 
 void check_sampling(float temperature, int64_t top_k) {
-  if (!(temperature >= 0.0f)) input_error("generate: temperature = ", temperature, " must be >= 0");
+  if (!(temperature >= 0.0f && std::isfinite(temperature)))
+    input_error("generate: temperature = ", temperature, " must be a finite number >= 0");
   if (top_k < 0) input_error("generate: top_k = ", top_k, " must be >= 0 (0 = all tokens)");
 }
 

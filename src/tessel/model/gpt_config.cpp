@@ -38,6 +38,8 @@ std::vector<bool> GptConfig::moe_mask() const {
           "model.moe_layers = \"", moe_layers,
           "\" must be \"\", \"all\" or comma-separated block indices in [0, model.layers = ",
           layers, ")");
+    if (mask[size_t(i)])
+      input_error("model.moe_layers = \"", moe_layers, "\" lists block ", i, " twice");
     mask[size_t(i)] = true;
     begin = end + 1;
   }

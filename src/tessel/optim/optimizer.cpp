@@ -60,7 +60,12 @@ void validate(const OptimizerConfig& c) {
     check_range(c.ns_steps <= 5, "optim.ns_steps", double(c.ns_steps),
                 "<= 5 with optim.ns_coefficients = you (its table has 5 steps)");
   check_choice(c.ns_normalize, "optim.ns_normalize", {"frobenius", "aol"});
-  parse_int_list("optim.ns_restarts", c.ns_restarts, 1);
+  // A restart comes before a step: steps 1 .. ns_steps - 1 can have one.
+  for (int64_t t : parse_int_list("optim.ns_restarts", c.ns_restarts, 1))
+    if (t >= c.ns_steps)
+      input_error("optim.ns_restarts = \"", c.ns_restarts, "\": ", t,
+                  " is no step of optim.ns_steps = ", c.ns_steps,
+                  " (a restart precedes a step in [1, ns_steps); \"\" = none)");
   check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", double(c.ns_gram_min), ">= 1");
   check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction, "0 < fraction <= 1");
   check_range(c.ef_decay >= 0 && c.ef_decay <= 1, "optim.ef_decay", c.ef_decay,

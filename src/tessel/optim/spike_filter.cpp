@@ -6,9 +6,10 @@
 namespace tessel::optim {
 
 SpikeFilter::SpikeFilter(double factor, int64_t window) : factor_(factor), window_(window) {
-  if (factor > 0 && factor <= 1)
+  if (!(factor == 0 || factor > 1))
     input_error("train.spike_factor = ", factor,
-                " would skip ordinary steps; use a factor > 1 (or 0 = never skip)");
+                factor > 0 ? " would skip ordinary steps" : " is negative",
+                "; use a factor > 1 (or 0 = never skip)");
   if (window < 1) input_error("train.spike_window = ", window, " must be >= 1");
 }
 

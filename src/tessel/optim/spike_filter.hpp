@@ -14,8 +14,8 @@ namespace tessel::optim {
 
 class SpikeFilter {
  public:
-  // factor <= 0: never skips. InputError naming train.spike_factor / train.spike_window for a
-  // factor in (0, 1] or a window < 1.
+  // factor 0: never skips. InputError naming train.spike_factor / train.spike_window for a
+  // factor below 0 or in (0, 1], or a window < 1.
   SpikeFilter(double factor, int64_t window);
 
   // Whether the step with gradient norm `norm` is skipped; records the norm. `compared`, when

@@ -500,6 +500,15 @@ std::string toml_value_text(const toml::node& node) {
   return "";
 }
 
+// Whether the key takes a TOML string (a string or a choice), not a number or bool.
+bool takes_string(const ConfigKey& key) {
+  return key.type == "string" || key.type.find('|') != std::string::npos;
+}
+
+[[noreturn]] void wrong_type(const std::string& where, const ConfigKey& key) {
+  input_error(where, "config key '", key.name, "' expects a ", key.type, " value");
+}
+
 void apply_table(Config& config, const toml::table& table, const std::string& prefix,
                  const std::string& file) {
   for (const auto& [k, node] : table) {
@@ -515,8 +524,7 @@ void apply_table(Config& config, const toml::table& table, const std::string& pr
     if (text.empty() && !is_string)
       input_error(file, ": config key '", name, "' has an unsupported value type");
     // A string where a number or bool is expected is a type error, not a parse.
-    if (is_string != (key->type == "string" || key->type.find('|') != std::string::npos))
-      input_error(file, ": config key '", name, "' expects a ", key->type, " value");
+    if (is_string != takes_string(*key)) wrong_type(file + ": ", *key);
     try {
       key->set(config, text);
     } catch (const InputError& e) {
@@ -556,6 +564,8 @@ void apply_override(Config& config, const std::string& assignment) {
   // A value that starts with a quote is one TOML string, as in a config file ("..." with
   // escapes such as \n, or '...' taken literally); any other value is taken as written.
   if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
+    // A string where a number or bool is expected is a type error, as in a file.
+    if (!takes_string(*key)) wrong_type("--set: ", *key);
     std::optional<std::string> parsed;
     try {
       const toml::table table = toml::parse("v = " + value);
@@ -634,14 +644,17 @@ void check_run_dir(const std::string& dir) {
 std::vector<std::string> data_paths(const DataConfig& data) {
   auto paths = split_list("data.path", data.path);
   if (paths.empty()) input_error("config key 'data.path' is empty");
-  // The same directory twice would only double its share: data.weights says that.
+  // The same directory twice would only double its share: data.weights says that. An existing
+  // one is compared resolved, so that another spelling (absolute, through a link) is caught.
   std::vector<std::filesystem::path> seen;
   for (const auto& p : paths) {
-    const auto normal = (std::filesystem::path(p) / "").lexically_normal();
-    if (std::find(seen.begin(), seen.end(), normal) != seen.end())
+    std::error_code ec;
+    auto same = std::filesystem::canonical(p, ec);
+    if (ec) same = (std::filesystem::path(p) / "").lexically_normal();
+    if (std::find(seen.begin(), seen.end(), same) != seen.end())
       input_error("config key 'data.path' = \"", data.path, "\" lists ", p,
                   " twice; give a data set a larger share in data.weights instead");
-    seen.push_back(normal);
+    seen.push_back(same);
   }
   return paths;
 }
@@ -649,7 +662,13 @@ std::vector<std::string> data_paths(const DataConfig& data) {
 std::vector<double> data_weights(const DataConfig& data) {
   const size_t n = data_paths(data).size();
   auto weights = parse_real_list("data.weights", data.weights, 0);
-  if (weights.empty() && n == 1) return {1.0};
+  if (n == 1) {
+    if (!weights.empty())
+      input_error("config key 'data.weights' = \"", data.weights,
+                  "\" needs several data sets in data.path (one has all the sequences); "
+                  "leave it \"\"");
+    return {1.0};
+  }
   if (weights.size() != n)
     input_error("config key 'data.weights' = \"", data.weights, "\" gives ", weights.size(),
                 " weights for the ", n, " data set", n == 1 ? "" : "s", " of data.path",
@@ -706,6 +725,9 @@ void validate(const Config& c) {
   model::validate(c.model);
   data_weights(c.data);
   positive("train.steps", c.train.steps);
+  if (c.train.steps > kMaxSteps)
+    input_error("config key 'train.steps' = ", c.train.steps, " is larger than tessel supports (",
+                kMaxSteps, ")");
   positive("train.seq_len", c.train.seq_len);
   positive("train.micro_batch", c.train.micro_batch);
   positive("train.accum", c.train.accum);

@@ -142,6 +142,8 @@ bool same_config_text(const std::string& key, const std::string& a, const std::s
 
 // The most threads per rank a config (run.threads) or `tessel run --threads` may ask for.
 inline constexpr int64_t kMaxThreads = 4096;
+// The most train.steps: far beyond a real run, and times a real global batch far within int64.
+inline constexpr int64_t kMaxSteps = int64_t(1) << 40;
 
 // Loads `path` (TOML; empty = defaults only), applies `overrides` ("key=value"),
 // validates the result. Errors name the file and key.

@@ -18,7 +18,7 @@ namespace tessel::train {
 
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir) {
   ExportResult r;
-  auto loaded = load_run_checkpoint(checkpoint);
+  auto loaded = load_trained_checkpoint(checkpoint);
   r.checkpoint = loaded.dir;
   CheckpointContent& content = loaded.content;
   // The model's registry order, whatever layout (dp, ep, pp) wrote the checkpoint.

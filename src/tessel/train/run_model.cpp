@@ -1,5 +1,6 @@
 #include "tessel/train/run_model.hpp"
 
+#include <filesystem>
 #include <map>
 
 #include "tessel/core/error.hpp"
@@ -10,13 +11,24 @@
 
 namespace tessel::train {
 
+CheckpointStore::Loaded load_trained_checkpoint(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path dir(path);
+  const bool run_files = fs::exists(dir / "config.toml") || fs::exists(dir / "metrics.jsonl");
+  if (run_files && !fs::exists(dir / "checkpoints") && !fs::exists(dir / "manifest.json"))
+    input_error(path,
+                ": the run has no checkpoint yet (it saves one every train.checkpoint_every "
+                "steps and at its end)");
+  return load_run_checkpoint(path);
+}
+
 Config checkpoint_config(const CheckpointStore::Loaded& loaded) {
   return parse_config(loaded.content.state.at("config").get<std::string>(),
                       loaded.dir + "/manifest.json", {});
 }
 
 RunModel load_run_model(const std::string& path) {
-  const auto loaded = load_run_checkpoint(path);
+  const auto loaded = load_trained_checkpoint(path);
   RunModel run{loaded.dir, loaded.content.step, checkpoint_config(loaded), nullptr};
   run.gpt = std::make_unique<model::Gpt>(run.config.model, 0);
   for (const auto& p : run.gpt->parameters())

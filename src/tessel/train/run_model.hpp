@@ -12,6 +12,11 @@
 
 namespace tessel::train {
 
+// load_run_checkpoint for generate, eval and export, which also tells a run that has saved no
+// checkpoint yet (its config.toml or metrics.jsonl is there, its checkpoints/ not) from a
+// directory that is no run at all.
+CheckpointStore::Loaded load_trained_checkpoint(const std::string& path);
+
 // The resolved run config a loaded checkpoint holds (errors name its manifest).
 Config checkpoint_config(const CheckpointStore::Loaded& loaded);
 

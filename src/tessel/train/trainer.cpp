@@ -67,10 +67,11 @@ int auto_threads_per_rank(int world_size) {
   return std::max(1, machine_cores() / (local > 0 ? local : world_size));
 }
 
-namespace {
-
 std::string format_duration(double seconds) {
-  long s = std::lround(std::max(0.0, seconds));
+  constexpr double kMaxHours = 1e6;  // lround overflows long past 9.2e18 s; an ETA this far is moot
+  seconds = std::max(0.0, seconds);
+  if (!(seconds < kMaxHours * 3600)) return ">1000000h";
+  const long s = std::lround(seconds);
   char buf[32];
   if (s >= 3600)
     std::snprintf(buf, sizeof buf, "%ldh%02ldm", s / 3600, (s / 60) % 60);
@@ -78,6 +79,8 @@ std::string format_duration(double seconds) {
     std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
   return buf;
 }
+
+namespace {
 
 // A config value of a compatibility record as a user wrote it: strings without quotes.
 std::string json_text(const nlohmann::json& v) {
@@ -995,6 +998,13 @@ TrainResult Trainer::run() {
         " GFLOP/s per rank" +
         (s.resumed_from >= 0 ? ", resumed at step " + std::to_string(s.resumed_from) : "") +
         (s.initialized_from.empty() ? "" : ", weights from " + s.initialized_from));
+  // A relaunch resumes from the newest checkpoint; without interim ones (an adaptive policy
+  // needs checkpoint_every >= 1) it has only step 0.
+  if (attempt_->supervised && c.train.checkpoint_every == 0)
+    s.log(
+        "tessel: warning: train.checkpoint_every = 0 saves no checkpoint before the end, so a "
+        "relaunch after a failure starts again from step 0; set train.checkpoint_every (e.g. "
+        "100) to resume near the failure");
 
   std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics (none: no step)
   if (s.is_root && s.start_step < c.train.steps)

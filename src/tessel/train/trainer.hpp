@@ -67,4 +67,8 @@ class Trainer {
 // this machine divided by the ranks running on it (at least 1).
 int auto_threads_per_rank(int world_size);
 
+// A duration for the progress line (elapsed, ETA): "12m05s", from an hour on "3h07m"; a
+// negative one as 0, and one of a million hours or more (or infinite) as ">1000000h".
+std::string format_duration(double seconds);
+
 }  // namespace tessel::train

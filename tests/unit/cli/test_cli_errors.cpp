@@ -88,7 +88,8 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
 TEST_F(CliTest, GenerateRefusesBadInputBeforePrinting) {
   std::string run = temp_dir("tessel-cli-gen");
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
-  for (const char* bad : {"--temperature -1", "--temperature nan", "--top-k -5"}) {
+  for (const char* bad :
+       {"--temperature -1", "--temperature nan", "--temperature inf", "--top-k -5"}) {
     SCOPED_TRACE(bad);
     const Outcome o = run_tessel("generate --run " + run + " --prompt ab " + bad);
     EXPECT_EQ(o.out, "");
@@ -307,6 +308,11 @@ TEST_F(CliTest, CorruptCheckpoint) {
 TEST_F(CliTest, MissingCheckpoint) {
   std::string run = temp_dir("tessel-cli-run");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "neither a run directory"});
+  // A live run before its first checkpoint is named as one, by generate and export alike.
+  std::ofstream(run + "/config.toml") << "[train]\nsteps = 4\n";
+  for (const std::string& command : {"generate --run " + run, "export " + run + " " + run + "/out"})
+    expect_one_line_error(run_tessel(command), {run + ": the run has no checkpoint yet"});
+  fs::remove(run + "/config.toml");
   fs::create_directories(run + "/checkpoints");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "no complete checkpoint"});
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
@@ -390,6 +396,25 @@ TEST_F(CliTest, MaxTtrNamesTheAttemptOfEachFailure) {
   EXPECT_EQ(o.err, "tessel: TTR of failure 1 (attempt 1) was 0.600 s, over --max-ttr 0.100 s\n");
 }
 
+// Under `tessel run` a relaunch resumes from the newest checkpoint: a run that saves none
+// before its end is warned once at start that a relaunch starts from step 0.
+TEST_F(CliTest, ASupervisedRunWithoutInterimCheckpointsIsWarned) {
+  const std::string warning = "relaunch after a failure starts again from step 0";
+  auto warnings = [&](const std::string& args) {
+    const Outcome o = run_tessel(args + " --set run.quiet=false");
+    EXPECT_EQ(o.exit_code, 0) << o.err;
+    size_t n = 0;
+    for (size_t at = o.out.find(warning); at != std::string::npos; at = o.out.find(warning, at + 1))
+      ++n;
+    return n;
+  };
+  EXPECT_EQ(warnings("run --np 1 --threads 1" + settings(temp_dir("sup"))), 1u);
+  EXPECT_EQ(warnings("run --np 1 --threads 1" + settings(temp_dir("sup")) +
+                     " --set train.checkpoint_every=2"),
+            0u);
+  EXPECT_EQ(warnings(train_args(temp_dir("plain"))), 0u);  // nothing relaunches it
+}
+
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=2"),
                         {"parallel.dp", "world has 1"});
@@ -444,6 +469,33 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
     const std::string option = args.substr(args.find("--"), args.rfind(' ') - args.find("--"));
     EXPECT_NE(o.err.find(option), std::string::npos) << o.err;
   }
+  // The bound in a few digits, not CLI::NonNegativeNumber's DBL_MAX in 300.
+  const Outcome o = run_tessel("eval --sequences -1");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_EQ(
+      o.err.rfind("--sequences: must be an integer from 0 to 9223372036854775807, got -1\n", 0), 0u)
+      << o.err;
+}
+
+// Without --out, prepare and train-bpe write a file corpus to data/<stem> and data/bpe-<stem>
+// under the current directory, never over data/bible.
+TEST_F(CliTest, PrepareAndTrainBpeNameTheirOutputAfterTheCorpus) {
+  const std::string dir = temp_dir("prepare-default");
+  {
+    std::ofstream text(dir + "/two.txt");
+    for (int p = 0; p < 20; ++p) text << "the " << p << " of the earth\n\n";
+  }
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir);
+  const Outcome prepared = run_tessel("prepare --corpus file:two.txt");
+  const Outcome learned = run_tessel("train-bpe --corpus file:two.txt --vocab-size 260");
+  fs::current_path(cwd);
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.err;
+  ASSERT_EQ(learned.exit_code, 0) << learned.err;
+  EXPECT_TRUE(fs::exists(dir + "/data/two/train.tok"));
+  EXPECT_TRUE(fs::exists(dir + "/data/bpe-two/merges.txt"));
+  EXPECT_FALSE(fs::exists(dir + "/data/bible"));
+  EXPECT_FALSE(fs::exists(dir + "/data/bpe-bible"));
 }
 
 TEST_F(CliTest, BadCorpusForPrepare) {

@@ -164,7 +164,22 @@ TEST(Prepare, SplitBoundsAndErrors) {
   expect_input_error([&] { prepare_documents({"a\n", "b\n"}, opt); }, {"val_fraction"});
   opt.val_fraction = 0.1;
   opt.corpus = "nope";
-  expect_input_error([&] { prepare_dataset(opt); }, {"unknown corpus"});
+  expect_input_error([&] { prepare_dataset(opt); },
+                     {"unknown corpus", "file:PATH, jsonl:PATH or tokens:PATH", "chat:PATH"});
+}
+
+// Without --out, each corpus gets its own directory: only `tessel prepare` of the Bible
+// writes data/bible.
+TEST(Prepare, EachCorpusNamesItsOwnDefaultDirectory) {
+  EXPECT_EQ(corpus_directory_name("bible"), "bible");
+  EXPECT_EQ(corpus_directory_name("fortunes"), "fortunes");
+  EXPECT_EQ(corpus_directory_name("bible-quotes"), "bible-quotes");
+  EXPECT_EQ(corpus_directory_name("file:/tmp/two.txt"), "two");
+  EXPECT_EQ(corpus_directory_name("jsonl:web.jsonl"), "web");
+  EXPECT_EQ(corpus_directory_name("tokens:owt/train.bin"), "train");
+  EXPECT_EQ(corpus_directory_name("chat:talks.jsonl"), "talks");
+  for (const char* nameless : {"file:", "file:/tmp/", "file:..", "jsonl:."})
+    expect_input_error([&] { corpus_directory_name(nameless); }, {nameless, "--out"});
 }
 
 // A tokens:PATH corpus: every document (ending at the eot id, the tail after the last eot one

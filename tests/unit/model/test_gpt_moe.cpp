@@ -57,7 +57,7 @@ TEST(GptMoe, AModelHoldingNothingKnowsTheWholeRegistry) {
 }
 
 TEST(GptMoe, BadMoeLayersAreInputErrors) {
-  for (const char* bad : {"2", "x", "0,", "-1"}) {
+  for (const char* bad : {"2", "x", "0,", "-1", "0,1,0"}) {
     GptConfig c = moe_config(gelu_config(), bad);
     fixture::expect_input_error([&] { validate(c); }, {"model.moe_layers", bad});
   }

@@ -319,6 +319,16 @@ TEST(MuonFactory, NamesAndBadConfig) {
   expect_input_error(with([](OptimizerConfig& c) { c.ns_steps = 0; }), {"optim.ns_steps"});
   expect_input_error(with([](OptimizerConfig& c) { c.ns_restarts = "2,x"; }),
                      {"optim.ns_restarts"});
+  // A restart precedes one of steps 1 .. ns_steps - 1.
+  expect_input_error(with([](OptimizerConfig& c) { c.ns_restarts = "2,5"; }),
+                     {"optim.ns_restarts = \"2,5\"", "5 is no step of optim.ns_steps = 5"});
+  expect_input_error(with([](OptimizerConfig& c) { c.ns_steps = 2; }),
+                     {"optim.ns_restarts = \"2\"", "optim.ns_steps = 2"});
+  EXPECT_NO_THROW(with([](OptimizerConfig& c) { c.ns_restarts = "1,4"; })());
+  EXPECT_NO_THROW(with([](OptimizerConfig& c) {
+    c.ns_steps = 2;
+    c.ns_restarts = "";
+  })());
   expect_input_error(with([](OptimizerConfig& c) { c.ns_gram_min = 0; }), {"optim.ns_gram_min"});
   expect_input_error(with([](OptimizerConfig& c) { c.fraction = 0; }), {"optim.fraction"});
   expect_input_error(with([](OptimizerConfig& c) { c.ef_decay = 2; }), {"optim.ef_decay"});

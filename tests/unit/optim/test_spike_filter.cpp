@@ -38,5 +38,7 @@ TEST(SpikeFilter, HistoryRestoresAndSettingsAreChecked) {
   never.skip(1.0);
   EXPECT_FALSE(never.skip(1e30));
   fixture::expect_input_error([] { SpikeFilter(1.0, 5); }, {"train.spike_factor = 1"});
+  fixture::expect_input_error([] { SpikeFilter(-1.0, 5); },
+                              {"train.spike_factor = -1", "0 = never skip"});
   fixture::expect_input_error([] { SpikeFilter(3.0, 0); }, {"train.spike_window = 0"});
 }

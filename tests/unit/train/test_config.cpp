@@ -204,6 +204,11 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
   }
   expect_input_error([] { train::load_config("", {"train.spike_factor=0.5"}); },
                      {"train.spike_factor = 0.5"});
+  expect_input_error([] { train::load_config("", {"train.steps=9223372036854775807"}); },
+                     {"'train.steps' = 9223372036854775807", "larger than tessel supports"});
+  EXPECT_EQ(train::load_config("", {"train.steps=1099511627776"}).train.steps, int64_t(1) << 40);
+  expect_input_error([] { train::load_config("", {"train.spike_factor=-2"}); },
+                     {"train.spike_factor = -2"});
   EXPECT_EQ(train::load_config("", {"train.spike_factor=5"}).train.spike_factor, 5);
   expect_input_error(
       [] {
@@ -221,7 +226,7 @@ TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
     return train::load_config("", {"data.path=" + path, "data.weights=" + weights});
   };
   EXPECT_EQ(train::data_weights(load("a", "").data), std::vector<double>{1.0});
-  EXPECT_EQ(train::data_weights(load("a", "7").data), std::vector<double>{7.0});
+  expect_input_error([&] { load("a", "7"); }, {"'data.weights' = \"7\"", "several data sets"});
   const auto mixture = load(" data/web , data/code,x/code/,/ ", "3, 1,4,2");
   EXPECT_EQ(train::data_paths(mixture.data),
             (std::vector<std::string>{"data/web", "data/code", "x/code/", "/"}));
@@ -231,6 +236,15 @@ TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
             (std::vector<std::string>{"web", "data/code", "x/code/", "/"}));
   expect_input_error([&] { load("data/a,b,./data/a/", "1,1,1"); },
                      {"data.path", "lists ./data/a/ twice", "larger share in data.weights"});
+  // An existing directory is the same data set however its path is spelled.
+  const std::string dir = fixture::temp_dir("tessel-config-data");
+  std::filesystem::create_directory(dir + "/set");
+  std::filesystem::create_directory_symlink(dir + "/set", dir + "/link");
+  const std::string relative = std::filesystem::relative(dir + "/set").string();
+  expect_input_error([&] { load(relative + "," + dir + "/set", "1,1"); },
+                     {"data.path", "lists " + dir + "/set twice"});
+  expect_input_error([&] { load(dir + "/set," + dir + "/link", "1,1"); },
+                     {"data.path", "lists " + dir + "/link twice"});
   expect_input_error([&] { load("a,b", "1e308,1e308"); }, {"data.weights", "sum overflows"});
   expect_input_error([&] { load("a,b", ""); },
                      {"data.weights", "0 weights for the 2 data sets", "one weight per data set"});
@@ -262,6 +276,13 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
   // A config file's string is taken as it stands, quotes inside it included.
   const std::string path = write_file("q.toml", "[train]\nsample_prompt = '\"quoted\"'\n");
   EXPECT_EQ(train::load_config(path, {}).train.sample_prompt, "\"quoted\"");
+  // A quoted string for a number or bool key is refused as in a file, with the same words.
+  const std::string file = write_file("s.toml", "[train]\nsteps = \"7\"\n");
+  expect_input_error([&] { train::load_config(file, {}); },
+                     {file + ": config key 'train.steps' expects a int value"});
+  for (std::string bad : {"train.steps=\"7\"", "optim.lr='0.1'", "run.quiet=\"true\""})
+    expect_input_error([&] { train::load_config("", {bad}); },
+                       {"--set: config key '" + bad.substr(0, bad.find('=')) + "' expects a"});
 }
 
 // run.dir must be a directory or creatable as one: empty, a file, or below a file is an

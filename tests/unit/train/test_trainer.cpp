@@ -36,6 +36,17 @@ std::string TrainerTest::data_dir;
 
 }  // namespace
 
+// Elapsed time and ETA stay readable at any size: a step count near 2^63 once printed a
+// negative ETA from lround's overflow.
+TEST(FormatDuration, StaysReadableAtAnySize) {
+  EXPECT_EQ(train::format_duration(65.4), "1m05s");
+  EXPECT_EQ(train::format_duration(3599.6), "1h00m");
+  EXPECT_EQ(train::format_duration(-3), "0m00s");
+  EXPECT_EQ(train::format_duration(3.6e9 - 60), "999999h59m");
+  for (double huge : {3.6e9, 1e19, 1.8e17, double(INFINITY)})
+    EXPECT_EQ(train::format_duration(huge), ">1000000h") << huge;
+}
+
 TEST_F(TrainerTest, LossFallsAndRunsRepeatBitwise) {
   auto a = train_run(fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run")));
   auto b = train_run(fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run")));
