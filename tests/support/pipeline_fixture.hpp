@@ -1,6 +1,6 @@
 #pragma once
-// Helpers for the pipeline trainer tests: a run's final weights (its last checkpoint) and
-// the bitwise comparisons of two runs.
+// Helpers for the trainer tests that compare runs (the pipeline's above all): a run's final
+// weights (its last checkpoint) and the bitwise comparisons of two runs.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "support/mpi_train_fixture.hpp"
+#include "support/pipeline_fixture.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/comm/world.hpp"
@@ -519,12 +520,7 @@ TEST(DataParallel, RecomputationEqualsKeepingTheCachesBitwise) {
     c.run.dir = shared_temp_dir(world, "tessel-rc");
     const auto recomputed = run_on(world, c);
     ASSERT_EQ(kept.steps.size(), 12u);
-    ASSERT_EQ(recomputed.steps.size(), 12u);
-    for (size_t i = 0; i < kept.steps.size(); ++i) {
-      EXPECT_EQ(recomputed.steps[i].loss, kept.steps[i].loss) << "step " << i + 1;
-      EXPECT_EQ(recomputed.steps[i].grad_norm, kept.steps[i].grad_norm) << "step " << i + 1;
-    }
-    EXPECT_EQ(recomputed.validation, kept.validation);
+    fixture::expect_same_steps(recomputed, kept);
     if (world.rank() == 0) {
       EXPECT_EQ(moe_loads(c.run.dir), moe_loads(kept_dir));
     }
@@ -743,12 +739,7 @@ TEST(DataParallel, OverlappedGradientReduceEqualsReducingAfterTheBackwardBitwise
     c.run.dir = shared_temp_dir(world, "tessel-ov");
     const auto overlapped = run_on(world, c);
     ASSERT_EQ(after.steps.size(), 8u);
-    ASSERT_EQ(overlapped.steps.size(), 8u);
-    for (size_t i = 0; i < after.steps.size(); ++i) {
-      EXPECT_EQ(overlapped.steps[i].loss, after.steps[i].loss) << "step " << i + 1;
-      EXPECT_EQ(overlapped.steps[i].grad_norm, after.steps[i].grad_norm) << "step " << i + 1;
-    }
-    EXPECT_EQ(overlapped.validation, after.validation);
+    fixture::expect_same_steps(overlapped, after);
     if (world.rank() == 0) {
       for (const auto& [dir, overlap] : {std::pair{after_dir, false}, {c.run.dir, true}}) {
         const auto starts = step_field(dir, "grad_start_seconds");
