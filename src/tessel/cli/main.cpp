@@ -676,8 +676,9 @@ int main(int argc, char** argv) {
                                           eval_sequences, eval_json)
                                : 0;
     if (*gen)
-      return run_generate(run_dir, gen_tokenizer, prompt, gen_tokens, temperature, top_k, gen_seed,
-                          gen_stop);
+      return world.rank() == 0 ? run_generate(run_dir, gen_tokenizer, prompt, gen_tokens,
+                                              temperature, top_k, gen_seed, gen_stop)
+                               : 0;
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {
     // One line naming the file or field, and a non-zero exit.

@@ -82,6 +82,11 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
   ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_EQ(o.out.rfind("ab", 0), 0u) << o.out;
   EXPECT_EQ(o.out.size(), 2u + 5u + 1u) << o.out;  // prompt, 5 new bytes, newline
+  // Under mpirun rank 0 alone generates: the same text, once.
+  const Outcome two =
+      run_tessel("generate --run " + run + " --prompt ab --tokens 5 --temperature 0", 2);
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  EXPECT_EQ(two.out, o.out);
 }
 
 // Bad sampling options and a missing run are refused before anything is printed to stdout.

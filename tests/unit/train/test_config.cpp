@@ -96,6 +96,17 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
             train::CpLayoutKind::balanced);
   expect_input_error([&] { train::load_config("", {"parallel.cp_chunks=0"}); },
                      {"parallel.cp_chunks"});
+  // Set where it means nothing (zigzag's 2 chunks per rank, or no cp), it is refused.
+  expect_input_error(
+      [&] {
+        train::load_config("", {"parallel.cp=2", "parallel.cp_chunks=3"});
+      },
+      {"parallel.cp_chunks", "zigzag"});
+  expect_input_error(
+      [&] {
+        train::load_config("", {"parallel.cp_layout=contiguous", "parallel.cp_chunks=2"});
+      },
+      {"parallel.cp_chunks", "parallel.cp = 1"});
   expect_input_error([&] { train::load_config("", {"parallel.cp_layout=spiral"}); },
                      {"parallel.cp_layout", "spiral"});
   // MoE blocks compose with cp (and ep inside dp).
