@@ -2,7 +2,8 @@
 # Training quality of optimizers on the README demo (configs/default.toml, 2 ranks x 1 thread):
 # the validation loss at equal steps for each setting given.
 #   bench/optim_quality.sh STEPS LABEL='--set k=v ...' [LABEL='...' ...]
-# e.g. bench/optim_quality.sh 150 adamw='--set optim.lr=3e-3' muon='--set optim.name=muon'
+# e.g. bench/optim_quality.sh 150 adamw='--set optim.name=adamw --set optim.lr=3e-3' \
+#        muon='--set optim.name=muon --set optim.muon_lr=0.04'   (the config's optimizer is Muon)
 # Needs `tessel prepare --corpus bible --out data/bible`. Prints one line per setting:
 # label, validation loss after STEPS (nats/byte), wall seconds. The schedule's total is STEPS.
 set -euo pipefail

@@ -5,10 +5,11 @@
 # e.g. bench/train_ab.sh model.attention_window 0 256 configs/default.toml 2 \
 #        --set model.max_seq=2048 --set train.seq_len=2048 --set train.micro_batch=2
 # Needs `tessel prepare`. Each run trains 16 steps; prints, per run, the activation MiB of the
-# start line, the peak resident MiB of the done line (the largest rank's), the mean
-# step_seconds of steps 5-16 and the final validation loss (and with several dp ranks the means
-# of grad_wait_seconds and grad_start_seconds over steps 5-16: the gradient all-reduce after and
-# during the last backward), then the B / A ratios.
+# start line (empty for pipeline runs, whose start line has none), the peak resident MiB of the
+# done line (the largest rank's), the mean step_seconds of steps 5-16 and the final validation
+# loss (and with several dp ranks and no pipeline the means of grad_wait_seconds and
+# grad_start_seconds over steps 5-16: the gradient all-reduce after and during the last
+# backward), then the B / A ratios.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
