@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -17,7 +18,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iterator>
+#include <sstream>
 #include <thread>
 
 #include "tessel/core/error.hpp"
@@ -242,6 +246,58 @@ JobEnd wait_job(const std::string& log, double hang_timeout) {
   return end;
 }
 
+// How long processes of the job may outlive its launcher before they are killed. Open MPI's
+// mpirun SIGKILLs its ranks as it exits, so only ranks it did not end (mpirun itself killed
+// after a hang) live this long.
+constexpr int64_t kLeftoverGraceNs = 5'000'000'000;
+
+// Sends `sig` to every child of this process; returns how many there were. The supervisor is a
+// child subreaper, so the job's processes that outlive the launcher are its children.
+int signal_children(int sig) {
+  const std::string self = std::to_string(::getpid());
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string pid = entry.path().filename().string();
+    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;  // gone meanwhile
+    // "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after the last
+    // ')'.
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 1));
+    std::string state, ppid;
+    if (rest >> state >> ppid && ppid == self && ::kill(pid_t(std::stoi(pid)), sig) == 0) ++count;
+  }
+  return count;
+}
+
+// Reaps the job's processes that outlived its launcher (and what they leave behind), killing
+// those still running after kLeftoverGraceNs: a rank left running would hold the run directory's
+// lock, so that every relaunch were refused, and keep its cores.
+void end_leftovers() {
+  const int64_t kill_at = monotonic_ns() + kLeftoverGraceNs;
+  bool told = false;
+  for (;;) {
+    pid_t reaped = 0;
+    while ((reaped = ::waitpid(-1, nullptr, WNOHANG)) > 0) {
+    }
+    if (reaped < 0 && errno == ECHILD) return;  // none left
+    if (monotonic_ns() >= kill_at) {
+      const int killed = signal_children(SIGKILL);
+      if (killed > 0 && !told) {
+        std::fprintf(stderr,
+                     "tessel run: killed %d process(es) of the job still running %.0f s after "
+                     "its launcher exited\n",
+                     killed, double(kLeftoverGraceNs) * 1e-9);
+        told = true;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 // Waits (at most kHangKillGraceNs) until no process holds the job's lock of `run_dir`.
 // mpirun's exit does not mean its ranks are gone: Open MPI kills them and exits without
 // reaping them, so rank 0 may still hold the lock, or be writing its last ledger line. After
@@ -303,6 +359,9 @@ int supervise(const SuperviseOptions& o) {
                                    "train"};
   args.insert(args.end(), o.train_args.begin(), o.train_args.end());
   create_ett_dir(o.run_dir);
+  // The job's processes that outlive the launcher become our children, to reap or kill.
+  if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
+    input_error("tessel run: prctl(PR_SET_CHILD_SUBREAPER) failed: ", std::strerror(errno));
   StopForwarding forwarding;
   int64_t begins = monotonic_ns();  // the first attempt's scheduling begins now
   for (int restart = 0;; ++restart) {
@@ -330,7 +389,8 @@ int supervise(const SuperviseOptions& o) {
       }
     }
     const JobEnd end = wait_job(log, o.hang_timeout);
-    wait_for_job_lock(o.run_dir);
+    end_leftovers();
+    wait_for_job_lock(o.run_dir);  // a rank 0 on another machine is no child of ours
     const int status = end.status;
     if (attempt_withdrawn(log)) {  // bad input, or nothing to train: no attempt, no relaunch
       remove_attempt(log);

@@ -515,6 +515,31 @@ TEST_F(SupervisorTest, AnAttemptEndsOnlyOnceItsLockIsFree) {
   EXPECT_EQ(lines.back().value("event", ""), "exit");
 }
 
+// A process of the job that outlives its launcher by more than a few seconds (a rank that mpirun,
+// itself killed, left running) is killed by the supervisor, to which it was reparented, so the
+// relaunch finds the run directory free. Attempt 0's launcher leaves a process holding the
+// job's lock for two minutes and fails at once; attempt 1 runs the real mpirun and trains.
+TEST_F(SupervisorTest, ProcessesLeftRunningByTheLauncherAreKilledBeforeARelaunch) {
+  const std::string run = fixture::temp_dir("tessel-sup-leftover");
+  const std::string launcher = run + "/launcher.sh";
+  std::ofstream(launcher) << "#!/bin/sh\n"
+                          << "if [ -e " << run << "/relaunched ]; then exec mpirun \"$@\"; fi\n"
+                          << "touch " << run << "/relaunched\n"
+                          << "flock " << run << "/lock sleep 120 >/dev/null 2>&1 &\n"
+                          << "until ! flock -n " << run << "/lock true; do sleep 0.01; done\n"
+                          << "exit 1\n";
+  fs::permissions(launcher, fs::perms::owner_all);
+  const auto started = std::chrono::steady_clock::now();
+  const Outcome o = run_tessel(run_args(run, "", 1, "--launcher " + launcher));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.err.find("process(es) of the job still running"), std::string::npos) << o.err;
+  EXPECT_LT(seconds, 100) << "the leftover's sleep ended instead";
+  EXPECT_TRUE(unlocked(run + "/lock"));
+  EXPECT_EQ(loss_curve(run), loss_curve(reference));
+}
+
 TEST_F(SupervisorTest, AKillAfterSecondsIsRecordedAndRelaunched) {
   std::string run = fixture::temp_dir("tessel-sup-seconds");
   // Attempt 0 dies 1 ms after its process began: by the time the trainer arms the injector
