@@ -619,6 +619,17 @@ Config parse_config(const std::string& text, const std::string& source,
   }
 }
 
+Config parse_stored_config(const std::string& text, const std::string& source) {
+  try {
+    Config config;
+    apply_table(config, toml::parse(text, source), "", source);
+    model::validate(config.model);
+    return config;
+  } catch (const toml::parse_error& e) {
+    toml_error(source, e);
+  }
+}
+
 void check_run_dir(const std::string& dir) {
   if (dir.empty()) input_error("config key 'run.dir' must not be empty");
   // Found now, not when the run's first save fails after all its steps.

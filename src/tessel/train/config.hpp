@@ -151,6 +151,10 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 // The same from TOML text; `source` names it in errors.
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides);
+// A config a run wrote (a checkpoint's, or <run.dir>/config.toml), without the checks across
+// keys: it passed those of the version that wrote it, and a later version may refuse a setting
+// that one accepted, which must not make the run unreadable. The model is still validated.
+Config parse_stored_config(const std::string& text, const std::string& source);
 // Applies one "key=value" override.
 void apply_override(Config& config, const std::string& assignment);
 // Checks cross-field constraints (sequence vs model.max_seq, positive sizes...).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -48,7 +49,9 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   const std::string config_path = run_dir + "/config.toml";
   if (!std::filesystem::is_regular_file(config_path))
     input_error(config_path, ": cannot read (is ", run_dir, " a run directory?)");
-  const Config config = load_config(config_path, {});  // the last attempt's
+  std::ifstream config_file(config_path);
+  const Config config = parse_stored_config(  // the last attempt's
+      std::string(std::istreambuf_iterator<char>(config_file), {}), config_path);
   if (!pipeline_enabled(config))
     input_error(run_dir, ": not a pipeline run (its config.toml has parallel.pp = 1 and no ",
                 "pipeline.schedule)");

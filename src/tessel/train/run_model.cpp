@@ -23,8 +23,8 @@ CheckpointStore::Loaded load_trained_checkpoint(const std::string& path) {
 }
 
 Config checkpoint_config(const CheckpointStore::Loaded& loaded) {
-  return parse_config(loaded.content.state.at("config").get<std::string>(),
-                      loaded.dir + "/manifest.json", {});
+  return parse_stored_config(loaded.content.state.at("config").get<std::string>(),
+                             loaded.dir + "/manifest.json");
 }
 
 RunModel load_run_model(const std::string& path) {

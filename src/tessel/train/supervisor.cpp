@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -251,51 +252,80 @@ JobEnd wait_job(const std::string& log, double hang_timeout) {
 // after a hang) live this long.
 constexpr int64_t kLeftoverGraceNs = 5'000'000'000;
 
-// Sends `sig` to every child of this process; returns how many there were. The supervisor is a
-// child subreaper, so the job's processes that outlive the launcher are its children.
-int signal_children(int sig) {
+// Marks the job's processes (the launcher passes it on to the ranks): the supervisor, a child
+// subreaper, may also adopt processes that are not the job's (as PID 1 of a container, or
+// children it inherited from the process it replaced), which it must leave alone.
+constexpr const char* kJobMarker = "TESSEL_SUPERVISOR";
+
+// The whole text of a /proc file ("" once the process is gone).
+std::string read_proc_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// This process's children that carry the job's marker and have not exited.
+std::vector<pid_t> job_children() {
   const std::string self = std::to_string(::getpid());
-  int count = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string pid = entry.path().filename().string();
+  const std::string marker = std::string(kJobMarker) + "=" + self;
+  std::vector<pid_t> children;
+  std::error_code error;
+  for (std::filesystem::directory_iterator it("/proc", error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string pid = it->path().filename().string();
     if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    if (!std::getline(stat, line)) continue;  // gone meanwhile
-    // "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after the last
-    // ')'.
-    const size_t close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 1));
+    // "pid (comm) state ppid ...": comm may hold spaces, parentheses and newlines.
+    const std::string stat = read_proc_file(it->path() / "stat");
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;  // gone meanwhile
+    std::istringstream rest(stat.substr(close + 1));
     std::string state, ppid;
-    if (rest >> state >> ppid && ppid == self && ::kill(pid_t(std::stoi(pid)), sig) == 0) ++count;
+    if (!(rest >> state >> ppid) || ppid != self || state == "Z") continue;
+    const std::string environ_text = read_proc_file(it->path() / "environ");
+    size_t at = 0;
+    for (size_t next = 0; at < environ_text.size(); at = next + 1) {
+      next = environ_text.find('\0', at);
+      if (next == std::string::npos) next = environ_text.size();
+      if (environ_text.compare(at, next - at, marker) == 0) {
+        children.push_back(pid_t(std::stoi(pid)));
+        break;
+      }
+    }
   }
-  return count;
+  return children;
 }
 
 // Reaps the job's processes that outlived its launcher (and what they leave behind), killing
 // those still running after kLeftoverGraceNs: a rank left running would hold the run directory's
-// lock, so that every relaunch were refused, and keep its cores.
+// lock, so that every relaunch were refused, and keep its cores. Gives up kHangKillGraceNs after
+// the kill (a process in uninterruptible sleep does not die), saying which are left.
 void end_leftovers() {
   const int64_t kill_at = monotonic_ns() + kLeftoverGraceNs;
-  bool told = false;
+  const int64_t give_up_at = kill_at + kHangKillGraceNs;
+  std::set<pid_t> killed;
   for (;;) {
-    pid_t reaped = 0;
-    while ((reaped = ::waitpid(-1, nullptr, WNOHANG)) > 0) {
+    while (::waitpid(-1, nullptr, WNOHANG) > 0) {  // also adopted strangers: a subreaper reaps
     }
-    if (reaped < 0 && errno == ECHILD) return;  // none left
-    if (monotonic_ns() >= kill_at) {
-      const int killed = signal_children(SIGKILL);
-      if (killed > 0 && !told) {
-        std::fprintf(stderr,
-                     "tessel run: killed %d process(es) of the job still running %.0f s after "
-                     "its launcher exited\n",
-                     killed, double(kLeftoverGraceNs) * 1e-9);
-        told = true;
-      }
+    const std::vector<pid_t> left = job_children();
+    if (left.empty()) break;
+    const int64_t now = monotonic_ns();
+    if (now >= give_up_at) {
+      std::string pids;
+      for (pid_t p : left) pids.append(" ").append(std::to_string(p));
+      std::fprintf(stderr,
+                   "tessel run: process(es)%s of the job did not end when killed; going on\n",
+                   pids.c_str());
+      break;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (now >= kill_at)
+      for (pid_t p : left)
+        if (::kill(p, SIGKILL) == 0) killed.insert(p);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+  if (!killed.empty())
+    std::fprintf(stderr,
+                 "tessel run: killed %zu process(es) of the job still running %.0f s after its "
+                 "launcher exited\n",
+                 killed.size(), double(kLeftoverGraceNs) * 1e-9);
 }
 
 // Waits (at most kHangKillGraceNs) until no process holds the job's lock of `run_dir`.
@@ -355,13 +385,20 @@ int supervise(const SuperviseOptions& o) {
                                    "OMP_NUM_THREADS=" + std::to_string(threads),
                                    "-x",
                                    "TESSEL_ETT_ATTEMPT",
+                                   "-x",
+                                   kJobMarker,
                                    o.binary,
                                    "train"};
   args.insert(args.end(), o.train_args.begin(), o.train_args.end());
   create_ett_dir(o.run_dir);
-  // The job's processes that outlive the launcher become our children, to reap or kill.
+  // The job's processes that outlive the launcher become our children, to reap or kill. Without
+  // it only the wait for the run directory's lock remains.
   if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
-    input_error("tessel run: prctl(PR_SET_CHILD_SUBREAPER) failed: ", std::strerror(errno));
+    std::fprintf(stderr,
+                 "tessel run: warning: prctl(PR_SET_CHILD_SUBREAPER) failed (%s): processes the "
+                 "job leaves running after its launcher exits cannot be ended\n",
+                 std::strerror(errno));
+  ::setenv(kJobMarker, std::to_string(::getpid()).c_str(), 1);
   StopForwarding forwarding;
   int64_t begins = monotonic_ns();  // the first attempt's scheduling begins now
   for (int restart = 0;; ++restart) {

@@ -518,25 +518,36 @@ TEST_F(SupervisorTest, AnAttemptEndsOnlyOnceItsLockIsFree) {
 // A process of the job that outlives its launcher by more than a few seconds (a rank that mpirun,
 // itself killed, left running) is killed by the supervisor, to which it was reparented, so the
 // relaunch finds the run directory free. Attempt 0's launcher leaves a process holding the
-// job's lock for two minutes and fails at once; attempt 1 runs the real mpirun and trains.
+// job's lock for two minutes and fails at once; attempt 1 runs the real mpirun and trains. A
+// process without the job's marker (TESSEL_SUPERVISOR), adopted all the same, is left alone.
 TEST_F(SupervisorTest, ProcessesLeftRunningByTheLauncherAreKilledBeforeARelaunch) {
   const std::string run = fixture::temp_dir("tessel-sup-leftover");
   const std::string launcher = run + "/launcher.sh";
   std::ofstream(launcher) << "#!/bin/sh\n"
                           << "if [ -e " << run << "/relaunched ]; then exec mpirun \"$@\"; fi\n"
                           << "touch " << run << "/relaunched\n"
+                          << "env -u TESSEL_SUPERVISOR sh -c 'echo $$ > " << run
+                          << "/stranger.pid; exec sleep 60' >/dev/null 2>&1 &\n"
                           << "flock " << run << "/lock sleep 120 >/dev/null 2>&1 &\n"
                           << "until ! flock -n " << run << "/lock true; do sleep 0.01; done\n"
                           << "exit 1\n";
   fs::permissions(launcher, fs::perms::owner_all);
-  const auto started = std::chrono::steady_clock::now();
   const Outcome o = run_tessel(run_args(run, "", 1, "--launcher " + launcher));
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   EXPECT_EQ(o.exit_code, 0) << o.err;
-  EXPECT_NE(o.err.find("process(es) of the job still running"), std::string::npos) << o.err;
-  EXPECT_LT(seconds, 100) << "the leftover's sleep ended instead";
+  // flock, then the sleep it started (which holds the lock too), once reparented.
+  EXPECT_NE(o.err.find("killed 2 process(es) of the job still running 5 s"), std::string::npos)
+      << o.err;
+  const auto attempt0 = jsonl(train::attempt_path(run, 0));
+  ASSERT_FALSE(attempt0.empty());
+  EXPECT_EQ(attempt0.back().value("event", ""), "exit");
+  const double seconds =
+      double(attempt0.back().value("t", int64_t(0)) - attempt0.front().value("t", int64_t(0))) *
+      1e-9;
+  EXPECT_LT(seconds, 60) << "attempt 0 ended when the leftover's sleep did";
   EXPECT_TRUE(unlocked(run + "/lock"));
+  const pid_t stranger = std::stoi(slurp(run + "/stranger.pid"));
+  EXPECT_EQ(::kill(stranger, 0), 0) << "the process without the marker was killed";
+  ::kill(stranger, SIGKILL);
   EXPECT_EQ(loss_curve(run), loss_curve(reference));
 }
 

@@ -44,6 +44,26 @@ TEST(Config, ResolvedTomlRoundTrips) {
   EXPECT_FALSE(back.data.shuffle);
 }
 
+// A config a run wrote is read without the checks across keys, which a later version may have
+// tightened (a run that set parallel.cp_chunks without cp, or optim.ns_steps = 2 with the default
+// restart before step 2, was accepted once): eval, generate, export and simulate still read it.
+// Its model is still checked.
+TEST(Config, AStoredConfigIsReadEvenWhereTodaysChecksRefuseIt) {
+  Config c = train::load_config("", {});
+  c.parallel.cp_chunks = 3;
+  c.optim.ns_steps = 2;
+  const std::string text = train::to_toml(c);
+  expect_input_error([&] { train::parse_config(text, "stored.toml", {}); }, {"optim.ns_restarts"});
+  const Config back = train::parse_stored_config(text, "stored.toml");
+  EXPECT_EQ(back.parallel.cp_chunks, 3);
+  EXPECT_EQ(back.optim.ns_steps, 2);
+  EXPECT_EQ(train::to_toml(back), text);
+  c = train::load_config("", {});
+  c.model.heads = 7;  // does not divide the width
+  expect_input_error([&] { train::parse_stored_config(train::to_toml(c), "stored.toml"); },
+                     {"heads"});
+}
+
 TEST(Config, UnknownKeysAreRejected) {
   std::string path = write_file("b.toml", "[model]\nwidht = 64\n");
   expect_input_error([&] { train::load_config(path, {}); }, {path, "model.widht", "unknown"});
