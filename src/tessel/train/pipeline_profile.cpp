@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "tessel/core/error.hpp"
+#include "tessel/data/corpus.hpp"
 #include "tessel/pipeline/schedule.hpp"
 #include "tessel/train/config.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
@@ -49,9 +49,8 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   const std::string config_path = run_dir + "/config.toml";
   if (!std::filesystem::is_regular_file(config_path))
     input_error(config_path, ": cannot read (is ", run_dir, " a run directory?)");
-  std::ifstream config_file(config_path);
-  const Config config = parse_stored_config(  // the last attempt's
-      std::string(std::istreambuf_iterator<char>(config_file), {}), config_path);
+  const Config config =  // the last attempt's
+      parse_stored_config(data::read_file(config_path), config_path);
   if (!pipeline_enabled(config))
     input_error(run_dir, ": not a pipeline run (its config.toml has parallel.pp = 1 and no ",
                 "pipeline.schedule)");

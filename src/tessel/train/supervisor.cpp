@@ -266,7 +266,8 @@ std::string read_proc_file(const std::filesystem::path& path) {
 // This process's children that carry the job's marker and have not exited.
 std::vector<pid_t> job_children() {
   const std::string self = std::to_string(::getpid());
-  const std::string marker = std::string(kJobMarker) + "=" + self;
+  using namespace std::string_literals;
+  const std::string entry = "\0"s + kJobMarker + "=" + self + "\0"s;  // in NUL-ended entries
   std::vector<pid_t> children;
   std::error_code error;
   for (std::filesystem::directory_iterator it("/proc", error), end; !error && it != end;
@@ -280,16 +281,8 @@ std::vector<pid_t> job_children() {
     std::istringstream rest(stat.substr(close + 1));
     std::string state, ppid;
     if (!(rest >> state >> ppid) || ppid != self || state == "Z") continue;
-    const std::string environ_text = read_proc_file(it->path() / "environ");
-    size_t at = 0;
-    for (size_t next = 0; at < environ_text.size(); at = next + 1) {
-      next = environ_text.find('\0', at);
-      if (next == std::string::npos) next = environ_text.size();
-      if (environ_text.compare(at, next - at, marker) == 0) {
-        children.push_back(pid_t(std::stoi(pid)));
-        break;
-      }
-    }
+    if (("\0"s + read_proc_file(it->path() / "environ")).find(entry) != std::string::npos)
+      children.push_back(pid_t(std::stoi(pid)));
   }
   return children;
 }
