@@ -39,6 +39,12 @@ LrSchedule lr_schedule(const OptimizerConfig& c, int64_t total_steps) {
                     {c.schedule, c.decay_fraction, c.decay_shape});
 }
 
+std::vector<int64_t> ns_restart_steps(const OptimizerConfig& c) {
+  if (c.ns_restarts == "auto")
+    return c.ns_steps > 2 ? std::vector<int64_t>{2} : std::vector<int64_t>{};
+  return parse_int_list("optim.ns_restarts", c.ns_restarts, 1);
+}
+
 void validate(const OptimizerConfig& c) {
   check_range(std::isfinite(c.lr) && c.lr > 0, "optim.lr", c.lr, "> 0");
   check_range(c.beta1 >= 0 && c.beta1 < 1, "optim.beta1", c.beta1, "0 <= beta1 < 1");
@@ -61,7 +67,7 @@ void validate(const OptimizerConfig& c) {
                 "<= 5 with optim.ns_coefficients = you (its table has 5 steps)");
   check_choice(c.ns_normalize, "optim.ns_normalize", {"frobenius", "aol"});
   // A restart comes before a step: steps 1 .. ns_steps - 1 can have one.
-  for (int64_t t : parse_int_list("optim.ns_restarts", c.ns_restarts, 1))
+  for (int64_t t : ns_restart_steps(c))
     if (t >= c.ns_steps)
       input_error("optim.ns_restarts = \"", c.ns_restarts, "\": ", t,
                   " is no step of optim.ns_steps = ", c.ns_steps,
@@ -128,7 +134,7 @@ std::unique_ptr<Optimizer> make_optimizer(
       check_choice(config.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"}));
   h.ns.coefficients = ns_coefficients(config.ns_coefficients, int(config.ns_steps));
   h.ns.gram = config.ns_gram;
-  const auto restarts = parse_int_list("optim.ns_restarts", config.ns_restarts, 1);
+  const auto restarts = ns_restart_steps(config);
   h.ns.restarts.assign(restarts.begin(), restarts.end());
   h.ns.gram_min = config.ns_gram_min;
   h.ns.aol = config.ns_normalize == "aol";

@@ -75,9 +75,11 @@ struct OptimizerConfig {
   int64_t ns_steps = 5;
   std::string ns_normalize = "frobenius";  // frobenius | aol (Turbo-Muon; newton_schulz.hpp)
   bool ns_gram = true;                     // Gram Newton-Schulz where it pays (newton_schulz.hpp)
-  std::string ns_restarts = "2";  // comma-separated 0-based steps before which Gram NS restarts
-  int64_t ns_gram_min = 64;       // smallest short side that uses Gram NS
-  double fraction = 0.25;         // dion2/dion3: fraction of rows orthogonalized per step
+  // Comma-separated 0-based steps before which Gram NS restarts; "auto": before step 2 (the
+  // spec's default) where ns_steps > 2, else none (ns_restart_steps).
+  std::string ns_restarts = "auto";
+  int64_t ns_gram_min = 64;  // smallest short side that uses Gram NS
+  double fraction = 0.25;    // dion2/dion3: fraction of rows orthogonalized per step
   // dion2/dion3: momentum decay of the selected rows. 0.7, not dion2.py's 0.95: a row that keeps
   // 95 % of its momentum tends to be selected again; 0.7 trained better on the demo
   // (docs/benchmarks.md).
@@ -95,6 +97,11 @@ void validate(const OptimizerConfig& config);
 
 // The learning-rate schedule of `config` over `total_steps` updates (train.steps).
 LrSchedule lr_schedule(const OptimizerConfig& config, int64_t total_steps);
+
+// The 0-based Newton-Schulz steps before which Gram NS restarts: `optim.ns_restarts` parsed, or
+// for "auto" step 2 where ns_steps > 2 (the spec's one restart before the third of five steps)
+// and none for shorter iterations, which have no third step.
+std::vector<int64_t> ns_restart_steps(const OptimizerConfig& config);
 
 // Parses `optim.decay_tags` ("a,b"; empty = no decay); throws InputError on an unknown tag.
 std::vector<ParamTag> parse_decay_tags(const std::string& text);

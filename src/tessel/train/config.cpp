@@ -373,7 +373,9 @@ std::vector<ConfigKey> build_schema() {
                  "so one step fewer gets most of the way)",
                  FIELD(optim.ns_normalize)),
       bool_key("optim.ns_gram", "Gram Newton-Schulz for non-square matrices", FIELD(optim.ns_gram)),
-      string_key("optim.ns_restarts", "comma-separated 0-based steps before which Gram NS restarts",
+      string_key("optim.ns_restarts",
+                 "comma-separated 0-based steps before which Gram NS restarts; auto: 2 where "
+                 "ns_steps > 2, else none",
                  FIELD(optim.ns_restarts)),
       int_key("optim.ns_gram_min", "smallest short side that uses Gram Newton-Schulz",
               FIELD(optim.ns_gram_min)),

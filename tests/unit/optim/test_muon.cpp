@@ -322,13 +322,24 @@ TEST(MuonFactory, NamesAndBadConfig) {
   // A restart precedes one of steps 1 .. ns_steps - 1.
   expect_input_error(with([](OptimizerConfig& c) { c.ns_restarts = "2,5"; }),
                      {"optim.ns_restarts = \"2,5\"", "5 is no step of optim.ns_steps = 5"});
-  expect_input_error(with([](OptimizerConfig& c) { c.ns_steps = 2; }),
+  expect_input_error(with([](OptimizerConfig& c) {
+                       c.ns_steps = 2;
+                       c.ns_restarts = "2";
+                     }),
                      {"optim.ns_restarts = \"2\"", "optim.ns_steps = 2"});
   EXPECT_NO_THROW(with([](OptimizerConfig& c) { c.ns_restarts = "1,4"; })());
   EXPECT_NO_THROW(with([](OptimizerConfig& c) {
     c.ns_steps = 2;
     c.ns_restarts = "";
   })());
+  // The default follows ns_steps: before step 2 where there is one, else none.
+  for (int64_t steps : {1, 2, 3, 5, 8}) {
+    OptimizerConfig c;
+    c.ns_steps = steps;
+    EXPECT_NO_THROW(validate(c)) << steps;
+    EXPECT_EQ(ns_restart_steps(c), steps > 2 ? std::vector<int64_t>{2} : std::vector<int64_t>{})
+        << steps;
+  }
   expect_input_error(with([](OptimizerConfig& c) { c.ns_gram_min = 0; }), {"optim.ns_gram_min"});
   expect_input_error(with([](OptimizerConfig& c) { c.fraction = 0; }), {"optim.fraction"});
   expect_input_error(with([](OptimizerConfig& c) { c.ef_decay = 2; }), {"optim.ef_decay"});

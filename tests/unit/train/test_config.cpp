@@ -45,13 +45,14 @@ TEST(Config, ResolvedTomlRoundTrips) {
 }
 
 // A config a run wrote is read without the checks across keys, which a later version may have
-// tightened (a run that set parallel.cp_chunks without cp, or optim.ns_steps = 2 with the default
-// restart before step 2, was accepted once): eval, generate, export and simulate still read it.
+// tightened (a run that set parallel.cp_chunks without cp, or optim.ns_steps = 2 with a restart
+// before step 2, was accepted once): eval, generate, export and simulate still read it.
 // Its model is still checked.
 TEST(Config, AStoredConfigIsReadEvenWhereTodaysChecksRefuseIt) {
   Config c = train::load_config("", {});
   c.parallel.cp_chunks = 3;
   c.optim.ns_steps = 2;
+  c.optim.ns_restarts = "2";
   const std::string text = train::to_toml(c);
   expect_input_error([&] { train::parse_config(text, "stored.toml", {}); }, {"optim.ns_restarts"});
   const Config back = train::parse_stored_config(text, "stored.toml");
