@@ -36,7 +36,9 @@ void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* k
 }
 
 int64_t expert_capacity(int64_t N, int64_t k, int64_t E, double cf) {
-  return int64_t(std::ceil(double(k) * double(N) * cf / double(E)));
+  // An expert ranks at most N slots (one per token), so N keeps every one; capping in double
+  // also keeps a huge cf from overflowing the conversion (1e17 turned dropless into drop-all).
+  return int64_t(std::min(double(N), std::ceil(double(k) * double(N) * cf / double(E))));
 }
 
 double capacity_factor(const MoeConfig& config) {

@@ -186,7 +186,7 @@ class MoeLayer {
 // The k largest of sel[E] (ties: lowest expert first), best first, into out[k]; returns
 // the (k+1)-th largest value (-inf when k = E) through kplus1 and the k-th through kth.
 void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1);
-// Assignments each expert keeps at capacity factor cf: ceil(k N cf / E).
+// Assignments each expert keeps at capacity factor cf: min(N, ceil(k N cf / E)).
 int64_t expert_capacity(int64_t N, int64_t k, int64_t E, double cf);
 // The capacity factor the layer applies: model.moe_capacity, but 1 for expert_choice at 0.
 double capacity_factor(const MoeConfig& config);

@@ -44,10 +44,15 @@ bool parse_bool(const std::string& key, const std::string& text) {
   input_error("config key '", key, "': expected true or false, got '", text, "'");
 }
 
-// A TOML string literal with every character that needs it escaped (toml++ does it).
+// A TOML basic string with every character that needs it escaped (toml++ does it). Never a
+// multi-line one: TOML drops a newline right after its opening quotes, so "\n" read back as "";
+// nor a literal one, which toml++ then writes with the newline unescaped.
 std::string quote(const std::string& s) {
   std::ostringstream os;
-  os << toml::value<std::string>(s);
+  os << toml::toml_formatter(
+      toml::value<std::string>(s),
+      toml::toml_formatter::default_flags & ~(toml::format_flags::allow_multi_line_strings |
+                                              toml::format_flags::allow_literal_strings));
   return os.str();
 }
 

@@ -91,6 +91,13 @@ TEST(ExpertChoice, LargerCapacityServesMoreTokensAndAllTakeEveryToken) {
   const auto r2 = balance_grad(ec_layout(2.0), kLogits);
   EXPECT_EQ(r2.cache.dropped, 0);
   EXPECT_EQ(r2.cache.loads, (std::vector<int64_t>{6, 6, 6, 6}));
+  // Any larger factor takes every token too, however large (1e17 once overflowed the capacity
+  // to a negative count: every expert took none).
+  for (double cf : {2.5, 1e17, 1e300}) {
+    const auto big = balance_grad(ec_layout(cf), kLogits);
+    EXPECT_EQ(big.cache.dropped, 0) << cf;
+    EXPECT_EQ(big.cache.loads, r2.cache.loads) << cf;
+  }
 }
 
 TEST(ExpertChoice, AnUnservedTokenGetsNoExpertOutput) {

@@ -191,6 +191,15 @@ TEST(MoeLayer, CapacityDropsTheExcess) {
   EXPECT_EQ(int64_t(r.cache.order.size()), kept);
 }
 
+// ceil(k N cf / E), capped at N: an expert ranks at most one slot per token.
+TEST(MoeLayer, ExpertCapacityIsTheCeilingCappedAtTheTokens) {
+  EXPECT_EQ(expert_capacity(30, 2, 8, 1.0), 8);    // 7.5 -> 8
+  EXPECT_EQ(expert_capacity(30, 2, 8, 1.25), 10);  // 9.375 -> 10
+  EXPECT_EQ(expert_capacity(30, 2, 8, 4.0), 30);
+  EXPECT_EQ(expert_capacity(30, 2, 8, 100.0), 30);
+  EXPECT_EQ(expert_capacity(30, 2, 8, 1e17), 30);
+}
+
 TEST(MoeLayer, BackwardIsDeterministic) {
   const Layout l = cases()[1].layout;
   Rng rng(4);

@@ -36,11 +36,13 @@ TEST(Config, ResolvedTomlRoundTrips) {
   Config c = train::load_config("", {"model.width=96", "model.heads=6", "optim.lr=0.0123",
                                      "train.sample_prompt=He said \"hi\"", "data.shuffle=false"});
   c.train.sample_prompt += "\n\tand then\x01 \\ left";
+  c.train.sample_stop = "\n";  // configs/sft.toml's: a leading newline must survive
   std::string text = train::to_toml(c);
   Config back = train::parse_config(text, "resolved.toml", {});
   EXPECT_EQ(train::to_toml(back), text);
   EXPECT_EQ(back.optim.lr, 0.0123);
   EXPECT_EQ(back.train.sample_prompt, "He said \"hi\"\n\tand then\x01 \\ left");
+  EXPECT_EQ(back.train.sample_stop, "\n");
   EXPECT_FALSE(back.data.shuffle);
 }
 
