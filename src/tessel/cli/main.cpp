@@ -100,6 +100,11 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
     source = train::model_tokenizer_dirs(run)[0];
   const std::unique_ptr<data::Tokenizer> tokenizer =
       data::load_tokenizer(source, run.config.model.vocab);
+  if (!tokenizer && !std::filesystem::exists(source))  // a run from before runs kept a copy
+    input_error(run.checkpoint, ": generate needs a tokenizer; the run kept no copy, and its ",
+                "data.path ", source,
+                " does not exist from here (a relative path is read from where the run "
+                "started); pass --tokenizer with the data directory");
   if (!tokenizer)
     input_error(run.checkpoint, ": generate needs a tokenizer; ", source,
                 " holds token ids without one (prepare them with --tokenizer bpe:DIR, or pass "

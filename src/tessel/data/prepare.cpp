@@ -136,7 +136,7 @@ void install_tokenizer_files(const std::optional<std::string>& bpe_dir, const fs
 // the indices, whose first n_val are chosen.
 std::vector<bool> validation_items(size_t n, const PrepareOptions& options, const char* kind) {
   if (!(options.val_fraction >= 0.0 && options.val_fraction < 1.0))
-    input_error("prepare: val_fraction must be in [0, 1), got ", options.val_fraction);
+    input_error("--val-fraction must be in [0, 1), got ", options.val_fraction);
   if (n < 2)
     input_error("corpus \"", options.corpus, "\" has ", n, " ", kind,
                 "; a training and a validation split need at least 2");
@@ -277,6 +277,8 @@ PrepareResult prepare_samples(const std::vector<SftSample>& samples,
 std::string corpus_directory_name(const std::string& corpus) {
   const size_t colon = corpus.find(':');
   if (colon == std::string::npos) return corpus;  // an unknown name is refused when loaded
+  if (colon + 1 == corpus.size())
+    input_error("corpus \"", corpus, "\" names no file (expected ", corpus, "PATH)");
   const std::string stem = fs::path(corpus.substr(colon + 1)).stem().string();
   if (stem.empty() || stem == "." || stem == "..")
     input_error("corpus \"", corpus, "\": its path names no output directory; pass --out");

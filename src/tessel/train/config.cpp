@@ -795,13 +795,14 @@ void validate(const Config& c) {
                 "gradient norm; use it with a flush schedule (pipeline.schedule = \"gpipe\", "
                 "\"1f1b\", \"interleaved\" or \"zb-h1\") or none");
   positive("parallel.cp_chunks", c.parallel.cp_chunks);
-  // Set where it means nothing, it is an error rather than ignored (as pipeline.chunks is).
-  if (c.parallel.cp_chunks != ParallelConfig{}.cp_chunks &&
-      (c.parallel.cp == 1 || c.parallel.cp_layout == CpLayoutKind::zigzag))
-    input_error("config key 'parallel.cp_chunks' = ", c.parallel.cp_chunks, " has no effect ",
-                c.parallel.cp == 1 ? "with parallel.cp = 1"
-                                   : "with parallel.cp_layout = \"zigzag\" (2 chunks per rank)",
-                "; it sets the chunks of the contiguous and balanced layouts");
+  // Set beside zigzag it means nothing, an error rather than ignored (as pipeline.chunks is).
+  // At cp = 1 the layout keys are ignored: a cp config's one-rank reference is --set
+  // parallel.cp=1.
+  if (c.parallel.cp_chunks != ParallelConfig{}.cp_chunks && c.parallel.cp > 1 &&
+      c.parallel.cp_layout == CpLayoutKind::zigzag)
+    input_error("config key 'parallel.cp_chunks' = ", c.parallel.cp_chunks,
+                " has no effect with parallel.cp_layout = \"zigzag\" (2 chunks per rank); it "
+                "sets the chunks of the contiguous and balanced layouts");
   if (c.parallel.cp > 1 && c.parallel.cp_layout == CpLayoutKind::zigzag &&
       c.train.seq_len % (2 * c.parallel.cp) != 0)
     input_error("config key 'parallel.cp' = ", c.parallel.cp,

@@ -626,6 +626,12 @@ TEST_F(CliTest, ATokenFileIsPreparedAndTrainsAModelOfItsVocabulary) {
   EXPECT_EQ(t.exit_code, 0) << t.err;
   expect_one_line_error(run_tessel("generate --run " + dir + "/run --prompt ab"),
                         {"generate needs a tokenizer", "--tokenizer bpe:DIR"});
+  // A run without its own copy (as from before runs kept one) whose data is gone from here.
+  fs::remove_all(dir + "/run/tokenizer");
+  fs::rename(dir + "/data", dir + "/data-moved");
+  expect_one_line_error(run_tessel("generate --run " + dir + "/run --prompt ab"),
+                        {"the run kept no copy", dir + "/data does not exist", "--tokenizer"});
+  fs::rename(dir + "/data-moved", dir + "/data");
   expect_one_line_error(
       run_tessel("prepare --corpus tokens:" + dir + "/train.bin --eot 299 --out " + dir + "/d2"),
       {"needs --vocab"});

@@ -161,7 +161,7 @@ TEST(Prepare, SplitBoundsAndErrors) {
 
   expect_input_error([&] { prepare_documents({"a\n"}, opt); }, {"at least 2"});
   opt.val_fraction = 1.0;
-  expect_input_error([&] { prepare_documents({"a\n", "b\n"}, opt); }, {"val_fraction"});
+  expect_input_error([&] { prepare_documents({"a\n", "b\n"}, opt); }, {"--val-fraction"});
   opt.val_fraction = 0.1;
   opt.corpus = "nope";
   expect_input_error([&] { prepare_dataset(opt); },
@@ -178,8 +178,9 @@ TEST(Prepare, EachCorpusNamesItsOwnDefaultDirectory) {
   EXPECT_EQ(corpus_directory_name("jsonl:web.jsonl"), "web");
   EXPECT_EQ(corpus_directory_name("tokens:owt/train.bin"), "train");
   EXPECT_EQ(corpus_directory_name("chat:talks.jsonl"), "talks");
-  for (const char* nameless : {"file:", "file:/tmp/", "file:..", "jsonl:."})
+  for (const char* nameless : {"file:/tmp/", "file:..", "jsonl:."})
     expect_input_error([&] { corpus_directory_name(nameless); }, {nameless, "--out"});
+  expect_input_error([] { corpus_directory_name("file:"); }, {"names no file", "file:PATH"});
 }
 
 // A tokens:PATH corpus: every document (ending at the eot id, the tail after the last eot one

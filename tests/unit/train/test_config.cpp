@@ -47,11 +47,12 @@ TEST(Config, ResolvedTomlRoundTrips) {
 }
 
 // A config a run wrote is read without the checks across keys, which a later version may have
-// tightened (a run that set parallel.cp_chunks without cp, or optim.ns_steps = 2 with a restart
-// before step 2, was accepted once): eval, generate, export and simulate still read it.
+// tightened (a run that set parallel.cp_chunks beside zigzag, or optim.ns_steps = 2 with a
+// restart before step 2, was accepted once): eval, generate, export and simulate still read it.
 // Its model is still checked.
 TEST(Config, AStoredConfigIsReadEvenWhereTodaysChecksRefuseIt) {
   Config c = train::load_config("", {});
+  c.parallel.cp = 2;
   c.parallel.cp_chunks = 3;
   c.optim.ns_steps = 2;
   c.optim.ns_restarts = "2";
@@ -119,17 +120,16 @@ TEST(Config, ContextParallelNeedsEvenChunks) {
             train::CpLayoutKind::balanced);
   expect_input_error([&] { train::load_config("", {"parallel.cp_chunks=0"}); },
                      {"parallel.cp_chunks"});
-  // Set where it means nothing (zigzag's 2 chunks per rank, or no cp), it is refused.
+  // Set where it means nothing (zigzag's 2 chunks per rank), it is refused; at cp = 1 the
+  // layout keys are ignored, so a cp config runs as its own one-rank reference.
   expect_input_error(
       [&] {
         train::load_config("", {"parallel.cp=2", "parallel.cp_chunks=3"});
       },
       {"parallel.cp_chunks", "zigzag"});
-  expect_input_error(
-      [&] {
-        train::load_config("", {"parallel.cp_layout=contiguous", "parallel.cp_chunks=2"});
-      },
-      {"parallel.cp_chunks", "parallel.cp = 1"});
+  EXPECT_EQ(train::load_config("", {"parallel.cp_layout=contiguous", "parallel.cp_chunks=3"})
+                .parallel.cp_chunks,
+            3);
   expect_input_error([&] { train::load_config("", {"parallel.cp_layout=spiral"}); },
                      {"parallel.cp_layout", "spiral"});
   // MoE blocks compose with cp (and ep inside dp).
