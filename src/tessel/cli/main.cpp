@@ -660,15 +660,23 @@ int main(int argc, char** argv) {
       const train::RunDirLock supervising(sup.run_dir, train::kSupervisorLock);
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
-      int status = train::supervise(sup);
-      if (status != 0) return status;
-      // A finished run started again trained nothing and recorded no attempt: with no
-      // earlier log there is nothing to report.
+      const int status = train::supervise(sup);
+      // A finished run started again trained nothing and recorded no attempt, nor did a
+      // start refused for bad input: with no earlier log there is nothing to report.
       if (train::count_attempts(sup.run_dir) == 0) {
-        std::printf("%s: no ETT attempt recorded; no report\n", sup.run_dir.c_str());
-        return 0;
+        if (status == 0)
+          std::printf("%s: no ETT attempt recorded; no report\n", sup.run_dir.c_str());
+        return status;
       }
-      return run_ett_report(sup.run_dir, max_ttr);
+      if (status == 0) return run_ett_report(sup.run_dir, max_ttr);
+      // A job that failed for good is when its report is wanted most; the exit status stays
+      // the job's.
+      try {
+        run_ett_report(sup.run_dir, max_ttr);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tessel run: no ETT report: %s\n", e.what());
+      }
+      return status;
     }
     if (*report) return world.rank() == 0 ? run_ett_report(report_dir, max_ttr) : 0;
     if (*exportc) return world.rank() == 0 ? run_export(export_from, export_to) : 0;
@@ -687,9 +695,7 @@ int main(int argc, char** argv) {
     if (*bench) return run_bench_gemm(gemm_size, gemm_seconds, gemm_threads, gemm_json);
   } catch (const std::exception& e) {
     // One line naming the file or field, and a non-zero exit.
-    const int code = dynamic_cast<const InputError*>(&e)        ? kExitInputError
-                     : dynamic_cast<const DivergenceError*>(&e) ? kExitDiverged
-                                                                : 1;
+    const int code = exit_status(e);
     if (world.size() == 1) {
       std::fprintf(stderr, "tessel: error: %s\n", e.what());
       return code;

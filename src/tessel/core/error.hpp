@@ -32,6 +32,14 @@ inline constexpr int kExitInputError = 2;
 inline constexpr int kExitTtrOverBound = 3;  // ett-report / run: a failure's TTR over --max-ttr
 inline constexpr int kExitDiverged = 4;
 
+// The exit status for a failure that ends the process: kExitInputError for an InputError,
+// kExitDiverged for a DivergenceError, else 1.
+inline int exit_status(const std::exception& e) {
+  if (dynamic_cast<const InputError*>(&e)) return kExitInputError;
+  if (dynamic_cast<const DivergenceError*>(&e)) return kExitDiverged;
+  return 1;
+}
+
 namespace detail {
 template <class... Args>
 std::string concat(const Args&... args) {

@@ -137,6 +137,7 @@ EttAttempt parse_attempt(const std::string& path, int index) {
     if (bounds[i].phase == Phase::productive && a.first_step_ns < 0) a.first_step_ns = bounds[i].t;
   }
   if (failed_t) add(Phase::failure_detection, cut, a.t1, -1);
+  if (a.resumed_from < 0 && a.first_step_ns >= 0) a.resumed_from = 0;  // a fresh start
   return a;
 }
 
@@ -247,10 +248,23 @@ void append_json_line(const std::string& path, const nlohmann::json& record) {
   std::string line = record.dump() + "\n";
   int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) input_error(path, ": cannot open for appending: ", std::strerror(errno));
-  bool ok = ::write(fd, line.data(), line.size()) == ssize_t(line.size());
-  int saved = errno;
+  const off_t before = ::lseek(fd, 0, SEEK_END);
+  // A short write (a full disk) is followed by one that says why; a line that did not fit
+  // is cut off again, so the log stays whole lines.
+  size_t done = 0;
+  int failure = 0;
+  while (done < line.size() && failure == 0) {
+    const ssize_t n = ::write(fd, line.data() + done, line.size() - done);
+    if (n > 0)
+      done += size_t(n);
+    else if (n < 0 && errno != EINTR)
+      failure = errno;
+  }
+  const bool torn = failure != 0 && (before < 0 || ::ftruncate(fd, before) != 0);
   ::close(fd);
-  if (!ok) input_error(path, ": write failed: ", std::strerror(saved));
+  if (failure != 0)
+    input_error(path, ": write failed: ", std::strerror(failure),
+                torn ? " (a cut-off line stays at its end)" : "");
 }
 
 std::string ett_dir(const std::string& run_dir) {
@@ -369,8 +383,12 @@ EttReport analyze_ett(const std::string& run_dir) {
       a.cause.clear();  // a stop that came as the job finished
     else if (a.cause.empty())
       a.cause = a.exited ? "exit_status" : "no_exit_record";
-    a.durable_step = i + 1 < n ? rep.attempts[i + 1].resumed_from
-                               : (a.failed ? latest_checkpoint_step(run_dir) : -1);
+    // A later attempt that died before its start (in start-up or the checkpoint load) tells
+    // nothing: the next one that got there resumed from what was durable at this failure.
+    a.durable_step = -1;
+    for (int j = i + 1; j < n && a.durable_step < 0; ++j)
+      a.durable_step = rep.attempts[j].resumed_from;
+    if (a.durable_step < 0 && a.failed) a.durable_step = latest_checkpoint_step(run_dir);
     finish_attempt(a);
   }
   for (int i = 0; i < n; ++i) {

@@ -159,9 +159,13 @@ struct EttAttempt {
   // stop signal it forwarded), "exit_status" (the job exited nonzero by itself),
   // "no_exit_record" (it died without an exit line); empty when it did not fail.
   std::string cause;
-  int64_t resumed_from = 0;    // checkpoint step this attempt started from (0 = fresh)
-  int64_t failure_step = -1;   // steps completed when it failed
-  int64_t durable_step = -1;   // checkpoint the next attempt resumed from
+  // Checkpoint step this attempt started from (0 = fresh); -1 when it ended before it got
+  // there (no resume line and no training step).
+  int64_t resumed_from = -1;
+  int64_t failure_step = -1;  // steps completed when it failed
+  // The checkpoint the first later attempt that got to its start resumed from (without one:
+  // the run's newest checkpoint, which no later attempt can have written).
+  int64_t durable_step = -1;
   int64_t wasted_steps = 0;    // failure_step - durable_step
   int64_t first_step_ns = -1;  // when its first training step began
   // The step its last boundary began or paused inside (a productive one, or a checkpoint wait

@@ -411,8 +411,12 @@ int supervise(const SuperviseOptions& o) {
         remove_attempt(log);
         break;
       }
+      // A relaunch resumes the job's own checkpoints, also where the job said
+      // train.resume = false (which refuses an earlier run's checkpoints at its start).
+      std::vector<std::string> launch = args;
+      if (restart > 0) launch.insert(launch.end(), {"--set", "train.resume=true"});
       try {
-        g_job = start_job(args);
+        g_job = start_job(launch);
       } catch (const InputError&) {
         remove_attempt(log);  // nothing ran: no attempt of the job
         throw;
@@ -436,7 +440,14 @@ int supervise(const SuperviseOptions& o) {
     }
     append_json_line(log, exit_line);
     // A hung job failed, whatever status its launcher exited with: relaunched like any failure.
-    if (!end.hung && (status == 0 || status == kExitInputError)) return status;
+    if (!end.hung && status == 0) return status;
+    if (!end.hung && status == kExitInputError) {
+      std::fprintf(stderr,
+                   "tessel run: attempt %d failed with exit status 2 (bad input or a file it "
+                   "could not write, which a relaunch would meet again); not relaunching\n",
+                   attempt);
+      return status;
+    }
     if (!end.hung && status == kExitDiverged) {
       std::fprintf(stderr,
                    "tessel run: attempt %d diverged (a non-finite gradient norm); not "

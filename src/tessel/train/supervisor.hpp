@@ -1,7 +1,8 @@
 #pragma once
 // `tessel run`: the supervisor of a training job (spec section 5). It launches the MPI job
 // (mpirun, as scripts/launch.sh does), waits for it, and when it fails relaunches it (it
-// resumes from the newest durable checkpoint: train.resume), up to `max_restarts` times.
+// resumes from the newest durable checkpoint: a relaunch sets train.resume = true), up to
+// `max_restarts` times.
 // It writes each attempt's first and last lines of the ETT log (ett.hpp): the attempt
 // begins when the supervisor starts it (for a relaunch: when it saw the previous attempt
 // end, so detection-to-relaunch time is the relaunch's `scheduling` leaf) and ends when

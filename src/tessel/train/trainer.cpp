@@ -262,8 +262,9 @@ struct Trainer::Attempt {
   RunDirLock supervisor_lock;
   RunDirLock lock;
   int index;
-  EttLedger ledger;       // rank 0 writes the attempt's ETT log
-  bool finished = false;  // run() completed: exit status 0 (else 1)
+  EttLedger ledger;        // rank 0 writes the attempt's ETT log
+  bool finished = false;   // run() completed: exit status 0
+  int failure_status = 1;  // else: exit_status of what run() threw (1 when it never ran)
 
   Attempt(const std::string& run_dir, comm::Communicator& w, const ProcessTimes& times)
       : t0(times.started_ns >= 0 ? times.started_ns : monotonic_ns()),
@@ -277,7 +278,7 @@ struct Trainer::Attempt {
   // run` writes it itself, after the job's teardown.
   ~Attempt() {
     if (!supervised && ledger.active()) try {
-        ledger.event({{"event", "exit"}, {"status", finished ? 0 : 1}});
+        ledger.event({{"event", "exit"}, {"status", finished ? 0 : failure_status}});
       } catch (const std::exception&) {
       }
   }
@@ -892,6 +893,15 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
 Trainer::~Trainer() = default;
 
 TrainResult Trainer::run() {
+  try {
+    return run_steps();
+  } catch (const std::exception& e) {
+    attempt_->failure_status = exit_status(e);  // for the ledger's exit line
+    throw;
+  }
+}
+
+TrainResult Trainer::run_steps() {
   State& s = *s_;
   const Config& c = s.config;
   TrainResult result;

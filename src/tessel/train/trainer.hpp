@@ -57,6 +57,7 @@ class Trainer {
   TrainResult run();
 
  private:
+  TrainResult run_steps();
   struct Attempt;  // the run directory's locks and this attempt's ETT log
   struct State;
   std::unique_ptr<Attempt> attempt_;

@@ -106,7 +106,9 @@ void expect_matches_single_rank(const at::ColumnMask& mask, const at::CpLayout& 
       const at::ColumnSpan seen = seen_span(dense, mask, layout, t, c);
       const bool needed = !seen.empty();
       EXPECT_EQ(cp.needs(t, c), needed) << "rank " << t << " chunk " << c;
-      if (needed) EXPECT_EQ(cp.span(t, c), seen) << "rank " << t << " chunk " << c;
+      if (needed) {
+        EXPECT_EQ(cp.span(t, c), seen) << "rank " << t << " chunk " << c;
+      }
       const int owner = layout.owners()[size_t(c)];
       const int64_t bytes = 2 * kB * seen.size() * kHk * kD * int64_t(sizeof(float));
       if (needed && owner == me && t != me) {

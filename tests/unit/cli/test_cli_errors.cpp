@@ -441,9 +441,12 @@ TEST_F(CliTest, ADivergedRunStopsWithItsOwnExitStatus) {
         std::tuple{2, " --set parallel.pp=2 --set model.layers=2",
                    "step 2: stage 0's gradient norm is NaN"}}) {
     SCOPED_TRACE(std::to_string(ranks) + " rank(s)" + extra);
-    const Outcome o = run_tessel(train_args(temp_dir("r")) + diverge + extra, ranks);
+    const std::string run = temp_dir("r");
+    const Outcome o = run_tessel(train_args(run) + diverge + extra, ranks);
     EXPECT_EQ(o.exit_code, kExitDiverged);
     expect_one_line_error(o, {where, "stopping before the update"});
+    // The ETT log's exit line records the same status (it said 1 for every failure).
+    EXPECT_NE(slurp(run + "/ett/attempt-0000.jsonl").find("\"status\":4"), std::string::npos);
   }
 }
 

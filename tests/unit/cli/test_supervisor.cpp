@@ -578,6 +578,26 @@ TEST_F(SupervisorTest, ADivergedJobIsNotRelaunched) {
   EXPECT_NE(o.err.find("tessel run: attempt 0 diverged"), std::string::npos) << o.err;
   EXPECT_EQ(o.err.find("relaunching ("), std::string::npos) << o.err;
   EXPECT_EQ(train::count_attempts(run), 1);
+  // The report is written after a failure too, and the exit status stays the job's.
+  const auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 1);
+  EXPECT_EQ(ett["attempts"][0]["cause"], "exit_status");
+}
+
+// A job started with train.resume = false (which refuses an earlier run's checkpoints) is
+// still relaunched from its own: the relaunch sets train.resume = true. It used to be refused
+// as bad input, ending the job with restarts left.
+TEST_F(SupervisorTest, ARelaunchResumesEvenWhereTheJobSaidNotTo) {
+  std::string run = fixture::temp_dir("tessel-sup-no-resume");
+  const Outcome o = run_tessel(
+      run_args(run, " --set train.resume=false --set fault.kill_rank=0 --set fault.kill_steps=6"));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(loss_curve(run), loss_curve(reference));
+  const auto ett = nlohmann::json::parse(slurp(run + "/ett.json"));
+  EXPECT_EQ(ett["nof"], 1);
+  ASSERT_EQ(ett["attempts"].size(), 2u);
+  EXPECT_FALSE(ett["attempts"][1]["failed"].get<bool>());
+  EXPECT_EQ(ett["attempts"][0]["durable_step"], ett["attempts"][1]["resumed_from"]);
 }
 
 // Spec: "adding a synthetic δ to init grows W by (1 + NoF)·δ" — a restart repeats the cold

@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -356,6 +359,68 @@ TEST(EttLedger, EachFailureKnowsItsAttempt) {
   const EttReport r = analyze_ett(run);
   ASSERT_EQ(r.ttr.size(), 1u);
   EXPECT_EQ(r.failed_attempts, std::vector<int>{2});
+}
+
+// Attempt 1 dies in its start-up, before any checkpoint load: it tells nothing of what was
+// durable. Attempt 0's durable step is the one attempt 2, the first that got to its start,
+// resumed from (taking attempt 1's, it counted every step of attempt 0 as wasted).
+TEST(EttLedger, AnAttemptThatDiedBeforeItsStartDoesNotDecideTheDurableStep) {
+  const std::string run = fixture::temp_dir("tessel-ett-early-death");
+  fs::create_directories(ett_dir(run));
+  const std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1), a2 = attempt_path(run, 2);
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  for (int64_t step = 1; step <= 5; ++step) phase(a0, "productive", step * 100 * ms, step);
+  line(a0, {{"event", "exit"}, {"t", 600 * ms}, {"status", 137}});
+  line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
+  phase(a1, "model_build", 1100 * ms);
+  line(a1, {{"event", "exit"}, {"t", 1200 * ms}, {"status", 137}});
+  line(a2, {{"event", "attempt"}, {"attempt", 2}, {"t", 2000 * ms}});
+  phase(a2, "checkpoint_load", 2050 * ms);
+  line(a2, {{"event", "resume"}, {"t", 2100 * ms}, {"step", 2}});
+  for (int64_t step = 3; step <= 5; ++step)
+    phase(a2, "productive", 2000 * ms + step * 100 * ms, step);
+  line(a2, {{"event", "exit"}, {"t", 2600 * ms}, {"status", 0}});
+  const EttReport r = analyze_ett(run);
+  ASSERT_EQ(r.attempts.size(), 3u);
+  EXPECT_EQ(r.attempts[0].durable_step, 2);
+  EXPECT_EQ(r.attempts[0].failure_step, 4);  // step 5 began at its last boundary
+  EXPECT_EQ(r.attempts[0].wasted_steps, 2);
+  EXPECT_DOUBLE_EQ(leaf(r.attempts[0], Phase::productive), 0.2);  // steps 1 and 2
+  EXPECT_EQ(r.attempts[1].resumed_from, -1);                      // never got to its start
+  EXPECT_EQ(r.attempts[1].wasted_steps, 0);
+  EXPECT_EQ(r.attempts[2].resumed_from, 2);
+  EXPECT_EQ(r.nof, 2);
+  // A fresh attempt that trained started from step 0.
+  EXPECT_EQ(analyze_ett(killed_run(false)).attempts[0].resumed_from, 0);
+}
+
+// A line that does not fit (a full disk; here a file-size limit, which cuts the write short
+// as ENOSPC does) is cut off again, and the error says why: the log keeps whole lines.
+TEST(EttLedger, ALineThatDoesNotFitLeavesTheLogWholeAndSaysWhy) {
+  const std::string run = fixture::temp_dir("tessel-ett-full");
+  fs::create_directories(ett_dir(run));
+  const std::string log = attempt_path(run, 0);
+  line(log, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  const auto before = fs::file_size(log);
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  rlimit limited = saved;
+  limited.rlim_cur = rlim_t(before + 10);  // room for 10 bytes of the line
+  const auto old_handler = ::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  std::string error;
+  try {
+    append_json_line(log, {{"phase", "productive"}, {"t", 1}, {"step", 1}});
+  } catch (const InputError& e) {
+    error = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  ::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(error.find(log + ": write failed: " + std::strerror(EFBIG)), std::string::npos)
+      << error;
+  EXPECT_EQ(fs::file_size(log), before);
+  append_json_line(log, {{"event", "exit"}, {"t", 2}, {"status", 0}});  // whole lines after it
+  EXPECT_EQ(analyze_ett(run).attempts.at(0).exited, true);
 }
 
 // A file where the ledger's directory belongs is an InputError naming it, for the writers
