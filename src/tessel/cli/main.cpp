@@ -168,9 +168,11 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
 int run_export(const std::string& checkpoint, const std::string& out) {
   train::ExportResult r = train::export_checkpoint(checkpoint, out);
   std::printf(
-      "exported %s (step %lld): %lld tensors, %llu bytes -> %s/model.safetensors, %s/config.toml\n",
+      "exported %s (step %lld): %lld tensors, %llu bytes -> %s/model.safetensors, "
+      "%s/config.toml%s\n",
       r.checkpoint.c_str(), static_cast<long long>(r.step), static_cast<long long>(r.tensors),
-      static_cast<unsigned long long>(r.bytes), out.c_str(), out.c_str());
+      static_cast<unsigned long long>(r.bytes), out.c_str(), out.c_str(),
+      r.tokenizer ? (", " + out + "/tokenizer/").c_str() : "");
   return 0;
 }
 

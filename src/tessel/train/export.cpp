@@ -9,6 +9,7 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
+#include "tessel/data/tokenizer.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/run_model.hpp"
 
@@ -44,6 +45,10 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   fs::rename(tmp, path);
   fsync_path(out_dir);
   write_file_atomically(out_dir + "/config.toml", content.state.at("config").get<std::string>());
+  // The model's ids mean nothing without their tokenizer: the run's copy goes along.
+  const std::string tokenizer = checkpoint_tokenizer_dir(loaded.dir);
+  r.tokenizer = !tokenizer.empty() && data::tokenizer_name(tokenizer).has_value();
+  if (r.tokenizer) data::save_tokenizer(tokenizer, out_dir + "/tokenizer");
   r.bytes = fs::file_size(path);
   return r;
 }

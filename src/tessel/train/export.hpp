@@ -3,6 +3,8 @@
 // sharded checkpoint (verified as for a resume) into
 //   OUT/model.safetensors   every parameter, in the model's order, one file
 //   OUT/config.toml         the resolved run config of the checkpoint
+//   OUT/tokenizer/          the run's copy of its tokenizer, where it kept one (a BPE
+//                           vocabulary's vocab.json and merges.txt, and tokenizer.json)
 // readable by other tools (the safetensors format: safetensors.hpp).
 #include <cstdint>
 #include <string>
@@ -13,7 +15,8 @@ struct ExportResult {
   std::string checkpoint;  // the checkpoint directory that was exported
   int64_t step = 0;
   int64_t tensors = 0;
-  uint64_t bytes = 0;  // of model.safetensors
+  uint64_t bytes = 0;      // of model.safetensors
+  bool tokenizer = false;  // OUT/tokenizer/ was written
 };
 
 // `checkpoint` is a checkpoint directory (step-N) or a run directory (its newest checkpoint

@@ -715,6 +715,12 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   o = run_tessel(train_args(fresh) + " --set data.path=" + dir + "/data --set model.vocab=300");
   EXPECT_EQ(o.exit_code, 0) << o.err;
   EXPECT_TRUE(slurp(fresh + "/tokenizer/vocab.json") == slurp(dir + "/bpe2/vocab.json"));
+  // The export carries the run's tokenizer: the model's ids decode without the run.
+  o = run_tessel("export " + run + " " + dir + "/out");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
+  for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
+    EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
   // A checkpoint directory, however spelled, finds its run's copy.
   o = run_tessel("generate --run " + run + "/checkpoints/step-00000004/ --prompt 'the LORD'");
   EXPECT_EQ(o.exit_code, 0) << o.err;
