@@ -62,6 +62,7 @@ namespace {
 
 std::optional<PackedSamples> pack_if_sft(const ShardReader& shard, int64_t seq_len,
                                          Overlong overlong) {
+  check_loss_mask_matches_format(shard.path());
   if (!has_loss_mask(shard.path())) return std::nullopt;
   return PackedSamples(shard, seq_len, overlong);
 }

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
 #include <tuple>
 
 #include "tessel/core/error.hpp"
+#include "tessel/data/corpus.hpp"
 
 namespace tessel::data {
 
@@ -47,6 +49,19 @@ std::string loss_mask_path(const std::string& token_shard_path) {
 
 bool has_loss_mask(const std::string& token_shard_path) {
   return std::filesystem::exists(loss_mask_path(token_shard_path));
+}
+
+void check_loss_mask_matches_format(const std::string& token_shard_path) {
+  const std::string metadata =
+      (std::filesystem::path(token_shard_path).parent_path() / "dataset.json").string();
+  if (!std::filesystem::exists(metadata)) return;
+  const nlohmann::json j = nlohmann::json::parse(read_file(metadata), nullptr, false);
+  if (!j.is_object() || !j.contains("format") || !j["format"].is_string()) return;
+  const bool sft = j["format"] == "sft";
+  if (has_loss_mask(token_shard_path) != sft)
+    input_error(metadata, " says \"format\": \"", j["format"].get<std::string>(), "\" but ",
+                loss_mask_path(token_shard_path), sft ? " is missing" : " exists",
+                "; prepare the data set again");
 }
 
 std::vector<std::vector<int64_t>> pack_best_fit(std::span<const int64_t> lengths,

@@ -37,6 +37,10 @@ namespace tessel::data {
 std::string loss_mask_path(const std::string& token_shard_path);
 // Whether the token shard at `token_shard_path` belongs to an SFT data set.
 bool has_loss_mask(const std::string& token_shard_path);
+// Checks that the token shard has a loss-mask shard exactly when its directory's dataset.json
+// says "format": "sft" (one without that file or key is not checked); InputError naming the
+// missing or stray mask otherwise: SFT data trained as text would learn the prompts.
+void check_loss_mask_matches_format(const std::string& token_shard_path);
 
 // Best-fit decreasing as above: rows[i] lists the indices of the items in row i in placement
 // order; every length must lie in [1, capacity].

@@ -26,6 +26,8 @@
 namespace tessel::train {
 namespace {
 
+namespace fs = std::filesystem;
+
 constexpr int64_t kT = 256;
 
 model::GptConfig tiny_model(model::PositionType positions) {
@@ -322,6 +324,24 @@ TEST(SftTraining, ACausalMaskOverPackedSamplesIsRefused) {
   c.data.attention_mask = AttentionMaskKind::causal;
   fixture::expect_input_error([&] { fixture::train_run(c); },
                               {"SFT data set", "causal_document", "attend to each other"});
+}
+
+// An SFT data set whose loss-mask shards are gone would train as text, prompts included: its
+// dataset.json says "sft", so the run is refused naming the missing shard. Likewise a stray
+// mask beside text.
+TEST(SftTraining, LossMasksMissingFromAnSftDataSetAreRefused) {
+  const std::string copy = fixture::temp_dir("tessel-sft-no-masks");
+  fs::copy(sft_dataset(), copy, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  for (const char* shard : {"train", "val"}) fs::remove(copy + "/" + shard + ".loss_mask.tok");
+  Config c = sft_config(fixture::temp_dir("tessel-sft-run"));
+  c.data.path = copy;
+  fixture::expect_input_error(
+      [&] { fixture::train_run(c); },
+      {copy + "/dataset.json", "\"sft\"", copy + "/train.loss_mask.tok is missing"});
+  const std::string text = fixture::make_dataset(fixture::temp_dir("tessel-sft-stray-mask"));
+  fs::copy_file(sft_dataset() + "/val.loss_mask.tok", text + "/val.loss_mask.tok");
+  c.data.path = text;
+  fixture::expect_input_error([&] { fixture::train_run(c); }, {text + "/val.loss_mask.tok exists"});
 }
 
 // train.init_from: the run starts from the checkpoint's weights (its first loss is what those
