@@ -44,15 +44,22 @@ bool parse_bool(const std::string& key, const std::string& text) {
   input_error("config key '", key, "': expected true or false, got '", text, "'");
 }
 
-// A TOML basic string with every character that needs it escaped (toml++ does it). Never a
-// multi-line one: TOML drops a newline right after its opening quotes, so "\n" read back as "";
-// nor a literal one, which toml++ then writes with the newline unescaped.
+// A TOML string literal with every character that needs it escaped (toml++ does it). One
+// holding a control character (a newline, a tab) is a basic string with escapes: toml++
+// would make it a multi-line string, and TOML drops a newline right after the opening
+// quotes ("\n" read back as ""). Other strings keep toml++'s form, which checkpoints'
+// compatibility records hold as text.
 std::string quote(const std::string& s) {
+  const bool control = std::any_of(s.begin(), s.end(), [](char ch) {
+    return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f;
+  });
+  auto flags = toml::toml_formatter::default_flags;
+  if (control)
+    flags &=
+        ~(toml::format_flags::allow_multi_line_strings | toml::format_flags::allow_literal_strings |
+          toml::format_flags::allow_real_tabs_in_strings);
   std::ostringstream os;
-  os << toml::toml_formatter(
-      toml::value<std::string>(s),
-      toml::toml_formatter::default_flags & ~(toml::format_flags::allow_multi_line_strings |
-                                              toml::format_flags::allow_literal_strings));
+  os << toml::toml_formatter(toml::value<std::string>(s), flags);
   return os.str();
 }
 
