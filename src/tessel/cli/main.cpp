@@ -101,8 +101,10 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
   const std::unique_ptr<data::Tokenizer> tokenizer =
       data::load_tokenizer(source, run.config.model.vocab);
   if (!tokenizer && !std::filesystem::exists(source))  // a run from before runs kept a copy
-    input_error(run.checkpoint, ": generate needs a tokenizer; the run kept no copy, and its ",
-                "data.path ", source,
+    input_error(run.checkpoint,
+                ": generate needs a tokenizer; no copy of the run's is found, "
+                "and its data.path ",
+                source,
                 " does not exist from here (a relative path is read from where the run "
                 "started); pass --tokenizer with the data directory");
   if (!tokenizer)
@@ -662,6 +664,7 @@ int main(int argc, char** argv) {
       const train::RunDirLock supervising(sup.run_dir, train::kSupervisorLock);
       sup.train_args = train_arguments(sup_config, sup_overrides);
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
+      const int earlier_attempts = train::count_attempts(sup.run_dir);
       const int status = train::supervise(sup);
       // A finished run started again trained nothing and recorded no attempt, nor did a
       // start refused for bad input: with no earlier log there is nothing to report.
@@ -672,7 +675,9 @@ int main(int argc, char** argv) {
       }
       if (status == 0) return run_ett_report(sup.run_dir, max_ttr);
       // A job that failed for good is when its report is wanted most; the exit status stays
-      // the job's.
+      // the job's. A start refused for bad input recorded no attempt: an earlier job's report
+      // stays as it was.
+      if (train::count_attempts(sup.run_dir) == earlier_attempts) return status;
       try {
         run_ett_report(sup.run_dir, max_ttr);
       } catch (const std::exception& e) {

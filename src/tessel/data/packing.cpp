@@ -56,7 +56,8 @@ void check_loss_mask_matches_format(const std::string& token_shard_path) {
       (std::filesystem::path(token_shard_path).parent_path() / "dataset.json").string();
   if (!std::filesystem::exists(metadata)) return;
   const nlohmann::json j = nlohmann::json::parse(read_file(metadata), nullptr, false);
-  if (!j.is_object() || !j.contains("format") || !j["format"].is_string()) return;
+  if (!j.is_object() || !j.contains("format") || (j["format"] != "sft" && j["format"] != "text"))
+    return;  // older, or a format this version does not know
   const bool sft = j["format"] == "sft";
   if (has_loss_mask(token_shard_path) != sft)
     input_error(metadata, " says \"format\": \"", j["format"].get<std::string>(), "\" but ",

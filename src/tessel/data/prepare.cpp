@@ -26,7 +26,9 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr std::string_view kTokenFilePrefix = "tokens:";  // the corpus of a raw token-id file
-constexpr std::string_view kBpePrefix = "bpe:";           // --tokenizer bpe:DIR
+// The corpora named by a path after their prefix.
+constexpr std::string_view kCorpusPrefixes[] = {"file:", "jsonl:", kTokenFilePrefix, "chat:"};
+constexpr std::string_view kBpePrefix = "bpe:";  // --tokenizer bpe:DIR
 
 // `s` as a JSON string literal, escaped; bytes that are not UTF-8 (a path may hold them) become
 // U+FFFD instead of failing after the shards are written.
@@ -277,7 +279,9 @@ PrepareResult prepare_samples(const std::vector<SftSample>& samples,
 std::string corpus_directory_name(const std::string& corpus) {
   const size_t colon = corpus.find(':');
   if (colon == std::string::npos) return corpus;  // an unknown name is refused when loaded
-  if (colon + 1 == corpus.size())
+  if (colon + 1 == corpus.size() &&
+      std::find(std::begin(kCorpusPrefixes), std::end(kCorpusPrefixes), corpus) !=
+          std::end(kCorpusPrefixes))
     input_error("corpus \"", corpus, "\" names no file (expected ", corpus, "PATH)");
   const std::string stem = fs::path(corpus.substr(colon + 1)).stem().string();
   if (stem.empty() || stem == "." || stem == "..")

@@ -257,10 +257,17 @@ void append_json_line(const std::string& path, const nlohmann::json& record) {
     const ssize_t n = ::write(fd, line.data() + done, line.size() - done);
     if (n > 0)
       done += size_t(n);
-    else if (n < 0 && errno != EINTR)
+    else if (n == 0)
+      failure = ENOSPC;  // no progress, no errno: never loop on it
+    else if (errno != EINTR)
       failure = errno;
   }
-  const bool torn = failure != 0 && (before < 0 || ::ftruncate(fd, before) != 0);
+  // Cut only our own part: the fault injector may append to the same log, and a line of its
+  // that came between would make the size differ.
+  struct stat st {};
+  const bool torn = failure != 0 && done > 0 &&
+                    !(before >= 0 && ::fstat(fd, &st) == 0 && st.st_size == before + off_t(done) &&
+                      ::ftruncate(fd, before) == 0);
   ::close(fd);
   if (failure != 0)
     input_error(path, ": write failed: ", std::strerror(failure),

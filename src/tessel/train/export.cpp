@@ -48,7 +48,10 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   // The model's ids mean nothing without their tokenizer: the run's copy goes along.
   const std::string tokenizer = checkpoint_tokenizer_dir(loaded.dir);
   r.tokenizer = !tokenizer.empty() && data::tokenizer_name(tokenizer).has_value();
-  if (r.tokenizer) data::save_tokenizer(tokenizer, out_dir + "/tokenizer");
+  if (r.tokenizer)
+    data::save_tokenizer(tokenizer, out_dir + "/tokenizer");
+  else
+    fs::remove_all(out_dir + "/tokenizer");  // an earlier export's would speak for this model
   r.bytes = fs::file_size(path);
   return r;
 }

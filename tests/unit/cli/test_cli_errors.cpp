@@ -632,8 +632,9 @@ TEST_F(CliTest, ATokenFileIsPreparedAndTrainsAModelOfItsVocabulary) {
   // A run without its own copy (as from before runs kept one) whose data is gone from here.
   fs::remove_all(dir + "/run/tokenizer");
   fs::rename(dir + "/data", dir + "/data-moved");
-  expect_one_line_error(run_tessel("generate --run " + dir + "/run --prompt ab"),
-                        {"the run kept no copy", dir + "/data does not exist", "--tokenizer"});
+  expect_one_line_error(
+      run_tessel("generate --run " + dir + "/run --prompt ab"),
+      {"no copy of the run's is found", dir + "/data does not exist", "--tokenizer"});
   fs::rename(dir + "/data-moved", dir + "/data");
   expect_one_line_error(
       run_tessel("prepare --corpus tokens:" + dir + "/train.bin --eot 299 --out " + dir + "/d2"),
@@ -721,6 +722,10 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
   for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
     EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
+  // A checkpoint outside a run has no tokenizer to export: the earlier export's goes.
+  fs::copy(run + "/checkpoints/step-00000004", dir + "/loose", fs::copy_options::recursive);
+  ASSERT_EQ(run_tessel("export " + dir + "/loose " + dir + "/out").exit_code, 0);
+  EXPECT_FALSE(fs::exists(dir + "/out/tokenizer"));
   // A checkpoint directory, however spelled, finds its run's copy.
   o = run_tessel("generate --run " + run + "/checkpoints/step-00000004/ --prompt 'the LORD'");
   EXPECT_EQ(o.exit_code, 0) << o.err;

@@ -181,6 +181,7 @@ TEST(Prepare, EachCorpusNamesItsOwnDefaultDirectory) {
   for (const char* nameless : {"file:/tmp/", "file:..", "jsonl:."})
     expect_input_error([&] { corpus_directory_name(nameless); }, {nameless, "--out"});
   expect_input_error([] { corpus_directory_name("file:"); }, {"names no file", "file:PATH"});
+  expect_input_error([] { corpus_directory_name("nope:"); }, {"nope:", "--out"});  // no prefix
 }
 
 // A tokens:PATH corpus: every document (ending at the eot id, the tail after the last eot one
