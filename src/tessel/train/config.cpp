@@ -861,6 +861,17 @@ void validate(const Config& c) {
 bool same_config_text(const std::string& key, const std::string& a, const std::string& b) {
   if (a == b) return true;
   const ConfigKey* k = find_key(key);
+  if (k && takes_string(*k)) {  // 'gelu' and "gelu" alike: the writer's quoting may change
+    const auto value = [](const std::string& text) -> std::optional<std::string> {
+      try {
+        return toml::parse("v = " + text)["v"].value<std::string>();
+      } catch (const toml::parse_error&) {
+        return std::nullopt;
+      }
+    };
+    const auto x = value(a), y = value(b);
+    return x && y && *x == *y;
+  }
   if (!k || k->type != "float") return false;
   double x = 0, y = 0;
   const auto [xe, xc] = std::from_chars(a.data(), a.data() + a.size(), x);

@@ -137,7 +137,7 @@ struct ConfigKey {
 const std::vector<ConfigKey>& config_schema();
 // Whether `a` and `b`, texts of config key `key` as ConfigKey::get writes them, are the same
 // setting: a float key's by value (an older tessel wrote 1.0000000000000001e-05 where it now
-// writes 1e-05), any other's as text.
+// writes 1e-05), a string's by its decoded text ('gelu' = "gelu"), any other's as text.
 bool same_config_text(const std::string& key, const std::string& a, const std::string& b);
 
 // The most threads per rank a config (run.threads) or `tessel run --threads` may ask for.

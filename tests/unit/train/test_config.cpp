@@ -68,6 +68,19 @@ TEST(Config, AStoredConfigIsReadEvenWhereTodaysChecksRefuseIt) {
                      {"heads"});
 }
 
+// Checkpoints' compatibility records hold settings as TOML text: a string's quoting, a float's
+// digits may differ between versions of the writer, the setting may not.
+TEST(Config, SameSettingComparesValuesNotSpelling) {
+  EXPECT_TRUE(train::same_config_text("model.mlp", "'gelu'", "\"gelu\""));
+  EXPECT_TRUE(train::same_config_text("optim.name", "'muon'", "\"muon\""));
+  EXPECT_TRUE(train::same_config_text("model.moe_layers", "'0,1'", "\"0,1\""));
+  EXPECT_FALSE(train::same_config_text("model.mlp", "'gelu'", "\"swiglu\""));
+  EXPECT_FALSE(train::same_config_text("model.mlp", "'gelu'", "\"gelu"));  // not TOML
+  EXPECT_TRUE(train::same_config_text("optim.lr", "1e-05", "1.0000000000000001e-05"));
+  EXPECT_FALSE(train::same_config_text("optim.lr", "1e-05", "2e-05"));
+  EXPECT_FALSE(train::same_config_text("model.width", "64", "96"));
+}
+
 TEST(Config, UnknownKeysAreRejected) {
   std::string path = write_file("b.toml", "[model]\nwidht = 64\n");
   expect_input_error([&] { train::load_config(path, {}); }, {path, "model.widht", "unknown"});
