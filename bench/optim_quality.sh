@@ -5,21 +5,31 @@
 # e.g. bench/optim_quality.sh 150 adamw='--set optim.name=adamw --set optim.lr=3e-3' \
 #        muon='--set optim.name=muon --set optim.muon_lr=0.04'   (the config's optimizer is Muon)
 # Needs `tessel prepare --corpus bible --out data/bible`. Prints one line per setting:
-# label, validation loss after STEPS (nats/byte), wall seconds. The schedule's total is STEPS.
+# label, validation loss after STEPS (nats/byte), wall seconds. The schedule's total is STEPS;
+# its warmup is the config's 30 steps, or STEPS - 1 for shorter runs (a label's own
+# --set optim.warmup_steps=N wins). A setting that fails is reported and the others still run.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
 steps=$1
 shift
+warmup=$(( steps > 30 ? 30 : steps - 1 ))
+run=""
+trap 'if [ -n "$run" ]; then rm -rf "$run"; fi' EXIT
 for item in "$@"; do
   label=${item%%=*}
   sets=${item#*=}
   run=$(mktemp -d /tmp/tessel-optim-quality-XXXXXX)
   start=$(date +%s)
   # shellcheck disable=SC2086  # $sets is a list of --set arguments
-  OMP_NUM_THREADS=1 "$here/scripts/launch.sh" 2 train --config configs/default.toml \
+  if ! OMP_NUM_THREADS=1 "$here/scripts/launch.sh" 2 train --config configs/default.toml \
     --set run.dir="$run" --set run.quiet=true --set train.steps="$steps" \
-    --set train.eval_every=0 --set train.sample_tokens=0 --set train.save_final=false $sets
+    --set optim.warmup_steps="$warmup" \
+    --set train.eval_every=0 --set train.sample_tokens=0 --set train.save_final=false $sets; then
+    echo "$label steps=$steps failed (its error is above)"
+    rm -rf "$run"
+    continue
+  fi
   val=$(grep '"val_loss"' "$run/metrics.jsonl" | tail -1 | sed 's/.*"val_loss":\([0-9.e+-]*\).*/\1/')
   echo "$label steps=$steps val_loss=$val wall_s=$(( $(date +%s) - start ))"
   rm -rf "$run"

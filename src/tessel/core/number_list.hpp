@@ -1,10 +1,10 @@
 #pragma once
 // Config values that hold comma-separated lists ("2,2,4"; "data/a, data/b"): one splitter for
 // every such key (data.path, data.weights, pipeline.layout, optim.ns_restarts,
-// fault.kill_steps, fault.hang_steps, fault.kill_seconds) and the parsers of numbers on it.
-// Spaces around an item are ignored and an empty value is an empty list; an empty item, an
-// item that is not a number, or a number below `min` is an InputError naming the key and the
-// item.
+// optim.decay_tags, fault.kill_steps, fault.hang_steps, fault.kill_seconds) and the parsers of
+// numbers on it. Spaces around an item are ignored and an empty value is an empty list; an empty
+// item, an item that is not a number, or a number below `min` is an InputError naming the key and
+// the item.
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -85,24 +85,14 @@ void validate(const OptimizerConfig& c) {
 
 std::vector<ParamTag> parse_decay_tags(const std::string& text) {
   std::vector<ParamTag> tags;
-  std::istringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    item.erase(0, item.find_first_not_of(' '));
-    item.erase(item.find_last_not_of(' ') + 1);
-    if (item.empty()) continue;
-    bool found = false;
-    for (ParamTag tag : kAllTags) {
-      if (item == param_tag_name(tag)) {
-        tags.push_back(tag);
-        found = true;
-      }
-    }
-    if (!found) {
+  for (const std::string& item : split_list("optim.decay_tags", text)) {
+    const auto tag = std::find_if(std::begin(kAllTags), std::end(kAllTags),
+                                  [&](ParamTag t) { return item == param_tag_name(t); });
+    if (tag == std::end(kAllTags))
       input_error("optim.decay_tags: unknown tag '", item,
                   "' (expected a comma-separated list of embedding, position_embedding, head, "
                   "hidden_matrix, norm, bias)");
-    }
+    tags.push_back(*tag);
   }
   return tags;
 }

@@ -375,8 +375,8 @@ std::vector<ConfigKey> build_schema() {
       string_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
                  FIELD(optim.lr_rule)),
       string_key("optim.ns_coefficients",
-                 "Newton-Schulz coefficients: keller, polar_express or you (at most 5 steps; "
-                 "fewer take its last ones)",
+                 "Newton-Schulz coefficients: keller, polar_express (its table, then the limit "
+                 "triple) or you (at most 5 steps; fewer take its last ones)",
                  FIELD(optim.ns_coefficients)),
       int_key("optim.ns_steps", "Newton-Schulz steps", FIELD(optim.ns_steps)),
       string_key("optim.ns_normalize",

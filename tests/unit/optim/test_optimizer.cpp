@@ -168,4 +168,6 @@ TEST(OptimizerFactory, BadConfigNamesTheField) {
   expect_input_error(with([](OptimizerConfig& c) { c.weight_decay = -1; }), {"optim.weight_decay"});
   expect_input_error(with([](OptimizerConfig& c) { c.decay_tags = "hidden_matrix,gain"; }),
                      {"optim.decay_tags"});
+  expect_input_error(with([](OptimizerConfig& c) { c.decay_tags = "head,,norm"; }),
+                     {"optim.decay_tags", "empty item"});
 }
