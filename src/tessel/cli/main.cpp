@@ -588,7 +588,10 @@ int main(int argc, char** argv) {
       "simulate",
       "GPipe, 1F1B, interleaved 1F1B, PACI(K = M) and (from a run that measured its W ops) "
       "ZB-H1 simulated from the stage costs a pipeline run measured");
-  simc->add_option("RUN_DIR", sim_run, "run directory of a pipeline run (parallel.pp > 1)")
+  simc->add_option(
+          "RUN_DIR", sim_run,
+          "run directory of a pipeline run (parallel.pp > 1, or a pipeline.schedule at pp = 1: "
+          "one stage)")
       ->required();
   simc->add_option("--skip", sim_skip,
                    "leave out the last attempt's first steps (warm-up; a PACI horizon that "

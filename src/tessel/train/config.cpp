@@ -758,10 +758,15 @@ void validate(const Config& c) {
   positive("train.accum", c.train.accum);
   positive("train.log_every", c.train.log_every);
   positive("train.eval_sequences", c.train.eval_sequences);
-  // Far beyond a real batch, and small enough that buffer sizes cannot overflow.
-  for (auto [name, v] : {std::pair{"train.micro_batch", c.train.micro_batch},
-                         std::pair{"train.accum", c.train.accum},
-                         std::pair{"train.eval_sequences", c.train.eval_sequences}})
+  // Far beyond a real batch or mesh, and small enough that buffer sizes and the products of
+  // these counts cannot overflow.
+  for (auto [name, v] :
+       {std::pair{"train.micro_batch", c.train.micro_batch},
+        std::pair{"train.accum", c.train.accum},
+        std::pair{"train.eval_sequences", c.train.eval_sequences},
+        std::pair{"pipeline.paci_k", c.pipeline.paci_k},
+        std::pair{"pipeline.chunks", c.pipeline.chunks}, std::pair{"parallel.pp", c.parallel.pp},
+        std::pair{"parallel.cp", c.parallel.cp}, std::pair{"parallel.ep", c.parallel.ep}})
     if (v > (int64_t(1) << 24))
       input_error("config key '", name, "' = ", v, " is larger than tessel supports (",
                   int64_t(1) << 24, ")");

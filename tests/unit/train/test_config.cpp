@@ -254,6 +254,17 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
   expect_input_error([] { train::load_config("", {"train.steps=9223372036854775807"}); },
                      {"'train.steps' = 9223372036854775807", "larger than tessel supports"});
   EXPECT_EQ(train::load_config("", {"train.steps=1099511627776"}).train.steps, int64_t(1) << 40);
+  // Counts whose products size buffers or meshes: refused before anything multiplies them.
+  for (const char* key :
+       {"pipeline.paci_k=16777217", "pipeline.chunks=4611686018427387904",
+        "parallel.pp=9223372036854775807", "parallel.cp=16777217", "parallel.ep=16777217"}) {
+    const std::string name = std::string(key).substr(0, std::string(key).find('='));
+    expect_input_error(
+        [&] {
+          train::load_config("", {key, "pipeline.schedule=paci", "model.tied_head=false"});
+        },
+        {"'" + name + "'", "larger than tessel supports"});
+  }
   expect_input_error([] { train::load_config("", {"train.spike_factor=-2"}); },
                      {"train.spike_factor = -2"});
   EXPECT_EQ(train::load_config("", {"train.spike_factor=5"}).train.spike_factor, 5);

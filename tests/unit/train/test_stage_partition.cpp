@@ -106,6 +106,12 @@ TEST(StagePartition, ExplicitLayoutAndItsErrors) {
   expect_input_error([&] { train::stage_layout("2,-1,3", c, 3); }, {"pipeline.layout", "'-1'"});
   expect_input_error([&] { train::stage_layout("2,0,2", c, 3); },
                      {"pipeline.layout", "stage 1 has no blocks"});
+  expect_input_error([&] { train::stage_layout("2,0,1,1", c, 4, "parallel.pp x pipeline.chunks"); },
+                     {"pipeline.layout", "virtual stage 1 has no blocks"});
+  // Counts that would overflow the sum to exactly 4 are refused one by one.
+  expect_input_error(
+      [&] { train::stage_layout("9223372036854775807,9223372036854775807,6", c, 3); },
+      {"pipeline.layout", "stage 0 holds 9223372036854775807 blocks", "model.layers = 4"});
   LayerCosts two{std::vector<double>(2, 1.0), 0.0, 0.0};
   expect_input_error([&] { train::balanced_layout(two, 5); },
                      {"model.layers = 2", "parallel.pp = 5"});
