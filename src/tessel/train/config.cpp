@@ -863,18 +863,19 @@ void validate(const Config& c) {
   non_negative("mfu.peak_gflops", c.mfu.peak_gflops);
 }
 
+std::optional<std::string> config_string_value(const std::string& text) {
+  try {
+    return toml::parse("v = " + text)["v"].value<std::string>();
+  } catch (const toml::parse_error&) {
+    return std::nullopt;
+  }
+}
+
 bool same_config_text(const std::string& key, const std::string& a, const std::string& b) {
   if (a == b) return true;
   const ConfigKey* k = find_key(key);
   if (k && takes_string(*k)) {  // 'gelu' and "gelu" alike: the writer's quoting may change
-    const auto value = [](const std::string& text) -> std::optional<std::string> {
-      try {
-        return toml::parse("v = " + text)["v"].value<std::string>();
-      } catch (const toml::parse_error&) {
-        return std::nullopt;
-      }
-    };
-    const auto x = value(a), y = value(b);
+    const auto x = config_string_value(a), y = config_string_value(b);
     return x && y && *x == *y;
   }
   if (!k || k->type != "float") return false;

@@ -116,6 +116,24 @@ const std::map<std::string, std::string> kAddedKeys = {{"model.attention_window"
                                                        {"model.moe_lei_loss", "'centered_fsq'"},
                                                        {"model.moe_hist_bins", "1000"}};
 
+// same_setting, where model.moe_layers compares the blocks it names in this run's model ("all",
+// "0,1" and "1,0" are one setting on 2 blocks; a different model.layers is a mismatch of its
+// own).
+bool same_model_setting(const std::string& key, const nlohmann::json& have,
+                        const nlohmann::json& want, const model::GptConfig& model) {
+  if (key == "model.moe_layers" && have.is_string())
+    if (const auto listed = config_string_value(have.get<std::string>())) {
+      model::GptConfig old = model;
+      old.moe_layers = *listed;
+      try {
+        return old.moe_mask() == model.moe_mask();
+      } catch (const InputError&) {  // names a block this model does not have
+        return false;
+      }
+    }
+  return same_setting(key, have, want);
+}
+
 // "" when this run's `value` of config key `key` matches a compatibility record written by an
 // older tessel that had no such key (kAddedKeys), else why not.
 std::string absent_key_mismatch(const std::string& key, const nlohmann::json& value) {
@@ -644,7 +662,7 @@ struct Trainer::State {
       if (!have.contains(key)) {
         const std::string why = absent_key_mismatch(key, value);
         if (!why.empty()) input_error(chosen, ": checkpoint", why, "; use a new run.dir");
-      } else if (!same_setting(key, have[key], value))
+      } else if (!same_model_setting(key, have[key], value, config.model))
         input_error(chosen, ": checkpoint has ", key, " = ", json_text(have[key]),
                     " but this run has ", json_text(value),
                     key == kGlobalBatchKey
@@ -729,7 +747,7 @@ struct Trainer::State {
       if (!have.contains(key)) {
         const std::string why = absent_key_mismatch(key, value);
         if (!why.empty()) input_error("train.init_from: ", dir, why);
-      } else if (!same_setting(key, have[key], value))
+      } else if (!same_model_setting(key, have[key], value, config.model))
         differences += detail::concat(differences.empty() ? "" : ", ", key, " = ",
                                       json_text(have[key]), " (this run: ", json_text(value), ")");
     }

@@ -252,6 +252,26 @@ TEST_F(TrainerTest, ResumeComparesFloatSettingsByValue) {
                               {"model.norm_eps = 1.1e-05 but this run has 1e-05"});
 }
 
+// model.moe_layers names blocks: "0,1", "1,0" and "all" are one setting on the 2-block model,
+// and its checkpoint resumes under any of them; another set of blocks is refused.
+TEST_F(TrainerTest, ResumeComparesMoeBlocksNotTheirSpelling) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 4;
+  c.optim.warmup_steps = 1;
+  c.model.moe_layers = "0,1";
+  c.model.moe.experts = 4;
+  train_run(c);
+  c.model.moe_layers = "1";
+  c.train.steps = 5;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"model.moe_layers = '0,1' but this run has '1'"});
+  c.model.moe_layers = "all";
+  EXPECT_EQ(train_run(c).resumed_from, 4);
+  c.model.moe_layers = "1,0";
+  c.train.steps = 6;
+  EXPECT_EQ(train_run(c).resumed_from, 5);
+}
+
 // A checkpoint of an older tessel lacks the keys added since; it ran as their defaults, so a
 // run at the default resumes from it and a run with another value is refused, naming both.
 TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
