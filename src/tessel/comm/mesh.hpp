@@ -18,6 +18,7 @@
 // Each group's rank equals this process's coordinate on that axis. The mesh keeps a
 // reference to the world communicator, which must outlive it.
 #include <array>
+#include <cstdint>
 #include <memory>
 
 #include "tessel/comm/communicator.hpp"
@@ -30,7 +31,7 @@ const char* axis_name(Axis axis);  // "pp", "dp", "cp", "ep", "edp", "dp_cp", "e
 
 struct MeshShape {
   int pp = 1, dp = 1, cp = 1, ep = 1;
-  int world_size() const { return pp * dp * cp; }
+  int64_t world_size() const { return int64_t(pp) * dp * cp; }  // 64 bits: never overflows
   // Throws tessel::InputError (one line naming the parallel.* setting) unless every
   // degree is >= 1, ep divides dp and pp * dp * cp == world_size.
   void validate(int world_size) const;

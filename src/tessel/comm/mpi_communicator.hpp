@@ -30,7 +30,6 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string_view backend() const override { return "mpi"; }
   [[noreturn]] void abort(int exit_code) override;
-  MPI_Comm handle() const { return comm_; }
 
  protected:
   std::unique_ptr<Communicator> do_split(int color, int key) override;

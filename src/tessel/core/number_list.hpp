@@ -1,6 +1,6 @@
 #pragma once
 // Config values that hold comma-separated lists ("2,2,4"; "data/a, data/b"): one splitter for
-// every such key (data.path, data.weights, pipeline.layout, optim.ns_restarts,
+// every such key (data.path, data.weights, pipeline.layout, model.moe_layers, optim.ns_restarts,
 // optim.decay_tags, fault.kill_steps, fault.hang_steps, fault.kill_seconds) and the parsers of
 // numbers on it. Spaces around an item are ignored and an empty value is an empty list; an empty
 // item, an item that is not a number, or a number below `min` is an InputError naming the key and

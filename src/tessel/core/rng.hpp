@@ -23,8 +23,6 @@ class Rng {
   void fill_uniform(float* x, int64_t n, float lo, float hi);
 
   using State = std::array<uint64_t, 4>;
-  State state() const { return s_; }
-  void set_state(const State& s) { s_ = s; }
 
  private:
   State s_;

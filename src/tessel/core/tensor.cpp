@@ -34,13 +34,6 @@ const char* dtype_name(DType dtype) {
   TESSEL_CHECK(false, "unknown dtype");
 }
 
-DType dtype_from_name(const std::string& name) {
-  if (name == "f32") return DType::f32;
-  if (name == "bf16") return DType::bf16;
-  if (name == "i32") return DType::i32;
-  input_error("unknown dtype '", name, "' (expected f32, bf16 or i32)");
-}
-
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
   for (int64_t d : shape) {

@@ -15,8 +15,7 @@ namespace tessel {
 enum class DType : uint8_t { f32, bf16, i32 };
 
 size_t dtype_size(DType dtype);
-const char* dtype_name(DType dtype);             // "f32", "bf16", "i32"
-DType dtype_from_name(const std::string& name);  // throws InputError on an unknown name
+const char* dtype_name(DType dtype);  // "f32", "bf16", "i32"
 
 using Shape = std::vector<int64_t>;
 int64_t shape_numel(const Shape& shape);

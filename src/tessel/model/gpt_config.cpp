@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/number_list.hpp"
 
 namespace tessel::model {
 
@@ -25,15 +26,9 @@ int64_t GptConfig::moe_hidden_size() const {
 
 std::vector<bool> GptConfig::moe_mask() const {
   std::vector<bool> mask(size_t(std::max<int64_t>(layers, 0)), moe_layers == "all");
-  if (moe_layers.empty() || moe_layers == "all") return mask;
-  size_t begin = 0;
-  while (begin <= moe_layers.size()) {
-    size_t end = moe_layers.find(',', begin);
-    if (end == std::string::npos) end = moe_layers.size();
-    const std::string item = moe_layers.substr(begin, end - begin);
-    int64_t i = -1;
-    auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), i);
-    if (ec != std::errc() || ptr != item.data() + item.size() || i < 0 || i >= layers)
+  if (moe_layers == "all") return mask;
+  for (int64_t i : parse_int_list("model.moe_layers", moe_layers, 0)) {
+    if (i >= layers)
       input_error(
           "model.moe_layers = \"", moe_layers,
           "\" must be \"\", \"all\" or comma-separated block indices in [0, model.layers = ",
@@ -41,7 +36,6 @@ std::vector<bool> GptConfig::moe_mask() const {
     if (mask[size_t(i)])
       input_error("model.moe_layers = \"", moe_layers, "\" lists block ", i, " twice");
     mask[size_t(i)] = true;
-    begin = end + 1;
   }
   return mask;
 }
@@ -121,22 +115,6 @@ const char* to_string(PositionType positions) {
 }
 const char* to_string(Recompute recompute) {
   return recompute == Recompute::none ? "none" : "blocks";
-}
-
-MlpType parse_mlp_type(const std::string& name) {
-  if (name == "gelu") return MlpType::gelu;
-  if (name == "swiglu") return MlpType::swiglu;
-  input_error("model.mlp = \"", name, "\" must be \"gelu\" or \"swiglu\"");
-}
-NormType parse_norm_type(const std::string& name) {
-  if (name == "layernorm") return NormType::layernorm;
-  if (name == "rmsnorm") return NormType::rmsnorm;
-  input_error("model.norm = \"", name, "\" must be \"layernorm\" or \"rmsnorm\"");
-}
-PositionType parse_position_type(const std::string& name) {
-  if (name == "learned") return PositionType::learned;
-  if (name == "rotary") return PositionType::rotary;
-  input_error("model.positions = \"", name, "\" must be \"learned\" or \"rotary\"");
 }
 
 }  // namespace tessel::model

@@ -69,8 +69,5 @@ const char* to_string(MlpType mlp);             // "gelu" | "swiglu"
 const char* to_string(NormType norm);           // "layernorm" | "rmsnorm"
 const char* to_string(PositionType positions);  // "learned" | "rotary"
 const char* to_string(Recompute recompute);     // "none" | "blocks" (train.recompute)
-MlpType parse_mlp_type(const std::string& name);
-NormType parse_norm_type(const std::string& name);
-PositionType parse_position_type(const std::string& name);
 
 }  // namespace tessel::model

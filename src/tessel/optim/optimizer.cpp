@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"

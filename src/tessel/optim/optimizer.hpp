@@ -103,7 +103,8 @@ LrSchedule lr_schedule(const OptimizerConfig& config, int64_t total_steps);
 // and none for shorter iterations, which have no third step.
 std::vector<int64_t> ns_restart_steps(const OptimizerConfig& config);
 
-// Parses `optim.decay_tags` ("a,b"; empty = no decay); throws InputError on an unknown tag.
+// Parses `optim.decay_tags` ("a,b"; empty = no decay); throws InputError on an unknown tag or
+// an empty item.
 std::vector<ParamTag> parse_decay_tags(const std::string& text);
 
 // Row blocks of a fused QKV weight for `optim.qkv_split`: none -> {} (one matrix), blocks ->

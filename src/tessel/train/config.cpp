@@ -549,6 +549,15 @@ void apply_table(Config& config, const toml::table& table, const std::string& pr
 
 }  // namespace
 
+std::optional<std::string> config_string_value(const std::string& text) {
+  try {
+    const toml::table table = toml::parse("v = " + text);
+    if (table.size() == 1) return table["v"].value<std::string>();
+  } catch (const toml::parse_error&) {
+  }
+  return std::nullopt;
+}
+
 model::GptConfig default_model() {
   model::GptConfig m;
   m.vocab = 256;
@@ -580,12 +589,7 @@ void apply_override(Config& config, const std::string& assignment) {
   if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
     // A string where a number or bool is expected is a type error, as in a file.
     if (!takes_string(*key)) wrong_type("--set: ", *key);
-    std::optional<std::string> parsed;
-    try {
-      const toml::table table = toml::parse("v = " + value);
-      if (table.size() == 1) parsed = table["v"].value<std::string>();
-    } catch (const toml::parse_error&) {
-    }
+    const std::optional<std::string> parsed = config_string_value(value);
     if (!parsed)
       input_error(
           "--set ", name,
@@ -758,15 +762,17 @@ void validate(const Config& c) {
   positive("train.accum", c.train.accum);
   positive("train.log_every", c.train.log_every);
   positive("train.eval_sequences", c.train.eval_sequences);
-  // Far beyond a real batch or mesh, and small enough that buffer sizes and the products of
-  // these counts cannot overflow.
+  // Far beyond a real batch or mesh, and small enough that buffer sizes cannot overflow, that
+  // each count fits an int and that products of two or three of them fit 64 bits.
   for (auto [name, v] :
        {std::pair{"train.micro_batch", c.train.micro_batch},
         std::pair{"train.accum", c.train.accum},
         std::pair{"train.eval_sequences", c.train.eval_sequences},
         std::pair{"pipeline.paci_k", c.pipeline.paci_k},
         std::pair{"pipeline.chunks", c.pipeline.chunks}, std::pair{"parallel.pp", c.parallel.pp},
-        std::pair{"parallel.cp", c.parallel.cp}, std::pair{"parallel.ep", c.parallel.ep}})
+        std::pair{"parallel.dp", c.parallel.dp}, std::pair{"parallel.cp", c.parallel.cp},
+        std::pair{"parallel.cp_chunks", c.parallel.cp_chunks},
+        std::pair{"parallel.ep", c.parallel.ep}})
     if (v > (int64_t(1) << 24))
       input_error("config key '", name, "' = ", v, " is larger than tessel supports (",
                   int64_t(1) << 24, ")");
@@ -861,14 +867,6 @@ void validate(const Config& c) {
   if (c.run.threads > kMaxThreads)
     input_error("config key 'run.threads' = ", c.run.threads, " is more than ", kMaxThreads);
   non_negative("mfu.peak_gflops", c.mfu.peak_gflops);
-}
-
-std::optional<std::string> config_string_value(const std::string& text) {
-  try {
-    return toml::parse("v = " + text)["v"].value<std::string>();
-  } catch (const toml::parse_error&) {
-    return std::nullopt;
-  }
 }
 
 bool same_config_text(const std::string& key, const std::string& a, const std::string& b) {

@@ -140,7 +140,8 @@ const std::vector<ConfigKey>& config_schema();
 // setting: a float key's by value (an older tessel wrote 1.0000000000000001e-05 where it now
 // writes 1e-05), a string's by its decoded text ('gelu' = "gelu"), any other's as text.
 bool same_config_text(const std::string& key, const std::string& a, const std::string& b);
-// The string a config string's TOML text ('gelu', "gelu") holds; nullopt when it holds none.
+// The string a config string's TOML text ('gelu', "gelu") holds; nullopt when the text is not
+// exactly one TOML string.
 std::optional<std::string> config_string_value(const std::string& text);
 
 // The most threads per rank a config (run.threads) or `tessel run --threads` may ask for.

@@ -96,10 +96,11 @@ std::vector<int64_t> stage_layout(const std::string& layout, const LayerCosts& c
   if (int64_t(counts.size()) != stages)
     input_error("config key 'pipeline.layout' = \"", layout, "\" has ", counts.size(),
                 " stage(s) but ", stages_key, " = ", stages);
+  const char* stage = stages_key == "parallel.pp" ? "stage " : "virtual stage ";
   int64_t sum = 0;
   for (size_t s = 0; s < counts.size(); ++s) {
     if (counts[s] > L)  // before the sum, which it could overflow
-      input_error("config key 'pipeline.layout' = \"", layout, "\": stage ", s, " holds ",
+      input_error("config key 'pipeline.layout' = \"", layout, "\": ", stage, s, " holds ",
                   counts[s], " blocks but model.layers = ", L);
     sum += counts[s];
   }
@@ -109,8 +110,7 @@ std::vector<int64_t> stage_layout(const std::string& layout, const LayerCosts& c
   for (int64_t s = 0; s < stages; ++s) {
     const bool ends = (s == 0 || s == stages - 1) && stages > 1;
     if (counts[size_t(s)] == 0 && !ends)
-      input_error("config key 'pipeline.layout' = \"", layout,
-                  "\": ", stages_key == "parallel.pp" ? "stage " : "virtual stage ", s,
+      input_error("config key 'pipeline.layout' = \"", layout, "\": ", stage, s,
                   " has no blocks (only the first and last, which hold the embedding "
                   "and the head, may have none)");
   }

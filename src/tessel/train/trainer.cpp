@@ -96,7 +96,7 @@ std::string mesh_text(const comm::MeshShape& m) {
 }
 
 // Whether a checkpoint's compatibility record holds this run's value of `key` (config keys
-// compared as same_config_text does: floats by value).
+// compared as same_config_text does: floats by value, strings by their decoded text).
 bool same_setting(const std::string& key, const nlohmann::json& have, const nlohmann::json& want) {
   return have.is_string() && want.is_string()
              ? same_config_text(key, have.get<std::string>(), want.get<std::string>())
@@ -850,9 +850,11 @@ struct Trainer::State {
 };
 
 Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
-  comm::MeshShape shape{int(config.parallel.pp), int(config.parallel.dp), int(config.parallel.cp),
-                        int(config.parallel.ep)};
-  if (shape.dp == 0) shape.dp = std::max(1, world.size() / (shape.pp * shape.cp));
+  // The config caps each degree at 2^24, so each fits an int; their products are taken in 64
+  // bits (MeshShape::world_size, the automatic dp here).
+  const ParallelConfig& par = config.parallel;
+  comm::MeshShape shape{int(par.pp), int(par.dp), int(par.cp), int(par.ep)};
+  if (shape.dp == 0) shape.dp = int(std::max<int64_t>(1, world.size() / (par.pp * par.cp)));
   check_run_dir(config.run.dir);  // before the attempt's ETT log is created in it
   int threads =
       config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());

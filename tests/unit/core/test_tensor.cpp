@@ -37,7 +37,6 @@ TEST(Tensor, DtypeIsChecked) {
   Tensor t({2}, DType::i32);
   EXPECT_THROW(t.f32(), Error);
   EXPECT_NO_THROW(t.i32());
-  EXPECT_THROW(dtype_from_name("f16"), InputError);
 }
 
 TEST(Tensor, CheckNamesFileAndLine) {
@@ -73,14 +72,13 @@ TEST(Bf16, RoundTripAndRoundToNearestEven) {
   for (int i = 0; i < 3; ++i) EXPECT_EQ(back.f32()[i], t.f32()[i]);
 }
 
-TEST(Rng, DeterministicAndRestorable) {
+TEST(Rng, DeterministicAndCopyable) {
   Rng a(42), b(42), c(43);
   EXPECT_EQ(a.next_u64(), b.next_u64());
   EXPECT_NE(a.next_u64(), c.next_u64());
-  auto st = a.state();
-  float x = a.normal();
-  a.set_state(st);
-  EXPECT_EQ(a.normal(), x);
+  Rng copy = a;  // the copy continues the same stream
+  const float x = a.normal();
+  EXPECT_EQ(copy.normal(), x);
 }
 
 TEST(Rng, NormalMoments) {

@@ -61,6 +61,7 @@ TEST(GptMoe, BadMoeLayersAreInputErrors) {
     GptConfig c = moe_config(gelu_config(), bad);
     fixture::expect_input_error([&] { validate(c); }, {"model.moe_layers", bad});
   }
+  EXPECT_EQ(moe_config(gelu_config(), " 1 , 0").moe_mask(), (std::vector<bool>{true, true}));
   GptConfig c = moe_config(gelu_config(), "all");
   c.moe.top_k = 5;
   fixture::expect_input_error([&] { validate(c); }, {"model.moe_top_k = 5"});

@@ -257,7 +257,8 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
   // Counts whose products size buffers or meshes: refused before anything multiplies them.
   for (const char* key :
        {"pipeline.paci_k=16777217", "pipeline.chunks=4611686018427387904",
-        "parallel.pp=9223372036854775807", "parallel.cp=16777217", "parallel.ep=16777217"}) {
+        "parallel.pp=9223372036854775807", "parallel.cp=16777217", "parallel.ep=16777217",
+        "parallel.dp=4294967298", "parallel.cp_chunks=9223372036854775807"}) {
     const std::string name = std::string(key).substr(0, std::string(key).find('='));
     expect_input_error(
         [&] {

@@ -105,7 +105,7 @@ TEST(StagePartition, ExplicitLayoutAndItsErrors) {
   expect_input_error([&] { train::stage_layout("2,x", c, 2); }, {"pipeline.layout", "'x'"});
   expect_input_error([&] { train::stage_layout("2,-1,3", c, 3); }, {"pipeline.layout", "'-1'"});
   expect_input_error([&] { train::stage_layout("2,0,2", c, 3); },
-                     {"pipeline.layout", "stage 1 has no blocks"});
+                     {"pipeline.layout", "\": stage 1 has no blocks"});
   expect_input_error([&] { train::stage_layout("2,0,1,1", c, 4, "parallel.pp x pipeline.chunks"); },
                      {"pipeline.layout", "virtual stage 1 has no blocks"});
   // Counts that would overflow the sum to exactly 4 are refused one by one.
