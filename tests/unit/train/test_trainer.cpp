@@ -270,6 +270,14 @@ TEST_F(TrainerTest, ResumeComparesMoeBlocksNotTheirSpelling) {
   c.model.moe_layers = "1,0";
   c.train.steps = 6;
   EXPECT_EQ(train_run(c).resumed_from, 5);
+  // A record naming a block this model lacks is another setting, not an error of its own.
+  const std::string manifest = c.run.dir + "/checkpoints/step-00000006/manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
+  m["state"]["compatibility"]["model.moe_layers"] = "'0,7'";
+  std::ofstream(manifest) << m.dump();
+  c.train.steps = 7;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"model.moe_layers = '0,7' but this run has '1,0'"});
 }
 
 // A checkpoint of an older tessel lacks the keys added since; it ran as their defaults, so a
