@@ -669,9 +669,10 @@ int main(int argc, char** argv) {
       sup.binary = std::filesystem::read_symlink("/proc/self/exe").string();
       const int earlier_attempts = train::count_attempts(sup.run_dir);
       const int status = train::supervise(sup);
+      const int attempts = train::count_attempts(sup.run_dir);
       // A finished run started again trained nothing and recorded no attempt, nor did a
       // start refused for bad input: with no earlier log there is nothing to report.
-      if (train::count_attempts(sup.run_dir) == 0) {
+      if (attempts == 0) {
         if (status == 0)
           std::printf("%s: no ETT attempt recorded; no report\n", sup.run_dir.c_str());
         return status;
@@ -680,7 +681,7 @@ int main(int argc, char** argv) {
       // A job that failed for good is when its report is wanted most; the exit status stays
       // the job's. A start refused for bad input recorded no attempt: an earlier job's report
       // stays as it was.
-      if (train::count_attempts(sup.run_dir) == earlier_attempts) return status;
+      if (attempts == earlier_attempts) return status;
       try {
         run_ett_report(sup.run_dir, max_ttr);
       } catch (const std::exception& e) {

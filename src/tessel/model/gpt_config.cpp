@@ -1,7 +1,6 @@
 #include "tessel/model/gpt_config.hpp"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
 

@@ -441,18 +441,14 @@ int supervise(const SuperviseOptions& o) {
     append_json_line(log, exit_line);
     // A hung job failed, whatever status its launcher exited with: relaunched like any failure.
     if (!end.hung && status == 0) return status;
-    if (!end.hung && status == kExitInputError) {
-      std::fprintf(stderr,
-                   "tessel run: attempt %d failed with exit status 2 (bad input or a file it "
-                   "could not write, which a relaunch would meet again); not relaunching\n",
-                   attempt);
-      return status;
-    }
-    if (!end.hung && status == kExitDiverged) {
-      std::fprintf(stderr,
-                   "tessel run: attempt %d diverged (a non-finite gradient norm); not "
-                   "relaunching: a resume would repeat it\n",
-                   attempt);
+    // Bad input, an unwritable file, or divergence: a relaunch would meet it again.
+    if (!end.hung && (status == kExitInputError || status == kExitDiverged)) {
+      std::fprintf(stderr, "tessel run: attempt %d %s\n", attempt,
+                   status == kExitDiverged
+                       ? "diverged (a non-finite gradient norm); not relaunching: a resume "
+                         "would repeat it"
+                       : "failed with exit status 2 (bad input or a file it could not write, "
+                         "which a relaunch would meet again); not relaunching");
       return status;
     }
     if (g_stop) break;

@@ -280,9 +280,10 @@ struct Trainer::Attempt {
   RunDirLock supervisor_lock;
   RunDirLock lock;
   int index;
-  EttLedger ledger;        // rank 0 writes the attempt's ETT log
-  bool finished = false;   // run() completed: exit status 0
-  int failure_status = 1;  // else: exit_status of what run() threw (1 when it never ran)
+  EttLedger ledger;  // rank 0 writes the attempt's ETT log
+  // The exit line's status: 0 once run() completed, exit_status of what it threw, 1 when it
+  // never ran.
+  int status = 1;
 
   Attempt(const std::string& run_dir, comm::Communicator& w, const ProcessTimes& times)
       : t0(times.started_ns >= 0 ? times.started_ns : monotonic_ns()),
@@ -296,7 +297,7 @@ struct Trainer::Attempt {
   // run` writes it itself, after the job's teardown.
   ~Attempt() {
     if (!supervised && ledger.active()) try {
-        ledger.event({{"event", "exit"}, {"status", finished ? 0 : failure_status}});
+        ledger.event({{"event", "exit"}, {"status", status}});
       } catch (const std::exception&) {
       }
   }
@@ -323,7 +324,6 @@ struct Trainer::State {
   int64_t t0;
   int attempt;
   EttLedger& ledger;
-  bool& finished;  // the attempt's: run() completed
   PhaseMark build_mark;
   comm::Mesh mesh;
   comm::Communicator& dp;
@@ -370,7 +370,6 @@ struct Trainer::State {
         t0(a.t0),
         attempt(a.index),
         ledger(a.ledger),
-        finished(a.finished),
         build_mark(mark_start(times)),
         mesh(comm::Mesh::build(w, shape)),
         dp(mesh.group(comm::Axis::dp)),
@@ -914,9 +913,11 @@ Trainer::~Trainer() = default;
 
 TrainResult Trainer::run() {
   try {
-    return run_steps();
+    TrainResult result = run_steps();
+    attempt_->status = 0;
+    return result;
   } catch (const std::exception& e) {
-    attempt_->failure_status = exit_status(e);  // for the ledger's exit line
+    attempt_->status = exit_status(e);  // for the ledger's exit line
     throw;
   }
 }
@@ -1333,7 +1334,6 @@ TrainResult Trainer::run_steps() {
              ? detail::concat(", ", skipped_steps, " update(s) skipped as gradient spikes")
              : "") +
         (metrics_log ? "; metrics in " + c.run.dir + "/metrics.jsonl" : ""));
-  s.finished = true;
   return result;
 }
 
