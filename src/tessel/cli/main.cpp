@@ -18,9 +18,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "tessel/comm/world.hpp"
@@ -74,6 +76,14 @@ int run_prepare(const data::PrepareOptions& opts) {
 
 int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const std::string& out) {
   const std::string& corpus = split.corpus;
+  // Checked before the learning: a vocabulary that token ids were made with stays.
+  for (const char* metadata : {"dataset.json", "tokenizer.json"})
+    if (std::filesystem::exists(std::filesystem::path(out) / metadata))
+      input_error("train-bpe: --out ", out, " holds ", metadata,
+                  std::string_view(metadata) == "dataset.json" ? " (a prepared data set)"
+                                                               : " (a run's tokenizer copy)",
+                  ", whose token ids were made with the vocabulary there; write the new one to "
+                  "another directory");
   const auto merges = data::learn_bpe_merges(data::training_documents(split), vocab_size - 257);
   const int64_t size = data::write_bpe_files(out, merges);
   std::printf(
@@ -86,6 +96,9 @@ int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const s
 int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  const std::string& prompt, int64_t tokens, double temperature, int64_t top_k,
                  int64_t seed, const std::string& stop) {
+  if (temperature > std::numeric_limits<float>::max())  // float() would make it inf
+    input_error("generate: temperature = ", temperature, " is above the largest float, ",
+                std::numeric_limits<float>::max());
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
   // The tokenizer: --tokenizer's (the run's own, where it kept one), else the model's.
@@ -149,16 +162,23 @@ int run_bench_gemm(int64_t size, double seconds, int threads, bool json) {
 int run_ett_report(const std::string& run_dir, double max_ttr) {
   train::EttReport r = train::write_ett_report(run_dir, max_ttr);
   std::printf(
-      "%s: W %.3f s over %zu attempt(s), ETT %.2f%%, TTS %.3f s, NoF %d%s, MFU %.2f%%, "
-      "goodput %.2f%%\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
+      "%s: W %.3f s over %zu attempt(s), ETT %.2f%%, TTS %.3f s, NoF %d%s, MFU %s, "
+      "goodput %s\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
       run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof,
-      r.nof ? (" (" + train::nof_by_cause_text(r) + ")").c_str() : "", 100 * r.mfu, 100 * r.goodput,
+      r.nof ? (" (" + train::nof_by_cause_text(r) + ")").c_str() : "",
+      train::mfu_percent_text(r.mfu).c_str(), train::mfu_percent_text(r.goodput).c_str(),
       run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
   if (!r.attempts.empty() && r.attempts.back().open)
     std::printf(
         "attempt %d has no exit record: still running, or killed (counted up to its last "
         "record; a later attempt counts it as failed)\n",
         r.attempts.back().index);
+  for (const auto& a : r.attempts)
+    if (a.cut_line)
+      std::printf(
+          "attempt %d: the last line of its log is cut short (written as it died) and left "
+          "out\n",
+          a.index);
   auto over = train::ttr_over_bound(r);
   for (int i : over)
     std::fprintf(stderr,
@@ -365,6 +385,17 @@ std::vector<std::string> train_arguments(const std::string& config_path,
 
 }  // namespace
 
+// CLI::Range with NaN refused: Range lets it through (every comparison with NaN is false).
+CLI::Validator finite_range(double min, double max) {
+  const CLI::Validator not_nan(
+      [](std::string& v) -> std::string {
+        char* end = nullptr;
+        return std::isnan(std::strtod(v.c_str(), &end)) ? "must be a number, got " + v : "";
+      },
+      "");
+  return not_nan & CLI::Range(min, max);
+}
+
 int main(int argc, char** argv) {
   train::ProcessTimes times;
   times.started_ns = train::monotonic_ns();
@@ -393,9 +424,15 @@ int main(int argc, char** argv) {
                    "1:3.\" -> the verse) or chat:PATH (JSON Lines, {\"messages\": [{\"role\", "
                    "\"content\"}, ...]} or {\"prompt\", \"response\"} per line)")
       ->capture_default_str();
-  prepare->add_option("--out", prep.output_dir,
-                      "output directory; default: data/ and the corpus's name, or its file's "
-                      "without the extension (bible -> data/bible, file:notes.txt -> data/notes)");
+  // An empty --out would fall back to the default directory, which the user did not name.
+  const CLI::Validator directory(
+      [](std::string& v) -> std::string { return v.empty() ? "must name a directory" : ""; },
+      "DIR");
+  prepare
+      ->add_option("--out", prep.output_dir,
+                   "output directory; default: data/ and the corpus's name, or its file's "
+                   "without the extension (bible -> data/bible, file:notes.txt -> data/notes)")
+      ->check(directory);
   prepare->add_option(
       "--vocab", prep.vocab,
       "tokens:PATH: vocabulary size of the ids (model.vocab must be at least this)");
@@ -448,9 +485,12 @@ int main(int argc, char** argv) {
                    "at least this)")
       ->check(CLI::Range(int64_t(257), int64_t(1) << 20))
       ->capture_default_str();
-  train_bpe->add_option("--out", bpe_out,
-                        "output directory; default: data/bpe- and the corpus's name, as for "
-                        "prepare (bible -> data/bpe-bible)");
+  train_bpe
+      ->add_option("--out", bpe_out,
+                   "output directory; default: data/bpe- and the corpus's name, as for prepare "
+                   "(bible -> data/bpe-bible); not a prepared data set or a run's tokenizer/ "
+                   "(their ids were made with the vocabulary there)")
+      ->check(directory);
 
   std::string config_path;
   std::vector<std::string> overrides;
@@ -530,7 +570,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(1), int64_t(1) << 15))
       ->capture_default_str();
   bench->add_option("--seconds", gemm_seconds, "measuring time")
-      ->check(CLI::Range(0.01, 3600.0))
+      ->check(finite_range(0.01, 3600.0))
       ->capture_default_str();
   bench->add_option("--threads", gemm_threads, "threads; 0 = OMP_NUM_THREADS or all cores")
       ->check(CLI::Range(int64_t(0), train::kMaxThreads));
@@ -563,21 +603,27 @@ int main(int argc, char** argv) {
   const char* max_ttr_help =
       "recovery-time objective in seconds: exit status 3 if a failure's TTR (wasted steps + "
       "detection + the next attempt's start-up) exceeded it; 0 = none";
-  runc->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::Range(0.0, 1e9));
+  runc->add_option("--max-ttr", max_ttr, max_ttr_help)->check(finite_range(0.0, 1e9));
   runc->add_option("--set", sup_overrides, "override a config key, as for train")->take_all();
 
   std::string report_dir;
   auto* report = app.add_subcommand(
       "ett-report", "effective training time of a run: ett.json, ett.html, ett_trace.json");
   report->add_option("RUN_DIR", report_dir, "run directory")->required();
-  report->add_option("--max-ttr", max_ttr, max_ttr_help)->check(CLI::Range(0.0, 1e9));
+  report->add_option("--max-ttr", max_ttr, max_ttr_help)->check(finite_range(0.0, 1e9));
 
   std::string export_from, export_to;
   auto* exportc = app.add_subcommand(
-      "export", "consolidate a checkpoint into OUT/model.safetensors and OUT/config.toml");
+      "export",
+      "consolidate a checkpoint into OUT/model.safetensors, OUT/config.toml and OUT/tokenizer/");
   exportc->add_option("CHECKPOINT", export_from, "checkpoint directory, or a run directory")
       ->required();
-  exportc->add_option("OUT", export_to, "output directory")->required();
+  exportc
+      ->add_option("OUT", export_to,
+                   "output directory: new, empty, or an earlier export (it writes "
+                   "model.safetensors, config.toml and, where the run kept one, tokenizer/)")
+      ->required()
+      ->check(directory);
 
   std::string sim_run;
   int64_t sim_skip = 10, sim_steps = 100, sim_micro = 0;
@@ -612,12 +658,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   simc->add_option("--link-latency", sim_latency,
                    "seconds per activation or gradient message between stages, before its bytes")
-      ->check(CLI::Range(0.0, 1e6))
+      ->check(finite_range(0.0, 1e6))
       ->capture_default_str();
   simc->add_option("--link-bandwidth", sim_bandwidth,
                    "bytes per second of every link (a message is the micro-batch's f32 residual "
                    "stream, from the run's config); 0 = no transfer time")
-      ->check(CLI::Range(0.0, 1e18))
+      ->check(finite_range(0.0, 1e18))
       ->capture_default_str();
   simc->add_flag("--json", sim_json, "print JSON");
 

@@ -100,6 +100,16 @@ std::optional<std::string> bpe_directory(const PrepareOptions& options) {
   input_error("prepare: --tokenizer must be byte or bpe:DIR, got \"", name, "\"");
 }
 
+// Every file prepare may write in output directory `out`.
+std::vector<fs::path> output_files(const fs::path& out) {
+  std::vector<fs::path> files;
+  for (const char* split : {"train.tok", "val.tok"})
+    files.insert(files.end(), {out / split, loss_mask_path((out / split).string())});
+  files.push_back(out / "dataset.json");
+  for (const char* file : kBpeFiles) files.push_back(out / file);
+  return files;
+}
+
 // The output directory, created. An earlier prepare's description goes first: the BPE copies
 // it made (never a vocabulary the user keeps there, e.g. train-bpe's), then dataset.json, which
 // is written last (write_metadata). So a prepare cut short leaves shards that describe
@@ -113,13 +123,27 @@ fs::path begin_output(const PrepareOptions& options, const std::optional<std::st
     input_error("prepare: --tokenizer bpe:", *bpe_dir,
                 " is the output directory; keep the vocabulary elsewhere (prepare copies it "
                 "there, and a later prepare replaces the copy)");
+  // The corpus file must survive: prepare would write over it.
+  const std::string_view corpus = options.corpus;
+  for (std::string_view prefix : kCorpusPrefixes)
+    if (corpus.starts_with(prefix))
+      for (const fs::path& file : output_files(out))
+        if (fs::equivalent(std::string(corpus.substr(prefix.size())), file, ec))
+          input_error("prepare: corpus \"", options.corpus, "\" is ", file.string(),
+                      ", a file prepare writes in --out; prepare into another directory");
   const fs::path metadata = out / "dataset.json";
-  if (!fs::exists(metadata)) return out;
   bool bpe_copies = false;
   try {
-    bpe_copies = tokenizer_name(out.string()) == "bpe";
+    bpe_copies = fs::exists(metadata) && tokenizer_name(out.string()) == "bpe";
   } catch (const InputError&) {  // an unreadable description describes nothing to keep
   }
+  // A vocabulary no prepare copied there (e.g. train-bpe's) is not replaced by the copy.
+  for (const char* file : kBpeFiles)
+    if (bpe_dir && !bpe_copies && fs::exists(out / file))
+      input_error("prepare: ", (out / file).string(),
+                  " is a vocabulary that no prepare copied there (e.g. train-bpe's); prepare "
+                  "with --tokenizer bpe:DIR into another --out, or move it first");
+  if (!fs::exists(metadata)) return out;
   if (bpe_copies)
     for (const char* file : kBpeFiles) fs::remove(out / file, ec);
   fs::remove(metadata, ec);
@@ -157,13 +181,16 @@ std::vector<bool> validation_items(size_t n, const PrepareOptions& options, cons
 void write_metadata(const PrepareOptions& options, const std::string& tokenizer, int64_t vocab_size,
                     PrepareResult& result) {
   result.metadata_path = (fs::path(options.output_dir) / "dataset.json").string();
-  const std::string json =
-      detail::concat("{\n  \"corpus\": ", json_string(options.corpus), ",\n  \"format\": \"",
-                     result.sft ? "sft" : "text", "\",\n  \"tokenizer\": ", json_string(tokenizer),
-                     ",\n", "  \"vocab_size\": ", vocab_size, ",\n  \"seed\": ", options.seed,
-                     ",\n  \"val_fraction\": ", options.val_fraction,
-                     ",\n  \"train\": ", split_json(result.train, result.sft),
-                     ",\n  \"val\": ", split_json(result.val, result.sft), "\n}\n");
+  const std::string json = detail::concat(
+      "{\n  \"corpus\": ", json_string(options.corpus), ",\n  \"format\": \"",
+      result.sft ? "sft" : "text", "\",\n  \"tokenizer\": ", json_string(tokenizer), ",\n",
+      tokenizer == "bpe" ? detail::concat("  \"", kBpeChecksumsKey,
+                                          "\": ", bpe_checksums_json(options.output_dir), ",\n")
+                         : "",
+      "  \"vocab_size\": ", vocab_size, ",\n  \"seed\": ", options.seed,
+      ",\n  \"val_fraction\": ", options.val_fraction,
+      ",\n  \"train\": ", split_json(result.train, result.sft),
+      ",\n  \"val\": ", split_json(result.val, result.sft), "\n}\n");
   write_file_atomically(result.metadata_path, json);
 }
 

@@ -1,7 +1,9 @@
 #include "tessel/data/tokenizer.hpp"
 
 #include <unistd.h>
+#include <zlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -36,18 +38,71 @@ int32_t Tokenizer::single_token(std::string_view text, const std::string& what) 
   return ids[0];
 }
 
-std::optional<std::string> tokenizer_name(const std::string& dir) {
+namespace {
+
+// A directory's description of its tokenizer: the first of dataset.json (a prepared data
+// directory) and tokenizer.json (a run's copy) that exists, parsed.
+struct TokenizerMetadata {
+  fs::path path;
+  nlohmann::json json;
+};
+
+std::optional<TokenizerMetadata> read_metadata(const std::string& dir) {
   if (dir.empty()) return std::nullopt;
   for (const char* file : {"dataset.json", "tokenizer.json"}) {
     const fs::path metadata = fs::path(dir) / file;
     if (!fs::exists(metadata)) continue;
     try {
-      return nlohmann::json::parse(read_file(metadata.string())).at("tokenizer").get<std::string>();
+      nlohmann::json json = nlohmann::json::parse(read_file(metadata.string()));
+      json.at("tokenizer").get<std::string>();
+      return TokenizerMetadata{metadata, std::move(json)};
     } catch (const nlohmann::json::exception& e) {
       input_error(metadata.string(), ": no \"tokenizer\" string (", e.what(), ")");
     }
   }
-  if (fs::exists(fs::path(dir) / kBpeFiles[0]) && fs::exists(fs::path(dir) / kBpeFiles[1]))
+  return std::nullopt;
+}
+
+nlohmann::json bpe_checksums(const std::string& dir) {
+  nlohmann::json sums = nlohmann::json::object();
+  for (const char* file : kBpeFiles) {
+    const std::string bytes = read_file((fs::path(dir) / file).string());
+    uLong crc = ::crc32(0L, Z_NULL, 0);
+    for (size_t at = 0; at < bytes.size();) {  // crc32 takes at most uInt bytes a call
+      const size_t n = std::min<size_t>(bytes.size() - at, 1u << 30);
+      crc = ::crc32(crc, reinterpret_cast<const Bytef*>(bytes.data() + at), uInt(n));
+      at += n;
+    }
+    sums[file] = uint32_t(crc);
+  }
+  return sums;
+}
+
+// InputError when the BPE files in `dir` are not those its metadata recorded: replaced after
+// prepare or after the run copied them. Metadata written before the checksums were recorded
+// has none, and is not checked.
+void check_bpe_checksums(const std::string& dir, const std::optional<TokenizerMetadata>& metadata) {
+  if (!metadata || !metadata->json.contains(kBpeChecksumsKey)) return;
+  if (metadata->json.at(kBpeChecksumsKey) != bpe_checksums(dir))
+    input_error(dir, ": ", kBpeFiles[0], " / ", kBpeFiles[1],
+                " are not the vocabulary its ids were made with (their checksums differ from ",
+                metadata->path.filename().string(), "'s ", kBpeChecksumsKey,
+                "; replaced afterwards, e.g. by train-bpe --out?): restore them",
+                metadata->path.filename() == "dataset.json"
+                    ? ", or prepare the data again"
+                    : " (copies of the data set's the run trained on)");
+}
+
+}  // namespace
+
+std::string bpe_checksums_json(const std::string& dir) {
+  return bpe_checksums(dir).dump();
+}
+
+std::optional<std::string> tokenizer_name(const std::string& dir) {
+  if (const auto metadata = read_metadata(dir)) return metadata->json.at("tokenizer");
+  if (!dir.empty() && fs::exists(fs::path(dir) / kBpeFiles[0]) &&
+      fs::exists(fs::path(dir) / kBpeFiles[1]))
     return "bpe";
   return std::nullopt;
 }
@@ -62,9 +117,10 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_
   const std::string& name = *named;
   if (name == "byte")
     tokenizer = std::make_unique<ByteTokenizer>();
-  else if (name == "bpe")
+  else if (name == "bpe") {
     tokenizer = BpeTokenizer::from_directory(dir);
-  else if (!name.starts_with(kPretokenized))
+    check_bpe_checksums(dir, read_metadata(dir));
+  } else if (!name.starts_with(kPretokenized))
     input_error(dir, ": unknown tokenizer \"", name, "\"");
   if (tokenizer && tokenizer->vocab_size() > model_vocab)
     input_error(dir, ": its ", name, " tokenizer has ", tokenizer->vocab_size(),
@@ -83,13 +139,16 @@ void save_tokenizer(const std::string& data_dir, const std::string& to_dir) {
   fs::remove_all(staging, ec);
   fs::create_directories(staging, ec);
   if (ec) input_error(staging.string(), ": cannot create directory: ", ec.message());
-  if (*name == "bpe")
+  nlohmann::json description = {{"tokenizer", *name}};
+  if (*name == "bpe") {
+    check_bpe_checksums(data_dir, read_metadata(data_dir));
     for (const char* file : kBpeFiles)
       write_file_atomically((staging / file).string(),
                             read_file((fs::path(data_dir) / file).string()));
+    description[kBpeChecksumsKey] = bpe_checksums(staging.string());
+  }
   // Pretokenized ids get their name too, so that no older copy speaks for them.
-  write_file_atomically((staging / "tokenizer.json").string(),
-                        nlohmann::json{{"tokenizer", *name}}.dump() + "\n");
+  write_file_atomically((staging / "tokenizer.json").string(), description.dump() + "\n");
   fs::remove_all(target, ec);
   fs::rename(staging, target, ec);
   if (ec) input_error(target.string(), ": cannot put the tokenizer copy in place: ", ec.message());

@@ -35,6 +35,15 @@ class Tokenizer {
   int32_t single_token(std::string_view text, const std::string& what) const;
 };
 
+// The key of dataset.json and of a run's tokenizer.json under which prepare and save_tokenizer
+// record the CRC-32 of each BPE file they placed there ({"vocab.json": crc, "merges.txt": crc}),
+// so that a vocabulary replaced afterwards (e.g. by train-bpe) is refused instead of decoding
+// the ids as another vocabulary's tokens.
+inline constexpr std::string_view kBpeChecksumsKey = "bpe_crc32";
+
+// The CRC-32 of each BPE file in `dir`, as the JSON object kBpeChecksumsKey records.
+std::string bpe_checksums_json(const std::string& dir);
+
 // The tokenizer a directory holds, by the first of: dataset.json's "tokenizer" (a prepared
 // data directory: "byte", "bpe", or "pretokenized <dtype>, eot <id>" for ids without one),
 // tokenizer.json's (a run's copy, save_tokenizer), or "bpe" for vocab.json beside merges.txt
@@ -44,11 +53,13 @@ std::optional<std::string> tokenizer_name(const std::string& dir);
 
 // The tokenizer in `dir` (tokenizer_name): bytes, or the BPE vocabulary beside it. Without
 // one, bytes when `model_vocab` is 256 (shards written another way), else nullptr; nullptr
-// too for pretokenized ids. InputError for a bad vocabulary or one larger than model_vocab.
+// too for pretokenized ids. InputError for a bad vocabulary, one larger than model_vocab, or
+// BPE files whose checksums differ from those the metadata recorded (kBpeChecksumsKey).
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_vocab);
 
 // Replaces `to_dir` by a copy of the tokenizer of data directory `data_dir` (tokenizer.json
-// and, for BPE, the vocabulary files; built beside it and renamed into place), so that a run
+// and, for BPE, the vocabulary files, checked against and recorded with their checksums;
+// built beside it and renamed into place), so that a run
 // keeps what its ids mean when the data changes or moves. Pretokenized ids are recorded by
 // name (no older copy then speaks for them); nothing is done for a directory without one.
 void save_tokenizer(const std::string& data_dir, const std::string& to_dir);

@@ -51,7 +51,8 @@ double sec(int64_t ns) {
   return double(ns) * 1e-9;
 }
 
-std::vector<nlohmann::json> read_log(const std::string& path) {
+// The log's records; `cut_line` tells whether its last line was cut short and left out.
+std::vector<nlohmann::json> read_log(const std::string& path, bool& cut_line) {
   std::ifstream in(path);
   if (!in) input_error(path, ": cannot open ETT log");
   std::vector<std::string> lines;
@@ -62,7 +63,10 @@ std::vector<nlohmann::json> read_log(const std::string& path) {
     auto j = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
     bool usable = !j.is_discarded() && j.is_object() && j.contains("t") && j["t"].is_number();
     if (!usable) {
-      if (i + 1 == lines.size()) break;  // a line cut short by a crash
+      if (i + 1 == lines.size()) {  // a line cut short by a crash
+        cut_line = true;
+        break;
+      }
       input_error(path, ":", i + 1, ": malformed ETT record");
     }
     records.push_back(std::move(j));
@@ -79,9 +83,9 @@ int64_t latest_checkpoint_step(const std::string& run_dir) {
 }
 
 EttAttempt parse_attempt(const std::string& path, int index) {
-  auto records = read_log(path);
   EttAttempt a;
   a.index = index;
+  auto records = read_log(path, a.cut_line);
   if (records.empty()) return a;
   struct Boundary {
     int64_t t;
@@ -160,16 +164,22 @@ void finish_attempt(EttAttempt& a) {
   for (const auto& s : a.segments) a.leaf_ns[idx(s.phase)] += s.t1 - s.t0;
 }
 
-double mean_mfu(const std::string& run_dir) {
+// The steps' MFU weighted by their seconds (their FLOPs over their time at the peak), so that
+// fast steps on a machine whose load varies do not outweigh slow ones; nullopt without step
+// records.
+std::optional<double> time_weighted_mfu(const std::string& run_dir) {
   std::ifstream in(run_dir + "/metrics.jsonl");
-  double sum = 0;
-  int n = 0;
+  double flop_seconds = 0, seconds = 0;
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object() && j.contains("loss") && j.contains("mfu"))
-      sum += j["mfu"].get<double>(), ++n;
+    if (j.is_object() && j.contains("loss") && j.contains("mfu") && j.contains("step_seconds")) {
+      const double t = j["step_seconds"].get<double>();
+      flop_seconds += j["mfu"].get<double>() * t;
+      seconds += t;
+    }
   }
-  return n ? sum / n : 0.0;
+  if (!(seconds > 0)) return std::nullopt;
+  return flop_seconds / seconds;
 }
 
 std::string fmt(const char* f, double v) {
@@ -410,8 +420,14 @@ EttReport analyze_ett(const std::string& run_dir) {
       ++rep.nof_by_cause[a.cause];
       double ttr = sec(a.leaf_ns[idx(Phase::wasted)] + a.leaf_ns[idx(Phase::failure_detection)]);
       if (i + 1 < n) {
+        // The next attempt's start-up; one that failed before its first step has its own
+        // wasted and detection time in its own TTR (so that the TTRs partition W).
         const auto& b = rep.attempts[i + 1];
-        ttr += sec((b.first_step_ns >= 0 ? b.first_step_ns : b.t1) - b.t0);
+        ttr += b.first_step_ns >= 0
+                   ? sec(b.first_step_ns - b.t0)
+                   : sec(b.t1 - b.t0) - (b.failed ? sec(b.leaf_ns[idx(Phase::wasted)] +
+                                                        b.leaf_ns[idx(Phase::failure_detection)])
+                                                  : 0.0);
       }
       rep.ttr.push_back(ttr);
       rep.failed_attempts.push_back(a.index);
@@ -426,8 +442,8 @@ EttReport analyze_ett(const std::string& run_dir) {
   }
   rep.productive = rep.leaves[idx(Phase::productive)];
   rep.ett = rep.wall > 0 ? rep.productive / rep.wall : 0;
-  rep.mfu = mean_mfu(run_dir);
-  rep.goodput = rep.mfu * rep.ett;
+  rep.mfu = time_weighted_mfu(run_dir);
+  if (rep.mfu) rep.goodput = *rep.mfu * rep.ett;
   return rep;
 }
 
@@ -453,8 +469,8 @@ nlohmann::json ett_json(const EttReport& r) {
     j["ttr_over_bound"] = ttr_over_bound(r);
   }
   j["checkpoint_blocking_seconds"] = r.ckpt_block;
-  j["mfu"] = r.mfu;
-  j["goodput"] = r.goodput;
+  j["mfu"] = r.mfu ? nlohmann::json(*r.mfu) : nlohmann::json();
+  j["goodput"] = r.goodput ? nlohmann::json(*r.goodput) : nlohmann::json();
   j["leaves"] = leaves(r.leaves, same);
   for (const auto& a : r.attempts) {
     nlohmann::json aj = {{"attempt", a.index},
@@ -462,6 +478,7 @@ nlohmann::json ett_json(const EttReport& r) {
                          {"failed", a.failed},
                          {"open", a.open},
                          {"injected", a.injected},
+                         {"last_line_cut", a.cut_line},
                          {"resumed_from", a.resumed_from},
                          {"leaves", leaves(a.leaf_ns, [](int64_t ns) { return sec(ns); })}};
     if (a.failed) {
@@ -524,8 +541,8 @@ std::string ett_html(const EttReport& r, const std::string& title) {
   if (r.ttr_bound > 0)
     row("TTR bound", fmt("%.3f s", r.ttr_bound) + ", exceeded by " +
                          std::to_string(ttr_over_bound(r).size()) + " failure(s)");
-  row("mean MFU", fmt("%.2f %%", 100 * r.mfu));
-  row("goodput = MFU x ETT%", fmt("%.2f %%", 100 * r.goodput));
+  row("MFU (steps, time-weighted)", mfu_percent_text(r.mfu));
+  row("goodput = MFU x ETT%", mfu_percent_text(r.goodput));
   h << "</table>\n";
 
   const int W = 900, bar = 26, gap = 10, left = 90;
@@ -593,6 +610,10 @@ std::string nof_by_cause_text(const EttReport& r) {
   for (const auto& [cause, n] : r.nof_by_cause)
     text += (text.empty() ? "" : ", ") + cause + " " + std::to_string(n);
   return text;
+}
+
+std::string mfu_percent_text(const std::optional<double>& fraction) {
+  return fraction ? fmt("%.2f %%", 100 * *fraction) : "n/a (no step records in metrics.jsonl)";
 }
 
 std::vector<int> ttr_over_bound(const EttReport& r) {

@@ -155,6 +155,7 @@ struct EttAttempt {
   bool exited = false;    // has its exit line
   bool open = false;      // the last attempt, without an exit line: running, or killed
   bool injected = false;  // a fault line: the failure was injected
+  bool cut_line = false;  // its log's last line was cut short (a crash while writing it): left out
   // Why a failed attempt ended: "hang" (the supervisor killed it, --hang-timeout), "stop" (a
   // stop signal it forwarded), "exit_status" (the job exited nonzero by itself),
   // "no_exit_record" (it died without an exit line); empty when it did not fail.
@@ -185,12 +186,16 @@ struct EttReport {
   int nof = 0;                              // failed attempts
   int injected = 0;                         // of which injected
   std::map<std::string, int> nof_by_cause;  // failed attempts by EttAttempt::cause
-  std::vector<double> ttr;                  // per failure: wasted + detection + next start-up
-  std::vector<int> failed_attempts;         // per failure: the index of its attempt log
-  double ttr_bound = 0;                     // seconds; 0 = no bound
-  std::vector<double> ckpt_block;           // each checkpoint_blocking segment, seconds
-  double mfu = 0;                           // mean step MFU of metrics.jsonl
-  double goodput = 0;                       // mfu * ett
+  // per failure: wasted + detection + the next attempt's start-up (all of it when that one
+  // never got to a step, less its own wasted and detection time when it failed too)
+  std::vector<double> ttr;
+  std::vector<int> failed_attempts;  // per failure: the index of its attempt log
+  double ttr_bound = 0;              // seconds; 0 = no bound
+  std::vector<double> ckpt_block;    // each checkpoint_blocking segment, seconds
+  // The step records' MFU in metrics.jsonl, weighted by their step_seconds; nullopt (and
+  // goodput too) when it holds none.
+  std::optional<double> mfu;
+  std::optional<double> goodput;            // mfu * ett
   std::array<double, kNumPhases> leaves{};  // seconds, whole job
 };
 
@@ -206,6 +211,8 @@ nlohmann::json ett_chrome_trace(const EttReport& report);
 std::string ett_html(const EttReport& report, const std::string& title);
 // "exit_status 2, hang 1": NoF by cause.
 std::string nof_by_cause_text(const EttReport& report);
+// "12.34 %" of a fraction (MFU, goodput), or "n/a (no step records in metrics.jsonl)".
+std::string mfu_percent_text(const std::optional<double>& fraction);
 // The failures (0-based) whose TTR exceeds report.ttr_bound (none when the bound is 0).
 std::vector<int> ttr_over_bound(const EttReport& report);
 // Writes ett.json, ett.html and ett_trace.json into `run_dir`; returns the report.

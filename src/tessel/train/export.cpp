@@ -38,11 +38,26 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (!fs::is_directory(out_dir)) input_error(out_dir, ": cannot create: ", ec.message());
-  const std::string path = out_dir + "/model.safetensors";
+  // Only an earlier export is replaced: a run's or a data set's directory is no output.
+  for (const auto& entry : fs::directory_iterator(out_dir)) {
+    const std::string name = entry.path().filename().string();
+    const bool ours = name == "tokenizer" ? entry.is_directory()
+                                          : (name == kExportModelFile || name == "config.toml") &&
+                                                entry.is_regular_file();
+    if (!ours)
+      input_error("export: ", out_dir, " holds ", name,
+                  ", which is not what an export writes; export into a new or empty directory "
+                  "(or over an earlier export)");
+  }
+  const std::string path = out_dir + "/" + kExportModelFile;
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   write_safetensors(tmp, content.model, {{"format", "pt"}, {"step", std::to_string(r.step)}});
   fsync_path(tmp);
-  fs::rename(tmp, path);
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    fs::remove(tmp);
+    input_error(path, ": cannot put the export in place: ", ec.message());
+  }
   fsync_path(out_dir);
   write_file_atomically(out_dir + "/config.toml", content.state.at("config").get<std::string>());
   // The model's ids mean nothing without their tokenizer: the run's copy goes along.

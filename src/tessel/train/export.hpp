@@ -11,6 +11,9 @@
 
 namespace tessel::train {
 
+// The export's weights file, in OUT.
+inline constexpr const char* kExportModelFile = "model.safetensors";
+
 struct ExportResult {
   std::string checkpoint;  // the checkpoint directory that was exported
   int64_t step = 0;
@@ -20,7 +23,8 @@ struct ExportResult {
 };
 
 // `checkpoint` is a checkpoint directory (step-N) or a run directory (its newest checkpoint
-// that verifies). InputError naming the file on a damaged checkpoint.
+// that verifies). InputError naming the file on a damaged checkpoint, and for an `out_dir`
+// that holds anything but an earlier export's files (a run's or a data set's directory).
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir);
 
 }  // namespace tessel::train

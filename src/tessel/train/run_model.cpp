@@ -8,12 +8,16 @@
 #include "tessel/data/shard.hpp"
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/train/batch_inputs.hpp"
+#include "tessel/train/export.hpp"
 
 namespace tessel::train {
 
 CheckpointStore::Loaded load_trained_checkpoint(const std::string& path) {
   namespace fs = std::filesystem;
   const fs::path dir(path);
+  if (fs::exists(dir / kExportModelFile) && !fs::exists(dir / "checkpoints"))
+    input_error(path, ": an export (", kExportModelFile,
+                "), not a run or checkpoint directory; pass the run it was exported from");
   const bool run_files = fs::exists(dir / "config.toml") || fs::exists(dir / "metrics.jsonl");
   if (run_files && !fs::exists(dir / "checkpoints") && !fs::exists(dir / "manifest.json"))
     input_error(path,

@@ -93,8 +93,8 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
 TEST_F(CliTest, GenerateRefusesBadInputBeforePrinting) {
   std::string run = temp_dir("tessel-cli-gen");
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
-  for (const char* bad :
-       {"--temperature -1", "--temperature nan", "--temperature inf", "--top-k -5"}) {
+  for (const char* bad : {"--temperature -1", "--temperature nan", "--temperature inf",
+                          "--temperature 1e300", "--top-k -5"}) {
     SCOPED_TRACE(bad);
     const Outcome o = run_tessel("generate --run " + run + " --prompt ab " + bad);
     EXPECT_EQ(o.out, "");
@@ -470,7 +470,8 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
   expect_one_line_error(run_tessel("prepare --corpus file:" + run + " --out " + temp_dir("p")),
                         {run, "is a directory"});
   // CLI11's own range checks: its message names the option.
-  for (const std::string args : {"bench-gemm --seconds -1", "run --threads -5",
+  for (const std::string args : {"bench-gemm --seconds -1", "bench-gemm --seconds nan",
+                                 "run --threads -5", "simulate --link-bandwidth nan",
                                  "prepare --seed 18446744073709551616", "prepare --seed -1"}) {
     const Outcome o = run_tessel(args);
     EXPECT_NE(o.exit_code, 0) << args;
@@ -682,6 +683,18 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
                         {"--stop", "one token of the bpe tokenizer"});
   expect_one_line_error(run_tessel(on_bpe + " --set 'train.sample_stop=\"the LORD\"'"),
                         {"train.sample_stop", "one token of the bpe tokenizer"});
+  // A new vocabulary never lands where ids were made with the old one.
+  const std::string data_vocab = slurp(dir + "/data/vocab.json");
+  for (const std::string& out : {dir + "/data", run + "/tokenizer"})
+    expect_one_line_error(
+        run_tessel("train-bpe --corpus file:" + dir + "/text.txt --vocab-size 280 --out " + out),
+        {"--out " + out, "whose token ids were made with the vocabulary there"});
+  EXPECT_EQ(slurp(dir + "/data/vocab.json"), data_vocab);
+  for (const char* sub : {"train-bpe", "prepare"}) {  // CLI11's own two-line message
+    o = run_tessel(std::string(sub) + " --corpus file:" + dir + "/text.txt --out ''");
+    EXPECT_NE(o.exit_code, 0);
+    EXPECT_NE(o.err.find("--out: must name a directory"), std::string::npos) << o.err;
+  }
   // The same text as bytes fits the model's 300 ids but means other text to it.
   ASSERT_EQ(
       run_tessel("prepare --corpus file:" + dir + "/text.txt --out " + dir + "/bytes").exit_code,

@@ -294,6 +294,20 @@ TEST_F(SupervisorTest, ExportWritesOneSafetensorsFileThatAnotherReaderLoads) {
     EXPECT_EQ(exported.at(p.name).dtype, "F32") << p.name;
   }
   EXPECT_EQ(params, exported.size());
+  // An earlier export is replaced; a run's directory is no output, and an export no run.
+  EXPECT_EQ(run_tessel("export " + reference + " " + out).exit_code, 0);
+  const std::string run_config = slurp(reference + "/config.toml");
+  o = run_tessel("export " + reference + " " + reference);
+  EXPECT_EQ(o.exit_code, 2);
+  EXPECT_NE(o.err.find("which is not what an export writes"), std::string::npos) << o.err;
+  EXPECT_FALSE(fs::exists(reference + "/model.safetensors"));
+  EXPECT_EQ(slurp(reference + "/config.toml"), run_config);
+  for (const std::string& command : {"generate --run " + out, "export " + out + " " + out + "2"}) {
+    o = run_tessel(command);
+    EXPECT_EQ(o.exit_code, 2) << command;
+    EXPECT_NE(o.err.find(out + ": an export (model.safetensors), not a run"), std::string::npos)
+        << o.err;
+  }
   // A damaged checkpoint is refused with the file named.
   std::string dir = final_checkpoint(reference) + "-copy";
   fs::copy(final_checkpoint(reference), dir);

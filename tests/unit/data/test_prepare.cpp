@@ -371,6 +371,80 @@ TEST(Prepare, BpeTokenizerEncodesAndTravelsWithTheShards) {
   expect_input_error([&] { prepare_documents(docs, opt); }, {"byte or bpe:DIR", "wordpiece"});
 }
 
+// dataset.json and a run's copy record the BPE files' checksums: files replaced afterwards
+// (train-bpe --out into the directory) are refused, not read as the vocabulary of the ids.
+TEST(Prepare, ReplacedBpeFilesAreRefusedByTheirChecksums) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), out = dir.file("out"), copy = dir.file("run/tokenizer");
+  const int vocab = int(data::write_bpe_files(bpe, fixture::english_merges()));
+  PrepareOptions opt;
+  opt.corpus = "file:docs.txt";
+  opt.output_dir = out;
+  opt.val_fraction = 0.5;
+  opt.tokenizer = "bpe:" + bpe;
+  prepare_documents({"In the beginning", "the LORD said"}, opt);
+  const auto meta = nlohmann::json::parse(read_text(out + "/dataset.json"));
+  ASSERT_TRUE(meta.contains(kBpeChecksumsKey));
+  EXPECT_EQ(meta[kBpeChecksumsKey], nlohmann::json::parse(bpe_checksums_json(bpe)));
+  EXPECT_NE(load_tokenizer(out, vocab), nullptr);
+  save_tokenizer(out, copy);
+  EXPECT_EQ(nlohmann::json::parse(read_text(copy + "/tokenizer.json"))[kBpeChecksumsKey],
+            meta[kBpeChecksumsKey]);
+  EXPECT_NE(load_tokenizer(copy, vocab), nullptr);
+
+  auto merges = fixture::english_merges();
+  std::swap(merges[10], merges[11]);  // the same size, other ids
+  data::write_bpe_files(copy, merges);
+  expect_input_error([&] { load_tokenizer(copy, vocab); },
+                     {copy, "tokenizer.json", std::string(kBpeChecksumsKey)});
+  const std::string vocab_json = read_text(out + "/vocab.json");
+  data::write_bpe_files(out, merges);
+  expect_input_error([&] { load_tokenizer(out, vocab); },
+                     {out, "dataset.json", "prepare the data again"});
+  expect_input_error([&] { save_tokenizer(out, copy); }, {out, "dataset.json"});
+  std::ofstream(out + "/vocab.json", std::ios::binary) << vocab_json;  // one file restored
+  expect_input_error([&] { load_tokenizer(out, vocab); }, {out, "dataset.json"});
+  data::write_bpe_files(out, fixture::english_merges());
+  EXPECT_NE(load_tokenizer(out, vocab), nullptr) << "both restored";
+}
+
+// prepare never writes over its own corpus file, nor over a vocabulary it did not copy.
+TEST(Prepare, KeepsItsCorpusAndAVocabularyItDidNotWrite) {
+  TempDir dir;
+  const std::string out = dir.file("out");
+  std::filesystem::create_directories(out);
+  const std::string text = "In the beginning\n\nthe LORD said\n\nand it was so\n";
+  PrepareOptions opt;
+  opt.output_dir = out;
+  for (const char* file : {"train.tok", "val.loss_mask.tok", "dataset.json", "merges.txt"}) {
+    std::ofstream(out + "/" + file, std::ios::binary) << text;
+    opt.corpus = std::string("file:") + out + "/" + file;
+    expect_input_error([&] { prepare_dataset(opt); }, {file, "a file prepare writes in --out"});
+    EXPECT_EQ(read_text(out + "/" + file), text);
+    std::filesystem::remove(out + "/" + file);
+  }
+  std::ofstream(dir.file("docs.txt"), std::ios::binary) << text;
+  opt.corpus = "file:" + dir.file("docs.txt");
+  EXPECT_NO_THROW(prepare_dataset(opt));
+
+  // train-bpe's vocabulary in the output directory: byte prepares keep it (documented), a
+  // BPE prepare would have replaced it by its copy and is refused.
+  const std::string bpe = dir.file("bpe"), learned = dir.file("learned");
+  data::write_bpe_files(bpe, fixture::english_merges());
+  auto merges = fixture::english_merges();
+  merges.pop_back();
+  data::write_bpe_files(learned, merges);
+  const std::string learned_vocab = read_text(learned + "/vocab.json");
+  opt.output_dir = learned;
+  prepare_dataset(opt);
+  opt.tokenizer = "bpe:" + bpe;
+  expect_input_error([&] { prepare_dataset(opt); },
+                     {learned + "/vocab.json", "no prepare copied there"});
+  opt.tokenizer.reset();
+  prepare_dataset(opt);
+  EXPECT_EQ(read_text(learned + "/vocab.json"), learned_vocab);
+}
+
 // SFT samples through BPE: each run of equally trained bytes is encoded apart, so the trained
 // tokens decode to exactly the trained bytes and the others to the context.
 TEST(Prepare, SftSamplesTakeBpeRunByRun) {

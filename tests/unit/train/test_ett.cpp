@@ -142,6 +142,31 @@ TEST(EttLedger, HandWrittenRunHasTheExpectedLeavesAndMetrics) {
   EXPECT_NEAR(r.ttr[0], 0.3 + 0.08 + 0.2, 1e-12);  // wasted + detection + restart to step
   ASSERT_EQ(r.ckpt_block.size(), 1u);
   EXPECT_DOUBLE_EQ(r.ckpt_block[0], 0.02);
+  EXPECT_FALSE(a.cut_line);
+  EXPECT_TRUE(b.cut_line) << "its last line is cut short";
+  EXPECT_TRUE(ett_json(r)["attempts"][1]["last_line_cut"]);
+  EXPECT_FALSE(r.mfu) << "no metrics.jsonl: no MFU, not 0";
+  EXPECT_FALSE(r.goodput);
+  EXPECT_TRUE(ett_json(r)["mfu"].is_null());
+}
+
+// MFU is the steps' FLOPs over their time at the peak: each step's MFU weighted by its
+// seconds, not their plain mean (which a few fast steps on a loaded machine inflate).
+TEST(EttLedger, MfuWeightsEachStepByItsTime) {
+  const std::string run = two_attempt_run();
+  std::ofstream metrics(run + "/metrics.jsonl");
+  metrics << R"({"event": "start", "mfu": 0.9})"
+          << "\n"  // no step record: not counted
+          << R"({"step": 1, "loss": 2.0, "mfu": 0.4, "step_seconds": 1.0})"
+          << "\n"
+          << R"({"step": 2, "loss": 1.9, "mfu": 0.1, "step_seconds": 4.0})"
+          << "\n";
+  metrics.close();
+  const EttReport r = analyze_ett(run);
+  ASSERT_TRUE(r.mfu);
+  EXPECT_NEAR(*r.mfu, (0.4 * 1 + 0.1 * 4) / 5, 1e-15);  // the plain mean would be 0.25
+  ASSERT_TRUE(r.goodput);
+  EXPECT_NEAR(*r.goodput, *r.mfu * r.ett, 1e-15);
 }
 
 TEST(EttLedger, ChromeTraceAndHtmlCoverEverySegment) {
@@ -373,6 +398,7 @@ TEST(EttLedger, AnAttemptThatDiedBeforeItsStartDoesNotDecideTheDurableStep) {
   line(a0, {{"event", "exit"}, {"t", 600 * ms}, {"status", 137}});
   line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
   phase(a1, "model_build", 1100 * ms);
+  line(a1, {{"event", "fault"}, {"t", 1150 * ms}, {"rank", 0}, {"kind", "kill"}});
   line(a1, {{"event", "exit"}, {"t", 1200 * ms}, {"status", 137}});
   line(a2, {{"event", "attempt"}, {"attempt", 2}, {"t", 2000 * ms}});
   phase(a2, "checkpoint_load", 2050 * ms);
@@ -390,6 +416,14 @@ TEST(EttLedger, AnAttemptThatDiedBeforeItsStartDoesNotDecideTheDurableStep) {
   EXPECT_EQ(r.attempts[1].wasted_steps, 0);
   EXPECT_EQ(r.attempts[2].resumed_from, 2);
   EXPECT_EQ(r.nof, 2);
+  // The TTRs partition the time outside productive work (no checkpoint, shutdown or eval
+  // here): attempt 1's start-up (0.15 s) goes to attempt 0's TTR, its detection (0.05 s) to
+  // its own, never to both.
+  EXPECT_DOUBLE_EQ(leaf(r.attempts[1], Phase::failure_detection), 0.05);
+  ASSERT_EQ(r.ttr.size(), 2u);
+  double ttr_sum = 0;
+  for (double t : r.ttr) ttr_sum += t;
+  EXPECT_NEAR(r.productive + r.tts + ttr_sum, r.wall, 1e-9);
   // A fresh attempt that trained started from step 0.
   EXPECT_EQ(analyze_ett(killed_run(false)).attempts[0].resumed_from, 0);
 }
