@@ -22,7 +22,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
-#include <string_view>
 #include <thread>
 
 #include "tessel/comm/world.hpp"
@@ -76,13 +75,13 @@ int run_prepare(const data::PrepareOptions& opts) {
 
 int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const std::string& out) {
   const std::string& corpus = split.corpus;
-  // Checked before the learning: a vocabulary that token ids were made with stays.
-  for (const char* metadata : {"dataset.json", "tokenizer.json"})
+  // Checked before the learning: a directory that describes the tokenizer of its token ids
+  // (prepared shards, a run's or an export's copy) keeps what it describes.
+  for (const char* metadata : data::kTokenizerMetadataFiles)
     if (std::filesystem::exists(std::filesystem::path(out) / metadata))
       input_error("train-bpe: --out ", out, " holds ", metadata,
-                  std::string_view(metadata) == "dataset.json" ? " (a prepared data set)"
-                                                               : " (a run's tokenizer copy)",
-                  ", whose token ids were made with the vocabulary there; write the new one to "
+                  ", the description of the tokenizer its token ids were made with (a prepared "
+                  "data set, or a run's or an export's tokenizer copy); write the vocabulary to "
                   "another directory");
   const auto merges = data::learn_bpe_merges(data::training_documents(split), vocab_size - 257);
   const int64_t size = data::write_bpe_files(out, merges);
@@ -96,9 +95,10 @@ int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const s
 int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  const std::string& prompt, int64_t tokens, double temperature, int64_t top_k,
                  int64_t seed, const std::string& stop) {
-  if (temperature > std::numeric_limits<float>::max())  // float() would make it inf
-    input_error("generate: temperature = ", temperature, " is above the largest float, ",
-                std::numeric_limits<float>::max());
+  if (std::isfinite(temperature) &&
+      std::abs(temperature) > std::numeric_limits<float>::max())  // float() would make it inf
+    input_error("generate: temperature = ", temperature, " is outside the float range (",
+                std::numeric_limits<float>::max(), " at most)");
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
   // The tokenizer: --tokenizer's (the run's own, where it kept one), else the model's.
@@ -166,8 +166,9 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
       "goodput %s\nwrote %s/ett.json, %s/ett.html, %s/ett_trace.json\n",
       run_dir.c_str(), r.wall, r.attempts.size(), 100 * r.ett, r.tts, r.nof,
       r.nof ? (" (" + train::nof_by_cause_text(r) + ")").c_str() : "",
-      train::mfu_percent_text(r.mfu).c_str(), train::mfu_percent_text(r.goodput).c_str(),
-      run_dir.c_str(), run_dir.c_str(), run_dir.c_str());
+      train::mfu_percent_text(r.mfu).c_str(),
+      r.goodput ? train::mfu_percent_text(r.goodput).c_str() : "n/a", run_dir.c_str(),
+      run_dir.c_str(), run_dir.c_str());
   if (!r.attempts.empty() && r.attempts.back().open)
     std::printf(
         "attempt %d has no exit record: still running, or killed (counted up to its last "
@@ -176,8 +177,8 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
   for (const auto& a : r.attempts)
     if (a.cut_line)
       std::printf(
-          "attempt %d: the last line of its log is cut short (written as it died) and left "
-          "out\n",
+          "attempt %d: the last line of its log is cut short (being written, or the process "
+          "died writing it) and left out\n",
           a.index);
   auto over = train::ttr_over_bound(r);
   for (int i : over)
@@ -383,8 +384,6 @@ std::vector<std::string> train_arguments(const std::string& config_path,
   return args;
 }
 
-}  // namespace
-
 // CLI::Range with NaN refused: Range lets it through (every comparison with NaN is false).
 CLI::Validator finite_range(double min, double max) {
   const CLI::Validator not_nan(
@@ -395,6 +394,8 @@ CLI::Validator finite_range(double min, double max) {
       "");
   return not_nan & CLI::Range(min, max);
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   train::ProcessTimes times;
@@ -511,7 +512,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   gen->add_option("--prompt", prompt, "prompt text")->capture_default_str();
   gen->add_option("--tokens", gen_tokens, "tokens to generate")
-      ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
+      ->check(CLI::Range(int64_t(0), model::kMaxGeneratedTokens))
       ->capture_default_str();
   gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   gen->add_option("--top-k", top_k, "sample among the k likeliest; 0 = all")->capture_default_str();

@@ -2,11 +2,14 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <vector>
 
 #include "tessel/core/error.hpp"
 
@@ -48,6 +51,19 @@ void remove_temporary_files(const std::string& dir) {
     if (e.is_regular_file() && pid.find_first_not_of("0123456789") == std::string::npos)
       fs::remove(e.path());
   }
+}
+
+uint32_t file_crc32(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) input_error(path, ": cannot open");
+  std::vector<char> buf(1 << 20);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    std::streamsize got = in.gcount();
+    if (got > 0) crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), uInt(got));
+  }
+  return uint32_t(crc);
 }
 
 }  // namespace tessel

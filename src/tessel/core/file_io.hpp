@@ -2,6 +2,7 @@
 // Durable file writes. A reader either sees the old file or the whole new one, and
 // after these return the bytes survive a machine crash: data is fsync'ed before the
 // rename, and the directory after it.
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -17,5 +18,8 @@ void fsync_path(const std::string& path);
 // Removes the files `<name>.tmp.<pid>` that write_file_atomically leaves in `dir` when
 // its process dies between the write and the rename.
 void remove_temporary_files(const std::string& dir);
+
+// CRC-32 (zlib) of a file's bytes; InputError naming it if it cannot be read.
+uint32_t file_crc32(const std::string& path);
 
 }  // namespace tessel

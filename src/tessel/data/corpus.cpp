@@ -66,31 +66,6 @@ std::vector<std::string> split_documents(std::string_view text, IsSeparator&& is
   return docs;
 }
 
-// Byte offset of the first invalid UTF-8 sequence, or npos.
-size_t first_invalid_utf8(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    size_t len = c < 0x80           ? 1
-                 : (c >> 5) == 0x6  ? 2
-                 : (c >> 4) == 0xe  ? 3
-                 : (c >> 3) == 0x1e ? 4
-                                    : 0;
-    if (len == 0 || i + len > s.size()) return i;
-    uint32_t cp = len == 1 ? c : c & (0x7f >> len);
-    for (size_t k = 1; k < len; ++k) {
-      const auto cc = static_cast<unsigned char>(s[i + k]);
-      if ((cc >> 6) != 0x2) return i;
-      cp = (cp << 6) | (cc & 0x3f);
-    }
-    // Reject overlong forms, UTF-16 surrogates and code points past U+10FFFF.
-    static constexpr uint32_t kMinCodePoint[5] = {0, 0, 0x80, 0x800, 0x10000};
-    if (cp < kMinCodePoint[len] || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff) return i;
-    i += len;
-  }
-  return std::string_view::npos;
-}
-
 std::vector<std::string> load_bible() {
   if (::access(kBibleProgram, X_OK) != 0)
     missing_package("bible", "bible-kjv", std::string(kBibleProgram) + " not found");
@@ -147,6 +122,30 @@ std::vector<std::string> load_jsonl_file(const std::string& path) {
 }
 
 }  // namespace
+
+size_t first_invalid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t len = c < 0x80           ? 1
+                 : (c >> 5) == 0x6  ? 2
+                 : (c >> 4) == 0xe  ? 3
+                 : (c >> 3) == 0x1e ? 4
+                                    : 0;
+    if (len == 0 || i + len > s.size()) return i;
+    uint32_t cp = len == 1 ? c : c & (0x7f >> len);
+    for (size_t k = 1; k < len; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc >> 6) != 0x2) return i;
+      cp = (cp << 6) | (cc & 0x3f);
+    }
+    // Reject overlong forms, UTF-16 surrogates and code points past U+10FFFF.
+    static constexpr uint32_t kMinCodePoint[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMinCodePoint[len] || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

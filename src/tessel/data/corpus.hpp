@@ -41,6 +41,10 @@ void for_each_line(std::string_view text, F&& f) {
 // The bytes of the file at `path`; InputError naming it when it cannot be read.
 std::string read_file(const std::string& path);
 
+// Byte offset of the first invalid UTF-8 sequence of `s` (overlong forms, surrogates and code
+// points past U+10FFFF included), or npos.
+size_t first_invalid_utf8(std::string_view s);
+
 // The text of the file a "KIND:PATH" corpus names ("file", "chat"), without a leading UTF-8
 // byte-order mark (an editor's marker, not text): InputError for a missing file, a directory
 // or text that is not valid UTF-8.

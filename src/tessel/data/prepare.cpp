@@ -100,7 +100,7 @@ std::optional<std::string> bpe_directory(const PrepareOptions& options) {
   input_error("prepare: --tokenizer must be byte or bpe:DIR, got \"", name, "\"");
 }
 
-// Every file prepare may write in output directory `out`.
+// Every file prepare may write or remove in output directory `out`.
 std::vector<fs::path> output_files(const fs::path& out) {
   std::vector<fs::path> files;
   for (const char* split : {"train.tok", "val.tok"})
@@ -130,16 +130,19 @@ fs::path begin_output(const PrepareOptions& options, const std::optional<std::st
       for (const fs::path& file : output_files(out))
         if (fs::equivalent(std::string(corpus.substr(prefix.size())), file, ec))
           input_error("prepare: corpus \"", options.corpus, "\" is ", file.string(),
-                      ", a file prepare writes in --out; prepare into another directory");
+                      ", a file prepare writes or removes in --out; prepare into another "
+                      "directory");
   const fs::path metadata = out / "dataset.json";
   bool bpe_copies = false;
   try {
     bpe_copies = fs::exists(metadata) && tokenizer_name(out.string()) == "bpe";
   } catch (const InputError&) {  // an unreadable description describes nothing to keep
   }
-  // A vocabulary no prepare copied there (e.g. train-bpe's) is not replaced by the copy.
+  // A vocabulary no prepare copied there (e.g. train-bpe's) is not replaced by another; the
+  // same files (a prepare cut short before its dataset.json, run again) may stay.
   for (const char* file : kBpeFiles)
-    if (bpe_dir && !bpe_copies && fs::exists(out / file))
+    if (bpe_dir && !bpe_copies && fs::exists(out / file) &&
+        read_file((out / file).string()) != read_file((fs::path(*bpe_dir) / file).string()))
       input_error("prepare: ", (out / file).string(),
                   " is a vocabulary that no prepare copied there (e.g. train-bpe's); prepare "
                   "with --tokenizer bpe:DIR into another --out, or move it first");

@@ -1,9 +1,7 @@
 #include "tessel/data/tokenizer.hpp"
 
 #include <unistd.h>
-#include <zlib.h>
 
-#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -40,8 +38,8 @@ int32_t Tokenizer::single_token(std::string_view text, const std::string& what) 
 
 namespace {
 
-// A directory's description of its tokenizer: the first of dataset.json (a prepared data
-// directory) and tokenizer.json (a run's copy) that exists, parsed.
+// A directory's description of its tokenizer: the first of kTokenizerMetadataFiles that
+// exists, parsed.
 struct TokenizerMetadata {
   fs::path path;
   nlohmann::json json;
@@ -49,7 +47,7 @@ struct TokenizerMetadata {
 
 std::optional<TokenizerMetadata> read_metadata(const std::string& dir) {
   if (dir.empty()) return std::nullopt;
-  for (const char* file : {"dataset.json", "tokenizer.json"}) {
+  for (const char* file : kTokenizerMetadataFiles) {
     const fs::path metadata = fs::path(dir) / file;
     if (!fs::exists(metadata)) continue;
     try {
@@ -63,18 +61,19 @@ std::optional<TokenizerMetadata> read_metadata(const std::string& dir) {
   return std::nullopt;
 }
 
+// tokenizer_name of `dir`, whose metadata is `metadata`.
+std::optional<std::string> name_of(const std::string& dir,
+                                   const std::optional<TokenizerMetadata>& metadata) {
+  if (metadata) return metadata->json.at("tokenizer").get<std::string>();
+  if (!dir.empty() && fs::exists(fs::path(dir) / kBpeFiles[0]) &&
+      fs::exists(fs::path(dir) / kBpeFiles[1]))
+    return "bpe";
+  return std::nullopt;
+}
+
 nlohmann::json bpe_checksums(const std::string& dir) {
   nlohmann::json sums = nlohmann::json::object();
-  for (const char* file : kBpeFiles) {
-    const std::string bytes = read_file((fs::path(dir) / file).string());
-    uLong crc = ::crc32(0L, Z_NULL, 0);
-    for (size_t at = 0; at < bytes.size();) {  // crc32 takes at most uInt bytes a call
-      const size_t n = std::min<size_t>(bytes.size() - at, 1u << 30);
-      crc = ::crc32(crc, reinterpret_cast<const Bytef*>(bytes.data() + at), uInt(n));
-      at += n;
-    }
-    sums[file] = uint32_t(crc);
-  }
+  for (const char* file : kBpeFiles) sums[file] = file_crc32((fs::path(dir) / file).string());
   return sums;
 }
 
@@ -87,10 +86,10 @@ void check_bpe_checksums(const std::string& dir, const std::optional<TokenizerMe
     input_error(dir, ": ", kBpeFiles[0], " / ", kBpeFiles[1],
                 " are not the vocabulary its ids were made with (their checksums differ from ",
                 metadata->path.filename().string(), "'s ", kBpeChecksumsKey,
-                "; replaced afterwards, e.g. by train-bpe --out?): restore them",
+                "; replaced afterwards, e.g. by train-bpe --out?): ",
                 metadata->path.filename() == "dataset.json"
-                    ? ", or prepare the data again"
-                    : " (copies of the data set's the run trained on)");
+                    ? "restore them, or prepare the data again"
+                    : "restore them from the data set the run trained on");
 }
 
 }  // namespace
@@ -100,16 +99,13 @@ std::string bpe_checksums_json(const std::string& dir) {
 }
 
 std::optional<std::string> tokenizer_name(const std::string& dir) {
-  if (const auto metadata = read_metadata(dir)) return metadata->json.at("tokenizer");
-  if (!dir.empty() && fs::exists(fs::path(dir) / kBpeFiles[0]) &&
-      fs::exists(fs::path(dir) / kBpeFiles[1]))
-    return "bpe";
-  return std::nullopt;
+  return name_of(dir, read_metadata(dir));
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_vocab) {
   std::unique_ptr<Tokenizer> tokenizer;
-  const std::optional<std::string> named = tokenizer_name(dir);
+  const std::optional<TokenizerMetadata> metadata = read_metadata(dir);
+  const std::optional<std::string> named = name_of(dir, metadata);
   if (!named) {
     if (model_vocab == ByteTokenizer::kVocabSize) tokenizer = std::make_unique<ByteTokenizer>();
     return tokenizer;
@@ -119,7 +115,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_
     tokenizer = std::make_unique<ByteTokenizer>();
   else if (name == "bpe") {
     tokenizer = BpeTokenizer::from_directory(dir);
-    check_bpe_checksums(dir, read_metadata(dir));
+    check_bpe_checksums(dir, metadata);
   } else if (!name.starts_with(kPretokenized))
     input_error(dir, ": unknown tokenizer \"", name, "\"");
   if (tokenizer && tokenizer->vocab_size() > model_vocab)
@@ -129,29 +125,36 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_
 }
 
 void save_tokenizer(const std::string& data_dir, const std::string& to_dir) {
-  const std::optional<std::string> name = tokenizer_name(data_dir);
+  const std::optional<TokenizerMetadata> metadata = read_metadata(data_dir);
+  const std::optional<std::string> name = name_of(data_dir, metadata);
   if (!name) return;
+  if (*name == "bpe") check_bpe_checksums(data_dir, metadata);
   // Built beside it, then renamed into place: a reader sees the old copy, none, or the new
   // one whole, never a vocabulary of one tokenizer with the name of another.
   const fs::path target = fs::path(to_dir).lexically_normal();
   const fs::path staging = target.string() + ".tmp." + std::to_string(::getpid());
   std::error_code ec;
   fs::remove_all(staging, ec);
-  fs::create_directories(staging, ec);
-  if (ec) input_error(staging.string(), ": cannot create directory: ", ec.message());
-  nlohmann::json description = {{"tokenizer", *name}};
-  if (*name == "bpe") {
-    check_bpe_checksums(data_dir, read_metadata(data_dir));
-    for (const char* file : kBpeFiles)
-      write_file_atomically((staging / file).string(),
-                            read_file((fs::path(data_dir) / file).string()));
-    description[kBpeChecksumsKey] = bpe_checksums(staging.string());
+  try {
+    fs::create_directories(staging, ec);
+    if (ec) input_error(staging.string(), ": cannot create directory: ", ec.message());
+    nlohmann::json description = {{"tokenizer", *name}};
+    if (*name == "bpe") {
+      for (const char* file : kBpeFiles)
+        write_file_atomically((staging / file).string(),
+                              read_file((fs::path(data_dir) / file).string()));
+      description[kBpeChecksumsKey] = bpe_checksums(staging.string());
+    }
+    // Pretokenized ids get their name too, so that no older copy speaks for them.
+    write_file_atomically((staging / "tokenizer.json").string(), description.dump() + "\n");
+    fs::remove_all(target, ec);
+    fs::rename(staging, target, ec);
+    if (ec)
+      input_error(target.string(), ": cannot put the tokenizer copy in place: ", ec.message());
+  } catch (...) {  // no half-built copy left beside the target
+    fs::remove_all(staging, ec);
+    throw;
   }
-  // Pretokenized ids get their name too, so that no older copy speaks for them.
-  write_file_atomically((staging / "tokenizer.json").string(), description.dump() + "\n");
-  fs::remove_all(target, ec);
-  fs::rename(staging, target, ec);
-  if (ec) input_error(target.string(), ": cannot put the tokenizer copy in place: ", ec.message());
   fsync_path(target.parent_path().empty() ? "." : target.parent_path().string());
 }
 

@@ -35,6 +35,10 @@ class Tokenizer {
   int32_t single_token(std::string_view text, const std::string& what) const;
 };
 
+// The files that describe a directory's tokenizer, the first that exists deciding:
+// dataset.json (a prepared data directory) and tokenizer.json (a run's or an export's copy).
+inline constexpr const char* kTokenizerMetadataFiles[2] = {"dataset.json", "tokenizer.json"};
+
 // The key of dataset.json and of a run's tokenizer.json under which prepare and save_tokenizer
 // record the CRC-32 of each BPE file they placed there ({"vocab.json": crc, "merges.txt": crc}),
 // so that a vocabulary replaced afterwards (e.g. by train-bpe) is refused instead of decoding

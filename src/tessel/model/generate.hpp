@@ -36,6 +36,10 @@ bool kv_cache_applies(const GptConfig& config);
 // model's, or a pipeline's through its stages.
 using NextTokenLogits = std::function<std::vector<float>(std::span<const int32_t> window)>;
 
+// The most tokens one generation draws (`generate --tokens`, `train.sample_tokens`): far
+// beyond any context, and a bound on a typo's running time.
+inline constexpr int64_t kMaxGeneratedTokens = int64_t(1) << 20;
+
 // InputError unless temperature >= 0 and top_k >= 0 (what sample_token accepts).
 void check_sampling(float temperature, int64_t top_k);
 

@@ -50,9 +50,15 @@ void require_size(const char* field, int64_t value, int64_t limit) {
   if (value > limit)
     input_error("model.", field, " = ", value, " is larger than tessel supports (", limit, ")");
 }
+// Positive, and a positive finite float: the kernels compute in f32, where 1e-300 is 0.
 void require_positive(const char* field, double value) {
   if (!(value > 0.0) || !std::isfinite(value))
     input_error("model.", field, " = ", value, " must be positive");
+  const float f = float(value);
+  if (!(f > 0.0f) || !std::isfinite(f))
+    input_error(
+        "model.", field, " = ", value, " is outside the float range the model computes in (",
+        std::numeric_limits<float>::denorm_min(), " to ", std::numeric_limits<float>::max(), ")");
 }
 }  // namespace
 

@@ -1,7 +1,5 @@
 #include "tessel/train/checkpoint.hpp"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
@@ -302,19 +300,6 @@ std::string stage_free_name(const std::string& name) {
   size_t i = stage.size();
   while (i < name.size() && name[i] >= '0' && name[i] <= '9') ++i;
   return i > stage.size() && i < name.size() && name[i] == '/' ? name.substr(i + 1) : name;
-}
-
-uint32_t file_crc32(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) input_error(path, ": cannot open");
-  std::vector<char> buf(1 << 20);
-  uLong crc = crc32(0L, Z_NULL, 0);
-  while (in) {
-    in.read(buf.data(), std::streamsize(buf.size()));
-    std::streamsize got = in.gcount();
-    if (got > 0) crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), uInt(got));
-  }
-  return uint32_t(crc);
 }
 
 void restore_tensor(const std::vector<NamedTensor>& from, const std::string& name, Tensor to,

@@ -226,7 +226,4 @@ std::string stage_free_name(const std::string& name);
 void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard>& wanted,
                        const std::string& source, bool same_stage_split = true);
 
-// CRC-32 (zlib) of a file's bytes; InputError if it cannot be read.
-uint32_t file_crc32(const std::string& path);
-
 }  // namespace tessel::train

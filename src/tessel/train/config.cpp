@@ -6,12 +6,15 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
+#include "tessel/data/corpus.hpp"
+#include "tessel/model/generate.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/spike_filter.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
@@ -327,7 +330,7 @@ std::vector<ConfigKey> build_schema() {
                  "(fresh optimizer and data order; the model config must match); unused when "
                  "the run resumes from its own checkpoint. Empty = random initialization",
                  FIELD(train.init_from)),
-      int_key("train.sample_tokens", "tokens of the final text sample; 0 = none",
+      int_key("train.sample_tokens", "tokens of the final text sample; 0 = none; at most 2^20",
               FIELD(train.sample_tokens)),
       string_key("train.sample_prompt", "prompt of the final text sample",
                  FIELD(train.sample_prompt)),
@@ -425,7 +428,8 @@ std::vector<ConfigKey> build_schema() {
       int_key("parallel.cp_chunks", "chunks per cp rank of the contiguous and balanced layouts",
               FIELD(parallel.cp_chunks)),
       int_key("parallel.ep", "expert-parallel degree (inside dp)", FIELD(parallel.ep)),
-      float_key("parallel.bucket_mb", "gradient all-reduce bucket size in MiB",
+      float_key("parallel.bucket_mb",
+                "gradient all-reduce bucket size in MiB (one f32 gradient, 4 bytes, to 1 TiB)",
                 FIELD(parallel.bucket_mb)),
       bool_key("parallel.overlap_grad_reduce",
                "start each gradient bucket's data-parallel all-reduce as soon as the step's "
@@ -584,6 +588,9 @@ void apply_override(Config& config, const std::string& assignment) {
   const ConfigKey* key = find_key(name);
   if (!key) unknown_key("--set: ", name);
   std::string value = assignment.substr(eq + 1);
+  // As in a config file, whose parser refuses such bytes: config.toml must read back the same.
+  if (const size_t bad = data::first_invalid_utf8(value); bad != std::string::npos)
+    input_error("--set ", name, ": the value is not valid UTF-8 (at byte ", bad, ")");
   // A value that starts with a quote is one TOML string, as in a config file ("..." with
   // escapes such as \n, or '...' taken literally); any other value is taken as written.
   if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
@@ -784,6 +791,12 @@ void validate(const Config& c) {
                 "(or train.sample_tokens = 0)");
   non_negative("train.sample_top_k", double(c.train.sample_top_k));
   non_negative("train.sample_temperature", c.train.sample_temperature);
+  if (c.train.sample_temperature > std::numeric_limits<float>::max())  // sampled in float
+    input_error("config key 'train.sample_temperature' = ", c.train.sample_temperature,
+                " is outside the float range (", std::numeric_limits<float>::max(), " at most)");
+  if (c.train.sample_tokens > model::kMaxGeneratedTokens)
+    input_error("config key 'train.sample_tokens' = ", c.train.sample_tokens,
+                " is larger than generation supports (", model::kMaxGeneratedTokens, ")");
   if (c.train.keep_checkpoints != 0 && c.train.keep_checkpoints < 2)
     input_error(
         "config key 'train.keep_checkpoints' must be 0 (keep all) or at least 2 (the newest "
@@ -834,6 +847,9 @@ void validate(const Config& c) {
         " needs train.seq_len divisible by cp_chunks * cp, got seq_len = ", c.train.seq_len);
   const std::vector<bool> moe_blocks = c.model.moe_mask();
   const bool moe = std::find(moe_blocks.begin(), moe_blocks.end(), true) != moe_blocks.end();
+  // Checked without MoE blocks too (model::validate checks them with): the written
+  // config.toml must hold a setting that works once model.moe_layers names a block.
+  if (!moe) moe::validate(c.model.moe);
   if (moe && c.model.moe.experts % c.parallel.ep != 0)
     input_error("config key 'parallel.ep' = ", c.parallel.ep,
                 " must divide model.moe_experts = ", c.model.moe.experts);
@@ -854,8 +870,10 @@ void validate(const Config& c) {
     input_error(
         "config key 'model.moe_lei_margin' has no effect with model.moe_lei_kernel = "
         "\"identity\" (it uses no margin); leave the margin at its default midpoint");
-  if (c.parallel.bucket_mb <= 0)
-    input_error("config key 'parallel.bucket_mb' must be positive, got ", c.parallel.bucket_mb);
+  // At least one f32 gradient, at most 1 TiB (its byte count must fit 64 bits).
+  if (!(c.parallel.bucket_mb * 1048576 >= 4 && c.parallel.bucket_mb <= 1048576))
+    input_error("config key 'parallel.bucket_mb' = ", c.parallel.bucket_mb,
+                " must lie in [4 bytes = ", 4.0 / 1048576, ", 1048576] MiB");
   if (c.train.checkpoint_policy != "fixed" && c.train.checkpoint_every < 1)
     input_error("config key 'train.checkpoint_policy' = ", c.train.checkpoint_policy,
                 " needs train.checkpoint_every >= 1 (the first interval, which measures the "

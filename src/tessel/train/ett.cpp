@@ -421,13 +421,13 @@ EttReport analyze_ett(const std::string& run_dir) {
       double ttr = sec(a.leaf_ns[idx(Phase::wasted)] + a.leaf_ns[idx(Phase::failure_detection)]);
       if (i + 1 < n) {
         // The next attempt's start-up; one that failed before its first step has its own
-        // wasted and detection time in its own TTR (so that the TTRs partition W).
+        // detection time in its own TTR (so that the TTRs partition W).
         const auto& b = rep.attempts[i + 1];
+        // (Without a step it has no wasted time: only productive segments can be wasted.)
         ttr += b.first_step_ns >= 0
                    ? sec(b.first_step_ns - b.t0)
-                   : sec(b.t1 - b.t0) - (b.failed ? sec(b.leaf_ns[idx(Phase::wasted)] +
-                                                        b.leaf_ns[idx(Phase::failure_detection)])
-                                                  : 0.0);
+                   : sec(b.t1 - b.t0) -
+                         (b.failed ? sec(b.leaf_ns[idx(Phase::failure_detection)]) : 0.0);
       }
       rep.ttr.push_back(ttr);
       rep.failed_attempts.push_back(a.index);
@@ -542,7 +542,7 @@ std::string ett_html(const EttReport& r, const std::string& title) {
     row("TTR bound", fmt("%.3f s", r.ttr_bound) + ", exceeded by " +
                          std::to_string(ttr_over_bound(r).size()) + " failure(s)");
   row("MFU (steps, time-weighted)", mfu_percent_text(r.mfu));
-  row("goodput = MFU x ETT%", mfu_percent_text(r.goodput));
+  row("goodput = MFU x ETT%", r.goodput ? mfu_percent_text(r.goodput) : "n/a");
   h << "</table>\n";
 
   const int W = 900, bar = 26, gap = 10, left = 90;

@@ -187,7 +187,7 @@ struct EttReport {
   int injected = 0;                         // of which injected
   std::map<std::string, int> nof_by_cause;  // failed attempts by EttAttempt::cause
   // per failure: wasted + detection + the next attempt's start-up (all of it when that one
-  // never got to a step, less its own wasted and detection time when it failed too)
+  // never got to a step, less its own detection time when it failed too)
   std::vector<double> ttr;
   std::vector<int> failed_attempts;  // per failure: the index of its attempt log
   double ttr_bound = 0;              // seconds; 0 = no bound

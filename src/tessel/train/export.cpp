@@ -17,7 +17,34 @@ namespace fs = std::filesystem;
 
 namespace tessel::train {
 
+namespace {
+
+// Refuses an existing `out_dir` that holds anything but an earlier export's files (a run's or
+// a data set's directory is no output); removes what an export killed mid-write left there
+// (`<file>.tmp.<pid>`).
+void check_export_directory(const std::string& out_dir) {
+  if (!fs::is_directory(out_dir)) return;
+  for (const auto& entry : fs::directory_iterator(out_dir)) {
+    const std::string name = entry.path().filename().string();
+    const size_t tmp = name.rfind(".tmp.");  // write_file_atomically's `<file>.tmp.<pid>`
+    const bool temporary = tmp != std::string::npos && tmp + 5 < name.size() &&
+                           name.find_first_not_of("0123456789", tmp + 5) == std::string::npos;
+    const std::string file = temporary ? name.substr(0, tmp) : name;
+    const bool ours = file == "tokenizer" ? entry.is_directory()
+                                          : (file == kExportModelFile || file == "config.toml") &&
+                                                entry.is_regular_file();
+    if (!ours)
+      input_error("export: ", out_dir, " holds ", name,
+                  ", which is not what an export writes; export into a new or empty directory "
+                  "(or over an earlier export)");
+    if (temporary) fs::remove_all(entry.path());
+  }
+}
+
+}  // namespace
+
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir) {
+  check_export_directory(out_dir);
   ExportResult r;
   auto loaded = load_trained_checkpoint(checkpoint);
   r.checkpoint = loaded.dir;
@@ -35,34 +62,26 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
                    [&](const NamedTensor& a, const NamedTensor& b) { return rank(a) < rank(b); });
   r.step = content.step;
   r.tensors = int64_t(content.model.size());
+  // The model's ids mean nothing without their tokenizer: the run's copy goes along, checked
+  // before anything is written, so that a bad copy leaves an earlier export whole.
+  const std::string tokenizer = checkpoint_tokenizer_dir(loaded.dir);
+  r.tokenizer = !tokenizer.empty() && data::tokenizer_name(tokenizer).has_value();
+  if (r.tokenizer) data::load_tokenizer(tokenizer, config.model.vocab);
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (!fs::is_directory(out_dir)) input_error(out_dir, ": cannot create: ", ec.message());
-  // Only an earlier export is replaced: a run's or a data set's directory is no output.
-  for (const auto& entry : fs::directory_iterator(out_dir)) {
-    const std::string name = entry.path().filename().string();
-    const bool ours = name == "tokenizer" ? entry.is_directory()
-                                          : (name == kExportModelFile || name == "config.toml") &&
-                                                entry.is_regular_file();
-    if (!ours)
-      input_error("export: ", out_dir, " holds ", name,
-                  ", which is not what an export writes; export into a new or empty directory "
-                  "(or over an earlier export)");
-  }
   const std::string path = out_dir + "/" + kExportModelFile;
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   write_safetensors(tmp, content.model, {{"format", "pt"}, {"step", std::to_string(r.step)}});
   fsync_path(tmp);
   fs::rename(tmp, path, ec);
   if (ec) {
-    fs::remove(tmp);
-    input_error(path, ": cannot put the export in place: ", ec.message());
+    const std::string reason = ec.message();
+    fs::remove(tmp, ec);
+    input_error(path, ": cannot put the export in place: ", reason);
   }
   fsync_path(out_dir);
   write_file_atomically(out_dir + "/config.toml", content.state.at("config").get<std::string>());
-  // The model's ids mean nothing without their tokenizer: the run's copy goes along.
-  const std::string tokenizer = checkpoint_tokenizer_dir(loaded.dir);
-  r.tokenizer = !tokenizer.empty() && data::tokenizer_name(tokenizer).has_value();
   if (r.tokenizer)
     data::save_tokenizer(tokenizer, out_dir + "/tokenizer");
   else

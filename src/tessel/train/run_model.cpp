@@ -15,7 +15,8 @@ namespace tessel::train {
 CheckpointStore::Loaded load_trained_checkpoint(const std::string& path) {
   namespace fs = std::filesystem;
   const fs::path dir(path);
-  if (fs::exists(dir / kExportModelFile) && !fs::exists(dir / "checkpoints"))
+  if (fs::exists(dir / kExportModelFile) && !fs::exists(dir / "checkpoints") &&
+      !fs::exists(dir / "manifest.json"))
     input_error(path, ": an export (", kExportModelFile,
                 "), not a run or checkpoint directory; pass the run it was exported from");
   const bool run_files = fs::exists(dir / "config.toml") || fs::exists(dir / "metrics.jsonl");

@@ -533,7 +533,11 @@ struct Trainer::State {
   }
 
   void log(const std::string& line) const {
-    if (is_root && !config.run.quiet) std::printf("%s\n", line.c_str()), std::fflush(stdout);
+    if (is_root && !config.run.quiet) {  // fwrite: a sample may hold NUL bytes
+      std::fwrite(line.data(), 1, line.size(), stdout);
+      std::fputc('\n', stdout);
+      std::fflush(stdout);
+    }
   }
 
   // What must match between a checkpoint and the run that resumes it, by config key:

@@ -93,13 +93,16 @@ TEST_F(CliTest, TrainsResumesAndGenerates) {
 TEST_F(CliTest, GenerateRefusesBadInputBeforePrinting) {
   std::string run = temp_dir("tessel-cli-gen");
   ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
-  for (const char* bad : {"--temperature -1", "--temperature nan", "--temperature inf",
-                          "--temperature 1e300", "--top-k -5"}) {
+  for (const char* bad :
+       {"--temperature -1", "--temperature nan", "--temperature inf", "--top-k -5"}) {
     SCOPED_TRACE(bad);
     const Outcome o = run_tessel("generate --run " + run + " --prompt ab " + bad);
     EXPECT_EQ(o.out, "");
     expect_one_line_error(o, {"generate:"});
   }
+  // A finite temperature beyond the float range is named as given, not as the inf it becomes.
+  expect_one_line_error(run_tessel("generate --run " + run + " --prompt ab --temperature 1e300"),
+                        {"temperature = 1e+300 is outside the float range"});
   const Outcome o = run_tessel("generate --run " + run + "/nowhere --prompt ab");
   EXPECT_EQ(o.out, "");
   expect_one_line_error(o, {run + "/nowhere: no such run directory or checkpoint"});
@@ -688,7 +691,7 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   for (const std::string& out : {dir + "/data", run + "/tokenizer"})
     expect_one_line_error(
         run_tessel("train-bpe --corpus file:" + dir + "/text.txt --vocab-size 280 --out " + out),
-        {"--out " + out, "whose token ids were made with the vocabulary there"});
+        {"--out " + out, "the tokenizer its token ids were made with"});
   EXPECT_EQ(slurp(dir + "/data/vocab.json"), data_vocab);
   for (const char* sub : {"train-bpe", "prepare"}) {  // CLI11's own two-line message
     o = run_tessel(std::string(sub) + " --corpus file:" + dir + "/text.txt --out ''");

@@ -419,7 +419,8 @@ TEST(Prepare, KeepsItsCorpusAndAVocabularyItDidNotWrite) {
   for (const char* file : {"train.tok", "val.loss_mask.tok", "dataset.json", "merges.txt"}) {
     std::ofstream(out + "/" + file, std::ios::binary) << text;
     opt.corpus = std::string("file:") + out + "/" + file;
-    expect_input_error([&] { prepare_dataset(opt); }, {file, "a file prepare writes in --out"});
+    expect_input_error([&] { prepare_dataset(opt); },
+                       {file, "a file prepare writes or removes in --out"});
     EXPECT_EQ(read_text(out + "/" + file), text);
     std::filesystem::remove(out + "/" + file);
   }
@@ -443,6 +444,13 @@ TEST(Prepare, KeepsItsCorpusAndAVocabularyItDidNotWrite) {
   opt.tokenizer.reset();
   prepare_dataset(opt);
   EXPECT_EQ(read_text(learned + "/vocab.json"), learned_vocab);
+  // A BPE prepare cut short before its dataset.json left the same files: run again, it goes on.
+  opt.output_dir = dir.file("cut");
+  opt.tokenizer = "bpe:" + bpe;
+  prepare_dataset(opt);
+  std::filesystem::remove(opt.output_dir + "/dataset.json");
+  EXPECT_NO_THROW(prepare_dataset(opt));
+  EXPECT_EQ(tokenizer_name(opt.output_dir), "bpe");
 }
 
 // SFT samples through BPE: each run of equally trained bytes is encoded apart, so the trained

@@ -6,6 +6,7 @@
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
+#include "tessel/core/file_io.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/safetensors.hpp"
 

@@ -372,6 +372,31 @@ TEST(Config, ModelFieldsAreValidated) {
         train::load_config("", {"model.width=100", "model.heads=3"});
       },
       {"model.heads"});
+  // The model computes in f32: a positive double that is 0 or inf there is refused.
+  for (const char* key : {"model.norm_eps=1e-300", "model.init_std=1e300"})
+    expect_input_error([&] { train::load_config("", {key}); }, {"outside the float range"});
+  EXPECT_EQ(train::load_config("", {"model.norm_eps=1e-30"}).model.norm_eps, 1e-30);
+  // MoE settings are checked without MoE blocks too: config.toml holds no broken setting.
+  expect_input_error([&] { train::load_config("", {"model.moe_experts=0"}); },
+                     {"model.moe_experts"});
+}
+
+// Values that pass a sign check but not what uses them: a bucket under one gradient, a sampling
+// temperature that is inf as a float, an endless sample, bytes that config.toml cannot hold.
+TEST(Config, ValuesAreCheckedForWhatUsesThem) {
+  expect_input_error([&] { train::load_config("", {"parallel.bucket_mb=1e-7"}); },
+                     {"parallel.bucket_mb"});
+  expect_input_error([&] { train::load_config("", {"parallel.bucket_mb=1e300"}); },
+                     {"parallel.bucket_mb"});
+  EXPECT_EQ(train::load_config("", {"parallel.bucket_mb=0.0001"}).parallel.bucket_mb, 0.0001);
+  expect_input_error([&] { train::load_config("", {"train.sample_temperature=1e39"}); },
+                     {"train.sample_temperature", "float range"});
+  expect_input_error([&] { train::load_config("", {"train.sample_tokens=4294967297"}); },
+                     {"train.sample_tokens", "1048576"});
+  expect_input_error([&] { train::load_config("", {"train.sample_prompt=ab\xfe"}); },
+                     {"train.sample_prompt", "not valid UTF-8"});
+  EXPECT_EQ(train::load_config("", {"train.sample_prompt=\xc3\xbf"}).train.sample_prompt,
+            "\xc3\xbf");
 }
 
 // A run keeps its tokenizer in <run.dir>/tokenizer; a checkpoint directory finds it however it
