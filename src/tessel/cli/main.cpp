@@ -63,7 +63,8 @@ std::string schema_help() {
 int run_prepare(const data::PrepareOptions& opts) {
   auto r = data::prepare_dataset(opts);
   auto split = [&](const data::SplitCounts& c) {
-    return detail::concat(c.documents, r.sft ? " samples / " : " documents / ", c.tokens, " tokens",
+    return detail::concat(c.documents, r.sft ? " sample" : " document", c.documents == 1 ? "" : "s",
+                          " / ", c.tokens, " tokens",
                           r.sft ? detail::concat(" (", c.trained_tokens, " trained)") : "", " -> ",
                           c.path);
   };
@@ -188,8 +189,11 @@ int run_ett_report(const std::string& run_dir, double max_ttr) {
   return over.empty() ? 0 : kExitTtrOverBound;
 }
 
-int run_export(const std::string& checkpoint, const std::string& out) {
-  train::ExportResult r = train::export_checkpoint(checkpoint, out);
+int run_export(const std::string& checkpoint, const std::string& out_dir) {
+  train::ExportResult r = train::export_checkpoint(checkpoint, out_dir);
+  // "out/" and "out" alike print out/model.safetensors.
+  std::string out = out_dir;
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
   std::printf(
       "exported %s (step %lld): %lld tensors, %llu bytes -> %s/model.safetensors, "
       "%s/config.toml%s\n",
@@ -253,12 +257,13 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
         train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
     losses.push_back(e.loss);
     const double bits = e.loss / std::log(2.0), perplexity = std::exp(e.loss);
-    data_sets.push_back({{"shard", shard},
-                         {"sequences", e.sequences},
-                         {"loss_tokens", e.loss_tokens},
-                         {"loss", e.loss},
-                         {"bits_per_token", bits},
-                         {"perplexity", perplexity}});
+    data_sets.push_back(
+        {{"shard", shard},
+         {"sequences", e.sequences},
+         {"loss_tokens", int64_t(e.loss_tokens)},  // a count: loss weights are 0 or 1
+         {"loss", e.loss},
+         {"bits_per_token", bits},
+         {"perplexity", perplexity}});
     if (dirs.size() > 1) data_sets.back()["weight"] = weights[d];
     if (!json)
       std::printf(

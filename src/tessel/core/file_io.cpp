@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <vector>
 
 #include "tessel/core/error.hpp"
@@ -40,20 +41,24 @@ void write_file_atomically(const std::string& path, std::string_view bytes) {
   fsync_path(dir.empty() ? "." : dir.string());
 }
 
+std::optional<std::string> temporary_file_target(const std::string& name) {
+  const size_t at = name.rfind(".tmp.");
+  if (at == std::string::npos || at + 5 == name.size() ||
+      name.find_first_not_of("0123456789", at + 5) != std::string::npos)
+    return std::nullopt;
+  return name.substr(0, at);
+}
+
 void remove_temporary_files(const std::string& dir) {
   namespace fs = std::filesystem;
   if (!fs::is_directory(dir)) return;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    std::string name = e.path().filename().string();
-    auto at = name.rfind(".tmp.");
-    if (at == std::string::npos || at + 5 == name.size()) continue;
-    std::string pid = name.substr(at + 5);
-    if (e.is_regular_file() && pid.find_first_not_of("0123456789") == std::string::npos)
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && temporary_file_target(e.path().filename().string()))
       fs::remove(e.path());
-  }
 }
 
 uint32_t file_crc32(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path)) input_error(path, ": not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) input_error(path, ": cannot open");
   std::vector<char> buf(1 << 20);
@@ -63,6 +68,7 @@ uint32_t file_crc32(const std::string& path) {
     std::streamsize got = in.gcount();
     if (got > 0) crc = crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), uInt(got));
   }
+  if (in.bad()) input_error(path, ": read failed");
   return uint32_t(crc);
 }
 

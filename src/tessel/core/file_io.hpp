@@ -3,6 +3,7 @@
 // after these return the bytes survive a machine crash: data is fsync'ed before the
 // rename, and the directory after it.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -14,6 +15,10 @@ void write_file_atomically(const std::string& path, std::string_view bytes);
 
 // fsync of an existing file or directory (a directory: its entries, e.g. after a rename).
 void fsync_path(const std::string& path);
+
+// The file whose temporary a file called `name` is (`<file>.tmp.<pid>`, as
+// write_file_atomically names them): `<file>`; nullopt for any other name.
+std::optional<std::string> temporary_file_target(const std::string& name);
 
 // Removes the files `<name>.tmp.<pid>` that write_file_atomically leaves in `dir` when
 // its process dies between the write and the rename.

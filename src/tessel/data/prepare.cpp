@@ -138,14 +138,14 @@ fs::path begin_output(const PrepareOptions& options, const std::optional<std::st
     bpe_copies = fs::exists(metadata) && tokenizer_name(out.string()) == "bpe";
   } catch (const InputError&) {  // an unreadable description describes nothing to keep
   }
-  // A vocabulary no prepare copied there (e.g. train-bpe's) is not replaced by another; the
-  // same files (a prepare cut short before its dataset.json, run again) may stay.
+  // A vocabulary no prepare copied there (e.g. train-bpe's) is not taken over by the copy,
+  // which a later prepare would remove.
   for (const char* file : kBpeFiles)
-    if (bpe_dir && !bpe_copies && fs::exists(out / file) &&
-        read_file((out / file).string()) != read_file((fs::path(*bpe_dir) / file).string()))
+    if (bpe_dir && !bpe_copies && fs::exists(out / file))
       input_error("prepare: ", (out / file).string(),
-                  " is a vocabulary that no prepare copied there (e.g. train-bpe's); prepare "
-                  "with --tokenizer bpe:DIR into another --out, or move it first");
+                  " is a vocabulary that no dataset.json there names as prepare's copy "
+                  "(train-bpe's, or a prepare cut short); prepare with --tokenizer bpe:DIR into "
+                  "another --out, or move it first");
   if (!fs::exists(metadata)) return out;
   if (bpe_copies)
     for (const char* file : kBpeFiles) fs::remove(out / file, ec);

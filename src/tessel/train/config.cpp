@@ -847,8 +847,8 @@ void validate(const Config& c) {
         " needs train.seq_len divisible by cp_chunks * cp, got seq_len = ", c.train.seq_len);
   const std::vector<bool> moe_blocks = c.model.moe_mask();
   const bool moe = std::find(moe_blocks.begin(), moe_blocks.end(), true) != moe_blocks.end();
-  // Checked without MoE blocks too (model::validate checks them with): the written
-  // config.toml must hold a setting that works once model.moe_layers names a block.
+  // The MoE keys' own ranges, also without MoE blocks (model::validate checks them with),
+  // so that config.toml holds no setting that fails as soon as model.moe_layers names one.
   if (!moe) moe::validate(c.model.moe);
   if (moe && c.model.moe.experts % c.parallel.ep != 0)
     input_error("config key 'parallel.ep' = ", c.parallel.ep,

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
+#include <vector>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
@@ -20,16 +22,15 @@ namespace tessel::train {
 namespace {
 
 // Refuses an existing `out_dir` that holds anything but an earlier export's files (a run's or
-// a data set's directory is no output); removes what an export killed mid-write left there
-// (`<file>.tmp.<pid>`).
+// a data set's directory is no output); once it passed, removes what an export killed
+// mid-write left there (`<file>.tmp.<pid>`).
 void check_export_directory(const std::string& out_dir) {
   if (!fs::is_directory(out_dir)) return;
+  std::vector<fs::path> leftovers;
   for (const auto& entry : fs::directory_iterator(out_dir)) {
     const std::string name = entry.path().filename().string();
-    const size_t tmp = name.rfind(".tmp.");  // write_file_atomically's `<file>.tmp.<pid>`
-    const bool temporary = tmp != std::string::npos && tmp + 5 < name.size() &&
-                           name.find_first_not_of("0123456789", tmp + 5) == std::string::npos;
-    const std::string file = temporary ? name.substr(0, tmp) : name;
+    const std::optional<std::string> target = temporary_file_target(name);
+    const std::string file = target.value_or(name);
     const bool ours = file == "tokenizer" ? entry.is_directory()
                                           : (file == kExportModelFile || file == "config.toml") &&
                                                 entry.is_regular_file();
@@ -37,8 +38,9 @@ void check_export_directory(const std::string& out_dir) {
       input_error("export: ", out_dir, " holds ", name,
                   ", which is not what an export writes; export into a new or empty directory "
                   "(or over an earlier export)");
-    if (temporary) fs::remove_all(entry.path());
+    if (target) leftovers.push_back(entry.path());
   }
+  for (const fs::path& leftover : leftovers) fs::remove_all(leftover);
 }
 
 }  // namespace

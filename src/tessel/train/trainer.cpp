@@ -1314,16 +1314,18 @@ TrainResult Trainer::run_steps() {
   }
   s.ledger.enter(Phase::shutdown);
   s.checkpointer.wait();
-  if (s.start_step >= c.train.steps)
+  const bool trained = s.start_step < c.train.steps;
+  if (!trained)
     s.log("nothing to train: " + c.run.dir + " already holds step " + std::to_string(s.start_step) +
           " of train.steps = " + std::to_string(c.train.steps) +
           " (raise train.steps to continue, or choose a new run.dir)");
-  if (c.train.sample_tokens > 0 && !s.tokenizer)
+  // No sample of a model this call did not train (`tessel generate` samples a finished run).
+  if (trained && c.train.sample_tokens > 0 && !s.tokenizer)
     s.log(
         "no sample: data.path's token ids have no tokenizer (a tokens:PATH corpus prepared "
         "without --tokenizer bpe:DIR, or shards without dataset.json for a model.vocab other "
         "than 256); set train.sample_tokens = 0 to silence this");
-  if (c.train.sample_tokens > 0 && s.tokenizer && s.samples()) {
+  if (trained && c.train.sample_tokens > 0 && s.tokenizer && s.samples()) {
     result.sample = s.sample();
     if (!result.sample.empty()) s.log("sample:\n" + result.sample);
   }

@@ -294,8 +294,18 @@ TEST_F(SupervisorTest, ExportWritesOneSafetensorsFileThatAnotherReaderLoads) {
     EXPECT_EQ(exported.at(p.name).dtype, "F32") << p.name;
   }
   EXPECT_EQ(params, exported.size());
-  // An earlier export is replaced; a run's directory is no output, and an export no run.
-  EXPECT_EQ(run_tessel("export " + reference + " " + out).exit_code, 0);
+  // An earlier export is replaced, with what a killed export left; a run's directory is no
+  // output (and loses nothing to the refusal), and an export no run.
+  std::ofstream(out + "/model.safetensors.tmp.123") << "cut short";
+  EXPECT_EQ(run_tessel("export " + reference + " " + out + "/").exit_code, 0);
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors.tmp.123"));
+  const std::string other = fixture::temp_dir("tessel-export-other");
+  std::ofstream(other + "/config.toml.tmp.7") << "x";
+  std::ofstream(other + "/notes.txt") << "y";
+  o = run_tessel("export " + reference + " " + other);
+  EXPECT_EQ(o.exit_code, 2);
+  EXPECT_NE(o.err.find("holds notes.txt"), std::string::npos) << o.err;
+  EXPECT_TRUE(fs::exists(other + "/config.toml.tmp.7"));
   const std::string run_config = slurp(reference + "/config.toml");
   o = run_tessel("export " + reference + " " + reference);
   EXPECT_EQ(o.exit_code, 2);

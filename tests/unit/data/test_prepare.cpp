@@ -440,17 +440,33 @@ TEST(Prepare, KeepsItsCorpusAndAVocabularyItDidNotWrite) {
   prepare_dataset(opt);
   opt.tokenizer = "bpe:" + bpe;
   expect_input_error([&] { prepare_dataset(opt); },
-                     {learned + "/vocab.json", "no prepare copied there"});
+                     {learned + "/vocab.json", "no dataset.json there names as prepare's copy"});
   opt.tokenizer.reset();
   prepare_dataset(opt);
   EXPECT_EQ(read_text(learned + "/vocab.json"), learned_vocab);
-  // A BPE prepare cut short before its dataset.json left the same files: run again, it goes on.
-  opt.output_dir = dir.file("cut");
+  // Even the same files are not taken over: the copy's description would let a later byte
+  // prepare remove the learned vocabulary.
+  data::write_bpe_files(learned, fixture::english_merges());
   opt.tokenizer = "bpe:" + bpe;
-  prepare_dataset(opt);
-  std::filesystem::remove(opt.output_dir + "/dataset.json");
-  EXPECT_NO_THROW(prepare_dataset(opt));
-  EXPECT_EQ(tokenizer_name(opt.output_dir), "bpe");
+  expect_input_error([&] { prepare_dataset(opt); }, {"train-bpe's, or a prepare cut short"});
+}
+
+// A run's copy of a BPE vocabulary whose files no longer match the data set's record is
+// refused before anything is staged: no `<copy>.tmp.<pid>` is left beside the copy.
+TEST(Prepare, ARefusedTokenizerCopyLeavesNothingBehind) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), out = dir.file("out"), run = dir.file("run");
+  data::write_bpe_files(bpe, fixture::english_merges());
+  PrepareOptions opt;
+  opt.corpus = "file:docs.txt";
+  opt.output_dir = out;
+  opt.val_fraction = 0.5;
+  opt.tokenizer = "bpe:" + bpe;
+  prepare_documents({"In the beginning", "the LORD said"}, opt);
+  std::ofstream(out + "/merges.txt", std::ios::app) << "x y\n";
+  std::filesystem::create_directories(run);
+  expect_input_error([&] { save_tokenizer(out, run + "/tokenizer"); }, {out, "dataset.json"});
+  EXPECT_TRUE(std::filesystem::is_empty(run));
 }
 
 // SFT samples through BPE: each run of equally trained bytes is encoded apart, so the trained
