@@ -139,7 +139,9 @@ std::vector<ConfigKey> build_schema() {
   return {
       string_key("run.dir", "run directory (config, metrics, checkpoints)", FIELD(run.dir)),
       int_key("run.seed", "seed of initialization and data order", FIELD(run.seed)),
-      int_key("run.threads", "threads per rank; 0 = cores / ranks", FIELD(run.threads)),
+      int_key("run.threads",
+              "threads per rank; 0 = OMP_NUM_THREADS where set, else cores / ranks on this node",
+              FIELD(run.threads)),
       bool_key("run.quiet", "suppress progress lines", FIELD(run.quiet)),
       string_key("data.path",
                  "directory holding train.tok and val.tok (an SFT data set: with their "
@@ -167,7 +169,8 @@ std::vector<ConfigKey> build_schema() {
       int_key("model.layers", "transformer blocks", FIELD(model.layers)),
       int_key("model.width", "residual width", FIELD(model.width)),
       int_key("model.heads", "query heads", FIELD(model.heads)),
-      int_key("model.kv_heads", "key/value heads (grouped-query attention)", FIELD(model.kv_heads)),
+      int_key("model.kv_heads", "key/value heads (grouped-query attention); 0 = model.heads",
+              FIELD(model.kv_heads)),
       choice_key<MlpType>("model.mlp", "MLP type",
                           {{"gelu", MlpType::gelu}, {"swiglu", MlpType::swiglu}}, FIELD(model.mlp)),
       int_key("model.mlp_hidden", "MLP hidden width; 0 = default for the MLP type",
