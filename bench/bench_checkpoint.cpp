@@ -8,7 +8,7 @@
 //   interference_s  the steps run while the writer works, minus as many baseline steps,
 //   B_k_p50_s, B_k_max_s  the spec's B_k = B + interference of each checkpoint: median and
 //                   largest over the saves (8 saves: the largest is the p99 by nearest rank).
-// Run: OMP_NUM_THREADS=1 build/release/bench/bench_checkpoint --benchmark_min_time=1x
+// Run: OMP_NUM_THREADS=1 build/release/bench/bench_checkpoint
 #include <benchmark/benchmark.h>
 #include <stdlib.h>
 

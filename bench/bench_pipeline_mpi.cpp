@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -350,7 +351,8 @@ int main(int argc, char** argv) {
     std::printf("P = %d, K = M = %lld, %lld micro-batches, GEMM %lld x %lld x %lld; load %s\n", P,
                 (long long)K, (long long)micro_batches, (long long)rows, (long long)width,
                 (long long)width, load_average().c_str());
-  measure(pp, {ScheduleKind::one_f_one_b, P, K, 2, 1}, rows, width, "");  // warm-up
+  measure(pp, {ScheduleKind::one_f_one_b, P, K, 2, 1}, rows, width, "");   // warm-up
+  if (!trace_dir.empty()) std::filesystem::create_directories(trace_dir);  // as --trace-dir says
   if (compare != "interleaved") compare_paci(pp, K, micro_batches, rows, width, repeats, trace_dir);
   if (compare != "paci")
     compare_interleaved(pp, int(chunks), micro_batches, rows, width, repeats, trace_dir);

@@ -16,6 +16,8 @@ steps=${2:-200}
 ckpt=${3:-50}
 kill1=${4:-80}
 kill2=${5:-160}
+# configs/default.toml warms up for 30 steps, which must stay below train.steps.
+warmup=$(( steps > 30 ? 30 : steps - 1 ))
 for variant in before after; do
   extra=()
   [ "$variant" = before ] && extra=(--set train.fast_start=false --set train.checkpoint_async=false)
@@ -23,6 +25,7 @@ for variant in before after; do
   "$bin" run --np 2 --threads 1 --max-restarts 3 --config "$here/configs/default.toml" \
     --set run.dir="$out/$variant" --set run.quiet=true --set train.steps="$steps" \
     --set train.checkpoint_every="$ckpt" --set train.eval_every=100 --set train.sample_tokens=0 \
+    --set optim.warmup_steps="$warmup" \
     --set fault.kill_rank=1 --set fault.kill_steps="$kill1,$kill2" "${extra[@]}" 2>/dev/null |
     head -1 | sed "s/^/$variant: /"
 done

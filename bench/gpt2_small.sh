@@ -17,6 +17,7 @@ echo "bench-gemm: $peak"
 "$bin" train --config "$here/configs/gpt2_small_bench.toml" --set run.dir="$run" \
   --set train.steps="$steps" --set run.threads="$threads" --set run.quiet=true
 awk -v peak="$peak" '
+  BEGIN { n = 0 }  # a numeric index from the first step on (mawk would key it "")
   /"event":"start"/ {
     match($0, /"flops_per_token":[0-9.e+-]+/); flops = substr($0, RSTART + 18, RLENGTH - 18) + 0
     match($0, /"peak_gflops":[0-9.e+-]+/); tpeak = substr($0, RSTART + 14, RLENGTH - 14) + 0
