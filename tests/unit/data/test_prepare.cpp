@@ -69,6 +69,16 @@ bool in_order_subset(const std::vector<Doc>& part, const std::vector<Doc>& whole
   return true;
 }
 
+// Two documents, one per split, prepared into `out` with the BPE vocabulary in `bpe`.
+void prepare_two_documents(const std::string& bpe, const std::string& out) {
+  PrepareOptions opt;
+  opt.corpus = "file:docs.txt";
+  opt.output_dir = out;
+  opt.val_fraction = 0.5;
+  opt.tokenizer = "bpe:" + bpe;
+  prepare_documents({"In the beginning", "the LORD said"}, opt);
+}
+
 }  // namespace
 
 TEST(Prepare, FileCorpusRoundTrip) {
@@ -377,12 +387,7 @@ TEST(Prepare, ReplacedBpeFilesAreRefusedByTheirChecksums) {
   TempDir dir;
   const std::string bpe = dir.file("bpe"), out = dir.file("out"), copy = dir.file("run/tokenizer");
   const int vocab = int(data::write_bpe_files(bpe, fixture::english_merges()));
-  PrepareOptions opt;
-  opt.corpus = "file:docs.txt";
-  opt.output_dir = out;
-  opt.val_fraction = 0.5;
-  opt.tokenizer = "bpe:" + bpe;
-  prepare_documents({"In the beginning", "the LORD said"}, opt);
+  prepare_two_documents(bpe, out);
   const auto meta = nlohmann::json::parse(read_text(out + "/dataset.json"));
   ASSERT_TRUE(meta.contains(kBpeChecksumsKey));
   EXPECT_EQ(meta[kBpeChecksumsKey], nlohmann::json::parse(bpe_checksums_json(bpe)));
@@ -457,12 +462,7 @@ TEST(Prepare, ARefusedTokenizerCopyLeavesNothingBehind) {
   TempDir dir;
   const std::string bpe = dir.file("bpe"), out = dir.file("out"), run = dir.file("run");
   data::write_bpe_files(bpe, fixture::english_merges());
-  PrepareOptions opt;
-  opt.corpus = "file:docs.txt";
-  opt.output_dir = out;
-  opt.val_fraction = 0.5;
-  opt.tokenizer = "bpe:" + bpe;
-  prepare_documents({"In the beginning", "the LORD said"}, opt);
+  prepare_two_documents(bpe, out);
   std::ofstream(out + "/merges.txt", std::ios::app) << "x y\n";
   std::filesystem::create_directories(run);
   expect_input_error([&] { save_tokenizer(out, run + "/tokenizer"); }, {out, "dataset.json"});
