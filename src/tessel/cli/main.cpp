@@ -18,7 +18,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -96,10 +95,7 @@ int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const s
 int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  const std::string& prompt, int64_t tokens, double temperature, int64_t top_k,
                  int64_t seed, const std::string& stop) {
-  if (std::isfinite(temperature) &&
-      std::abs(temperature) > std::numeric_limits<float>::max())  // float() would make it inf
-    input_error("generate: temperature = ", temperature, " is outside the float range (",
-                std::numeric_limits<float>::max(), " at most)");
+  model::check_temperature_range(temperature, "generate: temperature");
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
   // The tokenizer: --tokenizer's (the run's own, where it kept one), else the model's.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "tessel/core/error.hpp"
@@ -72,6 +73,12 @@ bool kv_cache_applies(const GptConfig& config) {
 
 std::vector<float> next_token_logits(const Gpt& gpt, const std::vector<int32_t>& context) {
   return last_position_logits(gpt, last_window(context, gpt.config().max_seq), 0, nullptr);
+}
+
+void check_temperature_range(double temperature, const std::string& what) {
+  if (std::isfinite(temperature) && std::abs(temperature) > std::numeric_limits<float>::max())
+    input_error(what, " = ", temperature, " is outside the float range (",
+                std::numeric_limits<float>::max(), " at most)");
 }
 
 void check_sampling(float temperature, int64_t top_k) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tessel/core/rng.hpp"
@@ -39,6 +40,10 @@ using NextTokenLogits = std::function<std::vector<float>(std::span<const int32_t
 // The most tokens one generation draws (`generate --tokens`, `train.sample_tokens`): far
 // beyond any context, and a bound on a typo's running time.
 inline constexpr int64_t kMaxGeneratedTokens = int64_t(1) << 20;
+
+// InputError naming `what` (e.g. "generate: temperature") when a finite `temperature` lies
+// outside float's range: sampling takes it as a float, where it would become inf.
+void check_temperature_range(double temperature, const std::string& what);
 
 // InputError unless temperature >= 0 and top_k >= 0 (what sample_token accepts).
 void check_sampling(float temperature, int64_t top_k);

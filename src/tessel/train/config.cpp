@@ -6,7 +6,6 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -794,9 +793,8 @@ void validate(const Config& c) {
                 "(or train.sample_tokens = 0)");
   non_negative("train.sample_top_k", double(c.train.sample_top_k));
   non_negative("train.sample_temperature", c.train.sample_temperature);
-  if (c.train.sample_temperature > std::numeric_limits<float>::max())  // sampled in float
-    input_error("config key 'train.sample_temperature' = ", c.train.sample_temperature,
-                " is outside the float range (", std::numeric_limits<float>::max(), " at most)");
+  model::check_temperature_range(c.train.sample_temperature,
+                                 "config key 'train.sample_temperature'");
   if (c.train.sample_tokens > model::kMaxGeneratedTokens)
     input_error("config key 'train.sample_tokens' = ", c.train.sample_tokens,
                 " is larger than generation supports (", model::kMaxGeneratedTokens, ")");
@@ -874,9 +872,10 @@ void validate(const Config& c) {
         "config key 'model.moe_lei_margin' has no effect with model.moe_lei_kernel = "
         "\"identity\" (it uses no margin); leave the margin at its default midpoint");
   // At least one f32 gradient, at most 1 TiB (its byte count must fit 64 bits).
-  if (!(c.parallel.bucket_mb * 1048576 >= 4 && c.parallel.bucket_mb <= 1048576))
+  constexpr double kMiB = ParallelConfig::kBytesPerMiB;
+  if (!(c.parallel.bucket_mb * kMiB >= 4 && c.parallel.bucket_mb <= 1048576))
     input_error("config key 'parallel.bucket_mb' = ", c.parallel.bucket_mb,
-                " must lie in [4 bytes = ", 4.0 / 1048576, ", 1048576] MiB");
+                " must lie in [4 bytes = ", 4.0 / kMiB, ", 1048576] MiB");
   if (c.train.checkpoint_policy != "fixed" && c.train.checkpoint_every < 1)
     input_error("config key 'train.checkpoint_policy' = ", c.train.checkpoint_policy,
                 " needs train.checkpoint_every >= 1 (the first interval, which measures the "

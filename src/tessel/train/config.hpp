@@ -96,6 +96,10 @@ struct ParallelConfig {
   int64_t ep = 1;
   double bucket_mb = 4.0;           // gradient all-reduce bucket size
   bool overlap_grad_reduce = true;  // start each bucket's all-reduce as the backward ends it
+
+  static constexpr double kBytesPerMiB = 1024.0 * 1024.0;
+  // bucket_mb in bytes, as the gradient reducers take it (validate keeps it in [4, 2^40]).
+  int64_t bucket_bytes() const { return int64_t(bucket_mb * kBytesPerMiB); }
 };
 
 // Pipeline parallelism over the pp axis (pipeline_trainer.hpp, docs/training.md).

@@ -252,7 +252,7 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
                           }),
                "the model holds other parts than stage ", stage_, "'s");
   const auto [begin, end] = own_range_;
-  const auto bucket_bytes = int64_t(config.parallel.bucket_mb * 1024 * 1024);
+  const int64_t bucket_bytes = config.parallel.bucket_bytes();
   reducer_.emplace(grad_group_, model.flat_grads().view(begin, {end - begin}), bucket_bytes);
   if (!own_experts_.empty())  // every expert held is this stage's: summed over edp x cp
     expert_reducer_.emplace(mesh.group(comm::Axis::edp_cp), model.expert_grads(), bucket_bytes);

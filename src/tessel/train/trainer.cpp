@@ -388,7 +388,7 @@ struct Trainer::State {
         schedule(optim::lr_schedule(config.optim, config.train.steps)),
         spikes(config.train.spike_factor, config.train.spike_window),
         grads(model, grad_group, mesh.group(comm::Axis::edp_cp), mesh.group(comm::Axis::ep),
-              int64_t(config.parallel.bucket_mb * 1024 * 1024)),
+              config.parallel.bucket_bytes()),
         warmup(config.train.fast_start ? std::jthread([this] { synthetic_step(); })
                                        : std::jthread()),
         data_mark(ledger, Phase::data_warmup),
