@@ -27,8 +27,8 @@ namespace {
 
 // Each item of `text` through `parse(item, used)`, which must consume all of it.
 template <class T, class Parse>
-std::vector<T> parse_list(const std::string& key, const std::string& text, T min, const char* what,
-                          Parse parse) {
+std::vector<T> parse_list(const std::string& key, const std::string& text, T min, bool min_excluded,
+                          const char* what, Parse parse) {
   std::vector<T> out;
   for (const std::string& item : split_list(key, text)) {
     size_t used = 0;
@@ -38,9 +38,9 @@ std::vector<T> parse_list(const std::string& key, const std::string& text, T min
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != item.size() || !(value >= min))
+    if (used != item.size() || !(min_excluded ? value > min : value >= min))
       input_error("config key '", key, "' = \"", text, "\": '", item, "' is not ", what,
-                  " >= ", min, " (expected comma-separated values)");
+                  min_excluded ? " > " : " >= ", min, " (expected comma-separated values)");
     out.push_back(value);
   }
   return out;
@@ -49,13 +49,14 @@ std::vector<T> parse_list(const std::string& key, const std::string& text, T min
 }  // namespace
 
 std::vector<int64_t> parse_int_list(const std::string& key, const std::string& text, int64_t min) {
-  return parse_list<int64_t>(key, text, min, "an integer", [](const std::string& s, size_t* used) {
+  return parse_list<int64_t>(key, text, min, false, "an integer", [](const std::string& s, size_t* used) {
     return std::stoll(s, used);
   });
 }
 
-std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min) {
-  return parse_list<double>(key, text, min, "a number", [](const std::string& s, size_t* used) {
+std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min,
+                                    bool min_excluded) {
+  return parse_list<double>(key, text, min, min_excluded, "a number", [](const std::string& s, size_t* used) {
     const double v = std::stod(s, used);
     if (!std::isfinite(v)) *used = 0;
     return v;

@@ -3,8 +3,8 @@
 // every such key (data.path, data.weights, pipeline.layout, model.moe_layers, optim.ns_restarts,
 // optim.decay_tags, fault.kill_steps, fault.hang_steps, fault.kill_seconds) and the parsers of
 // numbers on it. Spaces around an item are ignored and an empty value is an empty list; an empty
-// item, an item that is not a number, or a number below `min` is an InputError naming the key and
-// the item.
+// item, an item that is not a number, or a number below `min` (or equal to it, where
+// `min_excluded`) is an InputError naming the key and the item.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -14,6 +14,7 @@ namespace tessel {
 std::vector<std::string> split_list(const std::string& key, const std::string& text);
 
 std::vector<int64_t> parse_int_list(const std::string& key, const std::string& text, int64_t min);
-std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min);
+std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min,
+                                    bool min_excluded = false);
 
 }  // namespace tessel

@@ -699,7 +699,8 @@ std::vector<std::string> data_paths(const DataConfig& data) {
 
 std::vector<double> data_weights(const DataConfig& data) {
   const size_t n = data_paths(data).size();
-  auto weights = parse_real_list("data.weights", data.weights, 0);
+  // A zero share would only leave its data set unread: data.path without it says that.
+  auto weights = parse_real_list("data.weights", data.weights, 0, /*min_excluded=*/true);
   if (n == 1) {
     if (!weights.empty())
       input_error("config key 'data.weights' = \"", data.weights,
@@ -712,12 +713,7 @@ std::vector<double> data_weights(const DataConfig& data) {
                 " weights for the ", n, " data set", n == 1 ? "" : "s", " of data.path",
                 n == 1 ? "" : " (a mixture needs one weight per data set)");
   double sum = 0;
-  for (double w : weights) {
-    if (w <= 0)
-      input_error("config key 'data.weights' = \"", data.weights,
-                  "\": every weight must be positive (leave a data set out of data.path instead)");
-    sum += w;
-  }
+  for (double w : weights) sum += w;
   if (!std::isfinite(sum))
     input_error("config key 'data.weights' = \"", data.weights, "\": the weights' sum overflows");
   return weights;

@@ -308,9 +308,8 @@ TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
   expect_input_error([&] { load("a,b", ""); },
                      {"data.weights", "0 weights for the 2 data sets", "one weight per data set"});
   expect_input_error([&] { load("a,b", "1,2,3"); }, {"3 weights for the 2 data sets"});
-  expect_input_error([&] { load("a,b", "1,0"); },
-                     {"data.weights", "every weight must be positive"});
-  expect_input_error([&] { load("a,b", "1,-1"); }, {"data.weights", "'-1' is not a number >= 0"});
+  expect_input_error([&] { load("a,b", "1,0"); }, {"data.weights", "'0' is not a number > 0"});
+  expect_input_error([&] { load("a,b", "1,-1"); }, {"data.weights", "'-1' is not a number > 0"});
   expect_input_error([&] { load("a,,b", "1,1,1"); }, {"data.path", "'' is an empty item"});
   expect_input_error([&] { load("", ""); }, {"data.path", "empty"});
 }
