@@ -94,7 +94,7 @@ int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const s
 
 int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  const std::string& prompt, int64_t tokens, double temperature, int64_t top_k,
-                 int64_t seed, const std::string& stop) {
+                 uint64_t seed, const std::string& stop) {
   model::check_temperature_range(temperature, "generate: temperature");
   model::check_sampling(float(temperature), top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
@@ -132,7 +132,7 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
     std::fflush(stdout);
   };
   print(ids);
-  Rng rng{uint64_t(seed)};
+  Rng rng{seed};
   model::generate(
       gpt, ids, tokens, float(temperature), top_k, rng, stop_token,
       [&print](int32_t token) { print(std::span<const int32_t>(&token, 1)); }, tok.vocab_size());
@@ -505,7 +505,8 @@ int main(int argc, char** argv) {
   trainc->add_flag("--help-config", help_config, "list every config key with its default");
 
   std::string run_dir = "runs/default", prompt = "And God said";
-  int64_t gen_tokens = 200, top_k = 40, gen_seed = 1;
+  int64_t gen_tokens = 200, top_k = 40;
+  uint64_t gen_seed = 1;
   double temperature = 0.8;
   auto* gen = app.add_subcommand("generate", "sample text from a run's latest checkpoint");
   gen->add_option("--run", run_dir,
@@ -517,7 +518,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   gen->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   gen->add_option("--top-k", top_k, "sample among the k likeliest; 0 = all")->capture_default_str();
-  gen->add_option("--seed", gen_seed, "sampling seed")->capture_default_str();
+  gen->add_option("--seed", gen_seed, "sampling seed")->check(uint64_seed)->capture_default_str();
   std::string gen_stop, gen_tokenizer;
   gen->add_option("--stop", gen_stop,
                   "text of one token that ends generation once drawn, e.g. --stop $'\\n' after "

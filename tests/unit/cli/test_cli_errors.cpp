@@ -479,7 +479,8 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
   // CLI11's own range checks: its message names the option.
   for (const std::string args : {"bench-gemm --seconds -1", "bench-gemm --seconds nan",
                                  "run --threads -5", "simulate --link-bandwidth nan",
-                                 "prepare --seed 18446744073709551616", "prepare --seed -1"}) {
+                                 "prepare --seed 18446744073709551616", "prepare --seed -1",
+                                 "generate --seed 18446744073709551616", "generate --seed -1"}) {
     const Outcome o = run_tessel(args);
     EXPECT_NE(o.exit_code, 0) << args;
     const std::string option = args.substr(args.find("--"), args.rfind(' ') - args.find("--"));
