@@ -108,6 +108,7 @@ ColumnMask restrict_to_window(const ColumnMask& mask, int64_t w) {
   if (w < 1) input_error("sliding window: window = ", w, ", expected >= 1");
   if (!mask.causal()) input_error("sliding window: needs a causal mask");
   const int64_t B = mask.batch(), Hm = mask.mask_heads(), Sq = mask.rows(), Sk = mask.cols();
+  w = std::min(w, Sk);  // as wide as the keys: no row is cut, and j + w cannot overflow
   std::vector<int32_t> values(size_t(B * Hm * Sk * 2));
   int32_t* out = values.data();
   for (int64_t b = 0; b < B; ++b)

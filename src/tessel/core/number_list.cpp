@@ -49,18 +49,19 @@ std::vector<T> parse_list(const std::string& key, const std::string& text, T min
 }  // namespace
 
 std::vector<int64_t> parse_int_list(const std::string& key, const std::string& text, int64_t min) {
-  return parse_list<int64_t>(key, text, min, false, "an integer", [](const std::string& s, size_t* used) {
-    return std::stoll(s, used);
-  });
+  return parse_list<int64_t>(
+      key, text, min, false, "an integer",
+      [](const std::string& s, size_t* used) { return std::stoll(s, used); });
 }
 
 std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min,
                                     bool min_excluded) {
-  return parse_list<double>(key, text, min, min_excluded, "a number", [](const std::string& s, size_t* used) {
-    const double v = std::stod(s, used);
-    if (!std::isfinite(v)) *used = 0;
-    return v;
-  });
+  return parse_list<double>(key, text, min, min_excluded, "a number",
+                            [](const std::string& s, size_t* used) {
+                              const double v = std::stod(s, used);
+                              if (!std::isfinite(v)) *used = 0;
+                              return v;
+                            });
 }
 
 }  // namespace tessel

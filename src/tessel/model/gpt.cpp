@@ -453,7 +453,7 @@ void Gpt::load_inputs(Activations& acts, const ModelInputs& in) const {
       for (int64_t n : acts.routed) acts.routed_index->push_back(in.token_index[n]);
   }
   acts.routed_sequence.clear();
-  if (config_.moe.balance == moe::Balance::seq_aux) {
+  if (moe_ && config_.moe.balance == moe::Balance::seq_aux) {  // a dense model has no balance
     TESSEL_CHECK(!in.token_index, "seq_aux needs whole sequences (no context parallelism)");
     for (int64_t n = 0; n < N; ++n)
       if (acts.routed_all || !in.padding[n]) acts.routed_sequence.push_back(int32_t(n / T));

@@ -63,6 +63,7 @@ void require_positive(const char* field, double value) {
 }  // namespace
 
 void validate(const GptConfig& c) {
+  constexpr int64_t kMaxSize = int64_t(1) << 24;  // of a sequence or a hidden layer
   require_positive("vocab", c.vocab);
   if (c.vocab > std::numeric_limits<int32_t>::max())
     input_error("model.vocab = ", c.vocab, " must fit token ids in int32 (at most ",
@@ -78,7 +79,7 @@ void validate(const GptConfig& c) {
     input_error("model.kv_heads = ", c.kv_heads, " must divide model.heads = ", c.heads);
   if (c.mlp_hidden < 0)
     input_error("model.mlp_hidden = ", c.mlp_hidden, " must be positive (or 0 = default)");
-  if (c.mlp_hidden > 0) require_size("mlp_hidden", c.mlp_hidden, int64_t(1) << 24);
+  if (c.mlp_hidden > 0) require_size("mlp_hidden", c.mlp_hidden, kMaxSize);
   require_positive("norm_eps", c.norm_eps);
   if (c.positions == PositionType::rotary) {
     if (c.head_dim() % 2 != 0)
@@ -86,10 +87,13 @@ void validate(const GptConfig& c) {
                   " (the head dimension) must be even for model.positions = \"rotary\"");
     require_positive("rope_theta", c.rope_theta);
   }
-  require_size("max_seq", c.max_seq, int64_t(1) << 24);
+  require_size("max_seq", c.max_seq, kMaxSize);
   if (c.attention_window < 0)
     input_error("model.attention_window = ", c.attention_window,
                 " must be positive (or 0 = no window)");
+  if (c.attention_window > kMaxSize)
+    input_error("model.attention_window = ", c.attention_window,
+                " is larger than tessel supports (", kMaxSize, ")");
   require_positive("init_std", c.init_std);
   const std::vector<bool> mask = c.moe_mask();
   const bool moe = std::find(mask.begin(), mask.end(), true) != mask.end();

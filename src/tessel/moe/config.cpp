@@ -1,6 +1,7 @@
 #include "tessel/moe/config.hpp"
 
 #include <cmath>
+#include <limits>
 
 #include "tessel/core/error.hpp"
 
@@ -23,11 +24,19 @@ void validate(const MoeConfig& c) {
     if (!(v >= 0) || !std::isfinite(v))
       input_error("model.moe_", field, " = ", v, " must be a finite number >= 0");
   };
+  // The coefficients reach the router's gradients and the bias in f32, where more is inf.
+  auto float_coefficient = [&](const char* field, double v) {
+    non_negative(field, v);
+    if (v > std::numeric_limits<float>::max())
+      input_error("model.moe_", field, " = ", v,
+                  " is outside the float range the router computes in (at most ",
+                  std::numeric_limits<float>::max(), ")");
+  };
   non_negative("capacity", c.capacity);
-  non_negative("aux_coeff", c.aux_coeff);
-  non_negative("z_coeff", c.z_coeff);
-  non_negative("bias_rate", c.bias_rate);
-  non_negative("lei_coeff", c.lei_coeff);
+  float_coefficient("aux_coeff", c.aux_coeff);
+  float_coefficient("z_coeff", c.z_coeff);
+  float_coefficient("bias_rate", c.bias_rate);
+  float_coefficient("lei_coeff", c.lei_coeff);
   if (!(c.eqb_step > 0 && c.eqb_step <= 1))
     input_error("model.moe_eqb_step = ", c.eqb_step, " must lie in (0, 1]");
   // Each update holds E x B int32 counters: the cap keeps that a bounded buffer.
@@ -36,6 +45,7 @@ void validate(const MoeConfig& c) {
     input_error("model.moe_hist_bins = ", c.hist_bins, " must lie in [2, ", kMaxHistBins, "]");
   if (!(c.lei_width > 0) || !std::isfinite(c.lei_width))
     input_error("model.moe_lei_width = ", c.lei_width, " must be positive");
+  float_coefficient("lei_width", c.lei_width);
   if (c.capacity > 0 && c.capacity * double(c.top_k) < 1e-9)
     input_error("model.moe_capacity = ", c.capacity, " is too small");
   // DeepSeek-V3 normalizes sigmoid scores over the experts before its sequence-wise loss; this

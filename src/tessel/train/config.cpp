@@ -525,8 +525,38 @@ bool takes_string(const ConfigKey& key) {
   return key.type == "string" || key.type.find('|') != std::string::npos;
 }
 
-[[noreturn]] void wrong_type(const std::string& where, const ConfigKey& key) {
-  input_error(where, "config key '", key.name, "' expects a ", key.type, " value");
+// What a key's value must be, in words.
+std::string expected_value(const ConfigKey& key) {
+  if (key.type == "int") return "an integer";
+  if (key.type == "float") return "a number";
+  if (key.type == "bool") return "true or false";
+  if (key.type == "string") return "a string";
+  return "a string, one of " + key.type;
+}
+
+[[noreturn]] void wrong_type(const std::string& where, const ConfigKey& key,
+                             const std::string& given) {
+  input_error(where, "config key '", key.name, "' expects ", expected_value(key), ", got ", given,
+              given == "an array" && takes_string(key)
+                  ? " (a list is one comma-separated string, as \"0,1\")"
+                  : "");
+}
+
+std::string toml_type_name(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::array:
+      return "an array";
+    default:
+      return "a date or time";
+  }
 }
 
 void apply_table(Config& config, const toml::table& table, const std::string& prefix,
@@ -539,12 +569,12 @@ void apply_table(Config& config, const toml::table& table, const std::string& pr
     }
     const ConfigKey* key = find_key(name);
     if (!key) unknown_key(file + ": ", name);
-    std::string text = toml_value_text(node);
-    bool is_string = node.is_string();
-    if (text.empty() && !is_string)
-      input_error(file, ": config key '", name, "' has an unsupported value type");
-    // A string where a number or bool is expected is a type error, not a parse.
-    if (is_string != takes_string(*key)) wrong_type(file + ": ", *key);
+    // A string where a number or bool is expected is a type error, not a parse; so is an array
+    // or a date.
+    const bool scalar = node.is_string() || node.is_number() || node.is_boolean();
+    if (!scalar || node.is_string() != takes_string(*key))
+      wrong_type(file + ": ", *key, toml_type_name(node));
+    const std::string text = toml_value_text(node);
     try {
       key->set(config, text);
     } catch (const InputError& e) {
@@ -597,7 +627,7 @@ void apply_override(Config& config, const std::string& assignment) {
   // escapes such as \n, or '...' taken literally); any other value is taken as written.
   if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
     // A string where a number or bool is expected is a type error, as in a file.
-    if (!takes_string(*key)) wrong_type("--set: ", *key);
+    if (!takes_string(*key)) wrong_type("--set: ", *key, "a quoted string");
     const std::optional<std::string> parsed = config_string_value(value);
     if (!parsed)
       input_error(

@@ -135,12 +135,30 @@ bool same_model_setting(const std::string& key, const nlohmann::json& have,
 }
 
 // "" when this run's `value` of config key `key` matches a compatibility record written by an
-// older tessel that had no such key (kAddedKeys), else why not.
-std::string absent_key_mismatch(const std::string& key, const nlohmann::json& value) {
+// older tessel that had no such key, else why not. The older tessel ran as kAddedKeys says;
+// a key it had but did not record (data.attention_mask) is read from the checkpoint's config
+// (its manifest's `state`), when that parses.
+std::string absent_key_mismatch(const std::string& key, const nlohmann::json& value,
+                                const nlohmann::json& state) {
   const auto added = kAddedKeys.find(key);
-  if (added == kAddedKeys.end())
+  if (added == kAddedKeys.end()) {
+    std::optional<Config> stored;
+    try {
+      if (state.contains("config") && state["config"].is_string())
+        stored = parse_stored_config(state["config"].get<std::string>(), "checkpoint config");
+    } catch (const InputError&) {  // a config of an older tessel: not a reference
+    }
+    if (stored)
+      for (const auto& k : config_schema())
+        if (k.name == key) {
+          const nlohmann::json old = k.get(*stored);
+          if (same_setting(key, old, value)) return "";
+          return detail::concat(" has ", key, " = ", json_text(old), " but this run has ",
+                                json_text(value));
+        }
     return detail::concat(" has no ", key,
                           " in its compatibility record (written by an older tessel)");
+  }
   const nlohmann::json old(added->second);
   if (same_setting(key, old, value)) return "";
   return detail::concat(" has no ", key, " in its compatibility record: an older tessel wrote ",
@@ -547,8 +565,9 @@ struct Trainer::State {
   // or in row shards, and restore_optimizer re-cuts it for the new dp group. The pipeline's
   // stage split may change too (kPipelineKey).
   nlohmann::json compatibility() const {
+    // data.attention_mask decides what each position attends to and its position index.
     static const std::set<std::string> order_keys = {"run.seed", "data.shuffle", "train.seq_len",
-                                                     "optim.name"};
+                                                     "optim.name", "data.attention_mask"};
     nlohmann::json keys;
     for (const auto& k : config_schema())
       if (k.name.rfind("model.", 0) == 0 || order_keys.count(k.name)) keys[k.name] = k.get(config);
@@ -663,7 +682,7 @@ struct Trainer::State {
     }
     for (const auto& [key, value] : want.items())
       if (!have.contains(key)) {
-        const std::string why = absent_key_mismatch(key, value);
+        const std::string why = absent_key_mismatch(key, value, content.state);
         if (!why.empty()) input_error(chosen, ": checkpoint", why, "; use a new run.dir");
       } else if (!same_model_setting(key, have[key], value, config.model))
         input_error(chosen, ": checkpoint has ", key, " = ", json_text(have[key]),
@@ -748,7 +767,7 @@ struct Trainer::State {
           init_may_differ(key, have.value(key, nlohmann::json()), value, config.model))
         continue;
       if (!have.contains(key)) {
-        const std::string why = absent_key_mismatch(key, value);
+        const std::string why = absent_key_mismatch(key, value, loaded->content.state);
         if (!why.empty()) input_error("train.init_from: ", dir, why);
       } else if (!same_model_setting(key, have[key], value, config.model))
         differences += detail::concat(differences.empty() ? "" : ", ", key, " = ",
@@ -857,7 +876,15 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   // bits (MeshShape::world_size, the automatic dp here).
   const ParallelConfig& par = config.parallel;
   comm::MeshShape shape{int(par.pp), int(par.dp), int(par.cp), int(par.ep)};
-  if (shape.dp == 0) shape.dp = int(std::max<int64_t>(1, world.size() / (par.pp * par.cp)));
+  if (shape.dp == 0) {
+    if (world.size() % (par.pp * par.cp) != 0)
+      input_error("mesh parallel.pp x parallel.cp = ", par.pp * par.cp, " needs a multiple of ",
+                  par.pp * par.cp,
+                  " processes (parallel.dp = 0 takes world / (pp x cp)), but the world has ",
+                  world.size());
+    shape.dp = int(world.size() / (par.pp * par.cp));
+  }
+  shape.validate(world.size());   // before the run directory is locked: a refusal leaves nothing
   check_run_dir(config.run.dir);  // before the attempt's ETT log is created in it
   int threads =
       config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "support/expect_input_error.hpp"
 #include "tessel/attention/mask.hpp"
 #include "tessel/attention/mask_builders.hpp"
@@ -73,7 +75,8 @@ TEST(ColumnMask, CausalIsBottomRightAligned) {
 
 // restrict_to_window keeps exactly the visible keys of the given mask that lie in the causal
 // window (i + Sk - Sq - j < w): plain causal (square and bottom-right), causal documents over
-// two rows of random documents, and a causal [LTS, LTE] mask whose interval reaches the window.
+// two rows of random documents, and a causal [LTS, LTE] mask whose interval reaches the window;
+// a window as wide as the keys, or the largest int64, cuts nothing.
 TEST(ColumnMask, AWindowRestrictsACausalMaskToItsLastKeys) {
   Rng rng(11);
   std::vector<ColumnMask> masks = {
@@ -115,6 +118,11 @@ TEST(ColumnMask, AWindowRestrictsACausalMaskToItsLastKeys) {
       {"needs a causal mask"});
   expect_input_error([] { restrict_to_window(ColumnMask::causal_only(1, 4, 4), 0); },
                      {"window = 0"});
+  // A window as wide as the keys or wider cuts nothing, up to the largest int64 (whose sum
+  // with a column index would overflow).
+  for (const ColumnMask& m : masks)
+    for (int64_t w : {m.cols(), std::numeric_limits<int64_t>::max()})
+      EXPECT_EQ(naive::dense_mask(restrict_to_window(m, w)), naive::dense_mask(m)) << w;
 }
 
 TEST(ColumnMask, CanonicalFormFillsAbsentVectors) {

@@ -427,9 +427,16 @@ TEST_F(CliTest, ASupervisedRunWithoutInterimCheckpointsIsWarned) {
   EXPECT_EQ(warnings(train_args(temp_dir("plain"))), 0u);  // nothing relaunches it
 }
 
+// A mesh the world cannot hold is refused before the run directory is locked or written.
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
-  expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=2"),
+  const std::string run = temp_dir("r") + "/run";
+  expect_one_line_error(run_tessel(train_args(run) + " --set parallel.dp=2"),
                         {"parallel.dp", "world has 1"});
+  // With dp = 0 (world / (pp x cp)) the world must divide: no dp would do.
+  expect_one_line_error(
+      run_tessel(train_args(run) + " --set parallel.cp=2"),
+      {"parallel.pp x parallel.cp = 2 needs a multiple of 2 processes", "world has 1"});
+  EXPECT_FALSE(fs::exists(run));
 }
 
 TEST_F(CliTest, BadInputOnSeveralRanksIsStillOneLine) {
@@ -477,10 +484,10 @@ TEST_F(CliTest, MistypedCommandsAndImpossibleSizesAreOneLine) {
   expect_one_line_error(run_tessel("prepare --corpus file:" + run + " --out " + temp_dir("p")),
                         {run, "is a directory"});
   // CLI11's own range checks: its message names the option.
-  for (const std::string args : {"bench-gemm --seconds -1", "bench-gemm --seconds nan",
-                                 "run --threads -5", "simulate --link-bandwidth nan",
-                                 "prepare --seed 18446744073709551616", "prepare --seed -1",
-                                 "generate --seed 18446744073709551616", "generate --seed -1"}) {
+  for (const std::string args :
+       {"bench-gemm --seconds -1", "bench-gemm --seconds nan", "run --threads -5",
+        "simulate --link-bandwidth nan", "prepare --seed 18446744073709551616", "prepare --seed -1",
+        "generate --seed 18446744073709551616", "generate --seed -1"}) {
     const Outcome o = run_tessel(args);
     EXPECT_NE(o.exit_code, 0) << args;
     const std::string option = args.substr(args.find("--"), args.rfind(' ') - args.find("--"));

@@ -7,6 +7,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "support/expect_input_error.hpp"
 #include "tessel/core/bf16.hpp"
@@ -449,6 +450,26 @@ TEST(MoeLayer, EqbStepOutsideZeroToOneIsAnInputError) {
   for (double eta : {1.0, 0.2, 1e-6}) {
     c.eqb_step = eta;
     EXPECT_NO_THROW(validate(c)) << eta;
+  }
+}
+
+// The loss coefficients, bias rate and LEI width reach the router in f32: beyond FLT_MAX they
+// would be inf there (a bias rate of 1e39 wrote NaN biases into the checkpoint), so they are
+// refused by name; up to FLT_MAX they pass.
+TEST(MoeLayer, CoefficientsBeyondTheFloatRangeAreInputErrors) {
+  const double too_large = 1e39, largest = double(std::numeric_limits<float>::max());
+  const std::pair<const char*, double MoeConfig::*> fields[] = {
+      {"model.moe_aux_coeff", &MoeConfig::aux_coeff},
+      {"model.moe_z_coeff", &MoeConfig::z_coeff},
+      {"model.moe_bias_rate", &MoeConfig::bias_rate},
+      {"model.moe_lei_coeff", &MoeConfig::lei_coeff},
+      {"model.moe_lei_width", &MoeConfig::lei_width}};
+  for (const auto& [name, field] : fields) {
+    MoeConfig c;
+    c.*field = too_large;
+    fixture::expect_input_error([&] { validate(c); }, {name, "float range"});
+    c.*field = largest;
+    EXPECT_NO_THROW(validate(c)) << name;
   }
 }
 

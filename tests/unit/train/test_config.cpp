@@ -337,10 +337,22 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
   // A quoted string for a number or bool key is refused as in a file, with the same words.
   const std::string file = write_file("s.toml", "[train]\nsteps = \"7\"\n");
   expect_input_error([&] { train::load_config(file, {}); },
-                     {file + ": config key 'train.steps' expects a int value"});
+                     {file + ": config key 'train.steps' expects an integer, got a string"});
   for (std::string bad : {"train.steps=\"7\"", "optim.lr='0.1'", "run.quiet=\"true\""})
     expect_input_error([&] { train::load_config("", {bad}); },
-                       {"--set: config key '" + bad.substr(0, bad.find('=')) + "' expects a"});
+                       {"--set: config key '" + bad.substr(0, bad.find('=')) + "' expects ",
+                        "got a quoted string"});
+  // An array or a date is no value of any key; a list is one string.
+  const std::string array = write_file("a.toml", "[model]\nmoe_layers = [0, 1]\n");
+  expect_input_error([&] { train::load_config(array, {}); },
+                     {array + ": config key 'model.moe_layers' expects a string, got an array",
+                      "comma-separated string"});
+  const std::string date = write_file("d.toml", "[train]\nsteps = 2026-12-06\n");
+  expect_input_error([&] { train::load_config(date, {}); },
+                     {"'train.steps' expects an integer, got a date or time"});
+  const std::string choice = write_file("c.toml", "[model]\nmlp = 1\n");
+  expect_input_error([&] { train::load_config(choice, {}); },
+                     {"'model.mlp' expects a string, one of ", "got an integer"});
 }
 
 // run.dir must be a directory or creatable as one: empty, a file, or below a file is an
@@ -375,6 +387,12 @@ TEST(Config, ModelFieldsAreValidated) {
   for (const char* key : {"model.norm_eps=1e-300", "model.init_std=1e300"})
     expect_input_error([&] { train::load_config("", {key}); }, {"outside the float range"});
   EXPECT_EQ(train::load_config("", {"model.norm_eps=1e-30"}).model.norm_eps, 1e-30);
+  // A window is a length: at most the longest sequence tessel supports (a window near 2^63
+  // overflowed the mask's arithmetic, a silently wrong attention).
+  expect_input_error([&] { train::load_config("", {"model.attention_window=16777217"}); },
+                     {"model.attention_window", "16777216"});
+  EXPECT_EQ(train::load_config("", {"model.attention_window=16777216"}).model.attention_window,
+            16777216);
   // MoE settings are checked without MoE blocks too: config.toml holds no broken setting.
   expect_input_error([&] { train::load_config("", {"model.moe_experts=0"}); },
                      {"model.moe_experts"});

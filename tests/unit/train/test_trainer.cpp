@@ -220,6 +220,11 @@ TEST_F(TrainerTest, ResumeRejectsAnIncompatibleCheckpoint) {
   train::Config c = ten_steps(data_dir, fixture::temp_dir("tessel-run"));
   c.model.width = 64;
   fixture::expect_input_error([&] { train_run(c); }, {"model.width = 32 but this run has 64"});
+  c.model.width = 32;
+  c.data.attention_mask = train::AttentionMaskKind::causal;  // other attention, other positions
+  fixture::expect_input_error(
+      [&] { train_run(c); },
+      {"data.attention_mask = 'causal_document' but this run has 'causal'", "new run.dir"});
 }
 
 // An older tessel wrote floats in another form (model.norm_eps = 1.0000000000000001e-05 where
@@ -282,6 +287,7 @@ TEST_F(TrainerTest, ResumeComparesMoeBlocksNotTheirSpelling) {
 
 // A checkpoint of an older tessel lacks the keys added since; it ran as their defaults, so a
 // run at the default resumes from it and a run with another value is refused, naming both.
+// A key it had without recording it (data.attention_mask) is compared with its config.
 TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
   const std::string run = fixture::temp_dir("tessel-run");
   train::Config c = ten_steps(data_dir, run);
@@ -292,7 +298,14 @@ TEST_F(TrainerTest, AKeyAnOlderCheckpointLacksMatchesOnlyItsDefault) {
   ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_lei_margin"), 1u);
   ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_lei_loss"), 1u);
   ASSERT_EQ(m["state"]["compatibility"].erase("model.moe_hist_bins"), 1u);
+  ASSERT_EQ(m["state"]["compatibility"].erase("data.attention_mask"), 1u);
   std::ofstream(manifest) << m.dump();
+  // A key that older tessel had but did not record is compared with the checkpoint's config.
+  c.data.attention_mask = train::AttentionMaskKind::causal;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"checkpoint has data.attention_mask = 'causal_document' but this "
+                               "run has 'causal'"});
+  c.data.attention_mask = train::AttentionMaskKind::causal_document;
   c.train.steps = 12;
   c.model.moe.hist_bins = 64;
   fixture::expect_input_error([&] { train_run(c); },
