@@ -692,6 +692,11 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
         version > kFormatVersion)
       input_error(manifest_path.string(), ": unsupported checkpoint format or version");
     content.step = manifest.at("step").get<int64_t>();
+    // A copy under another step's name would be taken for that step: the newest, and every
+    // resume would go back to its real step, while retention deleted the real ones.
+    if (const int64_t named = step_of(dir); named >= 0 && named != content.step)
+      input_error(manifest_path.string(), ": holds step ", content.step, ", not the step ", named,
+                  " its directory is named after (a copied or renamed checkpoint)");
     content.state = manifest.at("state");
     for (const auto& f : manifest.at("files")) {
       std::string name = f.at("name").get<std::string>();

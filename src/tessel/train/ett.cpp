@@ -436,9 +436,13 @@ EttReport analyze_ett(const std::string& run_dir) {
   if (n > 0) {
     const auto& a = rep.attempts[0];
     int64_t first = a.first_step_ns >= 0 ? a.first_step_ns : a.t1;
-    rep.tts = sec(first - a.t0);
+    // One that failed before its first step: its detection is in its failure's TTR.
+    const bool detection_in_ttr = a.first_step_ns < 0 && a.failed;
+    rep.tts = sec(first - a.t0) -
+              (detection_in_ttr ? sec(a.leaf_ns[idx(Phase::failure_detection)]) : 0.0);
     for (const auto& s : a.segments)
-      if (s.t0 < first) rep.tts_by_phase[idx(s.phase)] += sec(std::min(s.t1, first) - s.t0);
+      if (s.t0 < first && !(detection_in_ttr && s.phase == Phase::failure_detection))
+        rep.tts_by_phase[idx(s.phase)] += sec(std::min(s.t1, first) - s.t0);
   }
   rep.productive = rep.leaves[idx(Phase::productive)];
   rep.ett = rep.wall > 0 ? rep.productive / rep.wall : 0;

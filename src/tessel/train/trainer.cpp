@@ -1108,8 +1108,8 @@ TrainResult Trainer::run_steps() {
       EttReport seen = analyze_ett(c.run.dir);
       if (seen.nof > 0) mtbf = seen.wall / seen.nof;  // observed
     } catch (const InputError& e) {                   // a damaged ledger must not stop the training
-      s.log(detail::concat("warning: no observed MTBF (", e.what(),
-                           "); the checkpoint interval uses train.mtbf_seconds"));
+      warn_on_stderr(detail::concat("no observed MTBF (", e.what(),
+                                    "); the checkpoint interval uses train.mtbf_seconds"));
     }
   }
   int64_t next_save = -1, decide_at = -1;  // adaptive: the next save; the step deciding it

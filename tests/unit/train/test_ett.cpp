@@ -428,6 +428,32 @@ TEST(EttLedger, AnAttemptThatDiedBeforeItsStartDoesNotDecideTheDurableStep) {
   EXPECT_EQ(analyze_ett(killed_run(false)).attempts[0].resumed_from, 0);
 }
 
+// Attempt 0 dies in its start-up: its start-up up to the failure is the TTS, its detection the
+// TTR of its failure (with attempt 1's start-up), never both; W is partitioned again.
+TEST(EttLedger, AFirstAttemptThatDiedBeforeItsFirstStepCountsItsDetectionOnce) {
+  const std::string run = fixture::temp_dir("tessel-ett-first-death");
+  fs::create_directories(ett_dir(run));
+  const std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1);
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  phase(a0, "model_build", 300 * ms);
+  line(a0, {{"event", "fault"}, {"t", 400 * ms}, {"rank", 0}, {"kind", "kill"}});
+  line(a0, {{"event", "exit"}, {"t", 600 * ms}, {"status", 137}});
+  line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
+  phase(a1, "model_build", 1100 * ms);
+  for (int64_t step = 1; step <= 3; ++step)
+    phase(a1, "productive", 1100 * ms + step * 100 * ms, step);
+  line(a1, {{"event", "exit"}, {"t", 1400 * ms}, {"status", 0}});
+  const EttReport r = analyze_ett(run);
+  ASSERT_EQ(r.attempts.size(), 2u);
+  const double detection = leaf(r.attempts[0], Phase::failure_detection);
+  EXPECT_GT(detection, 0.0);
+  EXPECT_NEAR(r.tts, 0.6 - detection, 1e-9);
+  EXPECT_EQ(r.tts_by_phase[size_t(Phase::failure_detection)], 0.0);
+  ASSERT_EQ(r.ttr.size(), 1u);
+  EXPECT_NEAR(r.ttr[0], detection + 0.2, 1e-9);  // and attempt 1's start-up, to its step 1
+  EXPECT_NEAR(r.productive + r.tts + r.ttr[0], r.wall, 1e-9);
+}
+
 // A line that does not fit (a full disk; here a file-size limit, which cuts the write short
 // as ENOSPC does) is cut off again, and the error says why: the log keeps whole lines.
 TEST(EttLedger, ALineThatDoesNotFitLeavesTheLogWholeAndSaysWhy) {

@@ -181,7 +181,8 @@ TEST_F(TrainerTest, ADamagedNewestCheckpointResumesFromThePreviousOne) {
 }
 
 // A `latest` naming an older checkpoint (a crash between the rename and its rewrite, a hand
-// edit) does not make the resume go back and overwrite the newer ones.
+// edit), or a copy under a newer step's name, does not make the resume go back and overwrite
+// the newer ones.
 TEST_F(TrainerTest, ResumeTakesTheNewestCheckpointWhateverLatestNames) {
   std::string run = fixture::temp_dir("tessel-run");
   train::Config c = fixture::tiny_config(data_dir, run);
@@ -203,6 +204,21 @@ TEST_F(TrainerTest, ResumeTakesTheNewestCheckpointWhateverLatestNames) {
   EXPECT_EQ(manifest("step-00000010"), manifests[0]);
   EXPECT_EQ(manifest("step-00000015"), manifests[1]);
   EXPECT_FALSE(manifest("step-00000020").empty());
+  // A checkpoint copied under a newer step's name holds its own step: it fails verification,
+  // the resume takes the real newest one and drops the copy.
+  fs::copy(run + "/checkpoints/step-00000015", run + "/checkpoints/step-00000099");
+  c.train.steps = 22;
+  const auto after_copy = train_run(c);
+  EXPECT_EQ(after_copy.resumed_from, 20);
+  EXPECT_EQ(after_copy.steps.size(), 2u);
+  EXPECT_FALSE(fs::exists(run + "/checkpoints/step-00000099"));
+  fixture::expect_input_error(
+      [&] {
+        fs::copy(run + "/checkpoints/step-00000020", run + "/checkpoints/step-00000030");
+        train::CheckpointStore::load(run + "/checkpoints/step-00000030",
+                                     train::CheckpointParts::model);
+      },
+      {"holds step 20, not the step 30", "copied or renamed"});
 }
 
 namespace {
