@@ -601,6 +601,10 @@ int main(int argc, char** argv) {
                    "waits that long before it aborts); 0 = off (the default: no timeout fits "
                    "every model and machine)")
       ->capture_default_str();
+  runc->add_option("--kill-grace", sup.kill_grace,
+                   "seconds the job gets to end after the supervisor sent it SIGTERM (a stop "
+                   "signal forwarded, a hang) before its process group gets SIGKILL")
+      ->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train");
   double max_ttr = 0;
   const char* max_ttr_help =

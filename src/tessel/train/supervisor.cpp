@@ -166,10 +166,43 @@ struct JobEnd {
   int64_t progress_ns = 0;
 };
 
+// How long the supervisor waits for processes after it SIGKILLed them (leftovers of a job, the
+// holder of the job's lock).
+constexpr int64_t kKilledWaitNs = 30'000'000'000;
+
 // SIGTERM makes mpirun tear its ranks down (it SIGKILLs those that ignore SIGTERM within a
-// few seconds); SIGKILL to the job's process group, after this grace, ends a launcher that
-// does not end itself (its ranks, in process groups of their own, may then outlive it).
-constexpr int64_t kHangKillGraceNs = 30'000'000'000;
+// few seconds); SIGKILL to the job's process group, --kill-grace after a forwarded stop
+// signal, ends a launcher that does not end itself (one that takes a second SIGTERM as
+// nothing, or is stuck starting more ranks than the machine holds; its ranks, in process
+// groups of their own, may then outlive it). Once per job: `kill_at` < 0 after it.
+void escalate_stop(pid_t pid, int64_t now, int64_t grace_ns, int64_t& kill_at) {
+  if (!g_stop || !g_forwarded || kill_at < 0) return;
+  if (kill_at == 0) {
+    kill_at = now + grace_ns;
+  } else if (now >= kill_at) {
+    std::fprintf(stderr,
+                 "tessel run: the job did not end within %g s of the stop signal (--kill-grace); "
+                 "killing it\n",
+                 double(grace_ns) * 1e-9);
+    ::kill(-pid, SIGKILL);
+    kill_at = -1;
+  }
+}
+
+// Waits until the job `pid` has exited (without reaping it), escalating a stop.
+void wait_for_exit(pid_t pid, int64_t grace_ns) {
+  int64_t kill_at = 0;
+  for (;;) {
+    siginfo_t info{};
+    if (::waitid(P_PID, id_t(pid), &info, WEXITED | WNOWAIT | WNOHANG) < 0) {
+      if (errno == EINTR) continue;
+      input_error("tessel run: waitid failed: ", std::strerror(errno));
+    }
+    if (info.si_pid == pid) return;
+    escalate_stop(pid, monotonic_ns(), grace_ns, kill_at);
+    ::usleep(10'000);  // an exit is seen within 10 ms
+  }
+}
 
 // A pidfd of `pid` (readable once it exits); InputError on a kernel without pidfd_open.
 int open_pidfd(pid_t pid) {
@@ -183,22 +216,24 @@ int open_pidfd(pid_t pid) {
 
 // Watches the running job `pid` until it has exited (without reaping it). When the attempt
 // log `log` does not change for `timeout` seconds while no stop is being forwarded, the job
-// hangs: SIGTERM to its process group, SIGKILL after kHangKillGraceNs. Fills end.hung and
-// end.progress_ns.
-void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& end) {
+// hangs: SIGTERM to its process group, SIGKILL `grace_ns` later (so is a stop escalated).
+// Fills end.hung and end.progress_ns.
+void watch_progress(pid_t pid, const std::string& log, double timeout, int64_t grace_ns,
+                    JobEnd& end) {
   const int fd = open_pidfd(pid);
   const auto limit = int64_t(timeout * 1e9);
   // Looked at 10 times per timeout, at most once a second: a hang is found at most 10 % late.
   const int poll_ms = int(std::clamp(timeout * 100, 1.0, 1000.0));
   timespec seen = log_mtime(log);
   end.progress_ns = monotonic_ns();
-  int64_t sigkill_at = 0;
+  int64_t sigkill_at = 0, stop_kill_at = 0;
   pollfd exited{fd, POLLIN, 0};  // readable once the job has exited
   for (;;) {
     const int ready = ::poll(&exited, 1, poll_ms);
     if (ready > 0) break;
     if (ready < 0 && errno != EINTR) input_error("tessel run: poll failed: ", std::strerror(errno));
     const int64_t now = monotonic_ns();
+    escalate_stop(pid, now, grace_ns, stop_kill_at);
     // Being stopped: what the teardown writes is no progress (mpirun sends SIGCONT before
     // SIGTERM, so a stopped rank trains on for a moment).
     if (end.hung) {
@@ -218,7 +253,7 @@ void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& e
                    "it as hung\n",
                    timeout, log.c_str());
       end.hung = true;
-      sigkill_at = now + kHangKillGraceNs;
+      sigkill_at = now + grace_ns;
       // Counted as forwarded: a stop signal now must not send mpirun a second signal (which
       // makes it exit at once and leave its ranks running).
       g_forwarded = true;
@@ -230,13 +265,14 @@ void watch_progress(pid_t pid, const std::string& log, double timeout, JobEnd& e
 
 // Waits for the job g_job to exit, watching its progress when `hang_timeout` > 0. g_job is
 // cleared before the job is reaped, so that a later stop never signals a reused pid.
-JobEnd wait_job(const std::string& log, double hang_timeout) {
+JobEnd wait_job(const std::string& log, const SuperviseOptions& o) {
   const pid_t pid = g_job;
   JobEnd end;
-  if (hang_timeout > 0) watch_progress(pid, log, hang_timeout, end);
-  siginfo_t info{};
-  while (::waitid(P_PID, id_t(pid), &info, WEXITED | WNOWAIT) < 0)
-    if (errno != EINTR) input_error("tessel run: waitid failed: ", std::strerror(errno));
+  const auto grace_ns = int64_t(o.kill_grace * 1e9);
+  if (o.hang_timeout > 0)
+    watch_progress(pid, log, o.hang_timeout, grace_ns, end);
+  else
+    wait_for_exit(pid, grace_ns);
   g_job = 0;
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0)
@@ -289,11 +325,11 @@ std::vector<pid_t> job_children() {
 
 // Reaps the job's processes that outlived its launcher (and what they leave behind), killing
 // those still running after kLeftoverGraceNs: a rank left running would hold the run directory's
-// lock, so that every relaunch were refused, and keep its cores. Gives up kHangKillGraceNs after
+// lock, so that every relaunch were refused, and keep its cores. Gives up kKilledWaitNs after
 // the kill (a process in uninterruptible sleep does not die), saying which are left.
 void end_leftovers() {
   const int64_t kill_at = monotonic_ns() + kLeftoverGraceNs;
-  const int64_t give_up_at = kill_at + kHangKillGraceNs;
+  const int64_t give_up_at = kill_at + kKilledWaitNs;
   std::set<pid_t> killed;
   for (;;) {
     while (::waitpid(-1, nullptr, WNOHANG) > 0) {  // also adopted strangers: a subreaper reaps
@@ -321,7 +357,7 @@ void end_leftovers() {
                  killed.size(), double(kLeftoverGraceNs) * 1e-9);
 }
 
-// Waits (at most kHangKillGraceNs) until no process holds the job's lock of `run_dir`.
+// Waits (at most kKilledWaitNs) until no process holds the job's lock of `run_dir`.
 // mpirun's exit does not mean its ranks are gone: Open MPI kills them and exits without
 // reaping them, so rank 0 may still hold the lock, or be writing its last ledger line. After
 // this the exit line comes last, and a relaunch finds the run directory free.
@@ -329,13 +365,13 @@ void wait_for_job_lock(const std::string& run_dir) {
   const std::string path = run_dir + "/" + kJobLock;
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) return;  // no job took it
-  const int64_t deadline = monotonic_ns() + kHangKillGraceNs;
+  const int64_t deadline = monotonic_ns() + kKilledWaitNs;
   while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     if (errno != EWOULDBLOCK && errno != EINTR) break;
     if (monotonic_ns() > deadline) {
       std::fprintf(stderr,
                    "tessel run: %s is still locked %.0f s after the job's launcher exited\n",
-                   path.c_str(), double(kHangKillGraceNs) * 1e-9);
+                   path.c_str(), double(kKilledWaitNs) * 1e-9);
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -352,6 +388,8 @@ void check_supervise_options(const SuperviseOptions& o) {
   if (!(o.hang_timeout >= 0 && o.hang_timeout <= 1e6))
     input_error("tessel run: --hang-timeout must be in [0, 1e6] seconds (0 = off), got ",
                 o.hang_timeout);
+  if (!(o.kill_grace > 0 && o.kill_grace <= 1e6))
+    input_error("tessel run: --kill-grace must be in (0, 1e6] seconds, got ", o.kill_grace);
   // Refused before a job starts, not once it runs unwatched.
   if (o.hang_timeout > 0) ::close(open_pidfd(::getpid()));
   if (!spawnable(o.launcher))
@@ -422,7 +460,7 @@ int supervise(const SuperviseOptions& o) {
         throw;
       }
     }
-    const JobEnd end = wait_job(log, o.hang_timeout);
+    const JobEnd end = wait_job(log, o);
     end_leftovers();
     wait_for_job_lock(o.run_dir);  // a rank 0 on another machine is no child of ours
     const int status = end.status;

@@ -35,11 +35,13 @@ struct SuperviseOptions {
   std::vector<std::string> train_args;  // arguments after `tessel train`
   bool quiet = false;                   // no progress lines of the supervisor
   double hang_timeout = 0;              // seconds without progress that make a hang; 0 = off
+  double kill_grace = 30;               // seconds from SIGTERM (a stop, a hang) to SIGKILL
 };
 
 // InputError for an option supervise() refuses: --np below 1, negative --max-restarts, a
-// --hang-timeout outside [0, 1e6] s or one this kernel cannot watch, a --launcher that is no
-// executable file. `tessel run` checks them before it creates anything in run.dir.
+// --hang-timeout outside [0, 1e6] s or one this kernel cannot watch, a --kill-grace outside
+// (0, 1e6] s, a --launcher that is no executable file. `tessel run` checks them before it creates
+// anything in run.dir.
 void check_supervise_options(const SuperviseOptions& options);
 
 // Runs the job to success, until the restarts are spent or until stopped by a signal;

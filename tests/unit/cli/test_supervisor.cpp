@@ -9,11 +9,13 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "support/train_fixture.hpp"
@@ -136,6 +138,17 @@ class BackgroundTessel {
   int wait() {
     int status = 0;
     EXPECT_EQ(::waitpid(pid_, &status, 0), pid_);
+    pid_ = 0;
+    return status;
+  }
+  // Waits at most `seconds` for it to exit: its wait status, or nothing (it still runs).
+  std::optional<int> wait_for(double seconds) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    int status = 0;
+    while (::waitpid(pid_, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
+      ::usleep(10'000);
+    }
     pid_ = 0;
     return status;
   }
@@ -389,7 +402,8 @@ TEST_F(SupervisorTest, ARejectedOptionCreatesNoFile) {
   const std::string run = parent + "/job";
   for (const char* options :
        {"--np 0 --max-restarts 3", "--np 2 --max-restarts -1", "--np 2 --hang-timeout -1",
-        "--np 2 --launcher /nonexistent/mpirun", "--np 2 --launcher no-such-launcher"}) {
+        "--np 2 --kill-grace 0", "--np 2 --kill-grace nan", "--np 2 --launcher /nonexistent/mpirun",
+        "--np 2 --launcher no-such-launcher"}) {
     const Outcome o = run_tessel(std::string("run ") + options + " --threads 1" + settings(run));
     EXPECT_EQ(o.exit_code, 2) << options << ": " << o.err;
     EXPECT_EQ(o.err.rfind("tessel: error: tessel run: ", 0), 0u) << options << ": " << o.err;
@@ -516,6 +530,37 @@ TEST_F(SupervisorTest, AStopSignalEndsTheJobAndIsRecorded) {
     EXPECT_NE(lines.back().value("status", 0), 0);
     EXPECT_FALSE(fs::exists(train::attempt_path(run, 1)));
   }
+}
+
+// A launcher that a forwarded stop does not end (it ignores SIGTERM, as mpirun busy starting
+// more ranks than the machine holds did) gets SIGKILL --kill-grace seconds later: `tessel run`
+// ends instead of waiting forever.
+TEST_F(SupervisorTest, AJobThatIgnoresTheStopIsKilledAfterTheGrace) {
+  const std::string run = fixture::temp_dir("tessel-sup-stubborn");
+  const std::string launcher = run + "/launcher.sh";
+  std::ofstream(launcher) << "#!/bin/sh\n"
+                          << "trap 'touch " << run << "/got-term' TERM\n"
+                          << "touch " << run << "/started\n"
+                          << "while :; do sleep 0.05; done\n";
+  fs::permissions(launcher, fs::perms::owner_all);
+  BackgroundTessel supervisor(run,
+                              run_args(run, "", 0, "--launcher " + launcher + " --kill-grace 1"));
+  for (int i = 0; i < 1000 && !fs::exists(run + "/started"); ++i) ::usleep(10'000);
+  ASSERT_TRUE(fs::exists(run + "/started")) << slurp(run + "/err");
+  ASSERT_EQ(::kill(supervisor.pid(), SIGTERM), 0);
+  const std::optional<int> status = supervisor.wait_for(20);
+  if (!status) {  // the supervisor waits on the job: end both
+    ::kill(supervisor.pid(), SIGKILL);
+    // (pkill's own shell matches too: its status says nothing)
+    [[maybe_unused]] const int ignored = std::system(("pkill -KILL -f " + launcher).c_str());
+  }
+  ASSERT_TRUE(status) << "tessel run still waited on the job 20 s after the stop";
+  EXPECT_TRUE(fs::exists(run + "/got-term")) << "the stop was not forwarded";
+  ASSERT_TRUE(WIFEXITED(*status));
+  EXPECT_EQ(WEXITSTATUS(*status), 128 + SIGTERM);
+  EXPECT_NE(slurp(run + "/err").find("did not end within 1 s of the stop signal"),
+            std::string::npos)
+      << slurp(run + "/err");
 }
 
 // mpirun may exit before its ranks are gone (Open MPI kills them and exits without reaping
