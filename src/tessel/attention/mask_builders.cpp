@@ -97,6 +97,7 @@ MaskColumns sliding_window_mask(int64_t Sq, int64_t Sk, int64_t w) {
   check_length(Sq, "Sq", "sliding window mask");
   check_length(Sk, "Sk", "sliding window mask");
   if (w < 1) input_error("sliding window mask: window = ", w, ", expected >= 1");
+  w = std::min(w, Sk);  // as in restrict_to_window
   MaskColumns m{true, 1, std::vector<int32_t>(size_t(Sk))};
   // Row i sees key j while j > i + (Sk - Sq) - w, i.e. i < j - (Sk - Sq) + w.
   for (int64_t j = 0; j < Sk; ++j)

@@ -602,8 +602,8 @@ int main(int argc, char** argv) {
                    "every model and machine)")
       ->capture_default_str();
   runc->add_option("--kill-grace", sup.kill_grace,
-                   "seconds the job gets to end after the supervisor sent it SIGTERM (a stop "
-                   "signal forwarded, a hang) before its process group gets SIGKILL")
+                   "seconds the job gets after a forwarded stop signal, or after the SIGTERM to "
+                   "a hung job, before its process group gets SIGKILL; in (0, 1e6]")
       ->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train");
   double max_ttr = 0;

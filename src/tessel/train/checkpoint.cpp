@@ -637,6 +637,13 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
       Loaded loaded{candidates[i], load(candidates[i], parts)};
+      // The newest is chosen by name: a copy under a newer step's name would be taken for that
+      // step, every resume would go back to its real one, and retention would delete the real
+      // newer ones. (A checkpoint directory named explicitly loads whatever its name.)
+      if (const int64_t named = step_of(candidates[i]); named != loaded.content.step)
+        input_error(candidates[i], "/", kManifest, ": holds step ", loaded.content.step,
+                    ", not the step ", named,
+                    " its directory is named after (a copied or renamed checkpoint)");
       // The row-shard files too, each once (in chunks, holding none): a damaged one falls back
       // to an older checkpoint here, before every rank reads its own and would stop.
       std::set<std::string> checked;
@@ -692,11 +699,6 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
         version > kFormatVersion)
       input_error(manifest_path.string(), ": unsupported checkpoint format or version");
     content.step = manifest.at("step").get<int64_t>();
-    // A copy under another step's name would be taken for that step: the newest, and every
-    // resume would go back to its real step, while retention deleted the real ones.
-    if (const int64_t named = step_of(dir); named >= 0 && named != content.step)
-      input_error(manifest_path.string(), ": holds step ", content.step, ", not the step ", named,
-                  " its directory is named after (a copied or renamed checkpoint)");
     content.state = manifest.at("state");
     for (const auto& f : manifest.at("files")) {
       std::string name = f.at("name").get<std::string>();

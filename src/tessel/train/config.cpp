@@ -531,15 +531,20 @@ std::string expected_value(const ConfigKey& key) {
   if (key.type == "float") return "a number";
   if (key.type == "bool") return "true or false";
   if (key.type == "string") return "a string";
-  return "a string, one of " + key.type;
+  std::string names;  // a choice: "a|b" as "a", "b"
+  for (size_t at = 0; at <= key.type.size();) {
+    const size_t bar = std::min(key.type.find('|', at), key.type.size());
+    names += (names.empty() ? "\"" : ", \"") + key.type.substr(at, bar - at) + "\"";
+    at = bar + 1;
+  }
+  return "one of " + names + " (a string)";
 }
 
 [[noreturn]] void wrong_type(const std::string& where, const ConfigKey& key,
-                             const std::string& given) {
-  input_error(where, "config key '", key.name, "' expects ", expected_value(key), ", got ", given,
-              given == "an array" && takes_string(key)
-                  ? " (a list is one comma-separated string, as \"0,1\")"
-                  : "");
+                             const std::string& given, bool array = false) {
+  input_error(
+      where, "config key '", key.name, "' expects ", expected_value(key), ", got ", given,
+      array && takes_string(key) ? " (a list is one comma-separated string, as \"0,1\")" : "");
 }
 
 std::string toml_type_name(const toml::node& node) {
@@ -573,7 +578,7 @@ void apply_table(Config& config, const toml::table& table, const std::string& pr
     // or a date.
     const bool scalar = node.is_string() || node.is_number() || node.is_boolean();
     if (!scalar || node.is_string() != takes_string(*key))
-      wrong_type(file + ": ", *key, toml_type_name(node));
+      wrong_type(file + ": ", *key, toml_type_name(node), node.is_array());
     const std::string text = toml_value_text(node);
     try {
       key->set(config, text);
@@ -729,7 +734,7 @@ std::vector<std::string> data_paths(const DataConfig& data) {
 
 std::vector<double> data_weights(const DataConfig& data) {
   const size_t n = data_paths(data).size();
-  // A zero share would only leave its data set unread: data.path without it says that.
+  // A zero share would leave its data set unread: leaving it out of data.path does that.
   auto weights = parse_real_list("data.weights", data.weights, 0, /*min_excluded=*/true);
   if (n == 1) {
     if (!weights.empty())
@@ -778,6 +783,29 @@ std::vector<std::string> data_names(const DataConfig& data) {
     if (std::count(names.begin(), names.end(), names[i]) > 1) unique[i] = paths[i];
   return unique;
 }
+
+namespace {
+// Under the fixed checkpoint policy the saves are known: a fault that strikes a checkpoint
+// (fault.kill_in = "checkpoint_write", fault.corrupt_step) at a step that saves none would
+// never fire, and the run would pass as if it had survived it.
+void check_faults_reach_a_save(const Config& c) {
+  if (c.train.checkpoint_policy != "fixed") return;
+  auto saves = [&](int64_t step) {
+    return step == c.train.steps || (c.train.checkpoint_every > 0 && step > 0 &&
+                                     step % c.train.checkpoint_every == 0 && step < c.train.steps);
+  };
+  auto refuse = [&](const std::string& key, int64_t step) {
+    input_error("config key '", key, "' names step ", step, ", which saves no checkpoint (train.",
+                "checkpoint_every = ", c.train.checkpoint_every, ", train.steps = ", c.train.steps,
+                "): the fault would never strike");
+  };
+  if (c.fault.kill_in == "checkpoint_write")
+    for (const int64_t step : parse_int_list("fault.kill_steps", c.fault.kill_steps, 0))
+      if (step > 0 && !saves(step)) refuse("fault.kill_steps", step);
+  if (c.fault.corrupt_step > 0 && !saves(c.fault.corrupt_step))
+    refuse("fault.corrupt_step", c.fault.corrupt_step);
+}
+}  // namespace
 
 void validate(const Config& c) {
   auto positive = [](const char* name, int64_t v) {
@@ -909,6 +937,7 @@ void validate(const Config& c) {
   if (c.train.mtbf_seconds <= 0)
     input_error("config key 'train.mtbf_seconds' must be positive, got ", c.train.mtbf_seconds);
   validate(c.fault);
+  check_faults_reach_a_save(c);
   non_negative("run.threads", double(c.run.threads));
   if (c.run.threads > kMaxThreads)
     input_error("config key 'run.threads' = ", c.run.threads, " is more than ", kMaxThreads);

@@ -181,7 +181,8 @@ struct EttReport {
   double wall = 0;        // W: sum of attempt durations, seconds
   double productive = 0;  // T_prod
   double ett = 0;         // T_prod / W
-  double tts = 0;         // first attempt: start until its first step
+  double tts = 0;  // first attempt: start until its first step (failed before one: to its end
+                   // less its detection, which is in its TTR)
   std::array<double, kNumPhases> tts_by_phase{};
   int nof = 0;                              // failed attempts
   int injected = 0;                         // of which injected

@@ -233,7 +233,7 @@ void watch_progress(pid_t pid, const std::string& log, double timeout, int64_t g
     if (ready > 0) break;
     if (ready < 0 && errno != EINTR) input_error("tessel run: poll failed: ", std::strerror(errno));
     const int64_t now = monotonic_ns();
-    escalate_stop(pid, now, grace_ns, stop_kill_at);
+    if (!end.hung) escalate_stop(pid, now, grace_ns, stop_kill_at);  // a hang's kill: below
     // Being stopped: what the teardown writes is no progress (mpirun sends SIGCONT before
     // SIGTERM, so a stopped rank trains on for a moment).
     if (end.hung) {

@@ -11,11 +11,12 @@
 // (each training step, each leaf boundary) and with EttLedger::beat inside long leaves
 // (validation batches, the synthetic start-up delay). A job whose log stays unchanged that
 // long hangs (a hung rank stops rank 0 at its next collective): the supervisor stops it
-// (SIGTERM to its process group, SIGKILL 30 s later), writes its exit line with "cause":
-// "hang" and relaunches it like any failure. A job that stops with exit status 2 (bad input) or
-// 4 (diverged: a non-finite gradient norm) is not relaunched: a relaunch would fail again. SIGTERM,
-// SIGINT, SIGHUP or SIGQUIT to the supervisor stops the job: it is forwarded to the job (which runs
-// in its own process group, stdin /dev/null), the supervisor waits for it, writes the exit line,
+// (SIGTERM to its process group, SIGKILL kill_grace seconds later), writes its exit line with
+// "cause": "hang" and relaunches it like any failure. A job that stops with exit status 2 (bad
+// input) or 4 (diverged: a non-finite gradient norm) is not relaunched: a relaunch would fail
+// again. SIGTERM, SIGINT, SIGHUP or SIGQUIT to the supervisor stops the job: it is forwarded to the
+// job (which runs in its own process group, stdin /dev/null), the supervisor waits for it (SIGKILL
+// to the job's process group when it still runs kill_grace seconds later), writes the exit line,
 // relaunches nothing and returns 128 + the signal. The caller holds the run directory's
 // supervisor.lock (RunDirLock, ett.hpp) while it runs, so that no other `tessel run` or plain
 // `tessel train` picks an attempt index there; the job's trainer, started with TESSEL_ETT_ATTEMPT,
@@ -35,7 +36,7 @@ struct SuperviseOptions {
   std::vector<std::string> train_args;  // arguments after `tessel train`
   bool quiet = false;                   // no progress lines of the supervisor
   double hang_timeout = 0;              // seconds without progress that make a hang; 0 = off
-  double kill_grace = 30;               // seconds from SIGTERM (a stop, a hang) to SIGKILL
+  double kill_grace = 30;  // seconds from a forwarded stop or a hung job's SIGTERM to SIGKILL
 };
 
 // InputError for an option supervise() refuses: --np below 1, negative --max-restarts, a

@@ -134,31 +134,34 @@ bool same_model_setting(const std::string& key, const nlohmann::json& have,
   return same_setting(key, have, want);
 }
 
+// Config keys an older tessel had but did not record (it compared them with nothing): an older
+// checkpoint's stored config says what it ran as.
+const std::set<std::string> kRecordedLaterKeys = {"data.attention_mask"};
+
 // "" when this run's `value` of config key `key` matches a compatibility record written by an
-// older tessel that had no such key, else why not. The older tessel ran as kAddedKeys says;
-// a key it had but did not record (data.attention_mask) is read from the checkpoint's config
-// (its manifest's `state`), when that parses.
+// older tessel that had no such key, else why not: the older tessel ran as kAddedKeys says, or
+// for kRecordedLaterKeys as the checkpoint's stored config (its manifest's `state`) says.
 std::string absent_key_mismatch(const std::string& key, const nlohmann::json& value,
                                 const nlohmann::json& state) {
-  const auto added = kAddedKeys.find(key);
-  if (added == kAddedKeys.end()) {
-    std::optional<Config> stored;
+  if (kRecordedLaterKeys.count(key) && state.contains("config") && state["config"].is_string()) {
+    Config stored;
     try {
-      if (state.contains("config") && state["config"].is_string())
-        stored = parse_stored_config(state["config"].get<std::string>(), "checkpoint config");
-    } catch (const InputError&) {  // a config of an older tessel: not a reference
+      stored = parse_stored_config(state["config"].get<std::string>(), "its stored config");
+    } catch (const InputError& e) {
+      return detail::concat(" has no ", key, " in its compatibility record, and ", e.what());
     }
-    if (stored)
-      for (const auto& k : config_schema())
-        if (k.name == key) {
-          const nlohmann::json old = k.get(*stored);
-          if (same_setting(key, old, value)) return "";
-          return detail::concat(" has ", key, " = ", json_text(old), " but this run has ",
-                                json_text(value));
-        }
+    for (const auto& k : config_schema())
+      if (k.name == key) {
+        const nlohmann::json old = k.get(stored);
+        if (same_setting(key, old, value)) return "";
+        return detail::concat(" has ", key, " = ", json_text(old),
+                              " (in its stored config) but this run has ", json_text(value));
+      }
+  }
+  const auto added = kAddedKeys.find(key);
+  if (added == kAddedKeys.end())
     return detail::concat(" has no ", key,
                           " in its compatibility record (written by an older tessel)");
-  }
   const nlohmann::json old(added->second);
   if (same_setting(key, old, value)) return "";
   return detail::concat(" has no ", key, " in its compatibility record: an older tessel wrote ",
@@ -194,8 +197,8 @@ void mark_withdrawn(const std::string& log, const char* reason) {
   append_json_line(log, {{"event", "withdrawn"}, {"t", monotonic_ns()}, {"reason", reason}});
 }
 
-// A supervised start refused before its Attempt existed (another run holds the directory's
-// lock): rank 0 marks the log `tessel run` opened for it.
+// A supervised start refused before its Attempt existed (a mesh the world cannot hold, another
+// run holding the directory's lock): rank 0 marks the log `tessel run` opened for it.
 void withdraw_supervised_start(const std::string& run_dir, int rank, const char* reason) {
   const char* index = std::getenv("TESSEL_ETT_ATTEMPT");
   if (rank != 0 || !index) return;
@@ -876,15 +879,19 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   // bits (MeshShape::world_size, the automatic dp here).
   const ParallelConfig& par = config.parallel;
   comm::MeshShape shape{int(par.pp), int(par.dp), int(par.cp), int(par.ep)};
-  if (shape.dp == 0) {
-    if (world.size() % (par.pp * par.cp) != 0)
-      input_error("mesh parallel.pp x parallel.cp = ", par.pp * par.cp, " needs a multiple of ",
-                  par.pp * par.cp,
-                  " processes (parallel.dp = 0 takes world / (pp x cp)), but the world has ",
-                  world.size());
-    shape.dp = int(world.size() / (par.pp * par.cp));
+  try {  // before the run directory is locked: a refused mesh leaves nothing there
+    if (shape.dp == 0) {
+      if (world.size() % (par.pp * par.cp) != 0)
+        input_error("mesh pp=", par.pp, " x cp=", par.cp, " needs a multiple of ", par.pp * par.cp,
+                    " processes (parallel.dp = 0 takes world / (pp x cp)), but the world has ",
+                    world.size());
+      shape.dp = int(world.size() / (par.pp * par.cp));
+    }
+    shape.validate(world.size());
+  } catch (const InputError&) {  // under `tessel run`: no attempt of the job
+    withdraw_supervised_start(config.run.dir, world.rank(), "bad input");
+    throw;
   }
-  shape.validate(world.size());   // before the run directory is locked: a refusal leaves nothing
   check_run_dir(config.run.dir);  // before the attempt's ETT log is created in it
   int threads =
       config.run.threads > 0 ? int(config.run.threads) : auto_threads_per_rank(world.size());

@@ -433,9 +433,8 @@ TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   expect_one_line_error(run_tessel(train_args(run) + " --set parallel.dp=2"),
                         {"parallel.dp", "world has 1"});
   // With dp = 0 (world / (pp x cp)) the world must divide: no dp would do.
-  expect_one_line_error(
-      run_tessel(train_args(run) + " --set parallel.cp=2"),
-      {"parallel.pp x parallel.cp = 2 needs a multiple of 2 processes", "world has 1"});
+  expect_one_line_error(run_tessel(train_args(run) + " --set parallel.cp=2"),
+                        {"mesh pp=1 x cp=2 needs a multiple of 2 processes", "world has 1"});
   EXPECT_FALSE(fs::exists(run));
 }
 

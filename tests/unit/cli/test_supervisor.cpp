@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -156,6 +155,15 @@ class BackgroundTessel {
  private:
   pid_t pid_ = 0;
 };
+
+// A shell script `run`/launcher.sh that `tessel run --launcher` starts instead of mpirun: its
+// path.
+std::string write_launcher(const std::string& run, const std::string& body) {
+  const std::string launcher = run + "/launcher.sh";
+  std::ofstream(launcher) << "#!/bin/sh\n" << body;
+  fs::permissions(launcher, fs::perms::owner_all);
+  return launcher;
+}
 
 // Whether the attempt log `log` reaches a training step within 120 s.
 bool reaches_training(const std::string& log) {
@@ -349,8 +357,9 @@ TEST_F(SupervisorTest, ExportWritesOneSafetensorsFileThatAnotherReaderLoads) {
       << o.err;
 }
 
-// A supervised start refused for bad input (here a model the checkpoint does not match) is
-// no attempt of the job: `tessel run` exits 2 and removes its log, so it is no failure.
+// A supervised start refused for bad input (a model the checkpoint does not match, a mesh the
+// world cannot hold) is no attempt of the job: `tessel run` exits 2 and removes its log, so it
+// is no failure.
 TEST_F(SupervisorTest, ARefusedStartLeavesNoAttempt) {
   const std::string run = fixture::temp_dir("tessel-sup-refused");
   fs::copy(reference, run, fs::copy_options::recursive);
@@ -363,6 +372,11 @@ TEST_F(SupervisorTest, ARefusedStartLeavesNoAttempt) {
   EXPECT_EQ(o.exit_code, 2) << o.err;
   EXPECT_NE(o.err.find("model"), std::string::npos) << o.err;
   EXPECT_EQ(attempts(), before) << "the refused start left a log";
+  // Refused for its mesh (dp = 3 on the 2 ranks of --np 2), before the run directory's lock.
+  const Outcome mesh = run_tessel(run_args(run, " --set parallel.dp=3 --set train.steps=20"));
+  EXPECT_EQ(mesh.exit_code, 2) << mesh.err;
+  EXPECT_NE(mesh.err.find("world has 2"), std::string::npos) << mesh.err;
+  EXPECT_EQ(attempts(), before) << "the start refused for its mesh left a log";
   EXPECT_FALSE(fs::exists(run + "/ett.json")) << "a refused start rewrote the earlier report";
   const Outcome report = run_tessel("ett-report " + run);
   ASSERT_EQ(report.exit_code, 0) << report.err;
@@ -537,22 +551,18 @@ TEST_F(SupervisorTest, AStopSignalEndsTheJobAndIsRecorded) {
 // ends instead of waiting forever.
 TEST_F(SupervisorTest, AJobThatIgnoresTheStopIsKilledAfterTheGrace) {
   const std::string run = fixture::temp_dir("tessel-sup-stubborn");
-  const std::string launcher = run + "/launcher.sh";
-  std::ofstream(launcher) << "#!/bin/sh\n"
-                          << "trap 'touch " << run << "/got-term' TERM\n"
-                          << "touch " << run << "/started\n"
-                          << "while :; do sleep 0.05; done\n";
-  fs::permissions(launcher, fs::perms::owner_all);
+  const std::string launcher = write_launcher(
+      run, "echo $$ > " + run + "/launcher.pid\n" + "trap 'touch " + run + "/got-term' TERM\n" +
+               "touch " + run + "/started\n" + "while :; do sleep 0.05; done\n");
   BackgroundTessel supervisor(run,
                               run_args(run, "", 0, "--launcher " + launcher + " --kill-grace 1"));
   for (int i = 0; i < 1000 && !fs::exists(run + "/started"); ++i) ::usleep(10'000);
   ASSERT_TRUE(fs::exists(run + "/started")) << slurp(run + "/err");
   ASSERT_EQ(::kill(supervisor.pid(), SIGTERM), 0);
   const std::optional<int> status = supervisor.wait_for(20);
-  if (!status) {  // the supervisor waits on the job: end both
+  if (!status) {  // the supervisor waits on the job: end both (the job's own process group)
     ::kill(supervisor.pid(), SIGKILL);
-    // (pkill's own shell matches too: its status says nothing)
-    [[maybe_unused]] const int ignored = std::system(("pkill -KILL -f " + launcher).c_str());
+    ::kill(-std::stoi(slurp(run + "/launcher.pid")), SIGKILL);
   }
   ASSERT_TRUE(status) << "tessel run still waited on the job 20 s after the stop";
   EXPECT_TRUE(fs::exists(run + "/got-term")) << "the stop was not forwarded";
@@ -570,13 +580,10 @@ TEST_F(SupervisorTest, AJobThatIgnoresTheStopIsKilledAfterTheGrace) {
 // `tessel run` returns only after that process let go, with the exit line last.
 TEST_F(SupervisorTest, AnAttemptEndsOnlyOnceItsLockIsFree) {
   const std::string run = fixture::temp_dir("tessel-sup-lingering");
-  const std::string launcher = run + "/launcher.sh";
-  std::ofstream(launcher) << "#!/bin/sh\n"
-                          << "flock " << run << "/lock sh -c 'sleep 1; touch " << run
-                          << "/released' >/dev/null 2>&1 &\n"
-                          << "until ! flock -n " << run << "/lock true; do sleep 0.01; done\n"
-                          << "exit 1\n";
-  fs::permissions(launcher, fs::perms::owner_all);
+  const std::string launcher =
+      write_launcher(run, "flock " + run + "/lock sh -c 'sleep 1; touch " + run +
+                              "/released' >/dev/null 2>&1 &\n" + "until ! flock -n " + run +
+                              "/lock true; do sleep 0.01; done\n" + "exit 1\n");
   const Outcome o = run_tessel(run_args(run, "", 0, "--launcher " + launcher));
   EXPECT_EQ(o.exit_code, 1) << o.err;
   EXPECT_TRUE(fs::exists(run + "/released")) << "tessel run returned while the lock was held";
@@ -593,16 +600,12 @@ TEST_F(SupervisorTest, AnAttemptEndsOnlyOnceItsLockIsFree) {
 // process without the job's marker (TESSEL_SUPERVISOR), adopted all the same, is left alone.
 TEST_F(SupervisorTest, ProcessesLeftRunningByTheLauncherAreKilledBeforeARelaunch) {
   const std::string run = fixture::temp_dir("tessel-sup-leftover");
-  const std::string launcher = run + "/launcher.sh";
-  std::ofstream(launcher) << "#!/bin/sh\n"
-                          << "if [ -e " << run << "/relaunched ]; then exec mpirun \"$@\"; fi\n"
-                          << "touch " << run << "/relaunched\n"
-                          << "env -u TESSEL_SUPERVISOR sh -c 'echo $$ > " << run
-                          << "/stranger.pid; exec sleep 60' >/dev/null 2>&1 &\n"
-                          << "flock " << run << "/lock sleep 120 >/dev/null 2>&1 &\n"
-                          << "until ! flock -n " << run << "/lock true; do sleep 0.01; done\n"
-                          << "exit 1\n";
-  fs::permissions(launcher, fs::perms::owner_all);
+  const std::string launcher = write_launcher(
+      run, "if [ -e " + run + "/relaunched ]; then exec mpirun \"$@\"; fi\n" + "touch " + run +
+               "/relaunched\n" + "env -u TESSEL_SUPERVISOR sh -c 'echo $$ > " + run +
+               "/stranger.pid; exec sleep 60' >/dev/null 2>&1 &\n" + "flock " + run +
+               "/lock sleep 120 >/dev/null 2>&1 &\n" + "until ! flock -n " + run +
+               "/lock true; do sleep 0.01; done\n" + "exit 1\n");
   const Outcome o = run_tessel(run_args(run, "", 1, "--launcher " + launcher));
   EXPECT_EQ(o.exit_code, 0) << o.err;
   // flock, then the sleep it started (which holds the lock too), once reparented.

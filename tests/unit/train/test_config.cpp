@@ -352,7 +352,8 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
                      {"'train.steps' expects an integer, got a date or time"});
   const std::string choice = write_file("c.toml", "[model]\nmlp = 1\n");
   expect_input_error([&] { train::load_config(choice, {}); },
-                     {"'model.mlp' expects a string, one of ", "got an integer"});
+                     {"'model.mlp' expects one of \"gelu\", \"swiglu\" (a string), got an "
+                      "integer"});
 }
 
 // run.dir must be a directory or creatable as one: empty, a file, or below a file is an
@@ -398,9 +399,33 @@ TEST(Config, ModelFieldsAreValidated) {
                      {"model.moe_experts"});
 }
 
-// Values that pass a sign check but not what uses them: a bucket under one gradient, a sampling
-// temperature that is inf as a float, an endless sample, bytes that config.toml cannot hold.
+// Values that pass a sign check but not what uses them: a fault at a step without a checkpoint,
+// a bucket under one gradient, a sampling temperature that is inf as a float, an endless
+// sample, bytes that config.toml cannot hold.
 TEST(Config, ValuesAreCheckedForWhatUsesThem) {
+  // A fault that strikes a checkpoint, at a step that saves none (fixed policy), would never
+  // strike; with an adaptive policy the saves are not known in advance.
+  const std::vector<std::string> saves = {"train.steps=30", "train.checkpoint_every=4",
+                                          "optim.warmup_steps=2"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), saves.begin(), saves.end());
+    return train::load_config("", more);
+  };
+  expect_input_error(
+      [&] {
+        with({"fault.kill_in=checkpoint_write", "fault.kill_steps=8,5"});
+      },
+      {"fault.kill_steps", "names step 5", "saves no checkpoint"});
+  expect_input_error([&] { with({"fault.corrupt_step=31"}); },
+                     {"fault.corrupt_step", "names step 31"});
+  EXPECT_EQ(with({"fault.kill_in=checkpoint_write", "fault.kill_steps=0,8,30"}).fault.kill_steps,
+            "0,8,30");
+  EXPECT_EQ(with({"fault.kill_steps=5"}).fault.kill_steps, "5");  // after the step's update
+  EXPECT_EQ(with({"fault.corrupt_step=30"}).fault.corrupt_step, 30);
+  EXPECT_EQ(with({"train.checkpoint_policy=young", "fault.kill_in=checkpoint_write",
+                  "fault.kill_steps=5"})
+                .fault.kill_steps,
+            "5");
   expect_input_error([&] { train::load_config("", {"parallel.bucket_mb=1e-7"}); },
                      {"parallel.bucket_mb"});
   expect_input_error([&] { train::load_config("", {"parallel.bucket_mb=1e300"}); },
