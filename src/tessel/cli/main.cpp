@@ -559,7 +559,8 @@ int main(int argc, char** argv) {
       "INT>=0");
   evalc
       ->add_option("--sequences", eval_sequences,
-                   "sequences of train.seq_len tokens from the shard's start, 0 = all; default: "
+                   "sequences of train.seq_len tokens from the shard's start (of an SFT data set: "
+                   "packed rows), 0 = all; default: "
                    "the run's train.eval_sequences (then it repeats the run's validation loss)")
       ->check(count);
   evalc->add_flag("--json", eval_json, "print JSON");

@@ -167,7 +167,7 @@ std::vector<bool> validation_items(size_t n, const PrepareOptions& options, cons
   if (!(options.val_fraction >= 0.0 && options.val_fraction < 1.0))
     input_error("--val-fraction must be in [0, 1), got ", options.val_fraction);
   if (n < 2)
-    input_error("corpus \"", options.corpus, "\" has ", n, " ", kind,
+    input_error("corpus \"", options.corpus, "\" has ", n, " ", kind, n == 1 ? "" : "s",
                 "; a training and a validation split need at least 2");
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), size_t(0));
@@ -202,7 +202,7 @@ template <class Item>
 PrepareResult prepare_items(const std::vector<Item>& items, const PrepareOptions& options) {
   constexpr bool sft = std::is_same_v<Item, SftSample>;
   const std::vector<bool> is_val =
-      validation_items(items.size(), options, sft ? "samples" : "documents");
+      validation_items(items.size(), options, sft ? "sample" : "document");
   for (size_t d = 0; d < items.size(); ++d) {
     if constexpr (sft)
       TESSEL_CHECK(!items[d].text.empty() && items[d].text.size() == items[d].trained.size(),
@@ -255,7 +255,7 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
                 " (no --eot id ", *options.eot, " before its last token); a training and a ",
                 "validation split need at least 2: are --eot and --token-dtype (", dtype,
                 ") right?");
-  const std::vector<bool> is_val = validation_items(size_t(n), options, "documents");
+  const std::vector<bool> is_val = validation_items(size_t(n), options, "document");
   const fs::path out = begin_output(options, bpe_dir);
   const TokenDtype shard_dtype = token_dtype_for_vocab(*options.vocab);
   const std::string train_path = (out / "train.tok").string(),
@@ -289,7 +289,7 @@ std::vector<std::string> training_documents(const PrepareOptions& options) {
     input_error("corpus \"", options.corpus,
                 "\": a vocabulary is learned from text (bible, fortunes, file:PATH or jsonl:PATH)");
   std::vector<std::string> documents = load_corpus(options.corpus);
-  const std::vector<bool> is_val = validation_items(documents.size(), options, "documents");
+  const std::vector<bool> is_val = validation_items(documents.size(), options, "document");
   std::vector<std::string> train;
   for (size_t d = 0; d < documents.size(); ++d)
     if (!is_val[d]) train.push_back(std::move(documents[d]));

@@ -69,8 +69,8 @@ SftSample render_conversation(std::span<const ChatMessage> messages, const std::
     const ChatMessage& m = messages[i];
     const char* label = role_label(m.role);
     if (!label)
-      input_error(where, ": messages[", i, "]: role \"", m.role,
-                  "\" is not system, user or assistant");
+      input_error(where, ": messages[", i, "]: role ", nlohmann::json(m.role).dump(),
+                  " is not system, user or assistant");  // escaped: one line, whole
     const bool reply = m.role == "assistant";
     append(s, label, false);
     append(s, m.content, reply);

@@ -32,7 +32,11 @@ int32_t Tokenizer::single_token(std::string_view text, const std::string& what) 
     input_error(what, " must be one token of the ", name(), " tokenizer; ",
                 nlohmann::json(std::string(text))
                     .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
-                " is ", ids.size(), " tokens");
+                " is ", ids.size(), " tokens",
+                text.find("\\n") != std::string_view::npos
+                    ? " (a backslash and an n: a newline is \"\\n\" in double quotes in TOML, "
+                      "--set 'train.sample_stop=\"\\n\"', or $'\\n' in the shell)"
+                    : "");
   return ids[0];
 }
 

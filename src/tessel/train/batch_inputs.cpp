@@ -27,6 +27,14 @@ BatchInputs::BatchInputs(const data::Batch& b, AttentionMaskKind kind)
   inputs_.mask = &*mask_;
 }
 
+void check_packed_samples_mask(const std::string& where, AttentionMaskKind kind) {
+  if (kind != AttentionMaskKind::causal_document)
+    input_error(where,
+                " is an SFT data set (it has loss-mask shards): its packed samples need "
+                "data.attention_mask = \"causal_document\"; under \"causal\" they would "
+                "attend to each other");
+}
+
 namespace {
 
 // The mask the model attends with (model.attention_window included), which context-parallel

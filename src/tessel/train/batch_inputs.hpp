@@ -31,6 +31,10 @@ class BatchInputs {
   model::ModelInputs inputs_;
 };
 
+// InputError unless `kind` is causal_document: the packed samples of the SFT data set `where`
+// (one with loss-mask shards) would attend to each other under a plain causal mask.
+void check_packed_samples_mask(const std::string& where, AttentionMaskKind kind);
+
 // One sequence of T tokens without loss tokens: a forward that only keeps an ep group's
 // token exchanges in step (validation, where the ep ranks hold different batch counts).
 data::Batch idle_batch(int64_t T);

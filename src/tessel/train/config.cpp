@@ -161,8 +161,8 @@ std::vector<ConfigKey> build_schema() {
           FIELD(data.attention_mask)),
       choice_key<data::Overlong>(
           "data.overlong",
-          "SFT samples longer than train.seq_len: drop = leave them out, cut = train on their "
-          "first seq_len tokens (docs/sft.md)",
+          "SFT samples longer than train.seq_len + 1 tokens (a sample's last token is only a "
+          "target): drop = leave them out, cut = train on their first seq_len + 1 (docs/sft.md)",
           {{"drop", data::Overlong::drop}, {"cut", data::Overlong::cut}}, FIELD(data.overlong)),
       int_key("model.vocab", "vocabulary size", FIELD(model.vocab)),
       int_key("model.layers", "transformer blocks", FIELD(model.layers)),

@@ -442,11 +442,7 @@ struct Trainer::State {
                     e.what(), ")");
       }
     }
-    if (loader.packed() && config.data.attention_mask != AttentionMaskKind::causal_document)
-      input_error(dirs[0],
-                  " is an SFT data set (it has loss-mask shards): its packed samples need "
-                  "data.attention_mask = \"causal_document\"; under \"causal\" they would "
-                  "attend to each other");
+    if (loader.packed()) check_packed_samples_mask(dirs[0], config.data.attention_mask);
     for (int64_t d = 0; d < loader.sources(); ++d) {
       const bool sft = loader.packed(d);
       if (data::has_loss_mask(dirs[size_t(d)] + "/val.tok") != sft)
@@ -683,17 +679,28 @@ struct Trainer::State {
                          have.value(key, nlohmann::json()) == want.value(key, nlohmann::json());
       want.erase(key);  // any stage split resumes: restore_optimizer maps the stages
     }
-    for (const auto& [key, value] : want.items())
-      if (!have.contains(key)) {
-        const std::string why = absent_key_mismatch(key, value, content.state);
-        if (!why.empty()) input_error(chosen, ": checkpoint", why, "; use a new run.dir");
-      } else if (!same_model_setting(key, have[key], value, config.model))
-        input_error(chosen, ": checkpoint has ", key, " = ", json_text(have[key]),
-                    " but this run has ", json_text(value),
-                    key == kGlobalBatchKey
-                        ? " (under PACI pipeline.paci_k, when set, counts as accum)"
-                        : "",
-                    "; resume with the checkpoint's setting or use a new run.dir");
+    // Config keys first: a changed setting is named, not the facts it changes (an SFT data
+    // set's packed rows under another data.overlong).
+    const auto is_config_key = [](const std::string& key) {
+      const auto& schema = config_schema();
+      return std::any_of(schema.begin(), schema.end(),
+                         [&](const auto& k) { return k.name == key; });
+    };
+    for (const bool config_keys : {true, false})
+      for (const auto& [key, value] : want.items())
+        if (is_config_key(key) != config_keys) {
+          continue;
+        } else if (!have.contains(key)) {
+          const std::string why = absent_key_mismatch(key, value, content.state);
+          if (!why.empty()) input_error(chosen, ": checkpoint", why, "; use a new run.dir");
+        } else if (!same_model_setting(key, have[key], value, config.model)) {
+          input_error(chosen, ": checkpoint has ", key, " = ", json_text(have[key]),
+                      " but this run has ", json_text(value),
+                      key == kGlobalBatchKey
+                          ? " (under PACI pipeline.paci_k, when set, counts as accum)"
+                          : "",
+                      "; resume with the checkpoint's setting or use a new run.dir");
+        }
     // Only a resume that is accepted drops the damaged newer ones: the run redoes those steps.
     if (is_root) store.discard_newer_than(chosen);
     finish_warmup();  // its forward reads the weights restored here
@@ -1012,13 +1019,13 @@ TrainResult Trainer::run_steps() {
     overlong += s.loader.packed(d)->overlong(), untrained += s.loader.packed(d)->untrained();
   }
   const std::string sft =
-      packed
-          ? detail::concat(" (SFT: ", samples, " samples packed into ", rows, " rows; ", overlong,
-                           c.data.overlong == data::Overlong::cut
-                               ? " cut to seq_len"
-                               : " too long for seq_len left out (data.overlong)",
-                           ", ", untrained, " without a trained token left out)")
-          : "";
+      packed ? detail::concat(" (SFT: ", samples, samples == 1 ? " sample" : " samples",
+                              " packed into ", rows, rows == 1 ? " row; " : " rows; ", overlong,
+                              c.data.overlong == data::Overlong::cut
+                                  ? " cut to seq_len"
+                                  : " too long for seq_len left out (data.overlong)",
+                              ", ", untrained, " without a trained token left out)")
+             : "";
   // Each data set's share, rows and how often the whole run reads it over; the start line
   // names them for a mixture.
   const std::vector<std::string> data_dirs = data_paths(c.data),

@@ -620,6 +620,17 @@ TEST_F(CliTest, EvalOfAMixtureReportsEachDataSetAndTheRunsValidationLoss) {
                         {"nowhere/val.tok: no such shard"});
 }
 
+// Eval of an SFT data set under a run trained with a plain causal mask would let its packed
+// samples attend to each other: refused, as training on it is.
+TEST_F(CliTest, EvalOfSftDataUnderACausalMaskRunIsRefused) {
+  const std::string run = temp_dir("eval-causal");
+  const std::string sft = tessel::fixture::make_sft_dataset(temp_dir("sft-data"));
+  const Outcome trained = run_tessel(train_args(run) + " --set data.attention_mask=causal");
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  expect_one_line_error(run_tessel("eval --run " + run + " --data " + sft),
+                        {"is an SFT data set", "causal_document", "attend to each other"});
+}
+
 // Token ids from another tokenizer through the binary: a u16 file (nanoGPT's format) of 40
 // documents, each ending with the eot id 299, is prepared into shards of vocabulary 300 and
 // trains a model of that vocabulary (not one of the byte vocabulary); without --vocab it is one

@@ -98,6 +98,16 @@ TEST(SftRender, BadConversationsAreClearErrors) {
   const ChatMessage bot[] = {{"user", "a"}, {"bot", "b"}};
   expect_input_error([&] { render_conversation(bot, "f.jsonl:3"); },
                      {"f.jsonl:3", "role \"bot\"", "system, user or assistant"});
+  // A role holding a newline and a NUL is shown escaped: the error stays one whole line.
+  const ChatMessage odd[] = {{std::string("user\nAssistant: x\0y", 19), "a"}};
+  try {
+    render_conversation(odd, "f.jsonl:5");
+    ADD_FAILURE() << "an unknown role was accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "f.jsonl:5: messages[0]: role \"user\\nAssistant: x\\u0000y\" is not system, "
+              "user or assistant");
+  }
   const ChatMessage no_reply[] = {{"user", "a"}, {"assistant", ""}};
   expect_input_error([&] { render_conversation(no_reply, "f.jsonl:4"); },
                      {"f.jsonl:4", "no assistant message"});
