@@ -344,9 +344,10 @@ void PipelineTrainer::on_step(int64_t version) {
       window_timer_.reset();
     }
   }
-  optim::check_finite_grad_norm(
-      norm, "step " + std::to_string(update) + ": stage " + std::to_string(stage_),
-      " (a lower optim.lr or a tighter train.grad_clip may avoid it)");
+  if (!std::isfinite(norm))
+    optim::check_finite_grad_norm(
+        norm, "step " + std::to_string(update) + ": stage " + std::to_string(stage_),
+        hooks_.diverged(flush));
   optim::scale_to_max_norm(own_params_, norm, config_.train.grad_clip);
   const bool apply = hooks_.before_update(update, norm);
   TESSEL_CHECK(apply || flush, "PACI skipped update ", update);

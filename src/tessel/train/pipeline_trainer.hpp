@@ -116,6 +116,9 @@ class PipelineTrainer {
   struct UpdateHooks {
     std::function<float(int64_t)> gradient_scale;
     std::function<bool(int64_t, double)> before_update;
+    // Before a non-finite gradient norm stops the run: the hint of its error. `every_rank`:
+    // all ranks stop here (a flush schedule's norm is global; PACI's is the stage's own).
+    std::function<std::string(bool every_rank)> diverged;
   };
   // Trainer step `step` (0-based, consecutive): flush schedules run it; PACI returns its
   // window, running the horizon that starts there first.

@@ -1181,12 +1181,21 @@ TrainResult Trainer::run_steps() {
       wait_staged();
       return !skipped;
     };
+    // A non-finite gradient norm stops the run (exit 4), the moment a user wants to resume
+    // from the newest good step: a save still in flight is of an earlier, finite step, so it is
+    // committed first where every rank stops together (a collective).
+    auto diverged = [&](bool every_rank) {
+      if (every_rank) s.checkpointer.wait();
+      return " (newest checkpoint: " + s.store.latest().value_or("none") +
+             "; a lower optim.lr or a tighter train.grad_clip may avoid it)";
+    };
     std::optional<PipelineStep> piped;
     nlohmann::json ep_skew;  // MoE without pipeline: max / median over the ep group
     if (s.pipeline) {
       piped = s.pipeline->step(
           step, {.gradient_scale = [&](int64_t update) { return s.faults.gradient_scale(update); },
-                 .before_update = [&](int64_t, double norm) { return decide_update(norm); }});
+                 .before_update = [&](int64_t, double norm) { return decide_update(norm); },
+                 .diverged = diverged});
       stats[0] = piped->loss_sum, stats[1] = piped->loss_tokens, grad_norm = piped->grad_norm;
     } else {
       s.model.zero_grads();
@@ -1223,10 +1232,9 @@ TrainResult Trainer::run_steps() {
       s.grads.reduce(float(1.0 / stats[1]) * s.faults.gradient_scale(step + 1));
       grad_wait = reduce_timer.seconds();
       grad_norm = s.grads.clip(c.train.grad_clip);
-      optim::check_finite_grad_norm(
-          grad_norm, "step " + std::to_string(step + 1),
-          " (newest checkpoint: " + s.store.latest().value_or("none") +
-              "; a lower optim.lr or a tighter train.grad_clip may avoid it)");
+      if (!std::isfinite(grad_norm))  // every rank: the norm is global
+        optim::check_finite_grad_norm(grad_norm, "step " + std::to_string(step + 1),
+                                      diverged(true));
       if (decide_update(grad_norm)) {
         s.optimizer->step(s.schedule.scale(step + 1));
         s.model.update_balance();  // MoE balancing: beta from this step's micro-batches

@@ -445,9 +445,12 @@ TEST_F(CliTest, BadInputOnSeveralRanksIsStillOneLine) {
 
 // A learning rate of 1e30 makes step 2's gradient NaN: training stops before the update with
 // exit status 4 (which `tessel run` does not relaunch) and one line naming the step, on one
-// process, with data parallelism and with a pipeline (whose stages share one norm).
+// process, with data parallelism and with a pipeline (whose stages share one norm). Step 1's
+// checkpoint, still being written when step 2 diverged, is committed first and named: it is
+// what a resume with a lower learning rate starts from.
 TEST_F(CliTest, ADivergedRunStopsWithItsOwnExitStatus) {
-  const std::string diverge = " --set optim.lr=1e30 --set optim.weight_decay=0";
+  const std::string diverge =
+      " --set optim.lr=1e30 --set optim.weight_decay=0 --set train.checkpoint_every=1";
   for (const auto& [ranks, extra, where] :
        {std::tuple{1, "", "step 2's gradient norm is NaN"},
         std::tuple{2, "", "step 2's gradient norm is NaN"},
@@ -457,7 +460,9 @@ TEST_F(CliTest, ADivergedRunStopsWithItsOwnExitStatus) {
     const std::string run = temp_dir("r");
     const Outcome o = run_tessel(train_args(run) + diverge + extra, ranks);
     EXPECT_EQ(o.exit_code, kExitDiverged);
-    expect_one_line_error(o, {where, "stopping before the update"});
+    expect_one_line_error(o, {where, "stopping before the update",
+                              "newest checkpoint: " + run + "/checkpoints/step-00000001"});
+    EXPECT_TRUE(fs::exists(run + "/checkpoints/step-00000001/manifest.json"));
     // The ETT log's exit line records the same status (it said 1 for every failure).
     EXPECT_NE(slurp(run + "/ett/attempt-0000.jsonl").find("\"status\":4"), std::string::npos);
   }
