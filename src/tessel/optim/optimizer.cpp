@@ -39,8 +39,14 @@ LrSchedule lr_schedule(const OptimizerConfig& c, int64_t total_steps) {
 }
 
 std::vector<int64_t> ns_restart_steps(const OptimizerConfig& c) {
-  if (c.ns_restarts == "auto")
-    return c.ns_steps > 2 ? std::vector<int64_t>{2} : std::vector<int64_t>{};
+  if (c.ns_restarts == "auto") {
+    // The spec's one restart for 5 steps (before step 2), then one every 3 steps, so that no
+    // run of f32 Gram steps is longer than the default's last (a single restart drifts to
+    // NaN from about 12 steps).
+    std::vector<int64_t> steps;
+    for (int64_t t = 2; t < c.ns_steps; t += 3) steps.push_back(t);
+    return steps;
+  }
   return parse_int_list("optim.ns_restarts", c.ns_restarts, 1);
 }
 

@@ -75,8 +75,8 @@ struct OptimizerConfig {
   int64_t ns_steps = 5;
   std::string ns_normalize = "frobenius";  // frobenius | aol (Turbo-Muon; newton_schulz.hpp)
   bool ns_gram = true;                     // Gram Newton-Schulz where it pays (newton_schulz.hpp)
-  // Comma-separated 0-based steps before which Gram NS restarts; "auto": before step 2 (the
-  // spec's default) where ns_steps > 2, else none (ns_restart_steps).
+  // Comma-separated 0-based steps before which Gram NS restarts; "auto": before steps 2, 5,
+  // 8, ... below ns_steps (the spec's one restart for 5 steps; ns_restart_steps).
   std::string ns_restarts = "auto";
   int64_t ns_gram_min = 64;  // smallest short side that uses Gram NS
   double fraction = 0.25;    // dion2/dion3: fraction of rows orthogonalized per step

@@ -391,8 +391,8 @@ std::vector<ConfigKey> build_schema() {
                  FIELD(optim.ns_normalize)),
       bool_key("optim.ns_gram", "Gram Newton-Schulz for non-square matrices", FIELD(optim.ns_gram)),
       string_key("optim.ns_restarts",
-                 "comma-separated 0-based steps before which Gram NS restarts; auto: 2 where "
-                 "ns_steps > 2, else none",
+                 "comma-separated 0-based steps before which Gram NS restarts; auto: 2, 5, 8, "
+                 "... below ns_steps (one restart for the default 5 steps)",
                  FIELD(optim.ns_restarts)),
       int_key("optim.ns_gram_min", "smallest short side that uses Gram Newton-Schulz",
               FIELD(optim.ns_gram_min)),

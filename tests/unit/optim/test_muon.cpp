@@ -332,13 +332,14 @@ TEST(MuonFactory, NamesAndBadConfig) {
     c.ns_steps = 2;
     c.ns_restarts = "";
   })());
-  // The default follows ns_steps: before step 2 where there is one, else none.
-  for (int64_t steps : {1, 2, 3, 5, 8}) {
+  // The default follows ns_steps: before steps 2, 5, 8, ... where there are such steps.
+  const std::pair<int64_t, std::vector<int64_t>> defaults[] = {
+      {1, {}}, {2, {}}, {3, {2}}, {5, {2}}, {6, {2, 5}}, {8, {2, 5}}, {12, {2, 5, 8, 11}}};
+  for (const auto& [steps, restarts] : defaults) {
     OptimizerConfig c;
     c.ns_steps = steps;
     EXPECT_NO_THROW(validate(c)) << steps;
-    EXPECT_EQ(ns_restart_steps(c), steps > 2 ? std::vector<int64_t>{2} : std::vector<int64_t>{})
-        << steps;
+    EXPECT_EQ(ns_restart_steps(c), restarts) << steps;
   }
   expect_input_error(with([](OptimizerConfig& c) { c.ns_gram_min = 0; }), {"optim.ns_gram_min"});
   expect_input_error(with([](OptimizerConfig& c) { c.fraction = 0; }), {"optim.fraction"});
