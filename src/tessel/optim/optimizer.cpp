@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
@@ -17,6 +18,26 @@ constexpr ParamTag kAllTags[] = {ParamTag::embedding, ParamTag::position_embeddi
 
 void check_range(bool ok, const char* field, double value, const char* expected) {
   if (!ok) input_error(field, " = ", value, " is out of range (expected ", expected, ")");
+}
+
+// Positive, and a positive finite float: the updates compute in f32, where 1e-50 is 0 (a rate
+// that trains nothing, an eps that divides by zero).
+void check_positive_float(const char* field, double value) {
+  check_range(std::isfinite(value) && value > 0, field, value, "> 0");
+  const float f = float(value);
+  if (!(f > 0.0f) || !std::isfinite(f))
+    input_error(field, " = ", value, " is outside the float range the optimizer computes in (",
+                std::numeric_limits<float>::denorm_min(), " to ", std::numeric_limits<float>::max(),
+                ")");
+}
+
+// Decoupled weight decay multiplies a decayed weight by 1 - lr * weight_decay each step: at 1
+// or more it would vanish or flip sign.
+void check_decay_product(const char* lr_field, double lr, double weight_decay) {
+  if (!(lr * weight_decay < 1))
+    input_error(lr_field, " * optim.weight_decay = ", lr * weight_decay, " must be < 1 (", lr_field,
+                " = ", lr, ", optim.weight_decay = ", weight_decay,
+                "): each step multiplies a decayed weight by 1 - lr * weight_decay");
 }
 
 // The index of `value` in `choices`; InputError naming `field` otherwise.
@@ -51,16 +72,22 @@ std::vector<int64_t> ns_restart_steps(const OptimizerConfig& c) {
 }
 
 void validate(const OptimizerConfig& c) {
-  check_range(std::isfinite(c.lr) && c.lr > 0, "optim.lr", c.lr, "> 0");
+  check_choice(c.name, "optim.name", {"adamw", "muon", "dion2", "dion3"});
+  check_positive_float("optim.lr", c.lr);
   check_range(c.beta1 >= 0 && c.beta1 < 1, "optim.beta1", c.beta1, "0 <= beta1 < 1");
   check_range(c.beta2 >= 0 && c.beta2 < 1, "optim.beta2", c.beta2, "0 <= beta2 < 1");
-  check_range(std::isfinite(c.eps) && c.eps > 0, "optim.eps", c.eps, "> 0");
-  check_range(std::isfinite(c.weight_decay) && c.weight_decay >= 0 && c.lr * c.weight_decay < 1,
-              "optim.weight_decay", c.weight_decay, ">= 0 and lr * weight_decay < 1");
-  parse_decay_tags(c.decay_tags);
-  check_choice(c.name, "optim.name", {"adamw", "muon", "dion2", "dion3"});
-  check_range(std::isfinite(c.muon_lr) && c.muon_lr > 0 && c.muon_lr * c.weight_decay < 1,
-              "optim.muon_lr", c.muon_lr, "> 0 and muon_lr * weight_decay < 1");
+  check_positive_float("optim.eps", c.eps);
+  check_range(std::isfinite(c.weight_decay) && c.weight_decay >= 0, "optim.weight_decay",
+              c.weight_decay, ">= 0");
+  check_positive_float("optim.muon_lr", c.muon_lr);
+  // The Muon family steps hidden matrices with muon_lr, everything else (and AdamW all) with lr:
+  // each product is checked where it decays something.
+  const std::vector<ParamTag> decayed = parse_decay_tags(c.decay_tags);
+  const bool muon_family = c.name != "adamw";
+  const bool hidden = std::count(decayed.begin(), decayed.end(), ParamTag::hidden_matrix) > 0;
+  if (int64_t(decayed.size()) > (muon_family && hidden ? 1 : 0))
+    check_decay_product("optim.lr", c.lr, c.weight_decay);
+  if (muon_family && hidden) check_decay_product("optim.muon_lr", c.muon_lr, c.weight_decay);
   check_range(c.momentum >= 0 && c.momentum < 1, "optim.momentum", c.momentum, "0 <= momentum < 1");
   check_choice(c.momentum_form, "optim.momentum_form", {"sum", "lerp"});
   check_choice(c.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"});

@@ -166,6 +166,34 @@ TEST(OptimizerFactory, BadConfigNamesTheField) {
   expect_input_error(with([](OptimizerConfig& c) { c.beta2 = -0.1; }), {"optim.beta2"});
   expect_input_error(with([](OptimizerConfig& c) { c.eps = 0; }), {"optim.eps"});
   expect_input_error(with([](OptimizerConfig& c) { c.weight_decay = -1; }), {"optim.weight_decay"});
+  // 0 in f32: a division by zero, a rate that trains nothing.
+  expect_input_error(with([](OptimizerConfig& c) { c.eps = 1e-46; }), {"optim.eps", "float range"});
+  expect_input_error(with([](OptimizerConfig& c) { c.lr = 1e-50; }), {"optim.lr", "float range"});
+  expect_input_error(with([](OptimizerConfig& c) { c.muon_lr = 1e-50; }),
+                     {"optim.muon_lr", "float range"});
+  // lr x weight_decay, named by the rate that decays something: under AdamW muon_lr decays
+  // nothing; under Muon with only hidden matrices decayed, lr decays nothing.
+  expect_input_error(with([](OptimizerConfig& c) { c.lr = 20; }),
+                     {"optim.lr * optim.weight_decay = 2 must be < 1"});
+  EXPECT_NO_THROW(with([](OptimizerConfig& c) {
+    c.lr = 0.01;
+    c.weight_decay = 60;
+    c.muon_lr = 0.02;
+  })());
+  expect_input_error(with([](OptimizerConfig& c) {
+                       c.name = "muon";
+                       c.weight_decay = 60;
+                       c.muon_lr = 0.02;
+                       c.lr = 0.001;
+                     }),
+                     {"optim.muon_lr * optim.weight_decay"});
+  EXPECT_NO_THROW(with([](OptimizerConfig& c) {
+    c.name = "muon";
+    c.decay_tags = "hidden_matrix";
+    c.lr = 1;
+    c.muon_lr = 0.001;
+    c.weight_decay = 10;
+  })());
   expect_input_error(with([](OptimizerConfig& c) { c.decay_tags = "hidden_matrix,gain"; }),
                      {"optim.decay_tags"});
   expect_input_error(with([](OptimizerConfig& c) { c.decay_tags = "head,,norm"; }),
