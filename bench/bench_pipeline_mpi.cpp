@@ -312,30 +312,43 @@ void compare_interleaved(comm::Communicator& pp, int v, int64_t micro_batches, i
     }
 }
 
-}  // namespace
+// The positive integer `text` of `flag`.
+int64_t positive(const std::string& flag, const char* text) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text, &end, 10);
+  if (end == text || *end != '\0' || v < 1)
+    input_error("bench_pipeline_mpi: ", flag, " must be a positive integer, got '", text, "'");
+  return v;
+}
 
-int main(int argc, char** argv) {
-  auto guard = comm::init_communication(&argc, &argv);
-  comm::Communicator& pp = comm::world();
+constexpr const char* kUsage =
+    "usage: mpirun -np P bench_pipeline_mpi [--k 2] [--micro-batches 64] [--rows 512] "
+    "[--width 512] [--repeats 3] [--chunks 2] [--compare all|paci|interleaved] [--trace-dir DIR]\n";
+
+int run(int argc, char** argv, comm::Communicator& pp) {
   int64_t K = 2, micro_batches = 64, rows = 512, width = 512, repeats = 3, chunks = 2;
   std::string trace_dir, compare = "all";
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      if (pp.rank() == 0) std::fputs(kUsage, stdout);
+      return 0;
+    }
     if (i + 1 == argc) input_error("bench_pipeline_mpi: ", flag, " needs a value");
     if (flag == "--k")
-      K = std::atoll(argv[i + 1]);
+      K = positive(flag, argv[i + 1]);
     else if (flag == "--micro-batches")
-      micro_batches = std::atoll(argv[i + 1]);
+      micro_batches = positive(flag, argv[i + 1]);
     else if (flag == "--rows")
-      rows = std::atoll(argv[i + 1]);
+      rows = positive(flag, argv[i + 1]);
     else if (flag == "--width")
-      width = std::atoll(argv[i + 1]);
+      width = positive(flag, argv[i + 1]);
     else if (flag == "--repeats")
-      repeats = std::atoll(argv[i + 1]);
+      repeats = positive(flag, argv[i + 1]);
     else if (flag == "--trace-dir")
       trace_dir = argv[i + 1];
     else if (flag == "--chunks")
-      chunks = std::atoll(argv[i + 1]);
+      chunks = positive(flag, argv[i + 1]);
     else if (flag == "--compare")
       compare = argv[i + 1];
     else
@@ -357,4 +370,17 @@ int main(int argc, char** argv) {
   if (compare != "paci")
     compare_interleaved(pp, int(chunks), micro_batches, rows, width, repeats, trace_dir);
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto guard = comm::init_communication(&argc, &argv);
+  comm::Communicator& pp = comm::world();
+  try {
+    return run(argc, argv, pp);
+  } catch (const InputError& e) {  // every rank parsed the same arguments: all stop here
+    if (pp.rank() == 0) std::fprintf(stderr, "%s\n%s", e.what(), kUsage);
+    return 2;
+  }
 }

@@ -20,7 +20,8 @@ LrSchedule::LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t t
     input_error("optim.warmup_steps = ", warmup_steps,
                 " must be >= 0 and < train.steps = ", total_steps);
   }
-  if (shape.kind == LrScheduleKind::wsd && !(shape.decay_fraction > 0 && shape.decay_fraction <= 1))
+  // Under any schedule, so that config.toml holds no value that fails once wsd is chosen.
+  if (!(shape.decay_fraction > 0 && shape.decay_fraction <= 1))
     input_error("optim.decay_fraction = ", shape.decay_fraction, " must be in (0, 1]");
   // At least one decay step, so the last step always reaches min_lr.
   const int64_t decay = std::max<int64_t>(1, std::llround(shape.decay_fraction * double(total_)));

@@ -98,8 +98,13 @@ void validate(const OptimizerConfig& c) {
     check_range(c.ns_steps <= 5, "optim.ns_steps", double(c.ns_steps),
                 "<= 5 with optim.ns_coefficients = you (its table has 5 steps)");
   check_choice(c.ns_normalize, "optim.ns_normalize", {"frobenius", "aol"});
-  // A restart comes before a step: steps 1 .. ns_steps - 1 can have one.
-  for (int64_t t : ns_restart_steps(c))
+  // A restart comes before a step: steps 1 .. ns_steps - 1 can have one, listed in order.
+  const std::vector<int64_t> restarts = ns_restart_steps(c);
+  for (size_t i = 1; i < restarts.size(); ++i)
+    if (restarts[i] <= restarts[i - 1])
+      input_error("optim.ns_restarts = \"", c.ns_restarts,
+                  "\": steps must be listed once each, in increasing order");
+  for (int64_t t : restarts)
     if (t >= c.ns_steps)
       input_error("optim.ns_restarts = \"", c.ns_restarts, "\": ", t,
                   " is no step of optim.ns_steps = ", c.ns_steps,

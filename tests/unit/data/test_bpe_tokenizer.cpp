@@ -190,6 +190,9 @@ TEST_F(BpeFiles, SingleTokenNamesTheSetting) {
   expect_input_error([&] { tok.single_token("\xff", "--stop"); }, {"--stop: ", "UTF-8"});
   expect_input_error([] { ByteTokenizer().single_token("ab", "train.sample_stop"); },
                      {"train.sample_stop", "byte", "2 tokens"});
+  // A backslash and an n, as an unquoted --set gives it: how a newline is written.
+  expect_input_error([] { ByteTokenizer().single_token("\\n", "train.sample_stop"); },
+                     {"2 tokens (a backslash and an n", "'train.sample_stop=\"\\n\"'"});
 }
 
 TEST_F(BpeFiles, RefusesTablesThatCouldFailToEncode) {

@@ -104,12 +104,13 @@ TEST(LrSchedule, BadArgumentsNameTheField) {
   expect_error(1.0, 0.1, 0, 0, "train.steps");
   expect_error(1.0, 0.1, 10, 10, "optim.warmup_steps");
   expect_error(1.0, 0.1, -1, 10, "optim.warmup_steps");
-  for (double f : {0.0, 1.5})
-    fixture::expect_input_error(
-        [f] {
-          LrSchedule(1.0, 0.1, 1, 10, {LrScheduleKind::wsd, f, LrDecayShape::linear});
-        },
-        {"optim.decay_fraction"});
+  for (LrScheduleKind kind : {LrScheduleKind::wsd, LrScheduleKind::cosine})
+    for (double f : {0.0, 1.5, -5.0})
+      fixture::expect_input_error(
+          [f, kind] {
+            LrSchedule(1.0, 0.1, 1, 10, {kind, f, LrDecayShape::linear});
+          },
+          {"optim.decay_fraction"});
   LrSchedule s(1.0, 0.1, 1, 10);
   EXPECT_THROW(s.lr(-1), Error);
 }

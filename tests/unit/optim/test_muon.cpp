@@ -328,6 +328,9 @@ TEST(MuonFactory, NamesAndBadConfig) {
                      }),
                      {"optim.ns_restarts = \"2\"", "optim.ns_steps = 2"});
   EXPECT_NO_THROW(with([](OptimizerConfig& c) { c.ns_restarts = "1,4"; })());
+  for (const char* unordered : {"2,2", "3,2", "3,3,1"})
+    expect_input_error(with([&](OptimizerConfig& c) { c.ns_restarts = unordered; }),
+                       {"optim.ns_restarts", "in increasing order"});
   EXPECT_NO_THROW(with([](OptimizerConfig& c) {
     c.ns_steps = 2;
     c.ns_restarts = "";

@@ -274,9 +274,9 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
         train::load_config("", {"optim.schedule=wsd", "optim.decay_fraction=0"});
       },
       {"optim.decay_fraction = 0"});
-  // Without wsd the fraction is not used, so not checked.
-  EXPECT_EQ(train::load_config("", {"optim.decay_fraction=0"}).optim.schedule,
-            optim::LrScheduleKind::cosine);
+  // Checked without wsd too: config.toml holds no value that fails once wsd is chosen.
+  expect_input_error([] { train::load_config("", {"optim.decay_fraction=-5"}); },
+                     {"optim.decay_fraction = -5"});
 }
 
 // data.path lists a mixture's directories, data.weights one positive share per directory.
