@@ -1333,6 +1333,12 @@ TrainResult Trainer::run_steps() {
       std::snprintf(line, sizeof line, "step %5lld | validation loss %.4f nats/token (%.3f bits)",
                     static_cast<long long>(rec.step), val, val / std::log(2.0));
       s.log(line + per_data_set);
+      // The update made the model non-finite: the next step's gradient norm would stop the
+      // run, but the last step has none, and its checkpoint would hold the broken weights.
+      if (!std::isfinite(val))
+        throw DivergenceError("step " + std::to_string(rec.step) + "'s validation loss is " +
+                              (std::isnan(val) ? "NaN" : "inf") +
+                              "; stopping before its checkpoint" + diverged(true));
     }
     if (adaptive && rec.step == decide_at) {
       int64_t interval = 0;

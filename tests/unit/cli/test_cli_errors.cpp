@@ -463,6 +463,16 @@ TEST_F(CliTest, ADivergedRunStopsWithItsOwnExitStatus) {
     expect_one_line_error(o, {where, "stopping before the update",
                               "newest checkpoint: " + run + "/checkpoints/step-00000001"});
     EXPECT_TRUE(fs::exists(run + "/checkpoints/step-00000001/manifest.json"));
+    // With one step there is no next gradient norm: the validation loss stops the run before
+    // the broken model is saved (min_lr too: a one-step cosine schedule ends there).
+    const std::string last = temp_dir("r");
+    const Outcome one = run_tessel(
+        train_args(last) + diverge +
+            " --set train.steps=1 --set optim.warmup_steps=0 --set optim.min_lr=1e30" + extra,
+        ranks);
+    EXPECT_EQ(one.exit_code, kExitDiverged) << one.err;
+    expect_one_line_error(one, {"step 1's validation loss is", "stopping before its checkpoint"});
+    EXPECT_FALSE(fs::exists(last + "/checkpoints/step-00000001"));
     // The ETT log's exit line records the same status (it said 1 for every failure).
     EXPECT_NE(slurp(run + "/ett/attempt-0000.jsonl").find("\"status\":4"), std::string::npos);
   }
