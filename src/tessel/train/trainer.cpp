@@ -21,6 +21,7 @@
 #include "tessel/core/threading.hpp"
 #include "tessel/core/timer.hpp"
 #include "tessel/data/loader.hpp"
+#include "tessel/data/packing.hpp"
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
@@ -1018,14 +1019,39 @@ TrainResult Trainer::run_steps() {
     samples += s.loader.packed(d)->samples(), rows += s.loader.packed(d)->rows();
     overlong += s.loader.packed(d)->overlong(), untrained += s.loader.packed(d)->untrained();
   }
-  const std::string sft =
-      packed ? detail::concat(" (SFT: ", samples, samples == 1 ? " sample" : " samples",
-                              " packed into ", rows, rows == 1 ? " row; " : " rows; ", overlong,
-                              c.data.overlong == data::Overlong::cut
-                                  ? " cut to seq_len"
-                                  : " too long for seq_len left out (data.overlong)",
-                              ", ", untrained, " without a trained token left out)")
-             : "";
+  // A packing's counts in words, the training split's and the validation split's (which
+  // validation reads up to train.eval_sequences rows of per data set; 0: all).
+  auto packing_text = [&](int64_t n_samples, int64_t n_rows, int64_t n_overlong,
+                          int64_t n_untrained) {
+    return detail::concat(n_samples, n_samples == 1 ? " sample" : " samples", " packed into ",
+                          n_rows, n_rows == 1 ? " row; " : " rows; ", n_overlong,
+                          c.data.overlong == data::Overlong::cut
+                              ? " cut to seq_len"
+                              : " too long for seq_len left out (data.overlong)",
+                          ", ", n_untrained, " without a trained token left out");
+  };
+  nlohmann::json sft_validation;
+  std::string sft;
+  if (packed && s.is_root) {
+    int64_t val_samples = 0, val_rows = 0, val_overlong = 0, val_untrained = 0;
+    for (const std::string& shard : split_shards(c.data, "val")) {
+      const data::PackedSamples p(data::ShardReader(shard), c.train.seq_len, c.data.overlong);
+      val_samples += p.samples(), val_rows += p.rows();
+      val_overlong += p.overlong(), val_untrained += p.untrained();
+    }
+    sft_validation = {{"samples", val_samples},
+                      {"rows", val_rows},
+                      {"overlong", val_overlong},
+                      {"untrained", val_untrained},
+                      {"rows_per_data_set", c.train.eval_sequences}};
+    sft = detail::concat(
+        " (SFT: ", packing_text(samples, rows, overlong, untrained),
+        "; validation: ", packing_text(val_samples, val_rows, val_overlong, val_untrained),
+        c.train.eval_sequences > 0
+            ? detail::concat(", at most ", c.train.eval_sequences, " rows per data set read")
+            : "",
+        ")");
+  }
   // Each data set's share, rows and how often the whole run reads it over; the start line
   // names them for a mixture.
   const std::vector<std::string> data_dirs = data_paths(c.data),
@@ -1107,11 +1133,10 @@ TrainResult Trainer::run_steps() {
   if (!s.pipeline) start["activation_bytes"] = activation_bytes;
   start["data"] = data_sets;
   if (packed)
-    start["sft"] = {{"samples", samples},
-                    {"rows", rows},
-                    {"overlong", overlong},
-                    {"overlong_policy", data::overlong_name(c.data.overlong)},
-                    {"untrained", untrained}};
+    start["sft"] = {
+        {"samples", samples},     {"rows", rows},
+        {"overlong", overlong},   {"overlong_policy", data::overlong_name(c.data.overlong)},
+        {"untrained", untrained}, {"validation", sft_validation}};
   write_metrics(start);
   // Checkpoint interval: fixed multiples of train.checkpoint_every, or (young, daly) from
   // the blocking time of the previous save and the MTBF, decided by rank 0 for all ranks.

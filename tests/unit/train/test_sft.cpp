@@ -317,6 +317,19 @@ TEST(SftTraining, LossFallsAndThroughputCountsNoPadding) {
   }
   EXPECT_EQ(step, 30);
   EXPECT_GT(padded_steps, 0) << "no step had padding: the check shows nothing";
+  // The start record reports the validation split's packing as well: the packer's counts.
+  std::ifstream again(c.run.dir + "/metrics.jsonl");
+  std::string first;
+  std::getline(again, first);
+  const auto start = nlohmann::json::parse(first);
+  ASSERT_EQ(start.value("event", ""), "start");
+  const data::PackedSamples val(data::ShardReader(c.data.path + "/val.tok"), c.train.seq_len);
+  const auto& reported = start["sft"]["validation"];
+  EXPECT_EQ(reported["samples"], val.samples());
+  EXPECT_EQ(reported["rows"], val.rows());
+  EXPECT_EQ(reported["overlong"], val.overlong());
+  EXPECT_EQ(reported["untrained"], val.untrained());
+  EXPECT_EQ(reported["rows_per_data_set"], c.train.eval_sequences);
 }
 
 TEST(SftTraining, ACausalMaskOverPackedSamplesIsRefused) {
