@@ -20,6 +20,7 @@
 //          [--width 512] [--repeats 3] [--chunks 2] [--compare all|paci|interleaved]
 //          [--trace-dir DIR]
 #include <array>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -315,8 +316,9 @@ void compare_interleaved(comm::Communicator& pp, int v, int64_t micro_batches, i
 // The positive integer `text` of `flag`.
 int64_t positive(const std::string& flag, const char* text) {
   char* end = nullptr;
+  errno = 0;
   const long long v = std::strtoll(text, &end, 10);
-  if (end == text || *end != '\0' || v < 1)
+  if (end == text || *end != '\0' || errno == ERANGE || v < 1)
     input_error("bench_pipeline_mpi: ", flag, " must be a positive integer, got '", text, "'");
   return v;
 }
@@ -325,51 +327,62 @@ constexpr const char* kUsage =
     "usage: mpirun -np P bench_pipeline_mpi [--k 2] [--micro-batches 64] [--rows 512] "
     "[--width 512] [--repeats 3] [--chunks 2] [--compare all|paci|interleaved] [--trace-dir DIR]\n";
 
-int run(int argc, char** argv, comm::Communicator& pp) {
+struct Options {
   int64_t K = 2, micro_batches = 64, rows = 512, width = 512, repeats = 3, chunks = 2;
   std::string trace_dir, compare = "all";
+  bool help = false;
+};
+
+// The flags, checked for P ranks (InputError on a bad one: every rank parses the same).
+Options parse(int argc, char** argv, int P) {
+  Options o;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
-      if (pp.rank() == 0) std::fputs(kUsage, stdout);
-      return 0;
+      o.help = true;
+      return o;
     }
     if (i + 1 == argc) input_error("bench_pipeline_mpi: ", flag, " needs a value");
     if (flag == "--k")
-      K = positive(flag, argv[i + 1]);
+      o.K = positive(flag, argv[i + 1]);
     else if (flag == "--micro-batches")
-      micro_batches = positive(flag, argv[i + 1]);
+      o.micro_batches = positive(flag, argv[i + 1]);
     else if (flag == "--rows")
-      rows = positive(flag, argv[i + 1]);
+      o.rows = positive(flag, argv[i + 1]);
     else if (flag == "--width")
-      width = positive(flag, argv[i + 1]);
+      o.width = positive(flag, argv[i + 1]);
     else if (flag == "--repeats")
-      repeats = positive(flag, argv[i + 1]);
+      o.repeats = positive(flag, argv[i + 1]);
     else if (flag == "--trace-dir")
-      trace_dir = argv[i + 1];
+      o.trace_dir = argv[i + 1];
     else if (flag == "--chunks")
-      chunks = positive(flag, argv[i + 1]);
+      o.chunks = positive(flag, argv[i + 1]);
     else if (flag == "--compare")
-      compare = argv[i + 1];
+      o.compare = argv[i + 1];
     else
       input_error("bench_pipeline_mpi: unknown flag ", flag);
   }
-  if (compare != "all" && compare != "paci" && compare != "interleaved")
-    input_error("bench_pipeline_mpi: --compare must be all, paci or interleaved, got ", compare);
-  const int P = pp.size();
-  if (micro_batches % (2 * P) != 0 && compare != "paci")
+  if (o.compare != "all" && o.compare != "paci" && o.compare != "interleaved")
+    input_error("bench_pipeline_mpi: --compare must be all, paci or interleaved, got ", o.compare);
+  if (o.micro_batches % (2 * P) != 0 && o.compare != "paci")
     input_error("bench_pipeline_mpi: --micro-batches must be divisible by 2 P = ", 2 * P,
-                " for interleaved, got ", micro_batches);
+                " for interleaved, got ", o.micro_batches);
+  return o;
+}
+
+void run(const Options& o, comm::Communicator& pp) {
+  const int P = pp.size();
   if (pp.rank() == 0)
     std::printf("P = %d, K = M = %lld, %lld micro-batches, GEMM %lld x %lld x %lld; load %s\n", P,
-                (long long)K, (long long)micro_batches, (long long)rows, (long long)width,
-                (long long)width, load_average().c_str());
-  measure(pp, {ScheduleKind::one_f_one_b, P, K, 2, 1}, rows, width, "");   // warm-up
-  if (!trace_dir.empty()) std::filesystem::create_directories(trace_dir);  // as --trace-dir says
-  if (compare != "interleaved") compare_paci(pp, K, micro_batches, rows, width, repeats, trace_dir);
-  if (compare != "paci")
-    compare_interleaved(pp, int(chunks), micro_batches, rows, width, repeats, trace_dir);
-  return 0;
+                (long long)o.K, (long long)o.micro_batches, (long long)o.rows, (long long)o.width,
+                (long long)o.width, load_average().c_str());
+  measure(pp, {ScheduleKind::one_f_one_b, P, o.K, 2, 1}, o.rows, o.width, "");  // warm-up
+  if (!o.trace_dir.empty()) std::filesystem::create_directories(o.trace_dir);   // as it says
+  if (o.compare != "interleaved")
+    compare_paci(pp, o.K, o.micro_batches, o.rows, o.width, o.repeats, o.trace_dir);
+  if (o.compare != "paci")
+    compare_interleaved(pp, int(o.chunks), o.micro_batches, o.rows, o.width, o.repeats,
+                        o.trace_dir);
 }
 
 }  // namespace
@@ -377,10 +390,17 @@ int run(int argc, char** argv, comm::Communicator& pp) {
 int main(int argc, char** argv) {
   auto guard = comm::init_communication(&argc, &argv);
   comm::Communicator& pp = comm::world();
-  try {
-    return run(argc, argv, pp);
+  Options options;
+  try {  // the arguments only: a failure while measuring aborts the job, as before
+    options = parse(argc, argv, pp.size());
   } catch (const InputError& e) {  // every rank parsed the same arguments: all stop here
     if (pp.rank() == 0) std::fprintf(stderr, "%s\n%s", e.what(), kUsage);
     return 2;
   }
+  if (options.help) {
+    if (pp.rank() == 0) std::fputs(kUsage, stdout);
+    return 0;
+  }
+  run(options, pp);
+  return 0;
 }

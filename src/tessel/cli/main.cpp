@@ -28,11 +28,13 @@
 #include "tessel/core/threading.hpp"
 #include "tessel/data/bpe_trainer.hpp"
 #include "tessel/data/mixture.hpp"
+#include "tessel/data/packing.hpp"
 #include "tessel/data/prepare.hpp"
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/model/gpt.hpp"
+#include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/config.hpp"
 #include "tessel/train/ett.hpp"
@@ -237,6 +239,9 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
                   data_dir.empty() ? " (the run's data.path, taken relative to this directory; "
                                      "pass --data)"
                                    : "");
+    // A run trained with a plain causal mask: its packed SFT samples would see each other.
+    if (data::has_loss_mask(shards.back()))
+      train::check_packed_samples_mask(shards.back(), run.config.data.attention_mask);
   }
   // The model reads the ids of its own tokenizer.
   std::vector<std::string> with_run_data = train::model_tokenizer_dirs(run);

@@ -29,7 +29,7 @@ struct LrShape {
 class LrSchedule {
  public:
   // Throws InputError naming the config field (`optim.lr`, `optim.min_lr`,
-  // `optim.warmup_steps`, `train.steps`, and under wsd `optim.decay_fraction`) when an argument
+  // `optim.warmup_steps`, `train.steps`, `optim.decay_fraction`) when an argument
   // is out of range.
   LrSchedule(double lr, double min_lr, int64_t warmup_steps, int64_t total_steps,
              LrShape shape = {});

@@ -24,8 +24,7 @@ void check_range(bool ok, const char* field, double value, const char* expected)
 // that trains nothing, an eps that divides by zero).
 void check_positive_float(const char* field, double value) {
   check_range(std::isfinite(value) && value > 0, field, value, "> 0");
-  const float f = float(value);
-  if (!(f > 0.0f) || !std::isfinite(f))
+  if (value > double(std::numeric_limits<float>::max()) || !(float(value) > 0.0f))
     input_error(field, " = ", value, " is outside the float range the optimizer computes in (",
                 std::numeric_limits<float>::denorm_min(), " to ", std::numeric_limits<float>::max(),
                 ")");
@@ -84,8 +83,9 @@ void validate(const OptimizerConfig& c) {
   // each product is checked where it decays something.
   const std::vector<ParamTag> decayed = parse_decay_tags(c.decay_tags);
   const bool muon_family = c.name != "adamw";
-  const bool hidden = std::count(decayed.begin(), decayed.end(), ParamTag::hidden_matrix) > 0;
-  if (int64_t(decayed.size()) > (muon_family && hidden ? 1 : 0))
+  const auto is_hidden = [](ParamTag t) { return t == ParamTag::hidden_matrix; };
+  const bool hidden = std::any_of(decayed.begin(), decayed.end(), is_hidden);
+  if (muon_family ? !std::all_of(decayed.begin(), decayed.end(), is_hidden) : !decayed.empty())
     check_decay_product("optim.lr", c.lr, c.weight_decay);
   if (muon_family && hidden) check_decay_product("optim.muon_lr", c.muon_lr, c.weight_decay);
   check_range(c.momentum >= 0 && c.momentum < 1, "optim.momentum", c.momentum, "0 <= momentum < 1");

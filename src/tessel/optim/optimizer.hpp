@@ -99,8 +99,8 @@ void validate(const OptimizerConfig& config);
 LrSchedule lr_schedule(const OptimizerConfig& config, int64_t total_steps);
 
 // The 0-based Newton-Schulz steps before which Gram NS restarts: `optim.ns_restarts` parsed, or
-// for "auto" step 2 where ns_steps > 2 (the spec's one restart before the third of five steps)
-// and none for shorter iterations, which have no third step.
+// for "auto" steps 2, 5, 8, ... below ns_steps (the spec's one restart before the third of five
+// steps, then one every 3; none for 1 or 2 steps).
 std::vector<int64_t> ns_restart_steps(const OptimizerConfig& config);
 
 // Parses `optim.decay_tags` ("a,b"; empty = no decay); throws InputError on an unknown tag or

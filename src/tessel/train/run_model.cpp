@@ -5,7 +5,6 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/data/loader.hpp"
-#include "tessel/data/packing.hpp"
 #include "tessel/data/shard.hpp"
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/train/batch_inputs.hpp"
@@ -50,9 +49,6 @@ std::vector<std::string> model_tokenizer_dirs(const RunModel& run) {
 Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences) {
   if (max_sequences < 0) input_error("eval: sequences = ", max_sequences, " must be >= 0");
   const Config& c = run.config;
-  // A run trained with a plain causal mask on text data: eval of SFT data under it would let
-  // the packed samples see each other.
-  if (data::has_loss_mask(shard)) check_packed_samples_mask(shard, c.data.attention_mask);
   const int64_t vocab = data::ShardReader(shard).vocab_size();
   if (vocab > c.model.vocab)
     input_error(shard, ": token vocabulary ", vocab,

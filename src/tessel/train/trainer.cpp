@@ -110,7 +110,7 @@ constexpr const char* kDataWeightsKey = "data sets (normalized data.weights)";
 
 // Config keys of the compatibility record added after checkpoints without them were written,
 // each with the setting every earlier tessel ran as. A key added from now on goes here, and
-// its value never changes.
+// its value never changes (one that earlier tessels had with other values: kRecordedLaterKeys).
 const std::map<std::string, std::string> kAddedKeys = {{"model.attention_window", "0"},
                                                        {kDataWeightsKey, "1.0"},
                                                        {"model.moe_lei_margin", "'midpoint'"},
@@ -1210,8 +1210,13 @@ TrainResult Trainer::run_steps() {
     // from the newest good step: a save still in flight is of an earlier, finite step, so it is
     // committed first where every rank stops together (a collective).
     auto diverged = [&](bool every_rank) {
-      if (every_rank) s.checkpointer.wait();
-      return " (newest checkpoint: " + s.store.latest().value_or("none") +
+      std::string save_failed;  // the divergence stays the error (exit 4) whatever the save did
+      if (every_rank) try {
+          s.checkpointer.wait();
+        } catch (const InputError& e) {  // agreed by every rank: all catch it here
+          save_failed = std::string("; the save in flight failed: ") + e.what();
+        }
+      return " (newest checkpoint: " + s.store.latest().value_or("none") + save_failed +
              "; a lower optim.lr or a tighter train.grad_clip may avoid it)";
     };
     std::optional<PipelineStep> piped;
