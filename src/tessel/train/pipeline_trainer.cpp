@@ -339,15 +339,15 @@ void PipelineTrainer::on_step(int64_t version) {
   } else {
     norm = experts ? parallel::expert_sharded_grad_norm(own_dense_, own_experts_, ep_)
                    : optim::global_grad_norm(own_params_);
-    if (on_window && work_.last_stage()) {
-      on_window(update, stats[0] / stats[1], norm, window_timer_.seconds());
-      window_timer_.reset();
-    }
   }
   if (!std::isfinite(norm))
     optim::check_finite_grad_norm(
         norm, "step " + std::to_string(update) + ": stage " + std::to_string(stage_),
         hooks_.diverged(flush));
+  if (!flush && on_window && work_.last_stage()) {  // after the check: no NaN progress line
+    on_window(update, stats[0] / stats[1], norm, window_timer_.seconds());
+    window_timer_.reset();
+  }
   optim::scale_to_max_norm(own_params_, norm, config_.train.grad_clip);
   const bool apply = hooks_.before_update(update, norm);
   TESSEL_CHECK(apply || flush, "PACI skipped update ", update);

@@ -1107,6 +1107,13 @@ TrainResult Trainer::run_steps() {
         "tessel: warning: train.checkpoint_every = 0 saves no checkpoint before the end, so a "
         "relaunch after a failure starts again from step 0; set train.checkpoint_every (e.g. "
         "100) to resume near the failure");
+  // Allowed (a dense config keeps its MoE twin's layout), but it shards nothing.
+  const std::vector<bool>& moe_blocks = s.model.moe_blocks();
+  if (s.is_root && c.parallel.ep > 1 &&
+      std::find(moe_blocks.begin(), moe_blocks.end(), true) == moe_blocks.end())
+    warn_on_stderr(detail::concat("parallel.ep = ", c.parallel.ep,
+                                  " on a model without MoE blocks (model.moe_layers) shards "
+                                  "nothing: the run is plain data parallel"));
 
   std::optional<MetricsLog> metrics_log;  // rank 0 writes the run's metrics (none: no step)
   if (s.is_root && s.start_step < c.train.steps)

@@ -438,6 +438,18 @@ TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   EXPECT_FALSE(fs::exists(run));
 }
 
+// parallel.ep > 1 on a dense model is allowed, and warned about once: it shards nothing.
+TEST_F(CliTest, ExpertParallelismOnADenseModelIsWarned) {
+  const Outcome o = run_tessel(train_args(temp_dir("dense-ep")) + " --set parallel.ep=2", 2);
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const std::string warning =
+      "tessel: warning: parallel.ep = 2 on a model without MoE blocks (model.moe_layers) shards "
+      "nothing";
+  const size_t at = o.err.find(warning);
+  EXPECT_NE(at, std::string::npos) << o.err;
+  EXPECT_EQ(o.err.find(warning, at + 1), std::string::npos) << "warned by more than one rank";
+}
+
 TEST_F(CliTest, BadInputOnSeveralRanksIsStillOneLine) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set parallel.dp=3", 2),
                         {"parallel.dp", "world has 2"});
