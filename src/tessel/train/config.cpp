@@ -790,10 +790,6 @@ namespace {
 // never fire, and the run would pass as if it had survived it.
 void check_faults_reach_a_save(const Config& c) {
   if (c.train.checkpoint_policy != "fixed") return;
-  auto saves = [&](int64_t step) {
-    return step == c.train.steps || (c.train.checkpoint_every > 0 && step > 0 &&
-                                     step % c.train.checkpoint_every == 0 && step < c.train.steps);
-  };
   auto refuse = [&](const std::string& key, int64_t step) {
     input_error("config key '", key, "' names step ", step, ", which saves no checkpoint (train.",
                 "checkpoint_every = ", c.train.checkpoint_every, ", train.steps = ", c.train.steps,
@@ -801,11 +797,17 @@ void check_faults_reach_a_save(const Config& c) {
   };
   if (c.fault.kill_in == "checkpoint_write")
     for (const int64_t step : parse_int_list("fault.kill_steps", c.fault.kill_steps, 0))
-      if (step > 0 && !saves(step)) refuse("fault.kill_steps", step);
-  if (c.fault.corrupt_step > 0 && !saves(c.fault.corrupt_step))
+      if (step > 0 && !fixed_policy_saves(c.train, step)) refuse("fault.kill_steps", step);
+  if (c.fault.corrupt_step > 0 && !fixed_policy_saves(c.train, c.fault.corrupt_step))
     refuse("fault.corrupt_step", c.fault.corrupt_step);
 }
 }  // namespace
+
+bool fixed_policy_saves(const TrainLoopConfig& train, int64_t step) {
+  if (step < 1 || step > train.steps) return false;
+  return (train.checkpoint_every > 0 && step % train.checkpoint_every == 0) ||
+         (step == train.steps && train.save_final);
+}
 
 void validate(const Config& c) {
   auto positive = [](const char* name, int64_t v) {

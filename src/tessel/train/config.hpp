@@ -168,6 +168,10 @@ void apply_override(Config& config, const std::string& assignment);
 // Checks cross-field constraints (sequence vs model.max_seq, positive sizes...).
 void validate(const Config& config);
 
+// Under train.checkpoint_policy = "fixed": whether step `step` (1-based) saves a checkpoint,
+// every train.checkpoint_every steps and the last one when train.save_final.
+bool fixed_policy_saves(const TrainLoopConfig& train, int64_t step);
+
 // The tokenizer of the run's token ids (data::load_tokenizer of data.path's first directory:
 // a mixture's data sets share one vocabulary); nullptr when they have none tessel can apply.
 std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c);

@@ -1392,10 +1392,8 @@ TrainResult Trainer::run_steps() {
                      {"step_seconds", step_seconds},
                      {"interval_steps", interval}});
     }
-    bool periodic = adaptive
-                        ? rec.step == next_save
-                        : c.train.checkpoint_every > 0 && rec.step % c.train.checkpoint_every == 0;
-    if (periodic || (last && c.train.save_final)) {
+    if (adaptive ? rec.step == next_save || (last && c.train.save_final)
+                 : fixed_policy_saves(c.train, rec.step)) {
       s.ledger.enter(last ? Phase::shutdown : Phase::checkpoint_blocking);
       blocking = 0;
       block_on([&] { s.save(rec.step); });

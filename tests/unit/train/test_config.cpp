@@ -422,6 +422,11 @@ TEST(Config, ValuesAreCheckedForWhatUsesThem) {
             "0,8,30");
   EXPECT_EQ(with({"fault.kill_steps=5"}).fault.kill_steps, "5");  // after the step's update
   EXPECT_EQ(with({"fault.corrupt_step=30"}).fault.corrupt_step, 30);
+  expect_input_error(
+      [&] {
+        with({"fault.corrupt_step=30", "train.save_final=false"});
+      },
+      {"fault.corrupt_step", "names step 30"});  // the last step saves nothing
   EXPECT_EQ(with({"train.checkpoint_policy=young", "fault.kill_in=checkpoint_write",
                   "fault.kill_steps=5"})
                 .fault.kill_steps,
