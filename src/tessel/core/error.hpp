@@ -57,6 +57,10 @@ template <class... Args>
   throw InputError(detail::concat(args...));
 }
 
+// InputError "<field> = <value> is outside the float range <who> computes in (...)" when the
+// positive, finite `value` is 0 or inf as a float, the type the f32 code that takes it holds.
+void check_positive_float_range(const std::string& field, double value, const char* who);
+
 }  // namespace tessel
 
 // TESSEL_CHECK(cond, "message", value, ...): throws tessel::Error naming file and line.

@@ -54,11 +54,7 @@ void require_size(const char* field, int64_t value, int64_t limit) {
 void require_positive(const char* field, double value) {
   if (!(value > 0.0) || !std::isfinite(value))
     input_error("model.", field, " = ", value, " must be positive");
-  const float f = float(value);
-  if (!(f > 0.0f) || !std::isfinite(f))
-    input_error(
-        "model.", field, " = ", value, " is outside the float range the model computes in (",
-        std::numeric_limits<float>::denorm_min(), " to ", std::numeric_limits<float>::max(), ")");
+  check_positive_float_range(std::string("model.") + field, value, "the model");
 }
 }  // namespace
 

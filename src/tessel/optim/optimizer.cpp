@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
@@ -24,10 +23,7 @@ void check_range(bool ok, const char* field, double value, const char* expected)
 // that trains nothing, an eps that divides by zero).
 void check_positive_float(const char* field, double value) {
   check_range(std::isfinite(value) && value > 0, field, value, "> 0");
-  if (value > double(std::numeric_limits<float>::max()) || !(float(value) > 0.0f))
-    input_error(field, " = ", value, " is outside the float range the optimizer computes in (",
-                std::numeric_limits<float>::denorm_min(), " to ", std::numeric_limits<float>::max(),
-                ")");
+  check_positive_float_range(field, value, "the optimizer");
 }
 
 // Decoupled weight decay multiplies a decayed weight by 1 - lr * weight_decay each step: at 1
