@@ -427,9 +427,6 @@ struct Trainer::State {
         ckpt_comm(w.split(0, w.rank())),
         checkpointer(store, *ckpt_comm),
         faults(config.fault, attempt, w.rank(), attempt_path(config.run.dir, attempt), t0) {
-    if (config.fault.kill_rank >= w.size())
-      input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
-                  " is not a rank of this job (world size ", w.size(), ")");
     model.set_expert_comm(&experts);
     const auto dirs = data_paths(config.data);
     data::check_same_tokenizer(dirs);             // a mixture's ids must mean the same text
@@ -887,7 +884,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   // bits (MeshShape::world_size, the automatic dp here).
   const ParallelConfig& par = config.parallel;
   comm::MeshShape shape{int(par.pp), int(par.dp), int(par.cp), int(par.ep)};
-  try {  // before the run directory is locked: a refused mesh leaves nothing there
+  try {  // before the run directory is locked: a refused mesh or rank leaves nothing there
     if (shape.dp == 0) {
       if (world.size() % (par.pp * par.cp) != 0)
         input_error("mesh pp=", par.pp, " x cp=", par.cp, " needs a multiple of ", par.pp * par.cp,
@@ -896,6 +893,9 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
       shape.dp = int(world.size() / (par.pp * par.cp));
     }
     shape.validate(world.size());
+    if (config.fault.kill_rank >= world.size())
+      input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
+                  " is not a rank of this job (world size ", world.size(), ")");
   } catch (const InputError&) {  // under `tessel run`: no attempt of the job
     withdraw_supervised_start(config.run.dir, world.rank(), "bad input");
     throw;
@@ -1020,7 +1020,7 @@ TrainResult Trainer::run_steps() {
     overlong += s.loader.packed(d)->overlong(), untrained += s.loader.packed(d)->untrained();
   }
   // A packing's counts in words, the training split's and the validation split's (which
-  // validation reads up to train.eval_sequences rows of per data set; 0: all).
+  // validation reads up to train.eval_sequences rows of per data set).
   auto packing_text = [&](int64_t n_samples, int64_t n_rows, int64_t n_overlong,
                           int64_t n_untrained) {
     return detail::concat(n_samples, n_samples == 1 ? " sample" : " samples", " packed into ",

@@ -427,7 +427,8 @@ TEST_F(CliTest, ASupervisedRunWithoutInterimCheckpointsIsWarned) {
   EXPECT_EQ(warnings(train_args(temp_dir("plain"))), 0u);  // nothing relaunches it
 }
 
-// A mesh the world cannot hold is refused before the run directory is locked or written.
+// A mesh the world cannot hold, or a fault rank outside it, is refused before the run
+// directory is locked or written.
 TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   const std::string run = temp_dir("r") + "/run";
   expect_one_line_error(run_tessel(train_args(run) + " --set parallel.dp=2"),
@@ -435,6 +436,8 @@ TEST_F(CliTest, WorldSizeNotMatchingTheMesh) {
   // With dp = 0 (world / (pp x cp)) the world must divide: no dp would do.
   expect_one_line_error(run_tessel(train_args(run) + " --set parallel.cp=2"),
                         {"mesh pp=1 x cp=2 needs a multiple of 2 processes", "world has 1"});
+  expect_one_line_error(run_tessel(train_args(run) + " --set fault.kill_rank=1"),
+                        {"'fault.kill_rank' = 1 is not a rank of this job (world size 1)"});
   EXPECT_FALSE(fs::exists(run));
 }
 
