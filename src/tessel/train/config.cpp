@@ -475,7 +475,7 @@ std::vector<ConfigKey> build_schema() {
                  FIELD(fault.kill_steps)),
       string_key("fault.kill_seconds",
                  "comma-separated seconds, the k-th for attempt k: SIGKILL that long after "
-                 "the attempt's process started (armed once the trainer is built)",
+                 "the attempt's process started (armed once the trainer is built; 0 = none)",
                  FIELD(fault.kill_seconds)),
       string_key("fault.hang_steps",
                  "comma-separated steps, the k-th for attempt k: fault.kill_rank blocks forever "
@@ -785,10 +785,22 @@ std::vector<std::string> data_names(const DataConfig& data) {
 }
 
 namespace {
-// Under the fixed checkpoint policy the saves are known: a fault that strikes a checkpoint
-// (fault.kill_in = "checkpoint_write", fault.corrupt_step) at a step that saves none would
-// never fire, and the run would pass as if it had survived it.
-void check_faults_reach_a_save(const Config& c) {
+// A fault that can never fire would let the run pass as if it had survived it: one at a step
+// beyond train.steps, and, under the fixed checkpoint policy (its saves are known), one that
+// strikes a checkpoint (fault.kill_in = "checkpoint_write", fault.corrupt_step) at a step
+// that saves none.
+void check_faults_can_strike(const Config& c) {
+  auto beyond = [&](const std::string& key, int64_t step) {
+    if (step > c.train.steps)
+      input_error("config key '", key, "' names step ", step,
+                  ", beyond train.steps = ", c.train.steps, ": the fault would never strike");
+  };
+  const std::pair<const char*, const std::string*> lists[] = {
+      {"fault.kill_steps", &c.fault.kill_steps}, {"fault.hang_steps", &c.fault.hang_steps}};
+  for (const auto& [key, text] : lists)
+    for (const int64_t step : parse_int_list(key, *text, 0)) beyond(key, step);
+  beyond("fault.corrupt_step", c.fault.corrupt_step);
+  beyond("fault.spike_step", c.fault.spike_step);
   if (c.train.checkpoint_policy != "fixed") return;
   auto refuse = [&](const std::string& key, int64_t step) {
     input_error("config key '", key, "' names step ", step, ", which saves no checkpoint (train.",
@@ -939,7 +951,7 @@ void validate(const Config& c) {
   if (c.train.mtbf_seconds <= 0)
     input_error("config key 'train.mtbf_seconds' must be positive, got ", c.train.mtbf_seconds);
   validate(c.fault);
-  check_faults_reach_a_save(c);
+  check_faults_can_strike(c);
   non_negative("run.threads", double(c.run.threads));
   if (c.run.threads > kMaxThreads)
     input_error("config key 'run.threads' = ", c.run.threads, " is more than ", kMaxThreads);

@@ -44,7 +44,8 @@ FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::s
   if (size_t(attempt) < steps.size()) kill_step_ = steps[size_t(attempt)];
   if (size_t(attempt) < hangs.size() && hangs[size_t(attempt)] > 0)
     hang_step_ = hangs[size_t(attempt)];
-  if (size_t(attempt) < secs.size()) kill_seconds_ = secs[size_t(attempt)];
+  if (size_t(attempt) < secs.size() && secs[size_t(attempt)] > 0)  // 0 spares the attempt
+    kill_seconds_ = secs[size_t(attempt)];
   in_write_ = c.kill_in == "checkpoint_write";
   if (kill_step_ == 0) kill_step_ = -1;
   armed_ = kill_step_ > 0 || kill_seconds_ >= 0;

@@ -363,6 +363,7 @@ void PipelineTrainer::on_step(int64_t version) {
     across_stages([&] { ends_->broadcast(std::span<float>(e.f32(), size_t(e.numel())), 0); });
   }
   run_windows_.push_back({stats[0], stats[1], norm, 0, {}, std::nullopt});
+  hooks_.after_update(update);
 }
 
 PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {

@@ -119,6 +119,9 @@ class PipelineTrainer {
     // Before a non-finite gradient norm stops the run: the hint of its error. `every_rank`:
     // all ranks stop here (a flush schedule's norm is global; PACI's is the stage's own).
     std::function<std::string(bool every_rank)> diverged;
+    // After this stage applied update `update`: PACI's stages step inside a horizon that can
+    // outlast tessel run --hang-timeout, and a fault of step N must strike at update N there.
+    std::function<void(int64_t update)> after_update;
   };
   // Trainer step `step` (0-based, consecutive): flush schedules run it; PACI returns its
   // window, running the horizon that starts there first.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1229,10 +1230,25 @@ TrainResult Trainer::run_steps() {
     std::optional<PipelineStep> piped;
     nlohmann::json ep_skew;  // MoE without pipeline: max / median over the ep group
     if (s.pipeline) {
+      // A save started at a PACI drain commits inside the horizon that follows (its polls are
+      // non-blocking collectives), not only after it: a failure in the horizon keeps it. Its
+      // failure, agreed by every rank, is raised once the horizon is over.
+      std::exception_ptr save_failed;
+      auto after_update = [&](int64_t update) {
+        s.faults.after_step(update);
+        s.ledger.beat();  // rank 0's progress, seen by tessel run
+        try {
+          s.checkpointer.poll();
+        } catch (const InputError&) {
+          save_failed = std::current_exception();
+        }
+      };
       piped = s.pipeline->step(
           step, {.gradient_scale = [&](int64_t update) { return s.faults.gradient_scale(update); },
                  .before_update = [&](int64_t, double norm) { return decide_update(norm); },
-                 .diverged = diverged});
+                 .diverged = diverged,
+                 .after_update = after_update});
+      if (save_failed) std::rethrow_exception(save_failed);
       stats[0] = piped->loss_sum, stats[1] = piped->loss_tokens, grad_norm = piped->grad_norm;
     } else {
       s.model.zero_grads();
@@ -1278,8 +1294,8 @@ TrainResult Trainer::run_steps() {
       } else {
         s.model.discard_balance();  // the spike's loads must not reach the next update
       }
+      s.faults.after_step(step + 1);
     }
-    s.faults.after_step(step + 1);
     s.checkpointer.poll();
     double dt = piped ? piped->seconds : step_timer.seconds();
     train_seconds += dt;

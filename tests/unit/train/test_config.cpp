@@ -404,7 +404,8 @@ TEST(Config, ModelFieldsAreValidated) {
 // sample, bytes that config.toml cannot hold.
 TEST(Config, ValuesAreCheckedForWhatUsesThem) {
   // A fault that strikes a checkpoint, at a step that saves none (fixed policy), would never
-  // strike; with an adaptive policy the saves are not known in advance.
+  // strike; with an adaptive policy the saves are not known in advance. Nor would any fault
+  // beyond the last step, under any policy.
   const std::vector<std::string> saves = {"train.steps=30", "train.checkpoint_every=4",
                                           "optim.warmup_steps=2"};
   auto with = [&](std::vector<std::string> more) {
@@ -417,7 +418,15 @@ TEST(Config, ValuesAreCheckedForWhatUsesThem) {
       },
       {"fault.kill_steps", "names step 5", "saves no checkpoint"});
   expect_input_error([&] { with({"fault.corrupt_step=31"}); },
-                     {"fault.corrupt_step", "names step 31"});
+                     {"fault.corrupt_step", "names step 31", "beyond train.steps = 30"});
+  for (const char* key : {"fault.kill_steps=5,31", "fault.hang_steps=31", "fault.spike_step=31"})
+    expect_input_error(
+        [&] {
+          with({"train.checkpoint_policy=young", key});
+        },
+        {std::string(key).substr(0, std::string(key).find('=')), "names step 31",
+         "beyond train.steps = 30: the fault would never strike"});
+  EXPECT_EQ(with({"fault.hang_steps=30"}).fault.hang_steps, "30");
   EXPECT_EQ(with({"fault.kill_in=checkpoint_write", "fault.kill_steps=0,8,30"}).fault.kill_steps,
             "0,8,30");
   EXPECT_EQ(with({"fault.kill_steps=5"}).fault.kill_steps, "5");  // after the step's update
