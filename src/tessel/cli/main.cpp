@@ -26,6 +26,7 @@
 #include "tessel/comm/world.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/threading.hpp"
+#include "tessel/data/bpe_tokenizer.hpp"
 #include "tessel/data/bpe_trainer.hpp"
 #include "tessel/data/mixture.hpp"
 #include "tessel/data/packing.hpp"
@@ -85,12 +86,16 @@ int run_train_bpe(const data::PrepareOptions& split, int64_t vocab_size, const s
                   ", the description of the tokenizer its token ids were made with (a prepared "
                   "data set, or a run's or an export's tokenizer copy); write the vocabulary to "
                   "another directory");
+  std::vector<std::filesystem::path> outputs;  // what write_bpe_files replaces
+  for (const char* file : data::kBpeFiles) outputs.push_back(std::filesystem::path(out) / file);
+  data::check_corpus_outside(corpus, outputs, "train-bpe");
   const auto merges = data::learn_bpe_merges(data::training_documents(split), vocab_size - 257);
   const int64_t size = data::write_bpe_files(out, merges);
   std::printf(
-      "learned %zu merges from %s%s: vocabulary of %lld ids -> %s/vocab.json, %s/merges.txt\n",
-      merges.size(), corpus.c_str(), size < vocab_size ? " (no pair occurs twice any more)" : "",
-      static_cast<long long>(size), out.c_str(), out.c_str());
+      "learned %zu merge%s from %s%s: vocabulary of %lld ids -> %s/vocab.json, %s/merges.txt\n",
+      merges.size(), merges.size() == 1 ? "" : "s", corpus.c_str(),
+      size < vocab_size ? " (no pair occurs twice any more)" : "", static_cast<long long>(size),
+      out.c_str(), out.c_str());
   return 0;
 }
 
@@ -106,10 +111,16 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
     input_error("--tokenizer ", source,
                 ": no tokenizer there (a prepared data directory, a run's tokenizer/ or a "
                 "directory with vocab.json and merges.txt)");
-  if (!source.empty())
-    data::check_same_tokenizer({train::checkpoint_tokenizer_dir(run.checkpoint), source});
-  else
+  if (!source.empty()) {
+    // The advice is not to prepare again: the run's copy already decodes its ids.
+    const std::string copy = train::checkpoint_tokenizer_dir(run.checkpoint);
+    data::check_same_tokenizer({copy, source},
+                               detail::concat("generate decodes with the run's own copy in ", copy,
+                                              ": leave out --tokenizer, or pass one that holds "
+                                              "the same tokenizer"));
+  } else {
     source = train::model_tokenizer_dirs(run)[0];
+  }
   const std::unique_ptr<data::Tokenizer> tokenizer =
       data::load_tokenizer(source, run.config.model.vocab);
   if (!tokenizer && !std::filesystem::exists(source))  // a run from before runs kept a copy

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <queue>
 
 #include "tessel/core/error.hpp"
@@ -31,9 +32,9 @@ const std::array<UChar32, 256>& byte_code_points() {
   return table;
 }
 
-// A token's bytes: each byte symbol mapped back; other code points (in tokens added by hand,
-// such as specials) stand for their own UTF-8.
-std::string bytes_of_token(const std::string& token) {
+// A token's bytes, each byte symbol mapped back; nullopt when it holds another character,
+// which would stand for no bytes (or for its own UTF-8, the bytes of other tokens too).
+std::optional<std::string> bytes_of_token(const std::string& token) {
   static const std::vector<int> byte_of_code_point = [] {
     std::vector<int> inverse(512, -1);
     for (int b = 0; b < 256; ++b) inverse[size_t(byte_code_points()[size_t(b)])] = b;
@@ -43,15 +44,19 @@ std::string bytes_of_token(const std::string& token) {
   const auto* s = reinterpret_cast<const uint8_t*>(token.data());
   const auto n = int32_t(token.size());
   for (int32_t i = 0; i < n;) {
-    const int32_t start = i;
     UChar32 c;
     U8_NEXT(s, i, n, c);
-    if (c >= 0 && c < 512 && byte_of_code_point[size_t(c)] >= 0)
-      bytes.push_back(char(byte_of_code_point[size_t(c)]));
-    else
-      bytes.append(token, size_t(start), size_t(i - start));
+    if (c < 0 || c >= 512 || byte_of_code_point[size_t(c)] < 0) return std::nullopt;
+    bytes.push_back(char(byte_of_code_point[size_t(c)]));
   }
   return bytes;
+}
+
+// A token in an error message: escaped (a NUL would end the message) and at most this long
+// (a token of megabytes would bury the message).
+constexpr size_t kQuotedTokenBytes = 80;
+std::string quote_token(std::string_view token) {
+  return json_quote(token, kQuotedTokenBytes);
 }
 
 enum class CharClass : uint8_t { letter, number, space, other };
@@ -204,11 +209,19 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
   if (!vocab.is_object() || vocab.empty())
     input_error(vocab_json, ": expected a JSON object of tokens and their ids");
   std::unordered_map<std::string, int32_t> id_of;
+  std::vector<std::pair<int32_t, std::string>> token_bytes;  // each token's id and bytes
   for (const auto& [token, id] : vocab.items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= INT32_MAX)
-      input_error(vocab_json, ": token \"", token, "\" has id ", id.dump(),
+      input_error(vocab_json, ": token ", quote_token(token), " has id ", id.dump(),
                   "; ids are integers in [0, 2^31 - 1)");
+    std::optional<std::string> bytes = bytes_of_token(token);
+    if (!bytes || bytes->empty())
+      input_error(vocab_json, ": token ", quote_token(token), " (id ", id.get<int32_t>(), ") ",
+                  !bytes ? "holds a character that is none of the 256 byte symbols (GPT-2's map "
+                           "of bytes to characters, which includes all printable ASCII)"
+                         : "is empty");
     id_of[token] = id.get<int32_t>();
+    token_bytes.emplace_back(id.get<int32_t>(), std::move(*bytes));
     vocab_size_ = std::max(vocab_size_, id.get<int32_t>() + 1);
   }
   // Ids index dense tables: a vocabulary with far more ids than tokens is refused (a stray
@@ -218,10 +231,10 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
                 " tokens; a vocabulary with gaps of more than 65536 ids is not supported");
   bytes_of_id_.resize(size_t(vocab_size_));
   has_token_.assign(size_t(vocab_size_), false);
-  for (const auto& [token, id] : id_of) {
+  for (auto& [id, bytes] : token_bytes) {
     if (has_token_[size_t(id)]) input_error(vocab_json, ": id ", id, " belongs to two tokens");
     has_token_[size_t(id)] = true;
-    bytes_of_id_[size_t(id)] = bytes_of_token(token);
+    bytes_of_id_[size_t(id)] = std::move(bytes);
   }
   if (const auto it = id_of.find("<|endoftext|>"); it != id_of.end()) end_of_text_ = it->second;
 
@@ -236,7 +249,7 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
     made[size_t(it->second)] = true;
   }
 
-  const std::string merges_text = read_file(merges_txt);
+  const std::string merges_text = read_utf8_file(merges_txt);
   int64_t line_number = 0;
   int32_t rank = 0;
   for_each_line(merges_text, [&](std::string_view line) {
@@ -252,18 +265,18 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
       const std::string& part = k == 0 ? left : right;
       const auto it = id_of.find(part);
       if (it == id_of.end() || !made[size_t(it->second)])
-        input_error(merges_txt, ":", line_number, ": \"", part, "\" is ",
+        input_error(merges_txt, ":", line_number, ": ", quote_token(part), " is ",
                     it == id_of.end() ? "not in " + vocab_json
                                       : std::string("made by no byte or earlier merge"));
       parts[k] = it->second;
     }
     const auto it = id_of.find(left + right);
     if (it == id_of.end())
-      input_error(merges_txt, ":", line_number, ": the merged token \"", left + right,
-                  "\" is not in ", vocab_json);
+      input_error(merges_txt, ":", line_number, ": the merged token ", quote_token(left + right),
+                  " is not in ", vocab_json);
     if (made[size_t(it->second)])
-      input_error(merges_txt, ":", line_number, ": \"", left + right,
-                  "\" is a byte symbol or was made by an earlier merge");
+      input_error(merges_txt, ":", line_number, ": ", quote_token(left + right),
+                  " is a byte symbol or was made by an earlier merge");
     made[size_t(it->second)] = true;
     merges_[bpe_pair_key(parts[0], parts[1])] = {rank++, it->second};
   });

@@ -9,9 +9,11 @@
 // adjacent pair has a merge; each resulting symbol is one id. Decoding concatenates the
 // tokens' strings and maps their symbols back to bytes.
 //
-// The tables are checked when loaded, so that encoding can never fail: every byte symbol has
-// an id; every merge joins two tokens that exist by then (byte symbols or results of earlier
-// merges) into a token of vocab.json that no earlier merge made. Tables that BPE training
+// The tables are checked when loaded, so that encoding can never fail and decoding is
+// unambiguous: every token is one or more byte symbols (specials such as "<|endoftext|>" too:
+// printable ASCII stands for itself), so no two tokens decode to the same bytes; every byte
+// symbol has an id; every merge joins two tokens that exist by then (byte symbols or results of
+// earlier merges) into a token of vocab.json that no earlier merge made. Tables that BPE training
 // writes pass (each merge makes one new token); these rules are also what lets bpe_merge
 // take merges one at a time and still equal the reference's pass-per-rank result.
 #include <cstdint>
@@ -65,9 +67,10 @@ inline constexpr const char* kBpeFiles[2] = {"vocab.json", "merges.txt"};
 
 class BpeTokenizer final : public Tokenizer {
  public:
-  // vocab.json: one JSON object {"token": id, ...}; merges.txt: an optional "#version" line,
-  // then "left right" per line (GPT-2's files). InputError naming the file (and line) for
-  // anything the rules at the top of this file refuse.
+  // vocab.json: one JSON object {"token": id, ...}; merges.txt: UTF-8 text (a leading
+  // byte-order mark is dropped), an optional "#version" line, then "left right" per line
+  // (GPT-2's files). InputError naming the file (and line) for anything the rules at the top
+  // of this file refuse, quoting a token escaped and cut to a readable length.
   BpeTokenizer(const std::string& vocab_json, const std::string& merges_txt);
   // The vocabulary in directory `dir` (kBpeFiles).
   static std::unique_ptr<BpeTokenizer> from_directory(const std::string& dir);

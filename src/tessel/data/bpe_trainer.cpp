@@ -160,8 +160,8 @@ int64_t write_bpe_files(const std::string& dir, const std::vector<BpeMergeString
     vocab[left + right] = id++;
   }
   vocab["<|endoftext|>"] = id++;
-  write_file_atomically(dir + "/merges.txt", lines);
-  write_file_atomically(dir + "/vocab.json", vocab.dump() + "\n");
+  write_file_atomically(dir + "/" + kBpeFiles[1], lines);
+  write_file_atomically(dir + "/" + kBpeFiles[0], vocab.dump() + "\n");
   return id;
 }
 

@@ -28,10 +28,10 @@ std::vector<BpeMergeStrings> learn_bpe_merges(const std::vector<std::string>& do
                                               int64_t merges);
 }  // namespace naive
 
-// Writes dir/vocab.json (the 256 byte symbols with their byte values as ids, each merge's
-// token as 256 + its rank, then "<|endoftext|>") and dir/merges.txt ("#version: 0.2", then
-// one "left right" line per merge), creating dir. Returns the vocabulary size, 257 + merges.
-// InputError when dir cannot be written.
+// Writes the kBpeFiles in dir, and no other file: vocab.json (the 256 byte symbols with their
+// byte values as ids, each merge's token as 256 + its rank, then "<|endoftext|>") and
+// merges.txt ("#version: 0.2", then one "left right" line per merge), creating dir. Returns the
+// vocabulary size, 257 + merges. InputError when dir cannot be written.
 int64_t write_bpe_files(const std::string& dir, const std::vector<BpeMergeStrings>& merges);
 
 }  // namespace tessel::data

@@ -148,6 +148,11 @@ size_t first_invalid_utf8(std::string_view s) {
 }
 
 std::string read_file(const std::string& path) {
+  // Checked first: an ifstream opens a directory and reads it as empty.
+  std::error_code ec;
+  const fs::file_type type = fs::status(path, ec).type();
+  if (type == fs::file_type::not_found) input_error(path, ": no such file or directory");
+  if (type == fs::file_type::directory) input_error(path, ": is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) input_error(path, ": cannot read file");
   std::ostringstream os;
@@ -160,6 +165,10 @@ std::string read_corpus_file(const std::string& path, const std::string& kind) {
   if (!fs::exists(path)) input_error(path, ": no such file (corpus \"", kind, ":", path, "\")");
   if (fs::is_directory(path))
     input_error(path, ": is a directory; corpus \"", kind, ":PATH\" takes one file");
+  return read_utf8_file(path);
+}
+
+std::string read_utf8_file(const std::string& path) {
   std::string text = read_file(path);
   if (text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);
   if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)

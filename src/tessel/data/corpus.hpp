@@ -38,16 +38,20 @@ void for_each_line(std::string_view text, F&& f) {
   }
 }
 
-// The bytes of the file at `path`; InputError naming it when it cannot be read.
+// The bytes of the file at `path`; InputError naming it when it is missing, a directory or
+// cannot be read.
 std::string read_file(const std::string& path);
+
+// read_file's text without a leading UTF-8 byte-order mark (an editor's marker, not text):
+// InputError naming the line of the first byte that is not valid UTF-8.
+std::string read_utf8_file(const std::string& path);
 
 // Byte offset of the first invalid UTF-8 sequence of `s` (overlong forms, surrogates and code
 // points past U+10FFFF included), or npos.
 size_t first_invalid_utf8(std::string_view s);
 
-// The text of the file a "KIND:PATH" corpus names ("file", "chat"), without a leading UTF-8
-// byte-order mark (an editor's marker, not text): InputError for a missing file, a directory
-// or text that is not valid UTF-8.
+// The text of the file a "KIND:PATH" corpus names ("file", "chat"), as read_utf8_file:
+// InputError naming the corpus for a missing file or a directory.
 std::string read_corpus_file(const std::string& path, const std::string& kind);
 
 // The parsers behind load_corpus, for text already in memory. `source` names the text in

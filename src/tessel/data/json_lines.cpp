@@ -8,6 +8,14 @@
 
 namespace tessel::data {
 
+std::string json_quote(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes)
+    return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  size_t cut = max_bytes;  // back to the start of a character: no U+FFFD for a cut one
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  return detail::concat(json_quote(s.substr(0, cut)), "... (", s.size(), " bytes)");
+}
+
 nlohmann::json parse_json(std::string_view text, const std::string& where) {
   std::vector<std::set<std::string>> keys;  // of each open object
   std::string duplicate;
@@ -27,7 +35,7 @@ nlohmann::json parse_json(std::string_view text, const std::string& where) {
     input_error(where, ": not valid JSON (", e.what(), ")");
   }
   if (!duplicate.empty())
-    input_error(where, ": key \"", duplicate, "\" appears twice in one object");
+    input_error(where, ": key ", json_quote(duplicate), " appears twice in one object");
   return json;
 }
 

@@ -9,6 +9,12 @@
 
 namespace tessel::data {
 
+// `s` as a JSON string literal, escaped, so that a message quoting it stays one line and whole
+// (a NUL or newline in it would cut or split it); bytes that are not UTF-8 become U+FFFD. A
+// string longer than `max_bytes` is cut there (at a character) and followed by
+// "... (N bytes)".
+std::string json_quote(std::string_view s, size_t max_bytes = std::string_view::npos);
+
 // One JSON value; InputError naming `where` for text that is not valid JSON or an object
 // with a key twice (nlohmann would keep the last; more likely a mistake than meant).
 nlohmann::json parse_json(std::string_view text, const std::string& where);

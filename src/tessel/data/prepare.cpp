@@ -15,6 +15,7 @@
 #include "tessel/data/bpe_tokenizer.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/corpus.hpp"
+#include "tessel/data/json_lines.hpp"
 #include "tessel/data/packing.hpp"
 #include "tessel/data/shard.hpp"
 #include "tessel/data/token_file.hpp"
@@ -30,16 +31,10 @@ constexpr std::string_view kTokenFilePrefix = "tokens:";  // the corpus of a raw
 constexpr std::string_view kCorpusPrefixes[] = {"file:", "jsonl:", kTokenFilePrefix, "chat:"};
 constexpr std::string_view kBpePrefix = "bpe:";  // --tokenizer bpe:DIR
 
-// `s` as a JSON string literal, escaped; bytes that are not UTF-8 (a path may hold them) become
-// U+FFFD instead of failing after the shards are written.
-std::string json_string(const std::string& s) {
-  return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
 std::string split_json(const SplitCounts& split, bool sft) {
   return detail::concat("{\"documents\": ", split.documents, ", \"tokens\": ", split.tokens,
                         sft ? detail::concat(", \"trained_tokens\": ", split.trained_tokens) : "",
-                        ", \"path\": ", json_string(fs::path(split.path).filename().string()), "}");
+                        ", \"path\": ", json_quote(fs::path(split.path).filename().string()), "}");
 }
 
 // Removes the loss-mask shard an earlier SFT prepare left beside the token shard `path`.
@@ -123,15 +118,7 @@ fs::path begin_output(const PrepareOptions& options, const std::optional<std::st
     input_error("prepare: --tokenizer bpe:", *bpe_dir,
                 " is the output directory; keep the vocabulary elsewhere (prepare copies it "
                 "there, and a later prepare replaces the copy)");
-  // The corpus file must survive: prepare would write over it.
-  const std::string_view corpus = options.corpus;
-  for (std::string_view prefix : kCorpusPrefixes)
-    if (corpus.starts_with(prefix))
-      for (const fs::path& file : output_files(out))
-        if (fs::equivalent(std::string(corpus.substr(prefix.size())), file, ec))
-          input_error("prepare: corpus \"", options.corpus, "\" is ", file.string(),
-                      ", a file prepare writes or removes in --out; prepare into another "
-                      "directory");
+  check_corpus_outside(options.corpus, output_files(out), "prepare");  // it would write over it
   const fs::path metadata = out / "dataset.json";
   bool bpe_copies = false;
   try {
@@ -180,13 +167,14 @@ std::vector<bool> validation_items(size_t n, const PrepareOptions& options, cons
   return val;
 }
 
-// dataset.json beside the shards, into result.metadata_path.
+// dataset.json beside the shards, into result.metadata_path. Its strings are json_quote'd: a
+// path that is not UTF-8 gets U+FFFD instead of failing after the shards are written.
 void write_metadata(const PrepareOptions& options, const std::string& tokenizer, int64_t vocab_size,
                     PrepareResult& result) {
   result.metadata_path = (fs::path(options.output_dir) / "dataset.json").string();
   const std::string json = detail::concat(
-      "{\n  \"corpus\": ", json_string(options.corpus), ",\n  \"format\": \"",
-      result.sft ? "sft" : "text", "\",\n  \"tokenizer\": ", json_string(tokenizer), ",\n",
+      "{\n  \"corpus\": ", json_quote(options.corpus), ",\n  \"format\": \"",
+      result.sft ? "sft" : "text", "\",\n  \"tokenizer\": ", json_quote(tokenizer), ",\n",
       tokenizer == "bpe" ? detail::concat("  \"", kBpeChecksumsKey,
                                           "\": ", bpe_checksums_json(options.output_dir), ",\n")
                          : "",
@@ -304,6 +292,17 @@ PrepareResult prepare_documents(const std::vector<std::string>& documents,
 PrepareResult prepare_samples(const std::vector<SftSample>& samples,
                               const PrepareOptions& options) {
   return prepare_items(samples, options);
+}
+
+void check_corpus_outside(const std::string& corpus, const std::vector<fs::path>& outputs,
+                          const std::string& command) {
+  std::error_code ec;
+  for (std::string_view prefix : kCorpusPrefixes)
+    if (corpus.starts_with(prefix))
+      for (const fs::path& file : outputs)
+        if (fs::equivalent(corpus.substr(prefix.size()), file, ec))
+          input_error(command, ": corpus \"", corpus, "\" is ", file.string(), ", a file ", command,
+                      " writes or removes in --out; ", command, " into another directory");
 }
 
 std::string corpus_directory_name(const std::string& corpus) {

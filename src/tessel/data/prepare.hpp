@@ -29,6 +29,7 @@
 // so that each token is wholly context or wholly reply.
 // Every file is written to a temporary name and renamed into place.
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
@@ -75,6 +76,12 @@ PrepareResult prepare_dataset(const PrepareOptions& options);
 // corpus's own name, or the stem of a PREFIX:PATH corpus's file ("file:notes.txt" -> "notes").
 // InputError when the path has no usable stem.
 std::string corpus_directory_name(const std::string& corpus);
+
+// InputError when the file a PREFIX:PATH corpus names is one of `outputs`, the files `command`
+// (prepare, train-bpe) writes or removes in its output directory: the corpus would be lost.
+void check_corpus_outside(const std::string& corpus,
+                          const std::vector<std::filesystem::path>& outputs,
+                          const std::string& command);
 
 // The documents of text corpus `options.corpus` that prepare would put in the training split
 // (the same val_fraction and seed leave out the same documents): what train-bpe learns from,

@@ -69,7 +69,7 @@ SftSample render_conversation(std::span<const ChatMessage> messages, const std::
     const ChatMessage& m = messages[i];
     const char* label = role_label(m.role);
     if (!label)
-      input_error(where, ": messages[", i, "]: role ", nlohmann::json(m.role).dump(),
+      input_error(where, ": messages[", i, "]: role ", json_quote(m.role),
                   " is not system, user or assistant");  // escaped: one line, whole
     const bool reply = m.role == "assistant";
     append(s, label, false);

@@ -12,6 +12,7 @@
 #include "tessel/data/bpe_tokenizer.hpp"
 #include "tessel/data/byte_tokenizer.hpp"
 #include "tessel/data/corpus.hpp"
+#include "tessel/data/json_lines.hpp"
 
 namespace tessel::data {
 
@@ -29,9 +30,7 @@ int32_t Tokenizer::single_token(std::string_view text, const std::string& what) 
   if (text.empty()) return -1;
   const std::vector<int32_t> ids = encode_text(text, what);
   if (ids.size() != 1)  // the text as a JSON string: escaped, so the error stays one line
-    input_error(what, " must be one token of the ", name(), " tokenizer; ",
-                nlohmann::json(std::string(text))
-                    .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+    input_error(what, " must be one token of the ", name(), " tokenizer; ", json_quote(text),
                 " is ", ids.size(), " tokens",
                 text.find("\\n") != std::string_view::npos
                     ? " (a backslash and an n: a newline is \"\\n\" in double quotes in TOML, "
@@ -162,7 +161,7 @@ void save_tokenizer(const std::string& data_dir, const std::string& to_dir) {
   fsync_path(target.parent_path().empty() ? "." : target.parent_path().string());
 }
 
-void check_same_tokenizer(const std::vector<std::string>& dirs) {
+void check_same_tokenizer(const std::vector<std::string>& dirs, const std::string& advice) {
   std::optional<std::string> first_dir, first_name;
   for (const std::string& dir : dirs) {
     const std::optional<std::string> name = tokenizer_name(dir);
@@ -178,8 +177,8 @@ void check_same_tokenizer(const std::vector<std::string>& dirs) {
                read_file((fs::path(*first_dir) / file).string());
     if (!same)
       input_error(dir, " and ", *first_dir, " hold ids of different tokenizers (", *name,
-                  *name == *first_name ? " vocabularies that differ" : " and " + *first_name,
-                  "); prepare them with the same one");
+                  *name == *first_name ? " vocabularies that differ" : " and " + *first_name, "); ",
+                  advice);
   }
 }
 

@@ -71,7 +71,8 @@ void save_tokenizer(const std::string& data_dir, const std::string& to_dir);
 // InputError naming two of `dirs` (data, run or vocabulary directories, e.g. a mixture's)
 // whose token ids come from different tokenizers: other names, or BPE vocabularies whose
 // files differ. Directories without a tokenizer, or with pretokenized ids (of an unknown
-// one), are not compared.
-void check_same_tokenizer(const std::vector<std::string>& dirs);
+// one), are not compared. The message ends with `advice`, what the caller's user can do.
+void check_same_tokenizer(const std::vector<std::string>& dirs,
+                          const std::string& advice = "prepare them with the same one");
 
 }  // namespace tessel::data

@@ -798,9 +798,17 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   // A checkpoint directory, however spelled, finds its run's copy.
   o = run_tessel("generate --run " + run + "/checkpoints/step-00000004/ --prompt 'the LORD'");
   EXPECT_EQ(o.exit_code, 0) << o.err;
-  expect_one_line_error(
+  expect_one_line_error(  // the advice fits generate: the run's copy decodes without one
       run_tessel("generate --run " + run + " --tokenizer " + dir + "/bytes --prompt 'the LORD'"),
-      {run + "/tokenizer", dir + "/bytes", "different tokenizers"});
+      {run + "/tokenizer", dir + "/bytes", "different tokenizers",
+       "generate decodes with the run's own copy in " + run + "/tokenizer: leave out --tokenizer"});
+  // A merges.txt that is a directory is no vocabulary without merges.
+  fs::copy(dir + "/bpe", dir + "/bpe-hollow");
+  fs::remove(dir + "/bpe-hollow/merges.txt");
+  fs::create_directory(dir + "/bpe-hollow/merges.txt");
+  expect_one_line_error(
+      run_tessel("generate --run " + run + " --tokenizer " + dir + "/bpe-hollow --prompt 'the'"),
+      {dir + "/bpe-hollow/merges.txt: is a directory"});
   // --tokenizer takes a vocabulary directory as train-bpe wrote it, and must exist.
   o = run_tessel("generate --run " + run + " --tokenizer " + dir + "/bpe --prompt 'the LORD'");
   EXPECT_EQ(o.exit_code, 0) << o.err;
@@ -822,6 +830,20 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
                         {"--tokenizer must be byte or bpe:DIR"});
   expect_one_line_error(run_tessel("train-bpe --corpus file:" + dir + "/none.txt --out " + dir),
                         {"none.txt", "no such file"});
+  // train-bpe never writes over its corpus: a text that is one of the files it writes.
+  fs::create_directories(dir + "/own");
+  for (const char* file : {"vocab.json", "merges.txt"}) {
+    const std::string corpus = dir + "/own/" + file;
+    fs::copy_file(dir + "/text.txt", corpus, fs::copy_options::overwrite_existing);
+    expect_one_line_error(
+        run_tessel("train-bpe --corpus file:" + corpus + " --out " + dir + "/own"),
+        {"train-bpe: corpus \"file:" + corpus + "\" is " + corpus, "a file train-bpe writes"});
+    EXPECT_EQ(slurp(corpus), slurp(dir + "/text.txt")) << file;
+  }
+  o = run_tessel("train-bpe --corpus file:" + dir + "/text.txt --vocab-size 258 --out " + dir +
+                 "/one");
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("learned 1 merge from"), std::string::npos) << o.out;
   EXPECT_NE(run_tessel("train-bpe --vocab-size 100").exit_code, 0);
   expect_one_line_error(run_tessel("train-bpe --corpus chat:" + dir + "/text.txt"),
                         {"chat:", "a vocabulary is learned from text"});

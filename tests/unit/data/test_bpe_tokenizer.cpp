@@ -228,8 +228,81 @@ TEST_F(BpeFiles, RefusesTablesThatCouldFailToEncode) {
   expect_input_error([&] { load(); }, {"\"a\"", "-3"});
   write("vocab.json", "{\"a\": 0}");
   expect_input_error([&] { load(); }, {"no token for byte 0"});
-  expect_input_error([&] { BpeTokenizer(dir_.file("missing.json"), merges); },
-                     {"missing.json", "cannot read"});
+}
+
+// A file that is missing or a directory is named as such (an ifstream reads a directory as an
+// empty file: "no merges"), as is a vocabulary directory that does not exist.
+TEST_F(BpeFiles, AMissingFileOrADirectoryIsNamed) {
+  for (const char* file : {"vocab.json", "merges.txt"}) {
+    std::filesystem::remove(dir_.file(file));
+    std::filesystem::create_directory(dir_.file(file));
+    expect_input_error([&] { load(); }, {dir_.file(file) + ": is a directory"});
+    std::filesystem::remove(dir_.file(file));
+    expect_input_error([&] { load(); }, {dir_.file(file) + ": no such file or directory"});
+    write_bpe_files(dir_.path().string(), english_merges());
+  }
+  expect_input_error([&] { BpeTokenizer::from_directory(dir_.file("nonexistent")); },
+                     {dir_.file("nonexistent/vocab.json"), "no such file or directory"});
+}
+
+// A token is quoted escaped (a NUL or newline would cut or split the message) and cut short.
+TEST_F(BpeFiles, ErrorsQuoteTokensEscapedAndCut) {
+  write("merges.txt", "#version: 0.2\nt h\n" + std::string("a\0b", 3) + " c\n");
+  expect_input_error([&] { load(); }, {dir_.file("merges.txt") + ":3: \"a\\u0000b\" is not in " +
+                                       dir_.file("vocab.json")});
+  write("merges.txt", "t h\nq\x01 x\n");
+  expect_input_error([&] { load(); }, {":2: \"q\\u0001\" is not in"});
+  const std::string long_token(2'000'000, 'q');
+  write("merges.txt", long_token + " q\n");
+  try {
+    load();
+    ADD_FAILURE() << "no InputError thrown";
+  } catch (const InputError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(":1: \"" + std::string(80, 'q') + "\"... (2000000 bytes) is not in"),
+              std::string::npos)
+        << what.substr(0, 300);
+    EXPECT_LT(what.size(), 300u);
+  }
+  // Cut at a character, never inside one: 79 q's and a two-byte "Ġ" that would cross byte 80.
+  write("merges.txt", std::string(79, 'q') + "Ġ" + long_token + " q\n");
+  expect_input_error([&] { load(); }, {":1: \"" + std::string(79, 'q') + "\"... (2000081 bytes)"});
+}
+
+// merges.txt is UTF-8 text: a leading byte-order mark is dropped (as vocab.json's and a
+// corpus's), and bytes that are not UTF-8 are named as such at their line.
+TEST_F(BpeFiles, MergesDropAByteOrderMarkAndRefuseInvalidUtf8) {
+  std::ifstream in(dir_.file("merges.txt"), std::ios::binary);
+  const std::string merges((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  write("merges.txt", "\xEF\xBB\xBF" + merges);
+  EXPECT_EQ(load().encode("the LORD said"), (std::vector<int32_t>{257, ' ', 271, 275}));
+  write("merges.txt", "#version: 0.2\nt h\nth\xff e\n");
+  expect_input_error([&] { load(); }, {dir_.file("merges.txt") + ":3: not valid UTF-8"});
+}
+
+// Every token is byte symbols (GPT-2's map), so that it decodes to bytes of its own: a token
+// with another character, or an empty one, is refused by name and id; specials such as
+// "<|endoftext|>" are printable ASCII, which is byte symbols.
+TEST_F(BpeFiles, RefusesTokensThatAreNotByteSymbols) {
+  const auto vocab = nlohmann::json::parse(std::ifstream(dir_.file("vocab.json")));
+  ASSERT_TRUE(vocab.contains("<|endoftext|>"));
+  for (const auto& [token, quoted] :
+       std::vector<std::pair<std::string, std::string>>{{"\u20ACuro", "\"\u20ACuro\""},
+                                                        {std::string("a\0b", 3), "\"a\\u0000b\""},
+                                                        {"a b", "\"a b\""},
+                                                        {"", "\"\""}}) {
+    auto bad = vocab;
+    bad[token] = vocab_size_;
+    write("vocab.json", bad.dump());
+    expect_input_error([&] { load(); },
+                       {dir_.file("vocab.json") + ": token " + quoted + " (id " +
+                            std::to_string(vocab_size_) + ") ",
+                        token.empty() ? "is empty" : "none of the 256 byte symbols"});
+  }
+  auto latin1 = vocab;  // "é" is byte 0xE9's own symbol: a token of raw bytes, as GPT-2's
+  latin1["caf\u00E9"] = vocab_size_;
+  write("vocab.json", latin1.dump());
+  EXPECT_EQ(load().decode(std::vector<int32_t>{vocab_size_}), "caf\xE9");
 }
 
 TEST_F(BpeFiles, LoadTokenizerReadsWhatTheDirectoryHolds) {

@@ -456,6 +456,24 @@ TEST(Prepare, KeepsItsCorpusAndAVocabularyItDidNotWrite) {
   expect_input_error([&] { prepare_dataset(opt); }, {"train-bpe's, or a prepare cut short"});
 }
 
+// A vocabulary whose merges.txt or vocab.json is a directory (which would read as an empty
+// file: no merges) or that does not exist is refused by name, and nothing is prepared.
+TEST(Prepare, ABpeDirectoryWithoutItsFilesIsRefused) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), out = dir.file("out");
+  for (const char* file : {"vocab.json", "merges.txt"}) {
+    data::write_bpe_files(bpe, fixture::english_merges());
+    std::filesystem::remove(bpe + "/" + file);
+    std::filesystem::create_directory(bpe + "/" + file);
+    expect_input_error([&] { prepare_two_documents(bpe, out); },
+                       {bpe + "/" + file + ": is a directory"});
+    EXPECT_FALSE(std::filesystem::exists(out + "/dataset.json"));
+    std::filesystem::remove(bpe + "/" + file);
+  }
+  expect_input_error([&] { prepare_two_documents(dir.file("nonexistent"), out); },
+                     {dir.file("nonexistent/vocab.json") + ": no such file or directory"});
+}
+
 // A run's copy of a BPE vocabulary whose files no longer match the data set's record is
 // refused before anything is staged: no `<copy>.tmp.<pid>` is left beside the copy.
 TEST(Prepare, ARefusedTokenizerCopyLeavesNothingBehind) {
