@@ -205,6 +205,10 @@ void flash_attention_forward(float* o, float* lse, const float* q, const float* 
               for (int64_t j = 0; j < J; ++j) mx = p[j] > mx ? p[j] : mx;
               const float m_new = std::max(m[size_t(r)], mx);
               if (m_new == -INFINITY) {  // nothing visible yet: P = 0, nothing to rescale
+                // ...or only NaN scores, which the max passes over: NaN in, NaN out (a row
+                // with l = NaN ends as NaN, as the naive twin's does).
+                if (std::any_of(p, p + J, [](float x) { return std::isnan(x); }))
+                  l[size_t(r)] = NAN;
                 std::fill(p, p + J, 0.0f);
                 continue;
               }

@@ -11,7 +11,8 @@
 //   q [B, Sq, Hq, D], k and v [B, Sk, Hk, D], Hq % Hk == 0 (query head h reads kv head
 //   h / (Hq / Hk)); o [B, Sq, Hq, D]; lse [B, Hq, Sq] log-sum-exp of each row's scaled scores
 //   s_ij = q_i . k_j / sqrt(D) over its visible keys.
-// A row that sees no key gets o = 0, lse = -inf and contributes zero gradients (never NaN).
+// A row that sees no key gets o = 0, lse = -inf and contributes zero gradients (never NaN); a
+// row with a NaN score gets NaN (not taken for a masked one when all its scores are NaN).
 //
 // Parallelism (OpenMP): the forward over (batch, query head, query tile); the backward over
 // (batch, kv head, chunk of run_cols key columns), the chunk's worker owning its dK and dV and

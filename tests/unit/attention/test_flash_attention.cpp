@@ -175,6 +175,37 @@ TEST(FlashAttention, FullyMaskedRowsGiveZeros) {
   for (int64_t i = 10 * 8; i < 70 * 8; ++i) EXPECT_EQ(g.dq.f32()[i], 0.0f);
 }
 
+// NaN in, NaN out: a head whose queries are NaN has only NaN scores, which the running max
+// passes over; the kernel once took such rows for fully masked ones and gave zeros (a finite
+// loss from NaN weights). Like the naive twin, every output, LSE and query gradient of that head
+// is NaN, and the other head matches the reference.
+TEST(FlashAttention, NanScoresGiveNanNotZeros) {
+  const AttentionShape s{1, 80, 80, 2, 2, 8};
+  Problem p = random_problem(s, 21);
+  auto head = [&](int64_t i, int64_t h) { return size_t((i * s.Hq + h) * s.D); };
+  for (int64_t i = 0; i < s.Sq; ++i) std::fill_n(p.q.begin() + long(head(i, 0)), s.D, NAN);
+  const ColumnMask mask = ColumnMask::causal_only(1, s.Sq, s.Sk);
+  const Reference ref = reference(p, mask);
+  const TiledMask tm(mask);
+  VecF o(p.q.size()), lse(size_t(s.Hq * s.Sq)), dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
+  flash_attention_forward(o.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s, tm);
+  flash_attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), p.q.data(), p.k.data(),
+                           p.v.data(), o.data(), lse.data(), s, tm);
+  double err = 0, scale = 0;
+  for (int64_t i = 0; i < s.Sq; ++i) {
+    EXPECT_TRUE(std::isnan(ref.lse[size_t(i)]) && std::isnan(lse[size_t(i)])) << i;
+    EXPECT_FALSE(std::isnan(lse[size_t(s.Sq + i)])) << i;  // head 1
+    for (int64_t d = 0; d < s.D; ++d) {
+      const size_t nan_at = head(i, 0) + size_t(d), fine_at = head(i, 1) + size_t(d);
+      EXPECT_TRUE(std::isnan(ref.o[nan_at]) && std::isnan(o[nan_at])) << i;
+      EXPECT_TRUE(std::isnan(dq[nan_at])) << i;
+      err = std::max(err, std::abs(double(o[fine_at]) - ref.o[fine_at]));
+      scale = std::max(scale, std::abs(ref.o[fine_at]));
+    }
+  }
+  EXPECT_LT(err, kTol * scale);
+}
+
 // The #2 causal kernel is the causal twin: same results under the causal mask.
 TEST(FlashAttention, CausalEqualsPlainCausalKernel) {
   const AttentionShape s{2, 190, 190, 4, 2, 32};
