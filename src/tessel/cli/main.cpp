@@ -380,7 +380,9 @@ int run_simulate(const std::string& run_dir, int64_t skip, int64_t steps, int64_
     std::printf("%-11s  %8.4f  %6.3f  %18.3f  %s\n", s.name.c_str(), s.step_seconds, s.bubble,
                 one_f_one_b / s.step_seconds, peaks.c_str());
   }
-  if (simulated("interleaved") == sims.end())
+  if (simulated("interleaved") == sims.end() && p.costs.size() == 1)
+    std::printf("interleaved: not simulated, it needs at least 2 stages (the run has 1)\n");
+  else if (simulated("interleaved") == sims.end())
     std::printf(
         "interleaved: not simulated, %lld micro-batches per step are not divisible by the "
         "%zu stages (set --micro-batches)\n",
@@ -442,7 +444,8 @@ int main(int argc, char** argv) {
                    "1:3.\" -> the verse) or chat:PATH (JSON Lines, {\"messages\": [{\"role\", "
                    "\"content\"}, ...]} or {\"prompt\", \"response\"} per line)")
       ->capture_default_str();
-  // An empty --out would fall back to the default directory, which the user did not name.
+  // An empty --out would fall back to the default directory, which the user did not name; an
+  // empty RUN_DIR would read and write the root directory's files ("" + "/ett").
   const CLI::Validator directory(
       [](std::string& v) -> std::string { return v.empty() ? "must name a directory" : ""; },
       "DIR");
@@ -633,7 +636,7 @@ int main(int argc, char** argv) {
   std::string report_dir;
   auto* report = app.add_subcommand(
       "ett-report", "effective training time of a run: ett.json, ett.html, ett_trace.json");
-  report->add_option("RUN_DIR", report_dir, "run directory")->required();
+  report->add_option("RUN_DIR", report_dir, "run directory")->required()->check(directory);
   report->add_option("--max-ttr", max_ttr, max_ttr_help)->check(finite_range(0.0, 1e9));
 
   std::string export_from, export_to;
@@ -662,7 +665,8 @@ int main(int argc, char** argv) {
           "RUN_DIR", sim_run,
           "run directory of a pipeline run (parallel.pp > 1, or a pipeline.schedule at pp = 1: "
           "one stage)")
-      ->required();
+      ->required()
+      ->check(directory);
   simc->add_option("--skip", sim_skip,
                    "leave out the last attempt's first steps (warm-up; a PACI horizon that "
                    "begins among them whole)")

@@ -25,20 +25,53 @@ void fsync_path(const std::string& path) {
   if (!ok) input_error(path, ": fsync failed: ", std::strerror(saved));
 }
 
-void write_file_atomically(const std::string& path, std::string_view bytes) {
+namespace {
+
+// Writes `bytes` to `path`'s temporary, synced; returns the temporary's name.
+std::string write_temporary(const std::string& path, std::string_view bytes) {
   const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) input_error(path, ": cannot create ", tmp, ": ", std::strerror(errno));
   bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
   ok = std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0 && ok;
   ok = std::fclose(f) == 0 && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (!ok) {
+    std::string reason = std::strerror(errno);
+    std::remove(tmp.c_str());
+    input_error(path, ": cannot write: ", reason);
+  }
+  return tmp;
+}
+
+// Renames the temporary `tmp` onto `path` and syncs the directory.
+void commit(const std::string& tmp, const std::string& path) {
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::string reason = std::strerror(errno);
     std::remove(tmp.c_str());
     input_error(path, ": cannot write: ", reason);
   }
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
   fsync_path(dir.empty() ? "." : dir.string());
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, std::string_view bytes) {
+  commit(write_temporary(path, bytes), path);
+}
+
+void write_files_atomically(const std::vector<std::pair<std::string, std::string>>& files) {
+  for (const auto& [path, bytes] : files)
+    if (std::filesystem::is_directory(path))
+      input_error(path, ": is a directory, where a file is to be written (nothing was written)");
+  std::vector<std::string> temporaries;
+  try {
+    for (const auto& [path, bytes] : files) temporaries.push_back(write_temporary(path, bytes));
+  } catch (const InputError&) {
+    for (const auto& tmp : temporaries) std::remove(tmp.c_str());
+    throw;
+  }
+  for (size_t i = 0; i < files.size(); ++i) commit(temporaries[i], files[i].first);
 }
 
 std::optional<std::string> temporary_file_target(const std::string& name) {

@@ -6,12 +6,19 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace tessel {
 
 // Writes `bytes` to `path` through `path.tmp.<pid>`, fsync, rename, directory fsync.
 // Failures are InputErrors naming the path.
 void write_file_atomically(const std::string& path, std::string_view bytes);
+
+// Writes each of `files` (path, bytes) as write_file_atomically does, all or none: a path that
+// is a directory (which no rename replaces) is refused before any file is written, and every
+// temporary is written before the first rename.
+void write_files_atomically(const std::vector<std::pair<std::string, std::string>>& files);
 
 // fsync of an existing file or directory (a directory: its entries, e.g. after a rename).
 void fsync_path(const std::string& path);

@@ -51,7 +51,11 @@ SimResult simulate(const SimOptions& o) {
   const double share = 1.0 / v;
 
   std::vector<std::vector<Op>> ops(static_cast<size_t>(P));
-  for (int s = 0; s < P; ++s) ops[size_t(s)] = stage_ops(sched, s);
+  size_t total_ops = 0;
+  for (int s = 0; s < P; ++s) {
+    ops[size_t(s)] = stage_ops(sched, s);
+    total_ops += ops[size_t(s)].size();
+  }
   std::vector<std::vector<double>> f_end(size_t(V), std::vector<double>(size_t(micros), kNotDone));
   auto b_end = f_end;
   std::vector<std::vector<int64_t>> f_version(size_t(V), std::vector<int64_t>(size_t(micros), 0));
@@ -65,6 +69,7 @@ SimResult simulate(const SimOptions& o) {
   r.peak_activations.assign(size_t(P), 0);
   r.max_version_gap.assign(size_t(P), 0);
   r.gap_histogram.assign(size_t(P), {});
+  r.timeline.reserve(total_ops);  // its largest array: grown by doubling it could take 3x
   auto run = [&](int s, double ready, double duration) {
     const double start = std::max(free_at[size_t(s)], ready);
     free_at[size_t(s)] = start + duration;
@@ -142,6 +147,16 @@ SimResult simulate(const SimOptions& o) {
   r.bubble = r.makespan > 0 ? 1 - busy / (P * r.makespan) : 0;
   r.throughput = r.makespan > 0 ? double(micros) / r.makespan : 0;
   return r;
+}
+
+double simulated_ops(const ScheduleOptions& o) {
+  // Each micro-batch runs a forward and a backward (ZB-H1: and a W) through every virtual stage.
+  const double per_micro_batch =
+                   double(o.stages) * o.chunks * (o.kind == ScheduleKind::zb_h1 ? 3 : 2),
+               micro_batches = double(o.micro_batches);
+  if (o.kind == ScheduleKind::paci)  // a local step after every K backwards of a stage
+    return micro_batches * per_micro_batch + double(o.stages) * (micro_batches / double(o.paci_k));
+  return double(o.steps) * (micro_batches * per_micro_batch + o.stages);
 }
 
 nlohmann::json chrome_trace(const std::vector<OpTiming>& timeline, int stages,

@@ -66,6 +66,14 @@ struct SimResult {
 
 SimResult simulate(const SimOptions& options);
 
+// The ops (forwards, backwards and Ws of a micro-batch through one chunk, steps) `schedule`
+// runs on all its stages, counted without listing them; a double, which no size wraps. The
+// simulator keeps each op and its timing and each (virtual stage, micro-batch)'s times: about
+// 90 bytes an op.
+double simulated_ops(const ScheduleOptions& schedule);
+// The most ops a simulation for `tessel simulate` may run: about 0.4 GB.
+constexpr int64_t kMaxSimulatedOps = int64_t(1) << 22;
+
 // Chrome trace (Perfetto, chrome://tracing): one track per stage, one slice per op, named
 // F3 (forward of micro-batch 3), B3, W3, STEP; when any op has a chunk > 0 (interleaved) also
 // by chunk: F3.1 = micro-batch 3 through chunk 1. `microseconds_per_unit` scales the op times.

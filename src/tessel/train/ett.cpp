@@ -13,11 +13,13 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
 #include "tessel/train/checkpoint.hpp"
+#include "tessel/train/metrics.hpp"
 
 namespace fs = std::filesystem;
 
@@ -51,25 +53,48 @@ double sec(int64_t ns) {
   return double(ns) * 1e-9;
 }
 
-// The log's records; `cut_line` tells whether its last line was cut short and left out.
-std::vector<nlohmann::json> read_log(const std::string& path, bool& cut_line) {
-  std::ifstream in(path);
-  if (!in) input_error(path, ": cannot open ETT log");
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) lines.push_back(line);
-  std::vector<nlohmann::json> records;
-  for (size_t i = 0; i < lines.size(); ++i) {
-    auto j = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
-    bool usable = !j.is_discarded() && j.is_object() && j.contains("t") && j["t"].is_number();
-    if (!usable) {
-      if (i + 1 == lines.size()) {  // a line cut short by a crash
-        cut_line = true;
-        break;
-      }
-      input_error(path, ":", i + 1, ": malformed ETT record");
-    }
-    records.push_back(std::move(j));
+// The log's records, each with its time; `cut_line` tells whether its last line was cut short
+// and left out. InputError naming path:line for a record without its time, a log that does not
+// begin with its own attempt line, a second exit line and a time before an earlier line's: each
+// would change the accounting without a word (a lost attempt's time, a negative TTR, leaves
+// that no longer sum to W).
+std::vector<JsonLine> read_log(const std::string& path, int index, bool& cut_line) {
+  auto records = read_json_lines(path, "ETT", cut_line);
+  if (records.empty())
+    input_error(path, ": no complete line, not even its attempt line (the first)");
+  const nlohmann::json& header = records.front().record;
+  if (header.value("event", "") != "attempt")
+    input_error(path, ":", records.front().line,
+                ": the first line is not the attempt line ({\"event\": \"attempt\", ...})");
+  if (!(header.contains("attempt") && header["attempt"] == index))
+    input_error(path, ":", records.front().line, ": the attempt line names attempt ",
+                header.value("attempt", nlohmann::json()).dump(), ", but the file is attempt ",
+                index, "'s log");
+  // A time and the line it is on.
+  struct Seen {
+    int64_t t = std::numeric_limits<int64_t>::min(), line = 0;
+  };
+  Seen ordered, latest, attempt_line, exit_line;
+  for (const auto& [number, r] : records) {
+    if (!(r.contains("t") && r["t"].is_number()))
+      input_error(path, ":", number, ": malformed ETT record");
+    const int64_t t = r["t"].get<int64_t>();
+    const std::string event = r.value("event", "");
+    if (event == "exit" && exit_line.line > 0)
+      input_error(path, ":", number, ": a second exit line (the first is line ", exit_line.line,
+                  ")");
+    // A fault line comes from whichever rank (or timer thread) injects it, at any moment of rank
+    // 0's lines: it may come before one whose time was taken just before its own. The exit line
+    // comes after all of them.
+    const bool fault = event == "fault";
+    const Seen& bound = fault ? attempt_line : event == "exit" ? latest : ordered;
+    if (t < bound.t)
+      input_error(path, ":", number, ": time ", t, " is before line ", bound.line, "'s ", bound.t,
+                  " (the times of a log never go backwards)");
+    if (number == records.front().line) attempt_line = {t, number};
+    if (event == "exit") exit_line = {t, number};
+    if (!fault) ordered = {t, number};
+    if (t >= latest.t) latest = {t, number};
   }
   return records;
 }
@@ -85,8 +110,7 @@ int64_t latest_checkpoint_step(const std::string& run_dir) {
 EttAttempt parse_attempt(const std::string& path, int index) {
   EttAttempt a;
   a.index = index;
-  auto records = read_log(path, a.cut_line);
-  if (records.empty()) return a;
+  const auto records = read_log(path, index, a.cut_line);
   struct Boundary {
     int64_t t;
     Phase phase;
@@ -94,9 +118,10 @@ EttAttempt parse_attempt(const std::string& path, int index) {
   };
   std::vector<Boundary> bounds;
   std::optional<int64_t> fault_t, exit_t, progress_t;
-  a.t0 = records.front()["t"].get<int64_t>();
+  a.t0 = records.front().record["t"].get<int64_t>();
   a.t1 = a.t0;
-  for (const auto& r : records) {
+  for (const JsonLine& l : records) {
+    const nlohmann::json& r = l.record;
     int64_t t = r["t"].get<int64_t>();
     a.t1 = std::max(a.t1, t);
     if (r.contains("phase")) {
@@ -166,13 +191,15 @@ void finish_attempt(EttAttempt& a) {
 
 // The steps' MFU weighted by their seconds (their FLOPs over their time at the peak), so that
 // fast steps on a machine whose load varies do not outweigh slow ones; nullopt without step
-// records.
+// records (or without metrics.jsonl).
 std::optional<double> time_weighted_mfu(const std::string& run_dir) {
-  std::ifstream in(run_dir + "/metrics.jsonl");
+  const std::string path = run_dir + "/metrics.jsonl";
+  if (!fs::exists(path)) return std::nullopt;
+  bool cut_line = false;  // being written, or a crash's: the trainer drops it on resume
   double flop_seconds = 0, seconds = 0;
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object() && j.contains("loss") && j.contains("mfu") && j.contains("step_seconds")) {
+  for (const JsonLine& l : read_json_lines(path, "metrics", cut_line)) {
+    const nlohmann::json& j = l.record;
+    if (j.contains("loss") && j.contains("mfu") && j.contains("step_seconds")) {
       const double t = j["step_seconds"].get<double>();
       flop_seconds += j["mfu"].get<double>() * t;
       seconds += t;
@@ -381,9 +408,11 @@ EttReport analyze_ett(const std::string& run_dir) {
   int n = count_attempts(run_dir);
   for (int i = 0; i < n; ++i) {
     const std::string path = attempt_path(run_dir, i);
-    if (!fs::exists(path))
-      input_error(path, ": missing ETT attempt log (attempt ", i, " of ", n,
-                  "); the report would leave its time and failure out");
+    // An empty log (its lines lost, or never written) is as good as none.
+    const bool missing = !fs::exists(path);
+    if (missing || fs::is_empty(path))
+      input_error(path, missing ? ": missing" : ": empty", " ETT attempt log (attempt ", i, " of ",
+                  n, "); the report would leave its time and failure out");
     // A withdrawn start whose supervisor died before removing its log is no attempt either.
     if (attempt_withdrawn(path)) continue;
     rep.attempts.push_back(parse_attempt(path, i));
@@ -635,9 +664,10 @@ EttReport write_ett_report(const std::string& run_dir, double ttr_bound) {
   if (!(ttr_bound >= 0)) input_error("--max-ttr must be >= 0 seconds, got ", ttr_bound);
   EttReport r = analyze_ett(run_dir);
   r.ttr_bound = ttr_bound;
-  write_file_atomically(run_dir + "/ett.json", ett_json(r).dump(2) + "\n");
-  write_file_atomically(run_dir + "/ett_trace.json", ett_chrome_trace(r).dump() + "\n");
-  write_file_atomically(run_dir + "/ett.html", ett_html(r, run_dir));
+  // All three or none: a report is never part old, part new.
+  write_files_atomically({{run_dir + "/ett.json", ett_json(r).dump(2) + "\n"},
+                          {run_dir + "/ett_trace.json", ett_chrome_trace(r).dump() + "\n"},
+                          {run_dir + "/ett.html", ett_html(r, run_dir)}});
   return r;
 }
 

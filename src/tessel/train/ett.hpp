@@ -200,9 +200,11 @@ struct EttReport {
   std::array<double, kNumPhases> leaves{};  // seconds, whole job
 };
 
-// Reads <run_dir>/ett/*.jsonl (and metrics.jsonl for MFU). InputError naming the file
-// for a missing attempt log (one before the highest index) and for a malformed log line
-// other than a last line cut short by a crash.
+// Reads <run_dir>/ett/*.jsonl (and metrics.jsonl for MFU). InputError naming the file for a
+// missing or empty attempt log (one up to the highest index), and naming file:line for a
+// malformed line of a log or of metrics.jsonl other than a last line cut short by a crash, a
+// log whose first line is not its own attempt line, a second exit line, and a time before an
+// earlier line's (a fault line's: before the attempt line's).
 EttReport analyze_ett(const std::string& run_dir);
 nlohmann::json ett_json(const EttReport& report);
 // Chrome trace (chrome://tracing, Perfetto): one row per attempt, one slice per segment.
@@ -216,7 +218,8 @@ std::string nof_by_cause_text(const EttReport& report);
 std::string mfu_percent_text(const std::optional<double>& fraction);
 // The failures (0-based) whose TTR exceeds report.ttr_bound (none when the bound is 0).
 std::vector<int> ttr_over_bound(const EttReport& report);
-// Writes ett.json, ett.html and ett_trace.json into `run_dir`; returns the report.
+// Writes ett.json, ett.html and ett_trace.json into `run_dir`, all or none
+// (write_files_atomically); returns the report.
 // `ttr_bound` (seconds, 0 = none) is the recovery-time objective each TTR is checked against.
 EttReport write_ett_report(const std::string& run_dir, double ttr_bound = 0);
 

@@ -30,6 +30,28 @@ void MetricsLog::write(const nlohmann::json& record) {
   if (!out_) input_error(path_, ": write failed (disk full?)");
 }
 
+std::vector<JsonLine> read_json_lines(const std::string& path, const char* what, bool& cut_line) {
+  std::ifstream in(path);
+  if (!in) input_error(path, ": cannot read");
+  std::vector<std::pair<int64_t, std::string>> lines;
+  int64_t number = 0;
+  for (std::string line; std::getline(in, line);)
+    if (++number, !line.empty()) lines.emplace_back(number, std::move(line));
+  std::vector<JsonLine> records;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    auto j = nlohmann::json::parse(lines[i].second, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) {  // also a discarded parse
+      if (i + 1 == lines.size()) {
+        cut_line = true;
+        break;
+      }
+      input_error(path, ":", lines[i].first, ": malformed ", what, " record");
+    }
+    records.push_back({lines[i].first, std::move(j)});
+  }
+  return records;
+}
+
 double flops_per_token(int64_t matmul_parameters, int64_t layers, int64_t heads, int64_t head_dim,
                        int64_t seq_len) {
   return 6.0 * double(matmul_parameters) +

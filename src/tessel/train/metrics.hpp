@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace tessel::train {
 
@@ -20,6 +21,18 @@ class MetricsLog {
   std::string path_;
   std::ofstream out_;
 };
+
+// One record of a JSON-lines file and its 1-based line number.
+struct JsonLine {
+  int64_t line = 0;
+  nlohmann::json record;
+};
+// The records of a JSON-lines file the trainer appends to (metrics.jsonl, the ETT attempt logs),
+// blank lines left out: the one reading rule of every reader of them. A line that is no JSON
+// object (cut, NaN) is an InputError naming path:line ("malformed <what> record"), except the
+// last line, which a crash can leave cut short: it is left out and `cut_line` set. InputError
+// naming the file when it cannot be read.
+std::vector<JsonLine> read_json_lines(const std::string& path, const char* what, bool& cut_line);
 
 // FLOPs of one token's forward and backward (PaLM appendix B, as in the ETT spec):
 // 6 * matmul parameters + 12 * layers * heads * head_dim * seq_len.

@@ -1,8 +1,8 @@
 #include "tessel/train/pipeline_profile.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -10,6 +10,7 @@
 #include "tessel/data/corpus.hpp"
 #include "tessel/pipeline/schedule.hpp"
 #include "tessel/train/config.hpp"
+#include "tessel/train/metrics.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
 
 namespace tessel::train {
@@ -20,26 +21,34 @@ namespace {
 // by step; the step that attempt started from. Each attempt starts with a "start" record (a
 // resumed attempt may run another schedule); one that wrote no step record (it failed early,
 // or an older tessel's run with nothing to train) does not hide the one before it.
-std::pair<std::map<int64_t, nlohmann::json>, int64_t> last_attempt_records(
-    const std::string& path) {
-  std::ifstream in(path);
-  if (!in) input_error(path, ": cannot read");
-  std::map<int64_t, nlohmann::json> records, trained;
+std::pair<std::map<int64_t, JsonLine>, int64_t> last_attempt_records(const std::string& path) {
+  bool cut_line = false;  // being written, or a crash's: the trainer drops it on resume
+  std::map<int64_t, JsonLine> records, trained;
   int64_t start_step = 0, trained_start = 0;
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object()) continue;
+  for (JsonLine& l : read_json_lines(path, "metrics", cut_line)) {
+    const nlohmann::json& j = l.record;
     if (j.value("event", "") == "start") {
       if (!records.empty()) trained = std::move(records), trained_start = start_step;
       records.clear();
       start_step = j.value("start_step", int64_t(0));
     }
     if (!j.contains("pipeline") || !j.contains("step_seconds")) continue;
-    const auto step = j.at("step").get<int64_t>();  // before j moves into the map
-    records[step] = std::move(j);
+    const auto step = j.at("step").get<int64_t>();  // before l moves into the map
+    records[step] = std::move(l);
   }
   if (records.empty()) return {std::move(trained), trained_start};
   return {std::move(records), start_step};
+}
+
+// A measured time of a step record: InputError naming path:line when it is negative or not
+// finite (a NaN or infinity, which JSON holds as null), which would give negative costs or a
+// bubble above 1.
+double seconds_of(const nlohmann::json& value, const std::string& path, int64_t line,
+                  const std::string& name) {
+  if (!(value.is_number() && value.get<double>() >= 0))
+    input_error(path, ":", line, ": ", name, " = ", value.dump(),
+                " must be finite and >= 0 (null: NaN or infinite)");
+  return value.get<double>();
 }
 
 }  // namespace
@@ -69,8 +78,11 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
   double seconds = 0;
   int64_t horizon_end = -1;  // PACI: the horizon whose totals were added last
   int64_t skipped = 0;       // records of horizons (steps) that begin within the skip
+  int64_t line = 0;          // of the record being read
   try {
-    for (const auto& [step, j] : records) {
+    for (const auto& [step, l] : records) {
+      const nlohmann::json& j = l.record;
+      line = l.line;
       const nlohmann::json& pipe = j.at("pipeline");
       // A PACI record repeats its horizon's totals; a flush record holds its own step's.
       const bool paci = pipe.contains("horizon");
@@ -91,23 +103,29 @@ PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip) 
       }
       p.last_step = step;
       ++steps;
-      seconds += j.at("step_seconds").get<double>();
+      seconds += seconds_of(j.at("step_seconds"), metrics_path, line, "step_seconds");
       if (last == horizon_end) continue;  // this horizon's totals are in
       horizon_end = last;
       micro_batches += (last - first + 1) * p.micro_batches;
       const nlohmann::json& stages = pipe.at("stages");
       if (stages.size() != forward.size())
-        input_error(metrics_path, ": step ", step, " has ", stages.size(), " stages, step ",
-                    p.first_step, " ", forward.size());
+        input_error(metrics_path, ":", line, ": step ", step, " has ", stages.size(),
+                    " stages, step ", p.first_step, " ", forward.size());
       for (size_t s = 0; s < stages.size(); ++s) {
-        forward[s] += stages[s].at("forward_seconds").get<double>();
-        backward[s] += stages[s].at("backward_seconds").get<double>();
-        weight[s] += stages[s].value("weight_seconds", 0.0);  // ZB-H1's Ws; 0 or absent elsewhere
-        optimizer[s] += stages[s].at("optimizer_seconds").get<double>();
+        auto cost = [&](const char* name) {
+          return seconds_of(stages[s].at(name), metrics_path, line,
+                            detail::concat("stage ", s, "'s ", name));
+        };
+        forward[s] += cost("forward_seconds");
+        backward[s] += cost("backward_seconds");
+        // ZB-H1's Ws; 0 or absent elsewhere
+        if (stages[s].contains("weight_seconds")) weight[s] += cost("weight_seconds");
+        optimizer[s] += cost("optimizer_seconds");
       }
     }
   } catch (const nlohmann::json::exception& e) {  // e.g. records older than the stage split
-    input_error(metrics_path, ": a pipeline step record without the stage costs: ", e.what());
+    input_error(metrics_path, ":", line,
+                ": a pipeline step record without the stage costs: ", e.what());
   }
   if (steps == 0 && skipped > 0)
     input_error(metrics_path, ": every step record of the last attempt belongs to a step or ",
@@ -132,11 +150,12 @@ std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::St
   const bool measured_w = std::any_of(costs.begin(), costs.end(),
                                       [](const pipeline::StageCosts& c) { return c.weight > 0; });
   std::vector<ScheduleKind> kinds = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b};
-  // Megatron's interleaving deals out micro-batches in groups of P.
-  if (micro_batches % P == 0) kinds.push_back(ScheduleKind::interleaved);
+  // Megatron's interleaving deals out micro-batches in groups of P, and one stage has no
+  // neighbour to interleave with (it would only send each chunk's output to itself).
+  if (P > 1 && micro_batches % P == 0) kinds.push_back(ScheduleKind::interleaved);
   kinds.push_back(ScheduleKind::paci);
   if (measured_w) kinds.push_back(ScheduleKind::zb_h1);
-  std::vector<SimulatedSchedule> out;
+  std::vector<pipeline::SimOptions> sims;
   for (const ScheduleKind kind : kinds) {
     pipeline::SimOptions sim;
     sim.schedule = kind == ScheduleKind::paci
@@ -146,9 +165,23 @@ std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::St
     if (kind == ScheduleKind::interleaved) sim.schedule.chunks = chunks;
     sim.costs = costs;
     sim.links = {link};
+    // Refused before any schedule runs, not after minutes and gigabytes.
+    const double ops = pipeline::simulated_ops(sim.schedule);
+    if (ops > double(pipeline::kMaxSimulatedOps)) {
+      char count[32];  // a double of any size, in digits
+      std::snprintf(count, sizeof count, "%.0f", ops);
+      input_error("simulate: ", steps, " steps of ", micro_batches, " micro-batches on ", P,
+                  " stages are ", count, " ops under ", pipeline::schedule_name(kind),
+                  ", more than the simulator's ", pipeline::kMaxSimulatedOps,
+                  " (about 0.4 GB of memory); lower --steps or --micro-batches");
+    }
+    sims.push_back(std::move(sim));
+  }
+  std::vector<SimulatedSchedule> out;
+  for (const pipeline::SimOptions& sim : sims) {
     const pipeline::SimResult r = pipeline::simulate(sim);
-    out.push_back(
-        {pipeline::schedule_name(kind), r.makespan / double(steps), r.bubble, r.peak_activations});
+    out.push_back({pipeline::schedule_name(sim.schedule.kind), r.makespan / double(steps), r.bubble,
+                   r.peak_activations});
   }
   return out;
 }

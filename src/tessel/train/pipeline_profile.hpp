@@ -36,7 +36,8 @@ struct PipelineProfile {
 // the records (`pipeline.micro_batches`; older records: `run_dir`/config.toml). A PACI run's
 // records are per horizon (one executor run between drains); only horizons that begin after
 // the skip count. InputError for a run that is not a pipeline run, or when there are no such
-// records or they lack the stage costs.
+// records; naming metrics.jsonl:line for a malformed line (read_json_lines), a record that
+// lacks the stage costs, and a time in it that is negative or not finite.
 PipelineProfile read_pipeline_profile(const std::string& run_dir, int64_t skip);
 
 struct SimulatedSchedule {
@@ -46,13 +47,15 @@ struct SimulatedSchedule {
   std::vector<int64_t> peak_activations;  // per stage
 };
 
-// GPipe, 1F1B, interleaved with `chunks` model chunks per stage (when M is divisible by the
-// stages; each chunk 1/v of its stage's costs, v times the messages), PACI(K = M) and, when
+// GPipe, 1F1B, interleaved with `chunks` model chunks per stage (with 2 stages or more, when M
+// is divisible by them; each chunk 1/v of its stage's costs, v times the messages), PACI(K = M)
+// and, when
 // some stage's costs have a weight (a run that measured ZB-H1's Ws), ZB-H1, in that order,
 // over `steps` steps of M = `micro_batches` micro-batches, each stage with `costs`, every
 // boundary (interleaved: and the wrap from the last stage to the first) with `link`
 // (default: free); PACI's step is a window (its fill and drain once). InputError for
-// chunks < 2 when interleaved is simulated.
+// chunks < 2 when interleaved is simulated, and, before any is simulated, when one of them
+// would run more than pipeline::kMaxSimulatedOps ops.
 std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::StageCosts>& costs,
                                                   int64_t micro_batches, int64_t steps,
                                                   const pipeline::LinkCosts& link = {},

@@ -269,6 +269,49 @@ TEST_F(CliTest, SimulatesSchedulesFromAPipelineRunsCosts) {
   expect_one_line_error(run_tessel("simulate " + plain), {"not a pipeline run"});
 }
 
+// What simulate cannot do is said, not done: interleaving at one stage (no neighbour to send
+// to), a simulation too large to hold, a malformed record, an empty RUN_DIR (which would be /).
+TEST_F(CliTest, SimulateRefusesWhatItCannotModel) {
+  const std::string run = temp_dir("tessel-cli-pp1");
+  std::ofstream(run + "/config.toml") << "[pipeline]\nschedule = \"1f1b\"\n[train]\naccum = 4\n";
+  std::ofstream metrics(run + "/metrics.jsonl");
+  metrics << R"({"event": "start", "start_step": 0})"
+          << "\n";
+  for (int step = 1; step <= 2; ++step)
+    metrics << nlohmann::json{{"step", step},
+                              {"loss", 1.0},
+                              {"step_seconds", 1.3},
+                              {"pipeline",
+                               {{"schedule", "1f1b"},
+                                {"stages",
+                                 {{{"forward_seconds", 0.4},
+                                   {"backward_seconds", 0.8},
+                                   {"optimizer_seconds", 0.1}}}}}}}
+                   .dump()
+            << "\n";
+  metrics.close();
+  Outcome o = run_tessel("simulate " + run + " --skip 0 --link-latency 1");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("interleaved: not simulated, it needs at least 2 stages (the run has 1)"),
+            std::string::npos)
+      << o.out;
+  o = run_tessel("simulate " + run + " --skip 0 --json");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_FALSE(nlohmann::json::parse(o.out)["simulated"].contains("interleaved"));
+  expect_one_line_error(run_tessel("simulate " + run + " --skip 0 --micro-batches 1048576"),
+                        {"simulate: 100 steps of 1048576 micro-batches on 1 stages are",
+                         "more than the simulator's 4194304", "lower --steps or --micro-batches"});
+  std::ofstream(run + "/metrics.jsonl", std::ios::app) << R"({"step": 3, "lo)"
+                                                       << "\n{}\n";
+  expect_one_line_error(run_tessel("simulate " + run + " --skip 0"),
+                        {run + "/metrics.jsonl:4: malformed metrics record"});
+  for (const char* command : {"simulate ''", "ett-report ''"}) {
+    o = run_tessel(command);
+    EXPECT_NE(o.exit_code, 0) << command;
+    EXPECT_EQ(o.err.rfind("RUN_DIR: must name a directory\n", 0), 0u) << o.err;
+  }
+}
+
 TEST_F(CliTest, UnknownConfigKey) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set model.widht=3"),
                         {"model.widht"});

@@ -341,3 +341,21 @@ TEST(PipelineSimulator, LinksAddTheirMessageTimeToGPipesFillAndDrain) {
   o.links = {{-0.1, 0, 0}};
   fixture::expect_input_error([&] { simulate(o); }, {"link"});
 }
+
+// simulated_ops, which bounds what `tessel simulate` may run, counts the ops the simulator
+// runs.
+TEST(PipelineSimulator, SimulatedOpsCountsEveryOpItRuns) {
+  for (const ScheduleKind kind :
+       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::zb_h1,
+        ScheduleKind::interleaved, ScheduleKind::paci})
+    for (const int P : {1, 2, 4}) {
+      if (kind == ScheduleKind::interleaved && P == 1) continue;
+      SimOptions o;
+      o.schedule = kind == ScheduleKind::paci ? ScheduleOptions{kind, P, 24, 1, 3}
+                                              : ScheduleOptions{kind, P, 8, 3, 1};
+      if (kind == ScheduleKind::interleaved) o.schedule.chunks = 3;
+      o.costs = {{1, 2, 0.5, kind == ScheduleKind::zb_h1 ? 1.0 : 0.0}};
+      EXPECT_EQ(double(simulate(o).timeline.size()), simulated_ops(o.schedule))
+          << schedule_name(kind) << ", P " << P;
+    }
+}

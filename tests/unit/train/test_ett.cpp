@@ -12,6 +12,7 @@
 #include <fstream>
 #include <set>
 
+#include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/train/ett.hpp"
@@ -36,6 +37,11 @@ void phase(const std::string& path, const char* p, int64_t t, int64_t step = -1)
   nlohmann::json j = {{"phase", p}, {"t", t}};
   if (step >= 0) j["step"] = step;
   line(path, j);
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 double leaf(const EttAttempt& a, Phase p) {
@@ -235,6 +241,100 @@ TEST(EttLedger, AMissingAttemptLogIsAnErrorNamingIt) {
   std::ofstream(ett_dir(run) + "/attempt-7.jsonl") << "";
   std::ofstream(ett_dir(run) + "/attempt-0009.jsonl.tmp") << "";
   EXPECT_EQ(count_attempts(run), 3);
+}
+
+// An empty log is as good as a missing one: its attempt's time and failure would be left out.
+TEST(EttLedger, AnEmptyAttemptLogIsRefusedLikeAMissingOne) {
+  const std::string run = two_attempt_run();
+  std::ofstream(attempt_path(run, 1), std::ios::trunc).close();
+  fixture::expect_input_error(
+      [&] { analyze_ett(run); },
+      {attempt_path(run, 1) + ": empty ETT attempt log (attempt 1 of 2); the report would leave "
+                              "its time and failure out"});
+}
+
+// Each log begins with its own attempt line, has one exit line, and its times never go back
+// (which gave a negative TTR, and leaves that no longer summed to W); a fault line, written by
+// whichever rank injects it, may come just before a line of rank 0 with an earlier time.
+TEST(EttLedger, ALogOutOfShapeIsRefusedNamingItsLine) {
+  std::string run = killed_run(false);
+  const std::string a0 = attempt_path(run, 0);
+  const std::string lines = slurp(a0);  // 7 lines, the last: step 5 at 520 ms
+  std::ofstream(a0) << lines.substr(lines.find('\n') + 1);
+  fixture::expect_input_error([&] { analyze_ett(run); },
+                              {a0 + ":1: the first line is not the attempt line"});
+  std::ofstream(a0) << R"({"event": "attempt", "attempt": 3, "t": 0})"
+                    << "\n"
+                    << lines.substr(lines.find('\n') + 1);
+  fixture::expect_input_error(
+      [&] { analyze_ett(run); },
+      {a0 + ":1: the attempt line names attempt 3, but the file is attempt 0's log"});
+
+  std::ofstream(a0) << lines;
+  line(a0, {{"event", "fault"}, {"t", 510 * ms}, {"rank", 1}, {"step", 4}, {"kind", "kill"}});
+  line(a0, {{"event", "exit"}, {"t", 600 * ms}, {"status", 137}});
+  // Steps 1-4 wasted up to the fault (no checkpoint to resume from), then 90 ms of detection.
+  EXPECT_NEAR(analyze_ett(run).ttr.at(0), 0.39 + 0.09, 1e-12);
+  line(a0, {{"event", "exit"}, {"t", 700 * ms}, {"status", 137}});
+  fixture::expect_input_error([&] { analyze_ett(run); },
+                              {a0 + ":10: a second exit line (the first is line 9)"});
+
+  std::ofstream(a0) << lines;
+  phase(a0, "productive", 420 * ms, 6);
+  fixture::expect_input_error(
+      [&] { analyze_ett(run); },
+      {a0 + ":8: time 420000000 is before line 7's 520000000 (the times of a log never go back"});
+  std::ofstream(a0) << lines;
+  line(a0, {{"event", "fault"}, {"t", 510 * ms}, {"rank", 1}, {"step", 4}, {"kind", "kill"}});
+  line(a0, {{"event", "exit"}, {"t", 515 * ms}, {"status", 137}});
+  fixture::expect_input_error([&] { analyze_ett(run); },
+                              {a0 + ":9: time 515000000 is before line 7's 520000000"});
+  std::ofstream(a0) << lines;
+  line(a0, {{"event", "fault"}, {"t", -1}, {"rank", 1}, {"step", 4}, {"kind", "kill"}});
+  fixture::expect_input_error([&] { analyze_ett(run); }, {a0 + ":8: time -1 is before line 1's 0"});
+}
+
+// metrics.jsonl is read as the logs are: a malformed line other than a last one cut short would
+// change the MFU without a word.
+TEST(EttLedger, AMalformedMetricsLineIsAnErrorNamingIt) {
+  const std::string run = two_attempt_run();
+  const std::string metrics = run + "/metrics.jsonl";
+  std::ofstream(metrics) << R"({"step": 1, "loss": 2.0, "mfu": 0.4, "step_seconds": 1.0})"
+                         << "\n"
+                         << R"({"step": 2, "loss": 1.9, "mfu": 0.1, "step_se)"
+                         << "\n"
+                         << R"({"step": 3, "loss": 1.8, "mfu": 0.1, "step_seconds": 4.0})"
+                         << "\n";
+  fixture::expect_input_error([&] { analyze_ett(run); },
+                              {metrics + ":2: malformed metrics record"});
+  std::ofstream(metrics) << R"({"step": 1, "loss": NaN, "mfu": 0.4, "step_seconds": 1.0})"
+                         << "\n"
+                         << R"({"step": 2, "loss": 1.9, "mfu": 0.1, "step_seconds": 4.0})"
+                         << "\n";
+  fixture::expect_input_error([&] { analyze_ett(run); },
+                              {metrics + ":1: malformed metrics record"});
+  // A last line cut short (a crash, or being written) is left out.
+  std::ofstream(metrics) << R"({"step": 1, "loss": 2.0, "mfu": 0.4, "step_seconds": 1.0})"
+                         << "\n"
+                         << R"({"step": 2, "loss": 1.9, "mfu": 0.1, "step_se)";
+  EXPECT_NEAR(analyze_ett(run).mfu.value(), 0.4, 1e-15);
+}
+
+// A report is written whole or not at all: a directory in place of ett.html is found before
+// ett.json and ett_trace.json are written.
+TEST(EttLedger, AReportThatCannotBeWrittenWholeWritesNothing) {
+  const std::string run = two_attempt_run();
+  fs::create_directory(run + "/ett.html");
+  fixture::expect_input_error([&] { write_ett_report(run); },
+                              {run + "/ett.html: is a directory", "nothing was written"});
+  for (const char* name : {"/ett.json", "/ett_trace.json"})
+    EXPECT_FALSE(fs::exists(run + name)) << name;
+  EXPECT_EQ(std::distance(fs::directory_iterator(run), fs::directory_iterator()), 2)
+      << "ett/ and ett.html only, no temporary left";
+  fs::remove(run + "/ett.html");
+  write_ett_report(run);
+  for (const char* name : {"/ett.json", "/ett_trace.json", "/ett.html"})
+    EXPECT_TRUE(fs::is_regular_file(run + name)) << name;
 }
 
 TEST(EttLedger, TrainingRunsRecordEveryStepAndTheResume) {

@@ -2,6 +2,7 @@
 // (against sums worked by hand), and the simulated schedules against the closed forms.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -235,4 +236,75 @@ TEST(PipelineProfile, ZbH1IsSimulatedOnlyFromMeasuredWeightCosts) {
       train::simulate_schedules(std::vector<pipeline::StageCosts>(2, {F, B + W, o}), 4, 20);
   ASSERT_EQ(sims.size(), 4u);
   EXPECT_EQ(sims.back().name, "paci");
+}
+
+// metrics.jsonl is read as the ETT logs are: a malformed line (a record cut in the middle, a NaN
+// Python wrote) other than a last one cut short is an error naming it, not a record left out
+// of the averages.
+TEST(PipelineProfile, AMalformedLineIsAnErrorNamingIt) {
+  const std::string dir = run_dir(
+      kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1), step_record(2, 1.0, "1f1b", 1, 1, 1)});
+  const std::string metrics = dir + "/metrics.jsonl";
+  const std::string third = step_record(3, 1.0, "1f1b", 3, 3, 3).dump();
+  std::ofstream(metrics, std::ios::app) << third.substr(0, 40) << "\n" << third << "\n";
+  fixture::expect_input_error([&] { train::read_pipeline_profile(dir, 1); },
+                              {metrics + ":4: malformed metrics record"});
+  std::ofstream(metrics) << R"({"event": "start", "start_step": 0})"
+                         << "\n"
+                         << R"({"step": 1, "loss": NaN, "step_seconds": 1.0, "pipeline": {}})"
+                         << "\n"
+                         << third << "\n";
+  fixture::expect_input_error([&] { train::read_pipeline_profile(dir, 0); },
+                              {metrics + ":2: malformed metrics record"});
+  // A last line cut short (a crash, or being written) is left out.
+  const std::string cut = run_dir(kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1),
+                                                 step_record(2, 1.0, "1f1b", 0.4, 0.8, 0.1)});
+  std::ofstream(cut + "/metrics.jsonl", std::ios::app) << third.substr(0, 40);
+  EXPECT_EQ(train::read_pipeline_profile(cut, 1).last_step, 2);
+}
+
+// A negative or non-finite (JSON null) time would give negative costs and a bubble above 1.
+TEST(PipelineProfile, NegativeOrNonFiniteTimesAreRefusedNamingTheirLine) {
+  nlohmann::json negative = step_record(2, 1.0, "1f1b", 1, 1, 1);
+  negative["pipeline"]["stages"][1]["forward_seconds"] = -5.0;
+  const std::string dir = run_dir(kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1), negative});
+  fixture::expect_input_error(
+      [&] { train::read_pipeline_profile(dir, 1); },
+      {dir + "/metrics.jsonl:3: stage 1's forward_seconds = -5.0 must be finite and >= 0"});
+  nlohmann::json nan = step_record(2, 1.0, "1f1b", 1, 1, 1);
+  nan["pipeline"]["stages"][0]["weight_seconds"] = std::nan("");  // written as null
+  const std::string with_nan = run_dir(kFlushConfig, {step_record(1, 1.0, "1f1b", 1, 1, 1), nan});
+  fixture::expect_input_error(
+      [&] { train::read_pipeline_profile(with_nan, 1); },
+      {with_nan + "/metrics.jsonl:3: stage 0's weight_seconds = null must be finite and >= 0"});
+  nlohmann::json slow = step_record(2, -1.0, "1f1b", 1, 1, 1);
+  const std::string with_slow = run_dir(kFlushConfig, {slow});
+  fixture::expect_input_error(
+      [&] { train::read_pipeline_profile(with_slow, 0); },
+      {with_slow + "/metrics.jsonl:2: step_seconds = -1.0 must be finite and >= 0"});
+}
+
+// Interleaving needs a neighbour stage: at pp = 1 it would only charge messages from the one
+// stage to itself.
+TEST(PipelineProfile, OneStageHasNoInterleavedSchedule) {
+  const auto sims = train::simulate_schedules({{0.01, 0.02, 0.007}}, 4, 10, {.latency = 1});
+  std::vector<std::string> names;
+  for (const auto& s : sims) names.push_back(s.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"gpipe", "1f1b", "paci"}));
+  EXPECT_NEAR(sims[1].step_seconds, 4 * 0.03 + 0.007, 1e-12) << "no message on one stage";
+}
+
+// A simulation whose ops the simulator could not hold in about 0.4 GB is refused before any
+// schedule runs.
+TEST(PipelineProfile, ASimulationBeyondTheOpCapIsRefusedUpFront) {
+  const std::vector<pipeline::StageCosts> two(2, {0.01, 0.02, 0.007});
+  fixture::expect_input_error(
+      [&] { train::simulate_schedules(two, int64_t(1) << 20, 100); },
+      {"simulate: 100 steps of 1048576 micro-batches on 2 stages are 419430600 ops under gpipe, "
+       "more than the simulator's 4194304",
+       "lower --steps or --micro-batches"});
+  // Interleaved's v chunks multiply its ops: the other schedules alone would fit.
+  fixture::expect_input_error([&] { train::simulate_schedules(two, 4, 200000, {}, 2); },
+                              {"ops under interleaved"});
+  EXPECT_EQ(train::simulate_schedules(two, 4, 1000, {}, 2).size(), 4u);
 }
