@@ -751,13 +751,14 @@ int main(int argc, char** argv) {
           std::printf("%s: no ETT attempt recorded; no report\n", sup.run_dir.c_str());
         return status;
       }
-      if (status == 0) return run_ett_report(sup.run_dir, max_ttr);
-      // A job that failed for good is when its report is wanted most; the exit status stays
-      // the job's. A start refused for bad input recorded no attempt: an earlier job's report
-      // stays as it was.
-      if (attempts == earlier_attempts) return status;
+      // A job that failed for good is when its report is wanted most. The exit status stays the
+      // job's (after a success: the report's, 3 for --max-ttr), and a report that cannot be
+      // made (a damaged attempt log) is warned about, not taken for the job's failure. A start
+      // refused for bad input recorded no attempt: an earlier job's report stays as it was.
+      if (status != 0 && attempts == earlier_attempts) return status;
       try {
-        run_ett_report(sup.run_dir, max_ttr);
+        const int report = run_ett_report(sup.run_dir, max_ttr);
+        return status == 0 ? report : status;
       } catch (const std::exception& e) {
         std::fprintf(stderr, "tessel run: no ETT report: %s\n", e.what());
       }

@@ -71,7 +71,12 @@ void write_files_atomically(const std::vector<std::pair<std::string, std::string
     for (const auto& tmp : temporaries) std::remove(tmp.c_str());
     throw;
   }
-  for (size_t i = 0; i < files.size(); ++i) commit(temporaries[i], files[i].first);
+  for (size_t i = 0; i < files.size(); ++i) try {
+      commit(temporaries[i], files[i].first);
+    } catch (const InputError&) {  // the later temporaries are not left behind
+      for (size_t j = i + 1; j < files.size(); ++j) std::remove(temporaries[j].c_str());
+      throw;
+    }
 }
 
 std::optional<std::string> temporary_file_target(const std::string& name) {

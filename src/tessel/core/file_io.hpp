@@ -15,9 +15,10 @@ namespace tessel {
 // Failures are InputErrors naming the path.
 void write_file_atomically(const std::string& path, std::string_view bytes);
 
-// Writes each of `files` (path, bytes) as write_file_atomically does, all or none: a path that
-// is a directory (which no rename replaces) is refused before any file is written, and every
-// temporary is written before the first rename.
+// Writes each of `files` (path, bytes) as write_file_atomically does, all or none as far as can
+// be known in advance: a path that is a directory (which no rename replaces) is refused before
+// any file is written, and every temporary is written before the first rename. A rename that
+// still fails leaves the files renamed before it replaced (and no temporary behind).
 void write_files_atomically(const std::vector<std::pair<std::string, std::string>>& files);
 
 // fsync of an existing file or directory (a directory: its entries, e.g. after a rename).

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <array>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <queue>
 
 #include "tessel/core/error.hpp"
@@ -32,9 +31,9 @@ const std::array<UChar32, 256>& byte_code_points() {
   return table;
 }
 
-// A token's bytes, each byte symbol mapped back; nullopt when it holds another character,
-// which would stand for no bytes (or for its own UTF-8, the bytes of other tokens too).
-std::optional<std::string> bytes_of_token(const std::string& token) {
+// A token's bytes: each byte symbol mapped back; other characters (in tokens added by hand, such
+// as the specials of newer vocabularies) stand for their own UTF-8.
+std::string bytes_of_token(const std::string& token) {
   static const std::vector<int> byte_of_code_point = [] {
     std::vector<int> inverse(512, -1);
     for (int b = 0; b < 256; ++b) inverse[size_t(byte_code_points()[size_t(b)])] = b;
@@ -44,10 +43,13 @@ std::optional<std::string> bytes_of_token(const std::string& token) {
   const auto* s = reinterpret_cast<const uint8_t*>(token.data());
   const auto n = int32_t(token.size());
   for (int32_t i = 0; i < n;) {
+    const int32_t start = i;
     UChar32 c;
     U8_NEXT(s, i, n, c);
-    if (c < 0 || c >= 512 || byte_of_code_point[size_t(c)] < 0) return std::nullopt;
-    bytes.push_back(char(byte_of_code_point[size_t(c)]));
+    if (c >= 0 && c < 512 && byte_of_code_point[size_t(c)] >= 0)
+      bytes.push_back(char(byte_of_code_point[size_t(c)]));
+    else
+      bytes.append(token, size_t(start), size_t(i - start));
   }
   return bytes;
 }
@@ -214,14 +216,10 @@ BpeTokenizer::BpeTokenizer(const std::string& vocab_json, const std::string& mer
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= INT32_MAX)
       input_error(vocab_json, ": token ", quote_token(token), " has id ", id.dump(),
                   "; ids are integers in [0, 2^31 - 1)");
-    std::optional<std::string> bytes = bytes_of_token(token);
-    if (!bytes || bytes->empty())
-      input_error(vocab_json, ": token ", quote_token(token), " (id ", id.get<int32_t>(), ") ",
-                  !bytes ? "holds a character that is none of the 256 byte symbols (GPT-2's map "
-                           "of bytes to characters, which includes all printable ASCII)"
-                         : "is empty");
+    if (token.empty())  // it would decode to nothing
+      input_error(vocab_json, ": token \"\" (id ", id.get<int32_t>(), ") is empty");
     id_of[token] = id.get<int32_t>();
-    token_bytes.emplace_back(id.get<int32_t>(), std::move(*bytes));
+    token_bytes.emplace_back(id.get<int32_t>(), bytes_of_token(token));
     vocab_size_ = std::max(vocab_size_, id.get<int32_t>() + 1);
   }
   // Ids index dense tables: a vocabulary with far more ids than tokens is refused (a stray

@@ -1235,7 +1235,9 @@ TrainResult Trainer::run_steps() {
       // failure, agreed by every rank, is raised once the horizon is over.
       std::exception_ptr save_failed;
       auto after_update = [&](int64_t update) {
-        s.faults.after_step(update);
+        // A PACI stage's own update N is its step N; a flush step ends after the step records'
+        // collective, so its fault strikes below, as without a pipeline.
+        if (s.per_stage_updates()) s.faults.after_step(update);
         s.ledger.beat();  // rank 0's progress, seen by tessel run
         try {
           s.checkpointer.poll();
@@ -1294,8 +1296,8 @@ TrainResult Trainer::run_steps() {
       } else {
         s.model.discard_balance();  // the spike's loads must not reach the next update
       }
-      s.faults.after_step(step + 1);
     }
+    if (!s.per_stage_updates()) s.faults.after_step(step + 1);
     s.checkpointer.poll();
     double dt = piped ? piped->seconds : step_timer.seconds();
     train_seconds += dt;

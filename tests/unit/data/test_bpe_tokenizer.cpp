@@ -283,26 +283,27 @@ TEST_F(BpeFiles, MergesDropAByteOrderMarkAndRefuseInvalidUtf8) {
 // Every token is byte symbols (GPT-2's map), so that it decodes to bytes of its own: a token
 // with another character, or an empty one, is refused by name and id; specials such as
 // "<|endoftext|>" are printable ASCII, which is byte symbols.
-TEST_F(BpeFiles, RefusesTokensThatAreNotByteSymbols) {
+// A token decodes to its byte symbols' bytes; a character that is no byte symbol (the specials
+// of newer vocabularies, as "<\u2581bos\u2581>" or "<|a b|>") stands for its own UTF-8; an
+// empty token, which would decode to nothing, is refused.
+TEST_F(BpeFiles, TokensDecodeToTheirBytesAndAnEmptyOneIsRefused) {
   const auto vocab = nlohmann::json::parse(std::ifstream(dir_.file("vocab.json")));
   ASSERT_TRUE(vocab.contains("<|endoftext|>"));
-  for (const auto& [token, quoted] :
-       std::vector<std::pair<std::string, std::string>>{{"\u20ACuro", "\"\u20ACuro\""},
-                                                        {std::string("a\0b", 3), "\"a\\u0000b\""},
-                                                        {"a b", "\"a b\""},
-                                                        {"", "\"\""}}) {
-    auto bad = vocab;
-    bad[token] = vocab_size_;
-    write("vocab.json", bad.dump());
-    expect_input_error([&] { load(); },
-                       {dir_.file("vocab.json") + ": token " + quoted + " (id " +
-                            std::to_string(vocab_size_) + ") ",
-                        token.empty() ? "is empty" : "none of the 256 byte symbols"});
+  for (const auto& [token, bytes] : std::vector<std::pair<std::string, std::string>>{
+           {"caf\u00E9", "caf\xE9"},  // "é" is byte 0xE9's own symbol, as in GPT-2's tokens
+           {"\u0120x", " x"},         // "Ġ" is the space's
+           {"<\u2581bos\u2581>", "<\u2581bos\u2581>"},
+           {"<|a b|>", "<|a b|>"}}) {
+    auto more = vocab;
+    more[token] = vocab_size_;
+    write("vocab.json", more.dump());
+    EXPECT_EQ(load().decode(std::vector<int32_t>{vocab_size_}), bytes) << token;
   }
-  auto latin1 = vocab;  // "é" is byte 0xE9's own symbol: a token of raw bytes, as GPT-2's
-  latin1["caf\u00E9"] = vocab_size_;
-  write("vocab.json", latin1.dump());
-  EXPECT_EQ(load().decode(std::vector<int32_t>{vocab_size_}), "caf\xE9");
+  auto empty = vocab;
+  empty[""] = vocab_size_;
+  write("vocab.json", empty.dump());
+  expect_input_error([&] { load(); }, {dir_.file("vocab.json") + ": token \"\" (id " +
+                                       std::to_string(vocab_size_) + ") is empty"});
 }
 
 TEST_F(BpeFiles, LoadTokenizerReadsWhatTheDirectoryHolds) {
