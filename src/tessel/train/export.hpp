@@ -23,8 +23,9 @@ struct ExportResult {
 };
 
 // `checkpoint` is a checkpoint directory (step-N) or a run directory (its newest checkpoint
-// that verifies). InputError naming the file on a damaged checkpoint, and for an `out_dir`
-// that holds anything but an earlier export's files (a run's or a data set's directory).
+// that verifies). InputError naming the file on a damaged checkpoint, and naming the path for
+// an `out_dir` that is not an earlier export (a run's or a data set's directory, a user's file
+// under an export's name), before anything there is written or removed.
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir);
 
 }  // namespace tessel::train

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "support/train_fixture.hpp"
@@ -30,6 +31,14 @@ void expect_one_line_error(const Outcome& o, std::initializer_list<std::string> 
   EXPECT_EQ(o.err.find('\n'), o.err.size() - 1) << "more than one line:\n" << o.err;
   EXPECT_EQ(o.err.rfind("tessel: error: ", 0), 0u) << o.err;
   for (const auto& p : parts) EXPECT_NE(o.err.find(p), std::string::npos) << o.err;
+}
+
+// Every file under `dir`, by path relative to it, with its bytes.
+std::map<std::string, std::string> files_under(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) files[fs::relative(e.path(), dir).string()] = slurp(e.path().string());
+  return files;
 }
 
 struct CliTest : ::testing::Test {
@@ -554,6 +563,47 @@ TEST_F(CliTest, PrepareAndTrainBpeNameTheirOutputAfterTheCorpus) {
 TEST_F(CliTest, BadCorpusForPrepare) {
   expect_one_line_error(run_tessel("prepare --corpus file:/nonexistent.txt --out " + temp_dir("p")),
                         {"/nonexistent.txt"});
+}
+
+// `tessel export` writes over an earlier export only: a directory holding a user's files under
+// an export's names (a config.toml without a model.safetensors, a model.safetensors that no
+// export wrote, a tokenizer/ holding other files or a directory) is refused with the path
+// named, before anything in it is written or removed.
+TEST_F(CliTest, ExportRefusesAnOutputThatIsNoExportAndKeepsItsFiles) {
+  const std::string run = temp_dir("export-run");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  const std::string earlier = temp_dir("export-earlier");
+  ASSERT_EQ(run_tessel("export " + run + " " + earlier).exit_code, 0);
+  ASSERT_TRUE(fs::exists(earlier + "/tokenizer/tokenizer.json"));
+  struct Case {
+    bool over_export;  // the user's file lies in a copy of the earlier export
+    std::string file, content, named, why;
+  };
+  for (const Case& c : std::vector<Case>{
+           {false, "config.toml", "my notes", "config.toml", " (no model.safetensors beside it)"},
+           {true, "model.safetensors", "garbage", "model.safetensors",
+            " (no safetensors header with an export's format and step metadata)"},
+           {true, "tokenizer/notes.md", "x", "tokenizer/notes.md", ""},
+           {true, "tokenizer/sub/data.bin", "precious", "tokenizer/sub", ""},
+           {true, "tokenizer/vocab.json/data.bin", "precious", "tokenizer/vocab.json",
+            " (not a file)"}}) {
+    SCOPED_TRACE(c.file);
+    const std::string out = temp_dir("export-out");
+    if (c.over_export) fs::copy(earlier, out, fs::copy_options::recursive);
+    fs::create_directories(fs::path(out + "/" + c.file).parent_path());
+    std::ofstream(out + "/" + c.file) << c.content;
+    const auto before = files_under(out);
+    const Outcome o = run_tessel("export " + run + " " + out);
+    EXPECT_EQ(o.exit_code, 2);
+    EXPECT_EQ(o.err, "tessel: error: export: " + out + "/" + c.named +
+                         " is not what an export writes" + c.why +
+                         "; export into a new or empty directory (or over an earlier export)\n");
+    const auto after = files_under(out);
+    EXPECT_TRUE(after == before) << after.size() << " files, " << before.size() << " before";
+  }
+  // An earlier export is one, and is replaced.
+  const Outcome o = run_tessel("export " + run + " " + earlier);
+  EXPECT_EQ(o.exit_code, 0) << o.err;
 }
 
 // tessel eval on a finished run: by default it repeats the run's final validation loss (the
