@@ -119,7 +119,7 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                                               ": leave out --tokenizer, or pass one that holds "
                                               "the same tokenizer"));
   } else {
-    source = train::model_tokenizer_dirs(run)[0];
+    source = train::model_tokenizer_dirs(run.checkpoint, run.config)[0];
   }
   const std::unique_ptr<data::Tokenizer> tokenizer =
       data::load_tokenizer(source, run.config.model.vocab);
@@ -255,7 +255,7 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
       train::check_packed_samples_mask(shards.back(), run.config.data.attention_mask);
   }
   // The model reads the ids of its own tokenizer.
-  std::vector<std::string> with_run_data = train::model_tokenizer_dirs(run);
+  std::vector<std::string> with_run_data = train::model_tokenizer_dirs(run.checkpoint, run.config);
   with_run_data.insert(with_run_data.end(), dirs.begin(), dirs.end());
   data::check_same_tokenizer(with_run_data);
   const char* weighted_by = data_dir.empty()       ? "data.weights"

@@ -101,9 +101,9 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
                    [&](const NamedTensor& a, const NamedTensor& b) { return rank(a) < rank(b); });
   r.step = content.step;
   r.tensors = int64_t(content.model.size());
-  // The model's ids mean nothing without their tokenizer: the run's copy goes along, checked
-  // before anything is written, so that a bad copy leaves an earlier export whole.
-  const std::string tokenizer = checkpoint_tokenizer_dir(loaded.dir);
+  // The model's ids mean nothing without their tokenizer: the one generate decodes with goes
+  // along, checked before anything is written, so that a bad copy leaves an earlier export whole.
+  const std::string tokenizer = model_tokenizer_dirs(loaded.dir, config)[0];
   r.tokenizer = !tokenizer.empty() && data::tokenizer_name(tokenizer).has_value();
   if (r.tokenizer) data::load_tokenizer(tokenizer, config.model.vocab);
   std::error_code ec;

@@ -3,7 +3,8 @@
 // sharded checkpoint (verified as for a resume) into
 //   OUT/model.safetensors   every parameter, in the model's order, one file
 //   OUT/config.toml         the resolved run config of the checkpoint
-//   OUT/tokenizer/          the run's copy of its tokenizer, where it kept one (a BPE
+//   OUT/tokenizer/          the tokenizer generate decodes with, where there is one: the
+//                           run's copy, else its data.path's (model_tokenizer_dirs; a BPE
 //                           vocabulary's vocab.json and merges.txt, and tokenizer.json)
 // readable by other tools (the safetensors format: safetensors.hpp).
 #include <cstdint>

@@ -841,8 +841,18 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
   for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
     EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
-  // A checkpoint outside a run has no tokenizer to export: the earlier export's goes.
+  // A checkpoint outside its run exports the tokenizer generate decodes it with, its
+  // data.path's (the data the run trained on, moved back); without one the earlier export's
+  // goes.
   fs::copy(run + "/checkpoints/step-00000004", dir + "/loose", fs::copy_options::recursive);
+  fs::rename(dir + "/data", dir + "/data.bpe2");
+  fs::rename(dir + "/data.moved", dir + "/data");
+  o = run_tessel("export " + dir + "/loose " + dir + "/out");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
+  for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
+    EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
+  fs::rename(dir + "/data", dir + "/data.moved");
   ASSERT_EQ(run_tessel("export " + dir + "/loose " + dir + "/out").exit_code, 0);
   EXPECT_FALSE(fs::exists(dir + "/out/tokenizer"));
   // A checkpoint directory, however spelled, finds its run's copy.
