@@ -323,6 +323,27 @@ TEST_F(CliTest, CorruptCheckpoint) {
   expect_one_line_error(run_tessel("generate --run " + run), {"model-00000-of-00001.safetensors"});
 }
 
+// generate, eval and export read and verify the manifest and model files only: a damaged
+// optimizer file, which a resume refuses, does not stop them (docs/training.md, "Export").
+TEST_F(CliTest, ADamagedOptimizerFileStopsAResumeOnly) {
+  const std::string run = temp_dir("tessel-cli-optimizer");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  {
+    std::fstream f(run + "/checkpoints/step-00000004/optimizer-00000-of-00001.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
+                        {"optimizer-00000-of-00001.safetensors", "checksum"});
+  for (const std::string& command :
+       {"generate --run " + run + " --prompt ab --tokens 2", "eval --run " + run,
+        "export " + run + " " + temp_dir("tessel-cli-optimizer-out")}) {
+    const Outcome o = run_tessel(command);
+    EXPECT_EQ(o.exit_code, 0) << command << ": " << o.err;
+  }
+}
+
 TEST_F(CliTest, MissingCheckpoint) {
   std::string run = temp_dir("tessel-cli-run");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "neither a run directory"});
