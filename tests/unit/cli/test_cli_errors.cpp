@@ -113,6 +113,10 @@ TEST_F(CliTest, GenerateRefusesBadInputBeforePrinting) {
   const Outcome huge = run_tessel("generate --run " + run + " --prompt ab --temperature 1e300");
   EXPECT_EQ(huge.out, "");
   expect_one_line_error(huge, {"temperature = 1e+300 is outside the float range"});
+  // Its sign is checked before it becomes a float, where -1e-50 would be -0.
+  const Outcome tiny = run_tessel("generate --run " + run + " --prompt ab --temperature=-1e-50");
+  EXPECT_EQ(tiny.out, "");
+  expect_one_line_error(tiny, {"generate: temperature = -1e-50 must be a finite number >= 0"});
   const Outcome o = run_tessel("generate --run " + run + "/nowhere --prompt ab");
   EXPECT_EQ(o.out, "");
   expect_one_line_error(o, {run + "/nowhere: no such run directory or checkpoint"});
@@ -658,6 +662,21 @@ TEST_F(CliTest, EvalRepeatsTheRunsValidationLoss) {
   EXPECT_LE(t["loss_tokens"].get<double>(), 2 * 16);
   EXPECT_NE(t["shard"].get<std::string>().find("train.tok"), std::string::npos);
   expect_one_line_error(run_tessel("eval --run " + run + "/nonexistent"), {"nonexistent"});
+  const Outcome one = run_tessel("eval --sequences 1 --run " + run);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  EXPECT_NE(one.out.find(": 1 sequence, "), std::string::npos) << one.out;
+  // An empty directory is no default: it names nothing (CLI11's own two-line message).
+  const std::pair<std::string, std::string> empty[] = {
+      {"eval --run " + run + " --data ''", "--data"},
+      {"eval --run ''", "--run"},
+      {"generate --run ''", "--run"},
+      {"export '' " + temp_dir("eval-out"), "CHECKPOINT"}};
+  for (const auto& [command, option] : empty) {
+    const Outcome o = run_tessel(command);
+    EXPECT_NE(o.exit_code, 0) << command;
+    EXPECT_EQ(o.out, "") << command;
+    EXPECT_NE(o.err.find(option + ": must name a directory"), std::string::npos) << o.err;
+  }
 }
 
 // A mixture run's eval: each data set's loss and their mixture weighted by data.weights, which
