@@ -103,7 +103,7 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                  const std::string& prompt, int64_t tokens, double temperature, int64_t top_k,
                  uint64_t seed, const std::string& stop) {
   model::check_temperature_range(temperature, "generate: temperature");
-  model::check_sampling(float(temperature), top_k);  // before the prompt is printed
+  model::check_sampling(temperature, top_k);  // before the prompt is printed
   const train::RunModel run = train::load_run_model(run_dir);
   // The tokenizer: --tokenizer's (the run's own, where it kept one), else the model's.
   std::string source = tokenizer_dir;
@@ -119,7 +119,7 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
                                               ": leave out --tokenizer, or pass one that holds "
                                               "the same tokenizer"));
   } else {
-    source = train::model_tokenizer_dirs(run)[0];
+    source = train::model_tokenizer_dirs(run.checkpoint, run.config)[0];
   }
   const std::unique_ptr<data::Tokenizer> tokenizer =
       data::load_tokenizer(source, run.config.model.vocab);
@@ -255,7 +255,7 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
       train::check_packed_samples_mask(shards.back(), run.config.data.attention_mask);
   }
   // The model reads the ids of its own tokenizer.
-  std::vector<std::string> with_run_data = train::model_tokenizer_dirs(run);
+  std::vector<std::string> with_run_data = train::model_tokenizer_dirs(run.checkpoint, run.config);
   with_run_data.insert(with_run_data.end(), dirs.begin(), dirs.end());
   data::check_same_tokenizer(with_run_data);
   const char* weighted_by = data_dir.empty()       ? "data.weights"
@@ -279,10 +279,11 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
     if (dirs.size() > 1) data_sets.back()["weight"] = weights[d];
     if (!json)
       std::printf(
-          "%s (step %lld) on %s: %lld sequences, %.0f loss tokens: %.4f nats/token "
+          "%s (step %lld) on %s: %lld sequence%s, %.0f loss token%s: %.4f nats/token "
           "(%.3f bits), perplexity %.3f\n",
           run.checkpoint.c_str(), static_cast<long long>(run.step), shard.c_str(),
-          static_cast<long long>(e.sequences), e.loss_tokens, e.loss, bits, perplexity);
+          static_cast<long long>(e.sequences), e.sequences == 1 ? "" : "s", e.loss_tokens,
+          e.loss_tokens == 1 ? "" : "s", e.loss, bits, perplexity);
   }
   const double mixture = data::mixture_mean(weights, losses);
   const double bits = mixture / std::log(2.0), perplexity = std::exp(mixture);
@@ -444,8 +445,9 @@ int main(int argc, char** argv) {
                    "1:3.\" -> the verse) or chat:PATH (JSON Lines, {\"messages\": [{\"role\", "
                    "\"content\"}, ...]} or {\"prompt\", \"response\"} per line)")
       ->capture_default_str();
-  // An empty --out would fall back to the default directory, which the user did not name; an
-  // empty RUN_DIR would read and write the root directory's files ("" + "/ett").
+  // An empty --out would fall back to the default directory, which the user did not name (an
+  // empty --data of eval to the run's data.path); an empty --run or RUN_DIR names no run, and
+  // would read and write the root directory's files ("" + "/ett").
   const CLI::Validator directory(
       [](std::string& v) -> std::string { return v.empty() ? "must name a directory" : ""; },
       "DIR");
@@ -530,6 +532,7 @@ int main(int argc, char** argv) {
   auto* gen = app.add_subcommand("generate", "sample text from a run's latest checkpoint");
   gen->add_option("--run", run_dir,
                   "run directory (its newest checkpoint) or one checkpoint directory")
+      ->check(directory)
       ->capture_default_str();
   gen->add_option("--prompt", prompt, "prompt text")->capture_default_str();
   gen->add_option("--tokens", gen_tokens, "tokens to generate")
@@ -557,11 +560,14 @@ int main(int argc, char** argv) {
       ->add_option("--run", eval_run,
                    "run directory (its newest checkpoint) or one checkpoint "
                    "directory")
+      ->check(directory)
       ->capture_default_str();
-  evalc->add_option("--data", eval_data,
-                    "prepared data set directory, or several comma-separated (each, then their "
-                    "loss weighted by --weights); default: the run's data.path (a mixture: each "
-                    "of its data sets, then their loss weighted by data.weights)");
+  evalc
+      ->add_option("--data", eval_data,
+                   "prepared data set directory, or several comma-separated (each, then their "
+                   "loss weighted by --weights); default: the run's data.path (a mixture: each "
+                   "of its data sets, then their loss weighted by data.weights)")
+      ->check(directory);
   evalc->add_option("--weights", eval_weights,
                     "with several --data directories: their comma-separated shares in the "
                     "weighted loss (as data.weights); default: equal");
@@ -644,7 +650,8 @@ int main(int argc, char** argv) {
       "export",
       "consolidate a checkpoint into OUT/model.safetensors, OUT/config.toml and OUT/tokenizer/");
   exportc->add_option("CHECKPOINT", export_from, "checkpoint directory, or a run directory")
-      ->required();
+      ->required()
+      ->check(directory);
   exportc
       ->add_option("OUT", export_to,
                    "output directory: new, empty, or an earlier export (it writes "

@@ -81,8 +81,8 @@ void check_temperature_range(double temperature, const std::string& what) {
                 std::numeric_limits<float>::max(), " at most)");
 }
 
-void check_sampling(float temperature, int64_t top_k) {
-  if (!(temperature >= 0.0f && std::isfinite(temperature)))
+void check_sampling(double temperature, int64_t top_k) {
+  if (!(temperature >= 0.0 && std::isfinite(temperature)))
     input_error("generate: temperature = ", temperature, " must be a finite number >= 0");
   if (top_k < 0) input_error("generate: top_k = ", top_k, " must be >= 0 (0 = all tokens)");
 }

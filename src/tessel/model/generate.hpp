@@ -45,8 +45,9 @@ inline constexpr int64_t kMaxGeneratedTokens = int64_t(1) << 20;
 // outside float's range: sampling takes it as a float, where it would become inf.
 void check_temperature_range(double temperature, const std::string& what);
 
-// InputError unless temperature >= 0 and top_k >= 0 (what sample_token accepts).
-void check_sampling(float temperature, int64_t top_k);
+// InputError unless temperature >= 0 and top_k >= 0 (what sample_token accepts). A double, so
+// that a setting is checked before it becomes a float (-1e-50 would round to -0).
+void check_sampling(double temperature, int64_t top_k);
 
 // A token drawn from softmax(logits / temperature) over the top_k largest logits
 // (top_k = 0: all). temperature = 0 is greedy: the largest logit, the lowest id on ties.

@@ -11,9 +11,11 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
+#include "tessel/data/bpe_tokenizer.hpp"
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/run_model.hpp"
+#include "tessel/train/safetensors.hpp"
 
 namespace fs = std::filesystem;
 
@@ -21,24 +23,59 @@ namespace tessel::train {
 
 namespace {
 
-// Refuses an existing `out_dir` that holds anything but an earlier export's files (a run's or
-// a data set's directory is no output); once it passed, removes what an export killed
-// mid-write left there (`<file>.tmp.<pid>`).
+[[noreturn]] void refuse_output(const fs::path& path, const std::string& why) {
+  input_error("export: ", path.string(), " is not what an export writes", why,
+              "; export into a new or empty directory (or over an earlier export)");
+}
+
+// Refuses an export's tokenizer/ (or the staging copy of a killed export, `staging`, whose own
+// atomic writes may have left temporary files) holding anything save_tokenizer does not write.
+void check_exported_tokenizer(const fs::path& dir, bool staging) {
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    const std::string file = staging ? temporary_file_target(name).value_or(name) : name;
+    const bool ours = file == "tokenizer.json" ||
+                      std::find(std::begin(data::kBpeFiles), std::end(data::kBpeFiles), file) !=
+                          std::end(data::kBpeFiles);
+    if (!ours) refuse_output(entry.path(), "");
+    if (!entry.is_regular_file()) refuse_output(entry.path(), " (not a file)");
+  }
+}
+
+// Refuses an existing `out_dir` that is not an earlier export (a run's or a data set's
+// directory, or one holding a user's files under an export's names), looking into every file
+// it would replace, before anything is written or removed; once it passed, removes what an
+// export killed mid-write left there (`<file>.tmp.<pid>`).
 void check_export_directory(const std::string& out_dir) {
   if (!fs::is_directory(out_dir)) return;
+  const fs::path model = fs::path(out_dir) / kExportModelFile;
   std::vector<fs::path> leftovers;
   for (const auto& entry : fs::directory_iterator(out_dir)) {
     const std::string name = entry.path().filename().string();
     const std::optional<std::string> target = temporary_file_target(name);
     const std::string file = target.value_or(name);
-    const bool ours = file == "tokenizer" ? entry.is_directory()
-                                          : (file == kExportModelFile || file == "config.toml") &&
-                                                entry.is_regular_file();
-    if (!ours)
-      input_error("export: ", out_dir, " holds ", name,
-                  ", which is not what an export writes; export into a new or empty directory "
-                  "(or over an earlier export)");
+    if (file == "tokenizer") {
+      if (!entry.is_directory()) refuse_output(entry.path(), " (not a directory)");
+      check_exported_tokenizer(entry.path(), target.has_value());
+    } else if (file == kExportModelFile || file == "config.toml") {
+      if (!entry.is_regular_file()) refuse_output(entry.path(), " (not a file)");
+    } else {
+      refuse_output(entry.path(), "");
+    }
     if (target) leftovers.push_back(entry.path());
+    // An export writes model.safetensors first: its config and tokenizer never stand alone.
+    else if (file != kExportModelFile && !fs::exists(model))
+      refuse_output(entry.path(), detail::concat(" (no ", kExportModelFile, " beside it)"));
+  }
+  if (fs::exists(model)) {
+    // A file an export wrote, not one of that name: read its header only.
+    std::map<std::string, std::string> metadata;
+    try {
+      metadata = read_safetensors_metadata(model.string());
+    } catch (const InputError&) {  // no safetensors file: refused below
+    }
+    if (metadata["format"] != "pt" || !metadata.contains("step"))
+      refuse_output(model, " (no safetensors header with an export's format and step metadata)");
   }
   for (const fs::path& leftover : leftovers) fs::remove_all(leftover);
 }
@@ -64,9 +101,9 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
                    [&](const NamedTensor& a, const NamedTensor& b) { return rank(a) < rank(b); });
   r.step = content.step;
   r.tensors = int64_t(content.model.size());
-  // The model's ids mean nothing without their tokenizer: the run's copy goes along, checked
-  // before anything is written, so that a bad copy leaves an earlier export whole.
-  const std::string tokenizer = checkpoint_tokenizer_dir(loaded.dir);
+  // The model's ids mean nothing without their tokenizer: the one generate decodes with goes
+  // along, checked before anything is written, so that a bad copy leaves an earlier export whole.
+  const std::string tokenizer = model_tokenizer_dirs(loaded.dir, config)[0];
   r.tokenizer = !tokenizer.empty() && data::tokenizer_name(tokenizer).has_value();
   if (r.tokenizer) data::load_tokenizer(tokenizer, config.model.vocab);
   std::error_code ec;

@@ -3,7 +3,8 @@
 // sharded checkpoint (verified as for a resume) into
 //   OUT/model.safetensors   every parameter, in the model's order, one file
 //   OUT/config.toml         the resolved run config of the checkpoint
-//   OUT/tokenizer/          the run's copy of its tokenizer, where it kept one (a BPE
+//   OUT/tokenizer/          the tokenizer generate decodes with, where there is one: the
+//                           run's copy, else its data.path's (model_tokenizer_dirs; a BPE
 //                           vocabulary's vocab.json and merges.txt, and tokenizer.json)
 // readable by other tools (the safetensors format: safetensors.hpp).
 #include <cstdint>
@@ -23,8 +24,9 @@ struct ExportResult {
 };
 
 // `checkpoint` is a checkpoint directory (step-N) or a run directory (its newest checkpoint
-// that verifies). InputError naming the file on a damaged checkpoint, and for an `out_dir`
-// that holds anything but an earlier export's files (a run's or a data set's directory).
+// that verifies). InputError naming the file on a damaged checkpoint, and naming the path for
+// an `out_dir` that is not an earlier export (a run's or a data set's directory, a user's file
+// under an export's name), before anything there is written or removed.
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir);
 
 }  // namespace tessel::train

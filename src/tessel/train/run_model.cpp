@@ -41,9 +41,9 @@ RunModel load_run_model(const std::string& path) {
   return run;
 }
 
-std::vector<std::string> model_tokenizer_dirs(const RunModel& run) {
-  const std::string copy = checkpoint_tokenizer_dir(run.checkpoint);
-  return data::tokenizer_name(copy) ? std::vector<std::string>{copy} : data_paths(run.config.data);
+std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, const Config& config) {
+  const std::string copy = checkpoint_tokenizer_dir(checkpoint);
+  return data::tokenizer_name(copy) ? std::vector<std::string>{copy} : data_paths(config.data);
 }
 
 Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences) {

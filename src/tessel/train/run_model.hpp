@@ -27,9 +27,11 @@ struct RunModel {
   std::unique_ptr<model::Gpt> gpt;  // every block and expert, whatever layout (dp, ep, pp) saved it
 };
 
-// Where the tokenizer of the run's model is: its own copy (checkpoint_tokenizer_dir), or for a
-// run from before copies were kept, its data.path directories (taken relative to this one).
-std::vector<std::string> model_tokenizer_dirs(const RunModel& run);
+// Where the tokenizer of the model in `checkpoint` (a checkpoint directory, whose resolved
+// config is `config`) is: its run's own copy (checkpoint_tokenizer_dir), or for a run from
+// before copies were kept or a checkpoint outside its run, its data.path directories (taken
+// relative to this one). What generate decodes with, eval compares and export copies.
+std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, const Config& config);
 
 // `path` is a checkpoint directory (step-N) or a run directory (its newest checkpoint that
 // verifies, as for a resume). InputError naming the file on a damaged checkpoint.

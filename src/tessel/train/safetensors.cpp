@@ -32,6 +32,48 @@ DType from_st_dtype(const std::string& path, const std::string& name, const std:
   input_error(path, ": tensor '", name, "' has unsupported dtype '", d, "'");
 }
 
+// The JSON header of the safetensors file `path`, open in `in`; `file_size` and `header_bytes`
+// (its length) are set for reading the data after it.
+nlohmann::ordered_json read_header(const std::string& path, std::ifstream& in, uint64_t& file_size,
+                                   uint64_t& header_bytes) {
+  if (!in) input_error(path, ": cannot open checkpoint file");
+  in.seekg(0, std::ios::end);
+  file_size = uint64_t(in.tellg());
+  in.seekg(0);
+  if (file_size < 8) input_error(path, ": not a safetensors file (", file_size, " bytes)");
+  unsigned char len[8];
+  in.read(reinterpret_cast<char*>(len), 8);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t(len[i]) << (8 * i);
+  if (n > file_size - 8)
+    input_error(path, ": corrupt safetensors header (length ", n, " beyond file size ", file_size,
+                ")");
+  std::string text(n, '\0');
+  in.read(text.data(), std::streamsize(n));
+  nlohmann::ordered_json header;
+  try {
+    header = nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    input_error(path, ": corrupt safetensors header (", e.what(), ")");
+  }
+  if (!header.is_object()) input_error(path, ": corrupt safetensors header (not an object)");
+  header_bytes = n;
+  return header;
+}
+
+// Its "__metadata__" (string values only, as the format has them).
+std::map<std::string, std::string> header_metadata(const std::string& path,
+                                                   const nlohmann::ordered_json& header) {
+  std::map<std::string, std::string> metadata;
+  if (!header.contains("__metadata__")) return metadata;
+  try {
+    for (const auto& [k, v] : header.at("__metadata__").items()) metadata[k] = v.get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    input_error(path, ": corrupt safetensors header (", e.what(), ")");
+  }
+  return metadata;
+}
+
 }  // namespace
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
@@ -76,36 +118,22 @@ const Tensor* SafetensorsFile::find(const std::string& name) const {
   return nullptr;
 }
 
+std::map<std::string, std::string> read_safetensors_metadata(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t file_size = 0, n = 0;
+  return header_metadata(path, read_header(path, in, file_size, n));
+}
+
 SafetensorsFile read_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) input_error(path, ": cannot open checkpoint file");
-  uint64_t file_size = uint64_t(in.tellg());
-  in.seekg(0);
-  if (file_size < 8) input_error(path, ": not a safetensors file (", file_size, " bytes)");
-  unsigned char len[8];
-  in.read(reinterpret_cast<char*>(len), 8);
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= uint64_t(len[i]) << (8 * i);
-  if (n > file_size - 8)
-    input_error(path, ": corrupt safetensors header (length ", n, " beyond file size ", file_size,
-                ")");
-  std::string text(n, '\0');
-  in.read(text.data(), std::streamsize(n));
-  nlohmann::ordered_json header;
-  try {
-    header = nlohmann::ordered_json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    input_error(path, ": corrupt safetensors header (", e.what(), ")");
-  }
-  if (!header.is_object()) input_error(path, ": corrupt safetensors header (not an object)");
+  std::ifstream in(path, std::ios::binary);
+  uint64_t file_size = 0, n = 0;
+  const nlohmann::ordered_json header = read_header(path, in, file_size, n);
   uint64_t data_size = file_size - 8 - n;
   SafetensorsFile file;
+  file.metadata = header_metadata(path, header);
   try {
     for (const auto& [name, entry] : header.items()) {
-      if (name == "__metadata__") {
-        for (const auto& [k, v] : entry.items()) file.metadata[k] = v.get<std::string>();
-        continue;
-      }
+      if (name == "__metadata__") continue;
       DType dtype = from_st_dtype(path, name, entry.at("dtype").get<std::string>());
       Shape shape = entry.at("shape").get<Shape>();
       auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();

@@ -29,5 +29,7 @@ struct SafetensorsFile {
 };
 // Reads and validates `path`; every defect is an InputError naming the file.
 SafetensorsFile read_safetensors(const std::string& path);
+// The "__metadata__" of `path`, reading and validating only its header (InputErrors as above).
+std::map<std::string, std::string> read_safetensors_metadata(const std::string& path);
 
 }  // namespace tessel::train

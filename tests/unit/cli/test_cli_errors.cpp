@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "support/train_fixture.hpp"
@@ -30,6 +31,14 @@ void expect_one_line_error(const Outcome& o, std::initializer_list<std::string> 
   EXPECT_EQ(o.err.find('\n'), o.err.size() - 1) << "more than one line:\n" << o.err;
   EXPECT_EQ(o.err.rfind("tessel: error: ", 0), 0u) << o.err;
   for (const auto& p : parts) EXPECT_NE(o.err.find(p), std::string::npos) << o.err;
+}
+
+// Every file under `dir`, by path relative to it, with its bytes.
+std::map<std::string, std::string> files_under(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) files[fs::relative(e.path(), dir).string()] = slurp(e.path().string());
+  return files;
 }
 
 struct CliTest : ::testing::Test {
@@ -104,6 +113,10 @@ TEST_F(CliTest, GenerateRefusesBadInputBeforePrinting) {
   const Outcome huge = run_tessel("generate --run " + run + " --prompt ab --temperature 1e300");
   EXPECT_EQ(huge.out, "");
   expect_one_line_error(huge, {"temperature = 1e+300 is outside the float range"});
+  // Its sign is checked before it becomes a float, where -1e-50 would be -0.
+  const Outcome tiny = run_tessel("generate --run " + run + " --prompt ab --temperature=-1e-50");
+  EXPECT_EQ(tiny.out, "");
+  expect_one_line_error(tiny, {"generate: temperature = -1e-50 must be a finite number >= 0"});
   const Outcome o = run_tessel("generate --run " + run + "/nowhere --prompt ab");
   EXPECT_EQ(o.out, "");
   expect_one_line_error(o, {run + "/nowhere: no such run directory or checkpoint"});
@@ -357,6 +370,27 @@ TEST_F(CliTest, CorruptCheckpoint) {
   expect_one_line_error(run_tessel("generate --run " + run), {"model-00000-of-00001.safetensors"});
 }
 
+// generate, eval and export read and verify the manifest and model files only: a damaged
+// optimizer file, which a resume refuses, does not stop them (docs/training.md, "Export").
+TEST_F(CliTest, ADamagedOptimizerFileStopsAResumeOnly) {
+  const std::string run = temp_dir("tessel-cli-optimizer");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  {
+    std::fstream f(run + "/checkpoints/step-00000004/optimizer-00000-of-00001.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  expect_one_line_error(run_tessel(train_args(run) + " --set train.steps=6"),
+                        {"optimizer-00000-of-00001.safetensors", "checksum"});
+  for (const std::string& command :
+       {"generate --run " + run + " --prompt ab --tokens 2", "eval --run " + run,
+        "export " + run + " " + temp_dir("tessel-cli-optimizer-out")}) {
+    const Outcome o = run_tessel(command);
+    EXPECT_EQ(o.exit_code, 0) << command << ": " << o.err;
+  }
+}
+
 TEST_F(CliTest, MissingCheckpoint) {
   std::string run = temp_dir("tessel-cli-run");
   expect_one_line_error(run_tessel("generate --run " + run), {run, "neither a run directory"});
@@ -599,6 +633,47 @@ TEST_F(CliTest, BadCorpusForPrepare) {
                         {"/nonexistent.txt"});
 }
 
+// `tessel export` writes over an earlier export only: a directory holding a user's files under
+// an export's names (a config.toml without a model.safetensors, a model.safetensors that no
+// export wrote, a tokenizer/ holding other files or a directory) is refused with the path
+// named, before anything in it is written or removed.
+TEST_F(CliTest, ExportRefusesAnOutputThatIsNoExportAndKeepsItsFiles) {
+  const std::string run = temp_dir("export-run");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  const std::string earlier = temp_dir("export-earlier");
+  ASSERT_EQ(run_tessel("export " + run + " " + earlier).exit_code, 0);
+  ASSERT_TRUE(fs::exists(earlier + "/tokenizer/tokenizer.json"));
+  struct Case {
+    bool over_export;  // the user's file lies in a copy of the earlier export
+    std::string file, content, named, why;
+  };
+  for (const Case& c : std::vector<Case>{
+           {false, "config.toml", "my notes", "config.toml", " (no model.safetensors beside it)"},
+           {true, "model.safetensors", "garbage", "model.safetensors",
+            " (no safetensors header with an export's format and step metadata)"},
+           {true, "tokenizer/notes.md", "x", "tokenizer/notes.md", ""},
+           {true, "tokenizer/sub/data.bin", "precious", "tokenizer/sub", ""},
+           {true, "tokenizer/vocab.json/data.bin", "precious", "tokenizer/vocab.json",
+            " (not a file)"}}) {
+    SCOPED_TRACE(c.file);
+    const std::string out = temp_dir("export-out");
+    if (c.over_export) fs::copy(earlier, out, fs::copy_options::recursive);
+    fs::create_directories(fs::path(out + "/" + c.file).parent_path());
+    std::ofstream(out + "/" + c.file) << c.content;
+    const auto before = files_under(out);
+    const Outcome o = run_tessel("export " + run + " " + out);
+    EXPECT_EQ(o.exit_code, 2);
+    EXPECT_EQ(o.err, "tessel: error: export: " + out + "/" + c.named +
+                         " is not what an export writes" + c.why +
+                         "; export into a new or empty directory (or over an earlier export)\n");
+    const auto after = files_under(out);
+    EXPECT_TRUE(after == before) << after.size() << " files, " << before.size() << " before";
+  }
+  // An earlier export is one, and is replaced.
+  const Outcome o = run_tessel("export " + run + " " + earlier);
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+}
+
 // tessel eval on a finished run: by default it repeats the run's final validation loss (the
 // same shard, sequences and weights: bitwise, one process both times); --sequences and
 // --split choose other rows; a missing run is one error.
@@ -630,6 +705,21 @@ TEST_F(CliTest, EvalRepeatsTheRunsValidationLoss) {
   EXPECT_LE(t["loss_tokens"].get<double>(), 2 * 16);
   EXPECT_NE(t["shard"].get<std::string>().find("train.tok"), std::string::npos);
   expect_one_line_error(run_tessel("eval --run " + run + "/nonexistent"), {"nonexistent"});
+  const Outcome one = run_tessel("eval --sequences 1 --run " + run);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  EXPECT_NE(one.out.find(": 1 sequence, "), std::string::npos) << one.out;
+  // An empty directory is no default: it names nothing (CLI11's own two-line message).
+  const std::pair<std::string, std::string> empty[] = {
+      {"eval --run " + run + " --data ''", "--data"},
+      {"eval --run ''", "--run"},
+      {"generate --run ''", "--run"},
+      {"export '' " + temp_dir("eval-out"), "CHECKPOINT"}};
+  for (const auto& [command, option] : empty) {
+    const Outcome o = run_tessel(command);
+    EXPECT_NE(o.exit_code, 0) << command;
+    EXPECT_EQ(o.out, "") << command;
+    EXPECT_NE(o.err.find(option + ": must name a directory"), std::string::npos) << o.err;
+  }
 }
 
 // A mixture run's eval: each data set's loss and their mixture weighted by data.weights, which
@@ -834,8 +924,18 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
   for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
     EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
-  // A checkpoint outside a run has no tokenizer to export: the earlier export's goes.
+  // A checkpoint outside its run exports the tokenizer generate decodes it with, its
+  // data.path's (the data the run trained on, moved back); without one the earlier export's
+  // goes.
   fs::copy(run + "/checkpoints/step-00000004", dir + "/loose", fs::copy_options::recursive);
+  fs::rename(dir + "/data", dir + "/data.bpe2");
+  fs::rename(dir + "/data.moved", dir + "/data");
+  o = run_tessel("export " + dir + "/loose " + dir + "/out");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
+  for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
+    EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
+  fs::rename(dir + "/data", dir + "/data.moved");
   ASSERT_EQ(run_tessel("export " + dir + "/loose " + dir + "/out").exit_code, 0);
   EXPECT_FALSE(fs::exists(dir + "/out/tokenizer"));
   // A checkpoint directory, however spelled, finds its run's copy.
