@@ -90,7 +90,8 @@ std::vector<JsonLine> read_log(const std::string& path, int index, bool& cut_lin
     const Seen& bound = fault ? attempt_line : event == "exit" ? latest : ordered;
     if (t < bound.t)
       input_error(path, ":", number, ": time ", t, " is before line ", bound.line, "'s ", bound.t,
-                  " (the times of a log never go backwards)");
+                  " (the times of a log never go backwards; are tessel run and rank 0 on machines "
+                  "with different clocks?)");
     if (number == records.front().line) attempt_line = {t, number};
     if (event == "exit") exit_line = {t, number};
     if (!fault) ordered = {t, number};

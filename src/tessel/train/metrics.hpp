@@ -28,8 +28,8 @@ struct JsonLine {
   nlohmann::json record;
 };
 // The records of a JSON-lines file the trainer appends to (metrics.jsonl, the ETT attempt logs),
-// blank lines left out: the one reading rule of every reader of them. A line that is no JSON
-// object (cut, NaN) is an InputError naming path:line ("malformed <what> record"), except the
+// blank lines left out: the reading rule of the reports (ett-report, simulate). A line that is no
+// JSON object (cut, NaN) is an InputError naming path:line ("malformed <what> record"), except the
 // last line, which a crash can leave cut short: it is left out and `cut_line` set. InputError
 // naming the file when it cannot be read.
 std::vector<JsonLine> read_json_lines(const std::string& path, const char* what, bool& cut_line);

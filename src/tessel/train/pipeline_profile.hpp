@@ -49,9 +49,8 @@ struct SimulatedSchedule {
 
 // GPipe, 1F1B, interleaved with `chunks` model chunks per stage (with 2 stages or more, when M
 // is divisible by them; each chunk 1/v of its stage's costs, v times the messages), PACI(K = M)
-// and, when
-// some stage's costs have a weight (a run that measured ZB-H1's Ws), ZB-H1, in that order,
-// over `steps` steps of M = `micro_batches` micro-batches, each stage with `costs`, every
+// and, when some stage's costs have a weight (a run that measured ZB-H1's Ws), ZB-H1, in that
+// order, over `steps` steps of M = `micro_batches` micro-batches, each stage with `costs`, every
 // boundary (interleaved: and the wrap from the last stage to the first) with `link`
 // (default: free); PACI's step is a window (its fill and drain once). InputError for
 // chunks < 2 when interleaved is simulated, and, before any is simulated, when one of them
