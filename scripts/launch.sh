@@ -14,8 +14,13 @@ if ! [[ $ranks =~ ^[1-9][0-9]*$ ]]; then
 fi
 here=$(cd "$(dirname "$0")/.." && pwd)
 binary=${TESSEL_BIN:-$here/build/release/tessel}
-[ -x "$binary" ] || { echo "launch.sh: $binary not built (cmake --preset release && cmake --build build/release)" >&2; exit 2; }
-cores=$(nproc)
+if [ -n "${TESSEL_BIN:-}" ]; then
+  [ -x "$binary" ] || { echo "launch.sh: TESSEL_BIN=$binary is not an executable file" >&2; exit 2; }
+else
+  [ -x "$binary" ] || { echo "launch.sh: $binary not built (cmake --preset release && cmake --build build/release)" >&2; exit 2; }
+fi
+# The machine's cores: nproc alone would answer OMP_NUM_THREADS (or OMP_THREAD_LIMIT) if set.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 threads=$(( cores / ranks ))
 (( threads >= 1 )) || threads=1
 # Root is allowed (containers, CI); more ranks than cores need --oversubscribe.

@@ -1090,7 +1090,8 @@ TrainResult Trainer::run_steps() {
       here > 0 && num_threads() * here > machine_cores()
           ? detail::concat(" (warning: ", here, " rank(s) x ", num_threads(),
                            " thread(s) on this machine's ", machine_cores(),
-                           " cores; expect slow steps, set run.threads)")
+                           " cores; expect slow steps, ",
+                           num_threads() > 1 ? "set run.threads" : "run fewer ranks", ")")
           : "";
   s.log("tessel: " + std::to_string(s.model.total_parameters()) + " parameters (" +
         std::to_string(s.model.num_parameters()) + " on rank 0), " +

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "support/train_fixture.hpp"
 #include "tessel/core/error.hpp"
@@ -140,6 +141,22 @@ TEST_F(CliTest, AnMfuAboveOneHundredPercentIsWarnedOnce) {
                  " --set run.quiet=false --set mfu.peak_gflops=1e9");
   ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_EQ(o.out.find("above 100%"), std::string::npos) << o.out;
+}
+
+// More threads than cores: the start line warns and advises run.threads (with one thread per
+// rank it would advise fewer ranks; that needs more ranks than this machine's cores).
+TEST_F(CliTest, MoreThreadsThanCoresAreWarnedAbout) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  if (cores >= 64) GTEST_SKIP() << "OpenBLAS caps the threads at 64";
+  const Outcome o =
+      run_tessel(train_args(temp_dir("tessel-cli-threads")) +
+                 " --set run.quiet=false --set run.threads=" + std::to_string(cores + 1));
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.out.find("(warning: 1 rank(s) x " + std::to_string(cores + 1) +
+                       " thread(s) on this machine's " + std::to_string(cores) +
+                       " cores; expect slow steps, set run.threads)"),
+            std::string::npos)
+      << o.out;
 }
 
 // Experts sharded over 2 ranks (ep = 2): the end-of-run sample runs through the ep exchange,
