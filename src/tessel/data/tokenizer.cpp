@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -149,7 +150,8 @@ void save_tokenizer(const std::string& data_dir, const std::string& to_dir) {
       description[kBpeChecksumsKey] = bpe_checksums(staging.string());
     }
     // Pretokenized ids get their name too, so that no older copy speaks for them.
-    write_file_atomically((staging / "tokenizer.json").string(), description.dump() + "\n");
+    write_file_atomically((staging / kTokenizerMetadataFiles[1]).string(),
+                          description.dump() + "\n");
     fs::remove_all(target, ec);
     fs::rename(staging, target, ec);
     if (ec)
@@ -159,6 +161,11 @@ void save_tokenizer(const std::string& data_dir, const std::string& to_dir) {
     throw;
   }
   fsync_path(target.parent_path().empty() ? "." : target.parent_path().string());
+}
+
+bool is_saved_tokenizer_file(std::string_view name) {
+  return name == kTokenizerMetadataFiles[1] ||
+         std::find(std::begin(kBpeFiles), std::end(kBpeFiles), name) != std::end(kBpeFiles);
 }
 
 void check_same_tokenizer(const std::vector<std::string>& dirs, const std::string& advice) {

@@ -67,6 +67,8 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir, int64_t model_
 // keeps what its ids mean when the data changes or moves. Pretokenized ids are recorded by
 // name (no older copy then speaks for them); nothing is done for a directory without one.
 void save_tokenizer(const std::string& data_dir, const std::string& to_dir);
+// Whether `name` is the name of a file save_tokenizer writes into its copy.
+bool is_saved_tokenizer_file(std::string_view name);
 
 // InputError naming two of `dirs` (data, run or vocabulary directories, e.g. a mixture's)
 // whose token ids come from different tokenizers: other names, or BPE vocabularies whose

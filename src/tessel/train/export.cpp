@@ -11,7 +11,6 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
-#include "tessel/data/bpe_tokenizer.hpp"
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/run_model.hpp"
@@ -34,10 +33,7 @@ void check_exported_tokenizer(const fs::path& dir, bool staging) {
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
     const std::string file = staging ? temporary_file_target(name).value_or(name) : name;
-    const bool ours = file == "tokenizer.json" ||
-                      std::find(std::begin(data::kBpeFiles), std::end(data::kBpeFiles), file) !=
-                          std::end(data::kBpeFiles);
-    if (!ours) refuse_output(entry.path(), "");
+    if (!data::is_saved_tokenizer_file(file)) refuse_output(entry.path(), "");
     if (!entry.is_regular_file()) refuse_output(entry.path(), " (not a file)");
   }
 }
