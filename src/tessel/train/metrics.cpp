@@ -1,5 +1,6 @@
 #include "tessel/train/metrics.hpp"
 
+#include <cstdio>
 #include <filesystem>
 
 #include "tessel/core/error.hpp"
@@ -11,11 +12,18 @@ MetricsLog::MetricsLog(const std::string& path, int64_t keep_through_step) : pat
   std::string kept;
   if (keep_through_step >= 0 && std::filesystem::exists(path)) {
     std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
+    int64_t number = 0;
+    for (std::string line; std::getline(in, line);) {
+      if (++number, line.empty()) continue;
       auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (record.is_discarded()) continue;  // a line cut short by a crash
-      if (record.value("step", int64_t(0)) <= keep_through_step) kept += line + "\n";
+      const bool stepless = record.is_object() && !record.contains("step");
+      if (!stepless && !(record.is_object() && record["step"].is_number_integer())) {
+        // Cut short by a crash, or damaged: the history loses it, and says so.
+        std::fprintf(stderr, "tessel: warning: %s:%lld: malformed metrics record dropped\n",
+                     path.c_str(), static_cast<long long>(number));
+        continue;
+      }
+      if (stepless || record["step"].get<int64_t>() <= keep_through_step) kept += line + "\n";
     }
   }
   // Replace the file in one step: a crash here leaves the old history, never a cut one.

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <utility>
 
 #include "support/train_fixture.hpp"
 #include "tessel/core/error.hpp"
@@ -547,6 +548,24 @@ TEST_F(CliTest, ExpertParallelismOnADenseModelIsWarned) {
   const size_t at = o.err.find(warning);
   EXPECT_NE(at, std::string::npos) << o.err;
   EXPECT_EQ(o.err.find(warning, at + 1), std::string::npos) << "warned by more than one rank";
+}
+
+// Over 1000 gradient buckets (each a latency-bound all-reduce per step) are warned about once;
+// the default 4 MiB, or one rank (nothing to reduce), is not.
+TEST_F(CliTest, ManyGradientBucketsAreWarned) {
+  const std::string tiny_buckets = " --set parallel.bucket_mb=0.00002";
+  const Outcome many = run_tessel(train_args(temp_dir("buckets")) + tiny_buckets, 2);
+  ASSERT_EQ(many.exit_code, 0) << many.err;
+  const std::string warning = "tessel: warning: parallel.bucket_mb = 2e-05 cuts rank 0's ";
+  const size_t at = many.err.find(warning);
+  EXPECT_NE(at, std::string::npos) << many.err;
+  EXPECT_NE(many.err.find(" all-reduces per step", at), std::string::npos) << many.err;
+  EXPECT_EQ(many.err.find(warning, at + 1), std::string::npos) << "warned by more than one rank";
+  for (const auto& [args, ranks] : {std::pair{std::string(), 2}, std::pair{tiny_buckets, 1}}) {
+    const Outcome o = run_tessel(train_args(temp_dir("buckets")) + args, ranks);
+    ASSERT_EQ(o.exit_code, 0) << o.err;
+    EXPECT_EQ(o.err.find("all-reduces per step"), std::string::npos) << ranks << args << o.err;
+  }
 }
 
 TEST_F(CliTest, BadInputOnSeveralRanksIsStillOneLine) {

@@ -6,16 +6,19 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 
 #include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/train/ett.hpp"
+#include "tessel/train/metrics.hpp"
 #include "tessel/train/trainer.hpp"
 
 using namespace tessel;
@@ -318,6 +321,36 @@ TEST(EttLedger, AMalformedMetricsLineIsAnErrorNamingIt) {
                          << "\n"
                          << R"({"step": 2, "loss": 1.9, "mfu": 0.1, "step_se)";
   EXPECT_NEAR(analyze_ett(run).mfu.value(), 0.4, 1e-15);
+}
+
+// A resume from step k keeps the records up to k and the stepless ones; a damaged line is
+// dropped with a warning naming it (a step that is no integer threw nlohmann's type_error).
+TEST(MetricsLogTest, AResumeKeepsEarlierStepsAndNamesTheLinesItDrops) {
+  const std::string metrics = fixture::temp_dir("tessel-metrics") + "/metrics.jsonl";
+  const std::string step1 = R"({"step":1,"loss":2.0})", stepless = R"({"event":"start"})",
+                    step3 = R"({"step":3,"loss":1.8})";
+  std::ofstream(metrics) << step1 << "\n"
+                         << R"({"step":2,"lo)"
+                         << "\n"
+                         << R"({"step":"2","loss":1.9})"
+                         << "\n"
+                         << stepless << "\n\n"
+                         << R"([3])"
+                         << "\n"
+                         << step3 << "\n"
+                         << R"({"step":4,"loss":1.7})"
+                         << "\n";
+  testing::internal::CaptureStderr();
+  MetricsLog(metrics, 3).write({{"step", 4}});
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  std::ifstream in(metrics);
+  const std::string kept{std::istreambuf_iterator<char>(in), {}};
+  EXPECT_EQ(kept, step1 + "\n" + stepless + "\n" + step3 + "\n" + R"({"step":4})" + "\n");
+  for (int line : {2, 3, 6})
+    EXPECT_NE(warnings.find(metrics + ":" + std::to_string(line) + ": malformed metrics record"),
+              std::string::npos)
+        << warnings;
+  EXPECT_EQ(std::count(warnings.begin(), warnings.end(), '\n'), 3) << warnings;
 }
 
 // A report is written whole or not at all: a directory in place of ett.html is found before
