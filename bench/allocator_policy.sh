@@ -8,6 +8,11 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
+if [ $# -lt 1 ]; then
+  echo "usage: bench/allocator_policy.sh CONFIG [REPEATS] [--set k=v ...]" >&2
+  exit 2
+fi
+source "$here/bench/temp_dirs.sh"
 config=$1
 shift
 repeats=2
@@ -18,7 +23,7 @@ fi
 declare -A total=([glibc]=0 [retain]=0)
 for ((r = 0; r < repeats; ++r)); do
   for policy in glibc retain; do
-    run=$(mktemp -d /tmp/tessel-allocator-XXXXXX)
+    temp_dir run tessel-allocator
     TESSEL_RETAIN_FREED_MEMORY=$([ $policy = glibc ] && echo 0 || echo 1) \
       "$here/scripts/launch.sh" 2 train --config "$config" --set run.dir="$run" \
       --set run.quiet=true --set run.threads=1 --set train.steps=60 --set train.eval_every=60 \
@@ -28,6 +33,8 @@ for ((r = 0; r < repeats; ++r)); do
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 steps = [r["step_seconds"] for r in records if "step_seconds" in r and r["step"] > 10]
+if not steps:
+    sys.exit("allocator_policy.sh: no step after step 10 to time (keep train.steps > 10)")
 print(sum(steps) / len(steps), [r["val_loss"] for r in records if "val_loss" in r][-1])
 PY
 )

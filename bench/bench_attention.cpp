@@ -14,10 +14,10 @@
 //
 //   bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] [--kv-heads HEADS] [--reps 3]
 //                   [--tile-q 128] [--tile-k 64] [--run-cols 512]
+#include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -33,15 +33,6 @@ using namespace tessel;
 using namespace tessel::attention;
 
 namespace {
-
-std::vector<int64_t> parse_list(const char* s) {
-  std::vector<int64_t> out;
-  for (const char* p = s; *p;) {
-    out.push_back(std::strtoll(p, const_cast<char**>(&p), 10));
-    if (*p == ',') ++p;
-  }
-  return out;
-}
 
 std::vector<int64_t> documents(Rng& rng, int64_t N, int64_t lo, int64_t hi) {
   std::vector<int64_t> d;
@@ -156,34 +147,27 @@ int main(int argc, char** argv) {
   int64_t heads = 4, kv_heads = 0, tile_k = TiledMask::kDefaultTileK;
   FlashOptions opt;
   int reps = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--dims")
-      dims = parse_list(argv[i + 1]);
-    else if (a == "--seqs")
-      seqs = parse_list(argv[i + 1]);
-    else if (a == "--heads")
-      heads = std::atoll(argv[i + 1]);
-    else if (a == "--kv-heads")
-      kv_heads = std::atoll(argv[i + 1]);
-    else if (a == "--reps")
-      reps = std::atoi(argv[i + 1]);
-    else if (a == "--tile-q")
-      opt.tile_q = std::atoll(argv[i + 1]);
-    else if (a == "--tile-k")
-      tile_k = std::atoll(argv[i + 1]);
-    else if (a == "--run-cols")
-      opt.run_cols = std::atoll(argv[i + 1]);
-    else {
-      std::fprintf(stderr,
-                   "usage: bench_attention [--dims 64,128] [--seqs 4096,8192] [--heads 4] "
-                   "[--kv-heads HEADS] [--reps 3] [--tile-q 128] [--tile-k 64] [--run-cols 512]\n");
-      return 2;
-    }
-  }
+  CLI::App app{"FlashMask attention against the dense masked kernel, per mask family"};
+  app.add_option("--dims", dims, "head dimensions, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--seqs", seqs, "sequence lengths, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--heads", heads, "query heads")->capture_default_str();
+  app.add_option("--kv-heads", kv_heads, "key/value heads (default: --heads)");
+  app.add_option("--reps", reps, "repetitions, interleaved over the masks; the best counts")
+      ->capture_default_str();
+  app.add_option("--tile-q", opt.tile_q, "query rows per tile")->capture_default_str();
+  app.add_option("--tile-k", tile_k, "key columns per tile")->capture_default_str();
+  app.add_option("--run-cols", opt.run_cols, "key columns per dense run")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   if (kv_heads == 0) kv_heads = heads;
-  if (reps < 1) {
-    std::fprintf(stderr, "bench_attention: --reps must be >= 1\n");
+  const auto positive = [](int64_t v) { return v > 0; };
+  if (!std::ranges::all_of(dims, positive) || !std::ranges::all_of(seqs, positive) ||
+      !std::ranges::all_of(
+          std::array{heads, kv_heads, int64_t(reps), opt.tile_q, tile_k, opt.run_cols}, positive)) {
+    std::fprintf(stderr, "bench_attention: every size and count must be >= 1\n");
     return 2;
   }
   const int threads = num_threads();

@@ -14,10 +14,9 @@
 //
 //   mpirun -np 4 -x OMP_NUM_THREADS=1 bench_context_parallel [--seq 16384] [--overlap-seq 8192]
 //          [--only-overlap]
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -169,11 +168,21 @@ int main(int argc, char** argv) {
   auto guard = comm::init_communication(&argc, &argv);
   int64_t seq = 16384, overlap_seq = 8192;
   bool only_overlap = false;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--only-overlap")) only_overlap = true;
-    if (i + 1 < argc && !std::strcmp(argv[i], "--seq")) seq = std::atoll(argv[i + 1]);
-    if (i + 1 < argc && !std::strcmp(argv[i], "--overlap-seq"))
-      overlap_seq = std::atoll(argv[i + 1]);
+  CLI::App app{"Context-parallel FlashMask attention: layout balance, key/value traffic, overlap"};
+  app.add_option("--seq", seq, "sequence length of the balance and traffic parts")
+      ->capture_default_str();
+  app.add_option("--overlap-seq", overlap_seq, "sequence length of the overlap part")
+      ->capture_default_str();
+  app.add_flag("--only-overlap", only_overlap, "run the overlap part alone");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {  // every rank parsed the same arguments: one speaks
+    return comm::world().rank() == 0 ? app.exit(e) : e.get_exit_code();
+  }
+  if (seq < 1 || overlap_seq < 1) {
+    if (comm::world().rank() == 0)
+      std::fprintf(stderr, "bench_context_parallel: --seq and --overlap-seq must be >= 1\n");
+    return 2;
   }
   const std::vector<MaskCase> cases{
       {"causal", ColumnMask::causal_only(1, seq, seq)},

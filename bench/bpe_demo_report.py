@@ -39,9 +39,14 @@ def config_value(run, key):
     m = re.search(rf"^{key} = '?([^'\n]*)'?$", open(f"{run}/config.toml").read(), re.M)
     return m.group(1)
 
+runs = sys.argv[1:]
+if not runs or any(a in ("-h", "--help") for a in runs) or not all(
+        os.path.isfile(f"{r}/config.toml") for r in runs):
+    sys.exit("usage: bench/bpe_demo_report.py RUN_DIR [RUN_DIR ...] (runs of bench/bpe_demo.sh, "
+             "the byte-level baseline first; each holds a config.toml)")
 binary = os.environ.get("TESSEL_BIN", "build/release/tessel")
 rows, base_docs = [], None
-for run in sys.argv[1:]:
+for run in runs:
     data = config_value(run, "path")
     T, n_eval = int(config_value(run, "seq_len")), int(config_value(run, "eval_sequences"))
     tok, index = read_shard(f"{data}/val.tok")
@@ -54,7 +59,7 @@ for run in sys.argv[1:]:
     n = min(n_eval, W)
     ds = json.load(open(f"{data}/dataset.json"))
     # the byte-level baseline's train tokens are the train set's bytes
-    train_bytes = json.load(open(f"{config_value(sys.argv[1], 'path')}/dataset.json"))["train"]["tokens"]
+    train_bytes = json.load(open(f"{config_value(runs[0], 'path')}/dataset.json"))["train"]["tokens"]
     metrics = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
     steps = [m for m in metrics if "tokens_per_s" in m]
     vals = [m for m in metrics if "val_loss" in m]
@@ -77,7 +82,7 @@ for run in sys.argv[1:]:
     print(f"== {run}: data {data}, vocab {config_value(run, 'vocab')}")
     print(f"  val.tok: {len(tok)} tokens, {len(docs)} documents (dataset.json: "
           f"{ds['val']['documents']} / {ds['val']['tokens']}), decoded {sum(lens)} bytes, "
-          f"same documents as {sys.argv[1]}: {docs == base_docs}")
+          f"same documents as {runs[0]}: {docs == base_docs}")
     print(f"  run's validation: {n} of {W} windows, {run_targets} targets = {run_bytes} bytes; "
           f"final val_loss {vals[-1]['val_loss']:.4f} nats/token (eval: {ev_run['loss']:.4f}) = "
           f"{vals[-1]['val_loss'] * run_targets / run_bytes / math.log(2):.4f} bits/byte")

@@ -3,14 +3,19 @@
 # tokens/s and MFU, against the GEMM peak measured in the same run.
 #   bench/gpt2_small.sh [THREADS] [STEPS]
 # Needs `tessel prepare` (the Bible shard supplies token ids). Steps 1-2 are warm-up
-# and excluded; the median over the rest is reported.
+# and excluded (so STEPS >= 3); the median over the rest is reported.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
 bin=${TESSEL_BIN:-$here/build/release/tessel}
 threads=${1:-$(nproc)}
 steps=${2:-12}
-run=$(mktemp -d /tmp/tessel-gpt2-bench-XXXXXX)
+if ! [[ $threads =~ ^[1-9][0-9]*$ && $steps =~ ^[0-9]+$ ]] || ((steps < 3)); then
+  echo "usage: bench/gpt2_small.sh [THREADS] [STEPS >= 3] (steps 1-2 are warm-up)" >&2
+  exit 2
+fi
+source "$here/bench/temp_dirs.sh"
+temp_dir run tessel-gpt2-bench
 export OMP_NUM_THREADS=$threads
 peak=$("$bin" bench-gemm --size 1024 --seconds 2 --threads "$threads" --json)
 echo "bench-gemm: $peak"
@@ -38,4 +43,3 @@ awk -v peak="$peak" '
     printf "median MFU against the trainer'"'"'s own peak (%.1f GFLOP/s): %.1f%%\n", tpeak, 100 * mfu[int(n/2)]
     printf "median MFU against bench-gemm (%.1f GFLOP/s): %.1f%%\n", g, 100 * tps[int(n/2)] * flops / (g * 1e9)
   }' "$run/metrics.jsonl"
-rm -rf "$run"

@@ -8,8 +8,8 @@
 # seconds and of the dispatch bytes received; 1 at ep = 1); then tokens/s with parallel.ep = 2
 # against ep = 1 (eqb_lei), with the parameters rank 0 holds (experts sharded) and the skew.
 #   [SEEDS="1234 2 3"] [EP=1] bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS] [METHODS...]
-# Defaults: 300 steps, 60 throughput steps (0 = no throughput runs), methods aux bias
-# eqb_lei, seed 1234, the methods run at parallel.ep = EP = 1 (EP=2 splits the experts over
+# Defaults: 300 steps (30 or fewer: the warm-up takes all but the last), 60 throughput steps
+# (0 = no throughput runs, else at least 6), methods aux bias eqb_lei, seed 1234, the methods run at parallel.ep = EP = 1 (EP=2 splits the experts over
 # the two ranks, where the skew columns measure something). A method METHOD:RATE also sets
 # model.moe_bias_rate (bias:1e-2);
 # METHOD:KEY=VALUE[,KEY=VALUE...] sets model.moe_KEY (eqb_lei:eqb_step=0.2,lei_coeff=0.03).
@@ -23,7 +23,15 @@ tsteps=${2:-60}
 shift $(($# > 2 ? 2 : $#))
 methods=("$@")
 ((${#methods[@]})) || methods=(aux bias eqb_lei)
-runs=$(mktemp -d /tmp/tessel-moe-bench-XXXXXX)
+if ! [[ $steps =~ ^[1-9][0-9]*$ && $tsteps =~ ^[0-9]+$ ]] || ((tsteps > 0 && tsteps < 6)); then
+  echo "usage: bench/moe_balance.sh [STEPS] [THROUGHPUT_STEPS: 0 or >= 6] [METHODS...]" >&2
+  exit 2
+fi
+# moe.toml warms up over 30 steps; shorter runs warm up over all but their last step.
+short=()
+if ((steps <= 30)); then short=(--set optim.warmup_steps=$((steps - 1))); fi
+source "$here/bench/temp_dirs.sh"
+temp_dir runs tessel-moe-bench
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 train() {  # run.dir, then --set overrides
   local dir=$1
@@ -62,21 +70,22 @@ for m in "${methods[@]}"; do
   for seed in "${seeds[@]}"; do
     dir="$runs/${m//[:=,]/_}-$seed"
     train "$dir" --set model.moe_balance="$method" "${sets[@]}" --set run.seed="$seed" \
-      --set train.steps="$steps" --set parallel.ep="${EP:-1}"
+      --set train.steps="$steps" "${short[@]}" --set parallel.ep="${EP:-1}"
     printf "%s\t%s\t%s\n" "$m" "$seed" "$(summary "$dir")"
   done
 done
 # Throughput: median tokens/s over steps 6 onwards, no validation or checkpoint in between.
-((tsteps > 0)) && for ep in 1 2; do
-  train "$runs/ep$ep" --set parallel.ep="$ep" --set train.steps="$tsteps" \
-    --set train.eval_every=0 --set train.save_final=false --set optim.warmup_steps=5
-  jq -s -r --arg ep "$ep" '
-    (map(select(.event == "start")) | first | .rank_parameters) as $p
-    | map(select(.tokens_per_s and .step > 5)) | (map(.tokens_per_s) | sort | .[length / 2 | floor])
-      as $t | (map(.all_to_all_bytes) | add / length) as $b
-    | (map(.ep_skew.expert_time) | add / length * 1000 | round / 1000) as $st
-    | (map(.ep_skew.recv_bytes) | add / length * 1000 | round / 1000) as $sb
-    | "ep=\($ep)\tmedian tokens/s \($t | round)\tall-to-all bytes/step \($b | round)\tparameters on rank 0 \($p)\tskew time \($st) bytes \($sb)"' \
-    "$runs/ep$ep/metrics.jsonl"
-done
-rm -rf "$runs"
+if ((tsteps > 0)); then
+  for ep in 1 2; do
+    train "$runs/ep$ep" --set parallel.ep="$ep" --set train.steps="$tsteps" \
+      --set train.eval_every=0 --set train.save_final=false --set optim.warmup_steps=5
+    jq -s -r --arg ep "$ep" '
+      (map(select(.event == "start")) | first | .rank_parameters) as $p
+      | map(select(.tokens_per_s and .step > 5)) | (map(.tokens_per_s) | sort | .[length / 2 | floor])
+        as $t | (map(.all_to_all_bytes) | add / length) as $b
+      | (map(.ep_skew.expert_time) | add / length * 1000 | round / 1000) as $st
+      | (map(.ep_skew.recv_bytes) | add / length * 1000 | round / 1000) as $sb
+      | "ep=\($ep)\tmedian tokens/s \($t | round)\tall-to-all bytes/step \($b | round)\tparameters on rank 0 \($p)\tskew time \($st) bytes \($sb)"' \
+      "$runs/ep$ep/metrics.jsonl"
+  done
+fi

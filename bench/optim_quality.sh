@@ -12,20 +12,20 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
+if [ $# -lt 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: bench/optim_quality.sh STEPS LABEL='--set k=v ...' [LABEL='...' ...]" >&2
+  exit 2
+fi
+source "$here/bench/temp_dirs.sh"
 steps=$1
 shift
 short=()
 if [ "$steps" -le 30 ]; then short=(--set optim.warmup_steps=$((steps - 1))); fi
-run=""
 failed=0
-trap 'if [ -n "$run" ]; then rm -rf "$run"; fi' EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-trap 'exit 129' HUP
 for item in "$@"; do
   label=${item%%=*}
   sets=${item#*=}
-  run=$(mktemp -d /tmp/tessel-optim-quality-XXXXXX)
+  temp_dir run tessel-optim-quality
   start=$(date +%s)
   # shellcheck disable=SC2086  # $sets is a list of --set arguments
   if ! OMP_NUM_THREADS=1 "$here/scripts/launch.sh" 2 train --config configs/default.toml \

@@ -9,11 +9,12 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's paths are relative to the repository root
+source "$here/bench/temp_dirs.sh"
 run_sft() {  # LABEL EXTRA_SETS...
   local label=$1
   shift
   local run
-  run=$(mktemp -d /tmp/tessel-sft-quality-XXXXXX)
+  temp_dir run tessel-sft-quality
   OMP_NUM_THREADS=1 "$here/scripts/launch.sh" 2 train --config configs/sft.toml \
     --set run.dir="$run" --set train.save_final=false "$@" > "$run/out.txt"
   local vals secs

@@ -13,6 +13,11 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # the config's data.path is relative to the repository root
+if [ $# -lt 4 ]; then
+  echo "usage: bench/train_ab.sh KEY A B CONFIG [REPEATS] [--set k=v ...]" >&2
+  exit 2
+fi
+source "$here/bench/temp_dirs.sh"
 key=$1 a=$2 b=$3 config=$4
 shift 4
 repeats=2
@@ -23,7 +28,7 @@ fi
 declare -A step_total=([$a]=0 [$b]=0) memory_total=([$a]=0 [$b]=0)
 for ((r = 0; r < repeats; ++r)); do
   for value in "$a" "$b"; do
-    run=$(mktemp -d /tmp/tessel-train-ab-XXXXXX)
+    temp_dir run tessel-train-ab
     log=$("$here/scripts/launch.sh" 2 train --config "$config" --set run.dir="$run" \
       --set run.threads=1 --set train.steps=16 --set optim.warmup_steps=2 \
       --set train.eval_every=16 --set train.log_every=1 --set train.eval_sequences=8 \

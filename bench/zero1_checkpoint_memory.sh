@@ -12,6 +12,7 @@ set -euo pipefail
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 bin=${TESSEL_BIN:-build/release/tessel}
 reps=${1:-1}
+source "$(dirname "$0")/temp_dirs.sh"
 
 # Trains in run directory $1 until train.steps = $2 (muon_mode $mode), polling each rank's
 # VmHWM in MiB into whole[rank], and into before[rank] until step 2 is logged.
@@ -44,7 +45,7 @@ watch_run() {
 
 for rep in $(seq "$reps"); do
   for mode in ${MODES:-replicated sharded}; do
-    dir=$(mktemp -d /tmp/tessel-zero1-XXXXXX)
+    temp_dir dir tessel-zero1
     watch_run "$dir" 8
     line="rep $rep $mode (MiB, rank 0 / 1): before the first checkpoint ${before[0]} / ${before[1]}"
     line+=", whole run ${whole[0]} / ${whole[1]}"
