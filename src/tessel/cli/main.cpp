@@ -741,7 +741,9 @@ int main(int argc, char** argv) {
       if (comm::launched_by_mpi())
         input_error("tessel run starts its own MPI job; run it without mpirun");
       train::check_supervise_options(sup);  // before the lock below creates run.dir
-      sup.run_dir = train::load_config(sup_config, sup_overrides).run.dir;  // also validates
+      const train::Config job = train::load_config(sup_config, sup_overrides);  // validates
+      train::job_mesh(job, sup.ranks);  // a mesh --np ranks cannot hold: refused here, too
+      sup.run_dir = job.run.dir;
       train::check_run_dir(sup.run_dir);  // before the supervisor writes its ETT log there
       // Held until the report is written: a second `tessel run` or a plain `tessel train` on
       // this directory is refused at once, before it picks an attempt index.

@@ -30,7 +30,8 @@ void MeshShape::validate(int world_size) const {
                 " (expert parallelism is folded inside data parallelism)");
   if (this->world_size() != world_size)
     input_error("mesh pp=", pp, " x dp=", dp, " x cp=", cp, " needs ", this->world_size(),
-                " processes but the world has ", world_size,
+                this->world_size() == 1 ? " process" : " processes", " but the world has ",
+                world_size,
                 " (set parallel.pp, parallel.dp and parallel.cp so that their product is ",
                 world_size, ")");
 }

@@ -34,7 +34,8 @@ std::vector<T> parse_list(const std::string& key, const std::string& text, T min
     size_t used = 0;
     T value{};
     try {
-      value = parse(item, &used);
+      // A sign on a value that cannot be negative ("-0", "+3") is no such value's spelling.
+      if (!(min >= 0 && (item[0] == '-' || item[0] == '+'))) value = parse(item, &used);
     } catch (const std::exception&) {
       used = 0;
     }

@@ -3,8 +3,9 @@
 // every such key (data.path, data.weights, pipeline.layout, model.moe_layers, optim.ns_restarts,
 // optim.decay_tags, fault.kill_steps, fault.hang_steps, fault.kill_seconds) and the parsers of
 // numbers on it. Spaces around an item are ignored and an empty value is an empty list; an empty
-// item, an item that is not a number, or a number below `min` (or equal to it, where
-// `min_excluded`) is an InputError naming the key and the item.
+// item, an item that is not a number, a number below `min` (or equal to it, where
+// `min_excluded`), or a signed one where `min` >= 0 ("-0") is an InputError naming the key and
+// the item.
 #include <cstdint>
 #include <string>
 #include <vector>

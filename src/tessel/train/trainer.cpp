@@ -885,23 +885,29 @@ struct Trainer::State {
   }
 };
 
-Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
+comm::MeshShape job_mesh(const Config& config, int world_size) {
   // The config caps each degree at 2^24, so each fits an int; their products are taken in 64
   // bits (MeshShape::world_size, the automatic dp here).
   const ParallelConfig& par = config.parallel;
   comm::MeshShape shape{int(par.pp), int(par.dp), int(par.cp), int(par.ep)};
+  if (shape.dp == 0) {
+    if (world_size % (par.pp * par.cp) != 0)
+      input_error("mesh pp=", par.pp, " x cp=", par.cp, " needs a multiple of ", par.pp * par.cp,
+                  " processes (parallel.dp = 0 takes world / (pp x cp)), but the world has ",
+                  world_size);
+    shape.dp = int(world_size / (par.pp * par.cp));
+  }
+  shape.validate(world_size);
+  if (config.fault.kill_rank >= world_size)
+    input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
+                " is not a rank of this job (world size ", world_size, ")");
+  return shape;
+}
+
+Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
+  comm::MeshShape shape;
   try {  // before the run directory is locked: a refused mesh or rank leaves nothing there
-    if (shape.dp == 0) {
-      if (world.size() % (par.pp * par.cp) != 0)
-        input_error("mesh pp=", par.pp, " x cp=", par.cp, " needs a multiple of ", par.pp * par.cp,
-                    " processes (parallel.dp = 0 takes world / (pp x cp)), but the world has ",
-                    world.size());
-      shape.dp = int(world.size() / (par.pp * par.cp));
-    }
-    shape.validate(world.size());
-    if (config.fault.kill_rank >= world.size())
-      input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
-                  " is not a rank of this job (world size ", world.size(), ")");
+    shape = job_mesh(config, world.size());
   } catch (const InputError&) {  // under `tessel run`: no attempt of the job
     withdraw_supervised_start(config.run.dir, world.rank(), "bad input");
     throw;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tessel/comm/communicator.hpp"
+#include "tessel/comm/mesh.hpp"
 #include "tessel/train/config.hpp"
 
 namespace tessel::train {
@@ -63,6 +64,11 @@ class Trainer {
   std::unique_ptr<Attempt> attempt_;
   std::unique_ptr<State> s_;  // destroyed before the attempt, which writes the exit line
 };
+
+// The job's mesh on `world_size` processes (parallel.dp = 0: world / (pp x cp)); an InputError
+// when the world cannot hold it or fault.kill_rank is outside it. The trainer asks it before it
+// locks run.dir, and `tessel run` before it creates run.dir for --np ranks.
+comm::MeshShape job_mesh(const Config& config, int world_size);
 
 // Threads per rank when run.threads = 0: OMP_NUM_THREADS if set, else the cores of
 // this machine divided by the ranks running on it (at least 1).

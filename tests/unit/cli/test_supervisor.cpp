@@ -464,6 +464,23 @@ TEST_F(SupervisorTest, ARejectedOptionCreatesNoFile) {
   EXPECT_TRUE(fs::is_empty(run));
 }
 
+// A mesh that --np ranks cannot hold, or a fault.kill_rank outside them, is refused before
+// run.dir is created (it held a supervisor.lock), as `tessel train` refuses it.
+TEST_F(SupervisorTest, AMeshTheRanksCannotHoldCreatesNoFile) {
+  const std::string run = fixture::temp_dir("tessel-sup-mesh") + "/job";
+  for (const auto& [options, error] :
+       {std::pair{"--np 3 --set parallel.pp=2", "mesh pp=2 x cp=1 needs a multiple of 2"},
+        std::pair{"--np 2 --set parallel.dp=1", "needs 1 process but the world has 2"},
+        std::pair{"--np 2 --set fault.kill_rank=5 --set fault.kill_steps=2",
+                  "'fault.kill_rank' = 5 is not a rank of this job (world size 2)"}}) {
+    const Outcome o = run_tessel(std::string("run ") + options + " --threads 1" + settings(run));
+    EXPECT_EQ(o.exit_code, 2) << options << ": " << o.err;
+    EXPECT_EQ(o.err.rfind("tessel: error: ", 0), 0u) << options << ": " << o.err;
+    EXPECT_NE(o.err.find(error), std::string::npos) << options << ": " << o.err;
+    EXPECT_FALSE(fs::exists(run)) << options;
+  }
+}
+
 // A launcher that cannot start ran nothing: no attempt is left to count as a failure of the
 // job's later runs.
 TEST_F(SupervisorTest, ALauncherThatCannotStartLeavesNoAttempt) {

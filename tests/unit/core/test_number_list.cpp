@@ -21,6 +21,11 @@ TEST(NumberList, RejectsEmptyItemsNonNumbersAndValuesBelowTheMinimum) {
   expect_input_error([] { parse_int_list("k", "1,", 0); }, {"''"});
   expect_input_error([] { parse_int_list("k", "3x", 0); }, {"'3x'"});
   expect_input_error([] { parse_int_list("k", "1.5", 0); }, {"'1.5'"});
+  // No sign where no value is negative: "-0" and "+3" were taken for 0 and 3.
+  expect_input_error([] { parse_int_list("pipeline.layout", "4,-0", 0); },
+                     {"'-0' is not an integer >= 0"});
+  expect_input_error([] { parse_int_list("k", "+3", 1); }, {"'+3' is not an integer >= 1"});
+  expect_input_error([] { parse_real_list("k", "0.5,-0", 0); }, {"'-0' is not a number >= 0"});
   expect_input_error([] { parse_int_list("optim.ns_restarts", "0", 1); }, {"'0'", ">= 1"});
   expect_input_error([] { parse_int_list("k", "99999999999999999999", 0); }, {"'9999"});
   expect_input_error([] { parse_real_list("k", "-0.5", 0); }, {"'-0.5'", "number >= 0"});
