@@ -1,6 +1,8 @@
 #include "tessel/parallel/expert_sharding.hpp"
 
 #include <cmath>
+#include <numeric>
+#include <set>
 
 #include "tessel/optim/grad_clip.hpp"
 
@@ -10,14 +12,35 @@ model::ExpertShard expert_shard(const comm::Mesh& mesh) {
   return {mesh.coordinate(comm::Axis::ep), mesh.size(comm::Axis::ep)};
 }
 
-double expert_sharded_grad_norm(const ParameterList& dense, const ParameterList& experts,
-                                comm::Communicator& ep_group) {
-  const double mine = optim::grad_sum_squares(experts);
-  std::vector<double> each(size_t(ep_group.size()));
-  ep_group.all_gather(&mine, each.data(), 1, comm::ElemType::f64);
-  double total = optim::grad_sum_squares(dense);
-  for (double s : each) total += s;
-  return std::sqrt(total);
+std::vector<bool> expert_flags(const model::Gpt& model, const ParameterList& params) {
+  std::set<std::string> experts;
+  for (const Parameter& p : model.expert_parameters()) experts.insert(p.name);
+  std::vector<bool> flags;
+  for (const Parameter& p : params) flags.push_back(experts.count(p.name) > 0);
+  return flags;
+}
+
+std::vector<double> grad_squares(const ParameterList& params, const std::vector<bool>& is_expert,
+                                 comm::Communicator& ep_group) {
+  TESSEL_CHECK(is_expert.size() == params.size(), "one expert flag per parameter");
+  std::vector<double> squares, mine;  // mine: the expert ones, in order
+  for (const Parameter& p : params)
+    squares.push_back(optim::sum_squares(p.grad.f32(), p.grad.numel()));
+  for (size_t i = 0; i < params.size(); ++i)
+    if (is_expert[i]) mine.push_back(squares[i]);
+  if (mine.empty()) return squares;  // the same on every rank of the ep group
+  // Gathered, not all-reduced: added in ep-rank order, every rank gets the same bits.
+  const size_t n = mine.size(), ranks = size_t(ep_group.size());
+  std::vector<double> each(n * ranks);
+  ep_group.all_gather(mine.data(), each.data(), n, comm::ElemType::f64);
+  for (size_t i = 0, e = 0; i < params.size(); ++i)
+    if (is_expert[i]) {
+      double sum = each[e];
+      for (size_t r = 1; r < ranks; ++r) sum += each[r * n + e];
+      squares[i] = sum;
+      ++e;
+    }
+  return squares;
 }
 
 ExpertShardedGradients::ExpertShardedGradients(const model::Gpt& model,
@@ -25,8 +48,7 @@ ExpertShardedGradients::ExpertShardedGradients(const model::Gpt& model,
                                                comm::Communicator& expert_group,
                                                comm::Communicator& ep_group, int64_t bucket_bytes)
     : all_(model.parameters()),
-      dense_(model.dense_parameters()),
-      experts_(model.expert_parameters()),
+      all_is_expert_(expert_flags(model, all_)),
       ep_(ep_group),
       dense_reducer_(dense_group, model.dense_grads(), bucket_bytes),
       expert_reducer_(expert_group, model.expert_grads(), bucket_bytes) {}
@@ -42,7 +64,8 @@ void ExpertShardedGradients::reduce(float scale) {
 }
 
 double ExpertShardedGradients::clip(double max_norm) {
-  const double norm = expert_sharded_grad_norm(dense_, experts_, ep_);
+  const std::vector<double> squares = grad_squares(all_, all_is_expert_, ep_);
+  const double norm = std::sqrt(std::accumulate(squares.begin(), squares.end(), 0.0));
   optim::scale_to_max_norm(all_, norm, max_norm);
   return norm;
 }

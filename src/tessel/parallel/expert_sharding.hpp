@@ -4,8 +4,10 @@
 // allocates only those: model::ExpertShard); the dense parameters are replicated over dp.
 //   - gradients: the dense range of the flat buffer is summed over the dp (x cp) group, the
 //     experts' range over the edp (x cp) group (the ranks holding the same experts);
-//   - clipping: global norm^2 = dense norm^2 (the same on every rank) + the expert norm^2 of
-//     each ep rank, added in ep-rank order, so every rank scales by the same bits;
+//   - clipping: global norm^2 = the sum, in registry order, of each parameter's gradient
+//     squares, an expert parameter's summed over the ep ranks in ep-rank order first, so every
+//     rank scales by the same bits, and a pipeline (which adds its stages' sums the same way)
+//     by the bits of the plain loop;
 //   - optimizer: the configured optimizer over the dense parameters and dp, and a second one
 //     over the experts and edp (ZeRO-1 sharding of the Muon family over edp); the expert
 //     one's state names carry the prefix "experts/" (under a pipeline "stage<s>/experts/"),
@@ -27,10 +29,14 @@ namespace tessel::parallel {
 // This rank's experts: shard (ep coordinate) of the ep degree.
 model::ExpertShard expert_shard(const comm::Mesh& mesh);
 
-// sqrt(sum of the dense gradients^2 + the sum over the ep group of each rank's expert
-// gradients^2); the expert sums are gathered and added in ep-rank order.
-double expert_sharded_grad_norm(const ParameterList& dense, const ParameterList& experts,
-                                comm::Communicator& ep_group);
+// Which of `params` are expert parameters of `model` (by name).
+std::vector<bool> expert_flags(const model::Gpt& model, const ParameterList& params);
+
+// Each gradient's sum of squares, in the order of `params`; an expert parameter's (is_expert)
+// summed over the ep group in ep-rank order (each ep rank holds its own experts of it; the
+// dense ones are alike on every ep rank). Collective over ep_group when any is an expert.
+std::vector<double> grad_squares(const ParameterList& params, const std::vector<bool>& is_expert,
+                                 comm::Communicator& ep_group);
 
 // The gradient all-reduces and the clipping of a model placed by expert_shard. The groups
 // must outlive it; dense_group is dp x cp, expert_group edp x cp (Axis::dp_cp, edp_cp).
@@ -49,7 +55,8 @@ class ExpertShardedGradients {
   double clip(double max_norm);
 
  private:
-  ParameterList all_, dense_, experts_;
+  ParameterList all_;
+  std::vector<bool> all_is_expert_;
   comm::Communicator& ep_;
   GradientReducer dense_reducer_, expert_reducer_;
 };

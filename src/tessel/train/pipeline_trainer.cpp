@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <set>
 #include <string>
 
@@ -169,6 +170,15 @@ ParameterList stage_parameters(const model::Gpt& model, const std::vector<int>& 
   return out;
 }
 
+// The whole model's registry positions of stage s's parameters, in stage_parameters' order.
+std::vector<int64_t> stage_registry_positions(const model::Gpt& model,
+                                              const std::vector<int>& stages, int s) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < stages.size(); ++i)
+    if (stages[i] == s) out.push_back(model.registry_position(i));
+  return out;
+}
+
 // The flat element range [begin, end) of `params` in `model`, which must be contiguous there
 // (a stage's dense parameters are, as registry order follows the stages; so are all its
 // parameters with its experts, which end the flat buffers, though not in registry order: a
@@ -231,6 +241,8 @@ PipelineTrainer::PipelineTrainer(const Config& config, const comm::Mesh& mesh, m
       own_params_(stage_parameters(model, param_stage_, stage_)),
       own_dense_(split_experts(model, own_params_).first),
       own_experts_(split_experts(model, own_params_).second),
+      own_is_expert_(parallel::expert_flags(model, own_params_)),
+      own_positions_(stage_registry_positions(model, param_stage_, stage_)),
       own_range_(flat_range(model, own_dense_)),
       tied_(config.model.tied_head && stages_ > 1),
       ends_(tied_ ? pp_.split(stage_ == 0 || stage_ == stages_ - 1 ? 0 : 1, stage_) : nullptr),
@@ -308,37 +320,22 @@ void PipelineTrainer::on_step(int64_t version) {
   const float scale = float(1.0 / stats[1]) * hooks_.gradient_scale(update);
   reducer_->reduce(scale);
   if (expert_reducer_) expert_reducer_->reduce(scale);
-  const bool experts = expert_reducer_.has_value();
+  // The stage's sums of squares (an expert's summed over ep), in registry order.
+  const std::vector<double> squares = parallel::grad_squares(own_params_, own_is_expert_, ep_);
   double norm = 0;
   if (flush) {
-    // Per-parameter sums of squares, each from its stage at its place in the whole model's
-    // registry, then the loss sum of the last stage: added in registry order as
-    // optim::global_grad_norm adds them.
-    // An expert's sum comes from the ep rank holding it (summed over ep first; the dense
-    // parameters are the same on every ep rank).
-    const ParameterList& held = model_.parameters();
+    // Each from its stage at its place in the whole model's registry, then the last stage's
+    // loss sum: added in registry order, as the plain loop adds them (ExpertShardedGradients).
+    // Every entry but one is 0 in the all-reduce, so its order changes no bit.
     const auto registry = size_t(model_.registry_size());
-    std::vector<double> sums(registry + 1, 0.0), expert_sums(experts ? registry : 0, 0.0);
-    const float* expert_grads = model_.expert_grads().f32();  // they end the flat buffer
-    for (size_t i = 0; i < held.size(); ++i)
-      if (param_stage_[i] == stage_)
-        (experts && held[i].grad.f32() >= expert_grads
-             ? expert_sums
-             : sums)[size_t(model_.registry_position(i))] =
-            optim::sum_squares(held[i].grad.f32(), held[i].grad.numel());
-    if (experts) {
-      ep_.all_reduce(std::span<double>(expert_sums));
-      for (size_t i = 0; i < registry; ++i) sums[i] += expert_sums[i];  // one of the two is 0
-    }
+    std::vector<double> sums(registry + 1, 0.0);
+    for (size_t j = 0; j < squares.size(); ++j) sums[size_t(own_positions_[j])] = squares[j];
     if (work_.last_stage()) sums.back() = stats[0];
     across_stages([&] { pp_.all_reduce(std::span<double>(sums)); });
-    double total = 0;
-    for (size_t i = 0; i < registry; ++i) total += sums[i];
-    norm = std::sqrt(total);
+    norm = std::sqrt(std::accumulate(sums.begin(), sums.end() - 1, 0.0));
     stats[0] = sums.back();
   } else {
-    norm = experts ? parallel::expert_sharded_grad_norm(own_dense_, own_experts_, ep_)
-                   : optim::global_grad_norm(own_params_);
+    norm = std::sqrt(std::accumulate(squares.begin(), squares.end(), 0.0));
   }
   if (!std::isfinite(norm))
     optim::check_finite_grad_norm(

@@ -175,6 +175,8 @@ class PipelineTrainer {
   std::vector<int> param_stage_;
   ParameterList own_params_;
   ParameterList own_dense_, own_experts_;  // own_params_ in two
+  std::vector<bool> own_is_expert_;        // [own_params_]
+  std::vector<int64_t> own_positions_;     // [own_params_] whole-registry positions
   std::pair<int64_t, int64_t> own_range_;  // own_dense_'s flat element range
   bool tied_;                              // the embedding lives on the first and the last stage
   // Tied: the first and the last stage (ranks 0 and 1 in it), which share the embedding.

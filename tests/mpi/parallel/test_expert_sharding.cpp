@@ -1,9 +1,11 @@
-// The expert-sharded gradient norm on 2 and 4 ranks: the dense gradients are replicated over
-// the ep group, each rank holds its own experts'; the norm equals the naive norm of the whole
+// The expert-sharded gradient squares on 2 and 4 ranks: the dense gradients are replicated over
+// the ep group, each rank holds its own experts'; their sum equals the naive norm^2 of the whole
 // set, and every rank gets the same bits.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "support/param_fixture.hpp"
@@ -13,7 +15,7 @@
 
 using namespace tessel;
 
-TEST(ExpertSharding, GradNormAddsEachEpRanksExpertsOnceInEveryRanksBits) {
+TEST(ExpertSharding, GradSquaresAddEachEpRanksExpertsOnceInEveryRanksBits) {
   comm::Communicator& world = comm::world();
   const int P = world.size();
   const std::vector<fixture::ParamSpec> dense_specs = {
@@ -27,8 +29,20 @@ TEST(ExpertSharding, GradNormAddsEachEpRanksExpertsOnceInEveryRanksBits) {
     experts.emplace_back(expert_specs, 3);
     experts.back().random_grads(10 + uint64_t(r));
   }
-  const double norm =
-      parallel::expert_sharded_grad_norm(dense.params, experts[size_t(world.rank())].params, world);
+  // Registry order with the experts between dense parameters, as an MoE block has them.
+  const ParameterList& mine = experts[size_t(world.rank())].params;
+  const ParameterList held = {dense.params[0], mine[0], dense.params[1], mine[1]};
+  const std::vector<double> squares =
+      parallel::grad_squares(held, {false, true, false, true}, world);
+  ASSERT_EQ(squares.size(), held.size());
+  // A dense parameter's squares are its own; an expert parameter's are summed over the ranks.
+  EXPECT_NEAR(squares[0], std::pow(optim::naive::global_grad_norm({dense.params[0]}), 2),
+              1e-12 * squares[0]);
+  ParameterList every_fc_out;
+  for (const auto& e : experts) every_fc_out.push_back(e.params[1]);
+  EXPECT_NEAR(squares[3], std::pow(optim::naive::global_grad_norm(every_fc_out), 2),
+              1e-12 * squares[3]);
+  const double norm = std::sqrt(std::accumulate(squares.begin(), squares.end(), 0.0));
 
   ParameterList all = dense.params;
   for (const auto& e : experts) all.insert(all.end(), e.params.begin(), e.params.end());
