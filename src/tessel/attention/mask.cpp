@@ -26,7 +26,7 @@ int input_index(int V, bool causal, int v) {
 
 ColumnMask::ColumnMask(int64_t B, int64_t Hm, int64_t Sq, int64_t Sk, int V, bool causal,
                        const std::vector<int32_t>& values)
-    : B_(B), Hm_(Hm), Sq_(Sq), Sk_(Sk), V_(V), causal_(causal) {
+    : B_(B), Hm_(Hm), Sq_(Sq), Sk_(Sk), causal_(causal) {
   if (B < 1 || Hm < 1 || Sq < 1 || Sk < 1)
     input_error("attention mask: batch, mask heads, Sq and Sk must be >= 1, got B=", B, " Hm=", Hm,
                 " Sq=", Sq, " Sk=", Sk);

@@ -46,7 +46,6 @@ class ColumnMask {
   int64_t rows() const { return Sq_; }  // Sq
   int64_t cols() const { return Sk_; }  // Sk
   bool causal() const { return causal_; }
-  int input_vectors() const { return V_; }  // V of the input form
 
   // Canonical vector v (kLTS...kUTE) of (b, hm): Sk int32 values.
   const int32_t* vector(int64_t b, int64_t hm, int v) const {
@@ -65,7 +64,6 @@ class ColumnMask {
 
  private:
   int64_t B_ = 0, Hm_ = 0, Sq_ = 0, Sk_ = 0;
-  int V_ = 1;
   bool causal_ = true;
   std::vector<int32_t> data_;  // [B, Hm, 4, Sk]
 };

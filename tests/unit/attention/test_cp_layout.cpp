@@ -158,8 +158,8 @@ TEST(CpLayout, BalancedIsOptimalForTwoRanks) {
   }
 }
 
-// Causal and causal-document work with 4 and 8 chunks per rank: balanced within 5 %, and never
-// worse than contiguous.
+// Causal and causal-document work with 16 and 8 chunks per rank (P = 2 and 4; P = 2 runs the
+// best-swap path of K > 8): balanced within 5 %, and never worse than contiguous.
 TEST(CpLayout, BalancedEvensCausalWork) {
   Rng rng(14);
   const int64_t N = 2048, chunk = 64;
