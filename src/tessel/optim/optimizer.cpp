@@ -15,7 +15,9 @@ constexpr ParamTag kAllTags[] = {ParamTag::embedding, ParamTag::position_embeddi
                                  ParamTag::head,      ParamTag::hidden_matrix,
                                  ParamTag::norm,      ParamTag::bias};
 
-void check_range(bool ok, const char* field, double value, const char* expected) {
+// An integer key's value is printed as an integer (1000000, not 1e+06).
+template <class T>
+void check_range(bool ok, const char* field, T value, const char* expected) {
   if (!ok) input_error(field, " = ", value, " is out of range (expected ", expected, ")");
 }
 
@@ -88,10 +90,10 @@ void validate(const OptimizerConfig& c) {
   check_choice(c.momentum_form, "optim.momentum_form", {"sum", "lerp"});
   check_choice(c.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"});
   check_choice(c.ns_coefficients, "optim.ns_coefficients", {"keller", "polar_express", "you"});
-  check_range(c.ns_steps >= 1 && c.ns_steps <= 100, "optim.ns_steps", double(c.ns_steps),
+  check_range(c.ns_steps >= 1 && c.ns_steps <= 100, "optim.ns_steps", c.ns_steps,
               "1 <= ns_steps <= 100");
   if (c.ns_coefficients == "you")
-    check_range(c.ns_steps <= 5, "optim.ns_steps", double(c.ns_steps),
+    check_range(c.ns_steps <= 5, "optim.ns_steps", c.ns_steps,
                 "<= 5 with optim.ns_coefficients = you (its table has 5 steps)");
   check_choice(c.ns_normalize, "optim.ns_normalize", {"frobenius", "aol"});
   // A restart comes before a step: steps 1 .. ns_steps - 1 can have one, listed in order.
@@ -105,7 +107,7 @@ void validate(const OptimizerConfig& c) {
       input_error("optim.ns_restarts = \"", c.ns_restarts, "\": ", t,
                   " is no step of optim.ns_steps = ", c.ns_steps,
                   " (a restart precedes a step in [1, ns_steps); \"\" = none)");
-  check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", double(c.ns_gram_min), ">= 1");
+  check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", c.ns_gram_min, ">= 1");
   check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction, "0 < fraction <= 1");
   check_range(c.ef_decay >= 0 && c.ef_decay <= 1, "optim.ef_decay", c.ef_decay,
               "0 <= ef_decay <= 1");

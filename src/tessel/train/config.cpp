@@ -866,7 +866,7 @@ void validate(const Config& c) {
   auto positive = [](const char* name, int64_t v) {
     if (v < 1) input_error("config key '", name, "' must be at least 1, got ", v);
   };
-  auto non_negative = [](const char* name, double v) {
+  auto non_negative = [](const char* name, auto v) {  // an integer printed as one
     if (v < 0) input_error("config key '", name, "' must not be negative, got ", v);
   };
   model::validate(c.model);
@@ -894,13 +894,13 @@ void validate(const Config& c) {
     if (v > (int64_t(1) << 24))
       input_error("config key '", name, "' = ", v, " is larger than tessel supports (",
                   int64_t(1) << 24, ")");
-  non_negative("train.eval_every", double(c.train.eval_every));
-  non_negative("train.checkpoint_every", double(c.train.checkpoint_every));
-  non_negative("train.sample_tokens", double(c.train.sample_tokens));
+  non_negative("train.eval_every", c.train.eval_every);
+  non_negative("train.checkpoint_every", c.train.checkpoint_every);
+  non_negative("train.sample_tokens", c.train.sample_tokens);
   if (c.train.sample_tokens > 0 && c.train.sample_prompt.empty())
     input_error("config key 'train.sample_prompt' is empty; the final sample needs a prompt ",
                 "(or train.sample_tokens = 0)");
-  non_negative("train.sample_top_k", double(c.train.sample_top_k));
+  non_negative("train.sample_top_k", c.train.sample_top_k);
   non_negative("train.sample_temperature", c.train.sample_temperature);
   model::check_temperature_range(c.train.sample_temperature,
                                  "config key 'train.sample_temperature'");
@@ -918,7 +918,7 @@ void validate(const Config& c) {
   optim::validate(c.optim);
   optim::lr_schedule(c.optim, c.train.steps);
   optim::SpikeFilter(c.train.spike_factor, c.train.spike_window);
-  non_negative("parallel.dp", double(c.parallel.dp));
+  non_negative("parallel.dp", c.parallel.dp);
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
@@ -993,7 +993,7 @@ void validate(const Config& c) {
     input_error("config key 'train.mtbf_seconds' must be positive, got ", c.train.mtbf_seconds);
   validate(c.fault);
   check_faults_can_strike(c);
-  non_negative("run.threads", double(c.run.threads));
+  non_negative("run.threads", c.run.threads);
   if (c.run.threads > kMaxThreads)
     input_error("config key 'run.threads' = ", c.run.threads, " is more than ", kMaxThreads);
   non_negative("mfu.peak_gflops", c.mfu.peak_gflops);

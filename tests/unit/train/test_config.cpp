@@ -186,7 +186,13 @@ TEST(Config, WrongTypesAndValuesNameTheKey) {
   EXPECT_EQ(train::load_config("", {"train.keep_checkpoints=0"}).train.keep_checkpoints, 0);
   expect_input_error([&] { train::load_config("", {"run.threads=5000"}); },
                      {"run.threads", "4096"});
-});
+  // An integer key's range error prints the integer (not 1e+06).
+  expect_input_error([&] { train::load_config("", {"optim.ns_steps=1000000"}); },
+                     {"optim.ns_steps = 1000000 is out of range"});
+  expect_input_error([&] { train::load_config("", {"optim.ns_gram_min=-1000000"}); },
+                     {"optim.ns_gram_min = -1000000 is out of range"});
+  expect_input_error([&] { train::load_config("", {"train.eval_every=-1000000"}); },
+                     {"'train.eval_every' must not be negative, got -1000000"});
 }
 
 TEST(Config, SequenceLongerThanTheModelAllows) {
