@@ -99,6 +99,15 @@ ConfigKey choice_key(std::string name, std::string help,
           }};
 }
 
+// A string that names one of `names` (kept as the string).
+template <class Get>
+ConfigKey name_key(std::string name, std::string help, const std::vector<std::string>& names,
+                   Get member) {
+  std::vector<std::pair<std::string, std::string>> choices;
+  for (const auto& n : names) choices.emplace_back(n, n);
+  return choice_key<std::string>(std::move(name), std::move(help), std::move(choices), member);
+}
+
 #define FIELD(path)         \
   [](Config & c) -> auto& { \
     return c.path;          \
@@ -323,10 +332,10 @@ std::vector<ConfigKey> build_schema() {
                 FIELD(train.sample_temperature)),
       int_key("train.sample_top_k", "sample among the k likeliest tokens; 0 = all",
               FIELD(train.sample_top_k)),
-      string_key("optim.name",
-                 "optimizer: adamw, or muon / dion2 / dion3 for hidden matrices (AdamW for the "
-                 "other parameters)",
-                 FIELD(optim.name)),
+      name_key("optim.name",
+               "optimizer: adamw, or muon / dion2 / dion3 for hidden matrices (AdamW for the "
+               "other parameters)",
+               optim::kOptimizerNames, FIELD(optim.name)),
       float_key("optim.lr", "peak learning rate", FIELD(optim.lr)),
       float_key("optim.min_lr", "learning rate at the end of the decay", FIELD(optim.min_lr)),
       int_key("optim.warmup_steps", "linear warm-up steps", FIELD(optim.warmup_steps)),
@@ -353,21 +362,21 @@ std::vector<ConfigKey> build_schema() {
       float_key("optim.muon_lr", "muon/dion2/dion3: peak learning rate of hidden matrices",
                 FIELD(optim.muon_lr)),
       float_key("optim.momentum", "muon: momentum", FIELD(optim.momentum)),
-      string_key("optim.momentum_form", "muon: sum (B = mu B + G) or lerp (B = mu B + (1-mu) G)",
-                 FIELD(optim.momentum_form)),
+      name_key("optim.momentum_form", "muon: sum (B = mu B + G) or lerp (B = mu B + (1-mu) G)",
+               optim::kMomentumForms, FIELD(optim.momentum_form)),
       bool_key("optim.nesterov", "muon: Nesterov momentum", FIELD(optim.nesterov)),
-      string_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
-                 FIELD(optim.lr_rule)),
-      string_key("optim.ns_coefficients",
-                 "Newton-Schulz coefficients: keller, polar_express (its table, then the limit "
-                 "triple) or you (at most 5 steps; fewer take its last ones)",
-                 FIELD(optim.ns_coefficients)),
+      name_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
+               optim::kLrRules, FIELD(optim.lr_rule)),
+      name_key("optim.ns_coefficients",
+               "Newton-Schulz coefficients: keller, polar_express (its table, then the limit "
+               "triple) or you (at most 5 steps; fewer take its last ones)",
+               optim::kNsCoefficientSets, FIELD(optim.ns_coefficients)),
       int_key("optim.ns_steps", "Newton-Schulz steps", FIELD(optim.ns_steps)),
-      string_key("optim.ns_normalize",
-                 "scaling before Newton-Schulz: frobenius (divide by the Frobenius norm) or aol "
-                 "(Turbo-Muon: each row of the short side scaled by its row sum of |X X^T|^-1/2, "
-                 "so one step fewer gets most of the way)",
-                 FIELD(optim.ns_normalize)),
+      name_key("optim.ns_normalize",
+               "scaling before Newton-Schulz: frobenius (divide by the Frobenius norm) or aol "
+               "(Turbo-Muon: each row of the short side scaled by its row sum of |X X^T|^-1/2, "
+               "so one step fewer gets most of the way)",
+               optim::kNsNormalizations, FIELD(optim.ns_normalize)),
       bool_key("optim.ns_gram", "Gram Newton-Schulz for non-square matrices", FIELD(optim.ns_gram)),
       string_key("optim.ns_restarts",
                  "comma-separated 0-based steps before which Gram NS restarts; auto: 2, 5, 8, "
@@ -379,18 +388,18 @@ std::vector<ConfigKey> build_schema() {
                 FIELD(optim.fraction)),
       float_key("optim.ef_decay", "dion2/dion3: error-feedback decay of the selected rows",
                 FIELD(optim.ef_decay)),
-      string_key("optim.selection_scope",
-                 "dion2/dion3 row selection: local (per shard) or global (whole matrix)",
-                 FIELD(optim.selection_scope)),
+      name_key("optim.selection_scope",
+               "dion2/dion3 row selection: local (per shard) or global (whole matrix)",
+               optim::kSelectionScopes, FIELD(optim.selection_scope)),
       float_key("optim.normuon_beta2", "dion3: NorMuon second-moment decay",
                 FIELD(optim.normuon_beta2)),
-      string_key("optim.muon_mode",
-                 "muon family over dp: sharded (ZeRO-1 megabatch), replicated or allgather",
-                 FIELD(optim.muon_mode)),
-      string_key("optim.qkv_split",
-                 "muon family: orthogonalize fused QKV as one matrix (none), per q/k/v block "
-                 "(blocks) or per head (heads)",
-                 FIELD(optim.qkv_split)),
+      name_key("optim.muon_mode",
+               "muon family over dp: sharded (ZeRO-1 megabatch), replicated or allgather",
+               optim::kMuonModes, FIELD(optim.muon_mode)),
+      name_key("optim.qkv_split",
+               "muon family: orthogonalize fused QKV as one matrix (none), per q/k/v block "
+               "(blocks) or per head (heads)",
+               optim::kQkvSplits, FIELD(optim.qkv_split)),
       int_key("parallel.dp", "data-parallel degree; 0 = world / (pp * cp)", FIELD(parallel.dp)),
       int_key("parallel.pp", "pipeline stages", FIELD(parallel.pp)),
       int_key("parallel.cp",

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -170,6 +171,31 @@ TEST(Config, FileAndSetReadValuesAlike) {
                      {"f.toml:2: config key 'run.seed' expects an integer, got a float"});
   expect_input_error([&] { set("run.seed==5"); },
                      {"--set: config key 'run.seed': expected an integer, got '=5'"});
+}
+
+// The optimizer's string settings are choice keys as the model's enums are: the same error,
+// in a file and in --set, and --help-config lists their names.
+TEST(Config, OptimizerNamesAreChoiceKeys) {
+  expect_input_error([] { train::parse_config("[optim]\nname = 'sgd'\n", "f.toml", {}); },
+                     {"f.toml:2: config key 'optim.name': expected one of adamw|muon|dion2|dion3, "
+                      "got 'sgd'"});
+  for (const auto& [key, names] : {std::pair{"optim.momentum_form", "sum|lerp"},
+                                   std::pair{"optim.lr_rule", "spectral_norm|rms_norm|keller"},
+                                   std::pair{"optim.ns_coefficients", "keller|polar_express|you"},
+                                   std::pair{"optim.ns_normalize", "frobenius|aol"},
+                                   std::pair{"optim.selection_scope", "local|global"},
+                                   std::pair{"optim.muon_mode", "sharded|replicated|allgather"},
+                                   std::pair{"optim.qkv_split", "none|blocks|heads"}}) {
+    expect_input_error(
+        [&] { train::load_config("", {std::string(key) + "=x"}); },
+        {"--set: config key '" + std::string(key) + "': expected one of " + names + ", got 'x'"});
+    const auto& schema = train::config_schema();
+    const auto entry = std::find_if(schema.begin(), schema.end(),
+                                    [&](const train::ConfigKey& k) { return k.name == key; });
+    ASSERT_NE(entry, schema.end());
+    EXPECT_EQ(entry->type, names);
+  }
+  EXPECT_EQ(train::load_config("", {"optim.qkv_split=heads"}).optim.qkv_split, "heads");
 }
 
 TEST(Config, WrongTypesAndValuesNameTheKey) {
