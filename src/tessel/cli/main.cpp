@@ -446,11 +446,16 @@ int main(int argc, char** argv) {
                    "\"content\"}, ...]} or {\"prompt\", \"response\"} per line)")
       ->capture_default_str();
   // An empty --out would fall back to the default directory, which the user did not name (an
-  // empty --data of eval to the run's data.path); an empty --run or RUN_DIR names no run, and
-  // would read and write the root directory's files ("" + "/ett").
-  const CLI::Validator directory(
-      [](std::string& v) -> std::string { return v.empty() ? "must name a directory" : ""; },
-      "DIR");
+  // empty --data of eval to the run's data.path, an empty --config, as an unset "$CFG", to the
+  // default config); an empty --run or RUN_DIR names no run, and would read and write the root
+  // directory's files ("" + "/ett").
+  const auto must_name = [](std::string what, std::string type) {
+    return CLI::Validator(
+        [what](std::string& v) -> std::string { return v.empty() ? "must name " + what : ""; },
+        type);
+  };
+  const CLI::Validator directory = must_name("a directory", "DIR");
+  const CLI::Validator file = must_name("a file", "FILE");
   prepare
       ->add_option("--out", prep.output_dir,
                    "output directory; default: data/ and the corpus's name, or its file's "
@@ -520,7 +525,7 @@ int main(int argc, char** argv) {
   bool help_config = false;
   auto* trainc = app.add_subcommand(
       "train", "train a GPT (under mpirun: data, pipeline, context and expert parallel)");
-  trainc->add_option("--config", config_path, "TOML config file (configs/*.toml)");
+  trainc->add_option("--config", config_path, "TOML config file (configs/*.toml)")->check(file);
   trainc->add_option("--set", overrides, "override a config key: --set train.steps=100")
       ->take_all();
   trainc->add_flag("--help-config", help_config, "list every config key with its default");
@@ -631,7 +636,7 @@ int main(int argc, char** argv) {
                    "seconds the job gets after a forwarded stop signal, or after the SIGTERM to "
                    "a hung job, before its process group gets SIGKILL; in (0, 1e6]")
       ->capture_default_str();
-  runc->add_option("--config", sup_config, "TOML config file, as for train");
+  runc->add_option("--config", sup_config, "TOML config file, as for train")->check(file);
   double max_ttr = 0;
   const char* max_ttr_help =
       "recovery-time objective in seconds: exit status 3 if a failure's TTR (wasted steps + "

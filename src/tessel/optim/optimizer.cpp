@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
@@ -15,7 +16,9 @@ constexpr ParamTag kAllTags[] = {ParamTag::embedding, ParamTag::position_embeddi
                                  ParamTag::head,      ParamTag::hidden_matrix,
                                  ParamTag::norm,      ParamTag::bias};
 
-void check_range(bool ok, const char* field, double value, const char* expected) {
+// An integer key's value is printed as an integer (1000000, not 1e+06).
+template <class T>
+void check_range(bool ok, const char* field, T value, const char* expected) {
   if (!ok) input_error(field, " = ", value, " is out of range (expected ", expected, ")");
 }
 
@@ -35,15 +38,14 @@ void check_decay_product(const char* lr_field, double lr, double weight_decay) {
                 "): each step multiplies a decayed weight by 1 - lr * weight_decay");
 }
 
-// The index of `value` in `choices`; InputError naming `field` otherwise.
+// The index of `value` in `choices`; InputError naming `field` otherwise (a config read from
+// TOML was checked by its choice key; this guards one built in code).
 size_t check_choice(const std::string& value, const char* field,
-                    std::initializer_list<const char*> choices) {
+                    const std::vector<std::string>& choices) {
+  const auto it = std::find(choices.begin(), choices.end(), value);
+  if (it != choices.end()) return size_t(it - choices.begin());
   std::string list;
-  size_t i = 0;
-  for (const char* c : choices) {
-    if (value == c) return i;
-    list += (i++ ? ", " : "") + std::string(c);
-  }
+  for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
   input_error(field, " = '", value, "' is not one of ", list);
 }
 
@@ -67,7 +69,16 @@ std::vector<int64_t> ns_restart_steps(const OptimizerConfig& c) {
 }
 
 void validate(const OptimizerConfig& c) {
-  check_choice(c.name, "optim.name", {"adamw", "muon", "dion2", "dion3"});
+  const std::tuple<const std::string&, const char*, const std::vector<std::string>&> names[] = {
+      {c.name, "optim.name", kOptimizerNames},
+      {c.momentum_form, "optim.momentum_form", kMomentumForms},
+      {c.lr_rule, "optim.lr_rule", kLrRules},
+      {c.ns_coefficients, "optim.ns_coefficients", kNsCoefficientSets},
+      {c.ns_normalize, "optim.ns_normalize", kNsNormalizations},
+      {c.selection_scope, "optim.selection_scope", kSelectionScopes},
+      {c.muon_mode, "optim.muon_mode", kMuonModes},
+      {c.qkv_split, "optim.qkv_split", kQkvSplits}};
+  for (const auto& [value, field, choices] : names) check_choice(value, field, choices);
   check_positive_float("optim.lr", c.lr);
   check_range(c.beta1 >= 0 && c.beta1 < 1, "optim.beta1", c.beta1, "0 <= beta1 < 1");
   check_range(c.beta2 >= 0 && c.beta2 < 1, "optim.beta2", c.beta2, "0 <= beta2 < 1");
@@ -85,15 +96,11 @@ void validate(const OptimizerConfig& c) {
     check_decay_product("optim.lr", c.lr, c.weight_decay);
   if (muon_family && hidden) check_decay_product("optim.muon_lr", c.muon_lr, c.weight_decay);
   check_range(c.momentum >= 0 && c.momentum < 1, "optim.momentum", c.momentum, "0 <= momentum < 1");
-  check_choice(c.momentum_form, "optim.momentum_form", {"sum", "lerp"});
-  check_choice(c.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"});
-  check_choice(c.ns_coefficients, "optim.ns_coefficients", {"keller", "polar_express", "you"});
-  check_range(c.ns_steps >= 1 && c.ns_steps <= 100, "optim.ns_steps", double(c.ns_steps),
+  check_range(c.ns_steps >= 1 && c.ns_steps <= 100, "optim.ns_steps", c.ns_steps,
               "1 <= ns_steps <= 100");
   if (c.ns_coefficients == "you")
-    check_range(c.ns_steps <= 5, "optim.ns_steps", double(c.ns_steps),
+    check_range(c.ns_steps <= 5, "optim.ns_steps", c.ns_steps,
                 "<= 5 with optim.ns_coefficients = you (its table has 5 steps)");
-  check_choice(c.ns_normalize, "optim.ns_normalize", {"frobenius", "aol"});
   // A restart comes before a step: steps 1 .. ns_steps - 1 can have one, listed in order.
   const std::vector<int64_t> restarts = ns_restart_steps(c);
   for (size_t i = 1; i < restarts.size(); ++i)
@@ -105,15 +112,12 @@ void validate(const OptimizerConfig& c) {
       input_error("optim.ns_restarts = \"", c.ns_restarts, "\": ", t,
                   " is no step of optim.ns_steps = ", c.ns_steps,
                   " (a restart precedes a step in [1, ns_steps); \"\" = none)");
-  check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", double(c.ns_gram_min), ">= 1");
+  check_range(c.ns_gram_min >= 1, "optim.ns_gram_min", c.ns_gram_min, ">= 1");
   check_range(c.fraction > 0 && c.fraction <= 1, "optim.fraction", c.fraction, "0 < fraction <= 1");
   check_range(c.ef_decay >= 0 && c.ef_decay <= 1, "optim.ef_decay", c.ef_decay,
               "0 <= ef_decay <= 1");
-  check_choice(c.selection_scope, "optim.selection_scope", {"local", "global"});
   check_range(c.normuon_beta2 >= 0 && c.normuon_beta2 < 1, "optim.normuon_beta2", c.normuon_beta2,
               "0 <= normuon_beta2 < 1");
-  check_choice(c.muon_mode, "optim.muon_mode", {"sharded", "replicated", "allgather"});
-  check_choice(c.qkv_split, "optim.qkv_split", {"none", "blocks", "heads"});
 }
 
 std::vector<ParamTag> parse_decay_tags(const std::string& text) {
@@ -146,15 +150,14 @@ std::unique_ptr<Optimizer> make_optimizer(
   std::vector<ParamTag> decay = parse_decay_tags(config.decay_tags);
   if (config.name == "adamw") return std::make_unique<AdamW>(std::move(params), base, decay);
   MuonHyper h;
-  h.variant = MuonVariant(check_choice(config.name, "optim.name", {"muon", "dion2", "dion3"}));
+  h.variant = MuonVariant(check_choice(config.name, "optim.name", kOptimizerNames) - 1);  // adamw
   h.lr = config.muon_lr;
   h.momentum = config.momentum;
   h.lerp = config.momentum_form == "lerp";
   h.nesterov = config.nesterov;
   const bool decays = std::find(decay.begin(), decay.end(), ParamTag::hidden_matrix) != decay.end();
   h.weight_decay = decays ? config.weight_decay : 0.0;
-  h.lr_rule = LrRule(
-      check_choice(config.lr_rule, "optim.lr_rule", {"spectral_norm", "rms_norm", "keller"}));
+  h.lr_rule = LrRule(check_choice(config.lr_rule, "optim.lr_rule", kLrRules));
   h.ns.coefficients = ns_coefficients(config.ns_coefficients, int(config.ns_steps));
   h.ns.gram = config.ns_gram;
   const auto restarts = ns_restart_steps(config);
@@ -165,8 +168,7 @@ std::unique_ptr<Optimizer> make_optimizer(
   h.ef_decay = config.ef_decay;
   h.local_scope = config.selection_scope == "local";
   h.normuon_beta2 = config.normuon_beta2;
-  h.mode = MuonMode(
-      check_choice(config.muon_mode, "optim.muon_mode", {"sharded", "replicated", "allgather"}));
+  h.mode = MuonMode(check_choice(config.muon_mode, "optim.muon_mode", kMuonModes));
   return std::make_unique<Muon>(std::move(params), h, base, decay, group, row_blocks);
 }
 

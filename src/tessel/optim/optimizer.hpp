@@ -90,6 +90,17 @@ struct OptimizerConfig {
   std::string qkv_split = "none";         // none | blocks | heads (fused QKV row blocks)
 };
 
+// The names each OptimizerConfig string field takes, in one place: the config's choice keys
+// offer them, validate checks a config built in code, make_optimizer maps them.
+inline const std::vector<std::string> kOptimizerNames = {"adamw", "muon", "dion2", "dion3"};
+inline const std::vector<std::string> kMomentumForms = {"sum", "lerp"};
+inline const std::vector<std::string> kLrRules = {"spectral_norm", "rms_norm", "keller"};
+inline const std::vector<std::string> kNsCoefficientSets = {"keller", "polar_express", "you"};
+inline const std::vector<std::string> kNsNormalizations = {"frobenius", "aol"};
+inline const std::vector<std::string> kSelectionScopes = {"local", "global"};
+inline const std::vector<std::string> kMuonModes = {"sharded", "replicated", "allgather"};
+inline const std::vector<std::string> kQkvSplits = {"none", "blocks", "heads"};
+
 // Checks every field's range; throws InputError naming the field (`optim.beta1`, ...).
 // The schedule's fields (min_lr, warmup_steps, decay_fraction) are checked with `train.steps`
 // by LrSchedule.

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -21,30 +22,6 @@
 namespace tessel::train {
 
 namespace {
-
-int64_t parse_int(const std::string& key, const std::string& text) {
-  int64_t v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size())
-    input_error("config key '", key, "': expected an integer, got '", text, "'");
-  return v;
-}
-
-double parse_float(const std::string& key, const std::string& text) {
-  try {
-    size_t used = 0;
-    double v = std::stod(text, &used);
-    if (used == text.size() && std::isfinite(v)) return v;
-  } catch (const std::exception&) {
-  }
-  input_error("config key '", key, "': expected a number, got '", text, "'");
-}
-
-bool parse_bool(const std::string& key, const std::string& text) {
-  if (text == "true") return true;
-  if (text == "false") return false;
-  input_error("config key '", key, "': expected true or false, got '", text, "'");
-}
 
 // A TOML string literal with every character that needs it escaped (toml++ does it). One
 // holding a control character (a newline, a tab) is a basic string with escapes: toml++
@@ -73,29 +50,30 @@ std::string float_text(double v) {
   return s;
 }
 
-// Builders for schema entries bound to a member of Config.
+// Builders for schema entries bound to a member of Config. A setter gets a value of its key's
+// type (set_value checks it).
 template <class Get>
 ConfigKey int_key(std::string name, std::string help, Get member) {
   return {name, std::move(help), "int",
-          [member, name](Config& c, const std::string& t) { member(c) = parse_int(name, t); },
+          [member](Config& c, const ConfigValue& v) { member(c) = std::get<int64_t>(v); },
           [member](const Config& c) { return std::to_string(member(const_cast<Config&>(c))); }};
 }
 template <class Get>
 ConfigKey float_key(std::string name, std::string help, Get member) {
   return {name, std::move(help), "float",
-          [member, name](Config& c, const std::string& t) { member(c) = parse_float(name, t); },
+          [member](Config& c, const ConfigValue& v) { member(c) = std::get<double>(v); },
           [member](const Config& c) { return float_text(member(const_cast<Config&>(c))); }};
 }
 template <class Get>
 ConfigKey bool_key(std::string name, std::string help, Get member) {
   return {name, std::move(help), "bool",
-          [member, name](Config& c, const std::string& t) { member(c) = parse_bool(name, t); },
+          [member](Config& c, const ConfigValue& v) { member(c) = std::get<bool>(v); },
           [member](const Config& c) { return member(const_cast<Config&>(c)) ? "true" : "false"; }};
 }
 template <class Get>
 ConfigKey string_key(std::string name, std::string help, Get member) {
   return {name, std::move(help), "string",
-          [member](Config& c, const std::string& t) { member(c) = t; },
+          [member](Config& c, const ConfigValue& v) { member(c) = std::get<std::string>(v); },
           [member](const Config& c) { return quote(member(const_cast<Config&>(c))); }};
 }
 // An enum stored as one of a fixed set of names.
@@ -105,7 +83,8 @@ ConfigKey choice_key(std::string name, std::string help,
   std::string type;
   for (auto& [n, e] : choices) type += (type.empty() ? "" : "|") + n;
   return {name, std::move(help), type,
-          [member, name, choices, type](Config& c, const std::string& t) {
+          [member, name, choices, type](Config& c, const ConfigValue& v) {
+            const auto& t = std::get<std::string>(v);
             for (auto& [n, e] : choices)
               if (n == t) {
                 member(c) = e;
@@ -118,6 +97,15 @@ ConfigKey choice_key(std::string name, std::string help,
               if (member(const_cast<Config&>(c)) == e) return quote(n);
             return std::string("\"?\"");
           }};
+}
+
+// A string that names one of `names` (kept as the string).
+template <class Get>
+ConfigKey name_key(std::string name, std::string help, const std::vector<std::string>& names,
+                   Get member) {
+  std::vector<std::pair<std::string, std::string>> choices;
+  for (const auto& n : names) choices.emplace_back(n, n);
+  return choice_key<std::string>(std::move(name), std::move(help), std::move(choices), member);
 }
 
 #define FIELD(path)         \
@@ -344,10 +332,10 @@ std::vector<ConfigKey> build_schema() {
                 FIELD(train.sample_temperature)),
       int_key("train.sample_top_k", "sample among the k likeliest tokens; 0 = all",
               FIELD(train.sample_top_k)),
-      string_key("optim.name",
-                 "optimizer: adamw, or muon / dion2 / dion3 for hidden matrices (AdamW for the "
-                 "other parameters)",
-                 FIELD(optim.name)),
+      name_key("optim.name",
+               "optimizer: adamw, or muon / dion2 / dion3 for hidden matrices (AdamW for the "
+               "other parameters)",
+               optim::kOptimizerNames, FIELD(optim.name)),
       float_key("optim.lr", "peak learning rate", FIELD(optim.lr)),
       float_key("optim.min_lr", "learning rate at the end of the decay", FIELD(optim.min_lr)),
       int_key("optim.warmup_steps", "linear warm-up steps", FIELD(optim.warmup_steps)),
@@ -374,21 +362,21 @@ std::vector<ConfigKey> build_schema() {
       float_key("optim.muon_lr", "muon/dion2/dion3: peak learning rate of hidden matrices",
                 FIELD(optim.muon_lr)),
       float_key("optim.momentum", "muon: momentum", FIELD(optim.momentum)),
-      string_key("optim.momentum_form", "muon: sum (B = mu B + G) or lerp (B = mu B + (1-mu) G)",
-                 FIELD(optim.momentum_form)),
+      name_key("optim.momentum_form", "muon: sum (B = mu B + G) or lerp (B = mu B + (1-mu) G)",
+               optim::kMomentumForms, FIELD(optim.momentum_form)),
       bool_key("optim.nesterov", "muon: Nesterov momentum", FIELD(optim.nesterov)),
-      string_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
-                 FIELD(optim.lr_rule)),
-      string_key("optim.ns_coefficients",
-                 "Newton-Schulz coefficients: keller, polar_express (its table, then the limit "
-                 "triple) or you (at most 5 steps; fewer take its last ones)",
-                 FIELD(optim.ns_coefficients)),
+      name_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
+               optim::kLrRules, FIELD(optim.lr_rule)),
+      name_key("optim.ns_coefficients",
+               "Newton-Schulz coefficients: keller, polar_express (its table, then the limit "
+               "triple) or you (at most 5 steps; fewer take its last ones)",
+               optim::kNsCoefficientSets, FIELD(optim.ns_coefficients)),
       int_key("optim.ns_steps", "Newton-Schulz steps", FIELD(optim.ns_steps)),
-      string_key("optim.ns_normalize",
-                 "scaling before Newton-Schulz: frobenius (divide by the Frobenius norm) or aol "
-                 "(Turbo-Muon: each row of the short side scaled by its row sum of |X X^T|^-1/2, "
-                 "so one step fewer gets most of the way)",
-                 FIELD(optim.ns_normalize)),
+      name_key("optim.ns_normalize",
+               "scaling before Newton-Schulz: frobenius (divide by the Frobenius norm) or aol "
+               "(Turbo-Muon: each row of the short side scaled by its row sum of |X X^T|^-1/2, "
+               "so one step fewer gets most of the way)",
+               optim::kNsNormalizations, FIELD(optim.ns_normalize)),
       bool_key("optim.ns_gram", "Gram Newton-Schulz for non-square matrices", FIELD(optim.ns_gram)),
       string_key("optim.ns_restarts",
                  "comma-separated 0-based steps before which Gram NS restarts; auto: 2, 5, 8, "
@@ -400,18 +388,18 @@ std::vector<ConfigKey> build_schema() {
                 FIELD(optim.fraction)),
       float_key("optim.ef_decay", "dion2/dion3: error-feedback decay of the selected rows",
                 FIELD(optim.ef_decay)),
-      string_key("optim.selection_scope",
-                 "dion2/dion3 row selection: local (per shard) or global (whole matrix)",
-                 FIELD(optim.selection_scope)),
+      name_key("optim.selection_scope",
+               "dion2/dion3 row selection: local (per shard) or global (whole matrix)",
+               optim::kSelectionScopes, FIELD(optim.selection_scope)),
       float_key("optim.normuon_beta2", "dion3: NorMuon second-moment decay",
                 FIELD(optim.normuon_beta2)),
-      string_key("optim.muon_mode",
-                 "muon family over dp: sharded (ZeRO-1 megabatch), replicated or allgather",
-                 FIELD(optim.muon_mode)),
-      string_key("optim.qkv_split",
-                 "muon family: orthogonalize fused QKV as one matrix (none), per q/k/v block "
-                 "(blocks) or per head (heads)",
-                 FIELD(optim.qkv_split)),
+      name_key("optim.muon_mode",
+               "muon family over dp: sharded (ZeRO-1 megabatch), replicated or allgather",
+               optim::kMuonModes, FIELD(optim.muon_mode)),
+      name_key("optim.qkv_split",
+               "muon family: orthogonalize fused QKV as one matrix (none), per q/k/v block "
+               "(blocks) or per head (heads)",
+               optim::kQkvSplits, FIELD(optim.qkv_split)),
       int_key("parallel.dp", "data-parallel degree; 0 = world / (pp * cp)", FIELD(parallel.dp)),
       int_key("parallel.pp", "pipeline stages", FIELD(parallel.pp)),
       int_key("parallel.cp",
@@ -507,17 +495,18 @@ const ConfigKey* find_key(const std::string& name) {
   return nullptr;
 }
 
-[[noreturn]] void unknown_key(const std::string& where, const std::string& name) {
-  input_error(where, "unknown config key '", name, "' (see `tessel train --help-config`)");
+// An unknown key, or an unknown table (`[trian]`, also without keys).
+[[noreturn]] void unknown_key(const std::string& where, const std::string& name,
+                              bool table = false) {
+  input_error(where, "unknown config ", table ? "table [" : "key '", name, table ? "]" : "'",
+              " (see `tessel train --help-config`)");
 }
 
-// Text of a TOML leaf value in the form the schema setters parse.
-std::string toml_value_text(const toml::node& node) {
-  if (auto s = node.as_string()) return s->get();
-  if (auto i = node.as_integer()) return std::to_string(i->get());
-  if (auto f = node.as_floating_point()) return float_text(f->get());
-  if (auto b = node.as_boolean()) return b->get() ? "true" : "false";
-  return "";
+// Whether `name` is a table of the schema ("train", not "train.sub").
+bool is_table(const std::string& name) {
+  const auto& schema = config_schema();
+  return std::any_of(schema.begin(), schema.end(),
+                     [&](const ConfigKey& k) { return k.name.rfind(name + ".", 0) == 0; });
 }
 
 // Whether the key takes a TOML string (a string or a choice), not a number or bool.
@@ -559,44 +548,107 @@ std::string toml_type_name(const toml::node& node) {
       return "a boolean";
     case toml::node_type::array:
       return "an array";
+    case toml::node_type::table:
+      return "a table";
     default:
       return "a date or time";
   }
 }
 
+// The text of a value as it stands in `source`, the TOML text it was parsed from (toml++ keeps
+// no literal, and counts columns in code points).
+std::string literal(std::string_view source, const toml::source_region& region) {
+  size_t at = 0;
+  for (auto line = region.begin.line; line > 1 && at < source.size(); --line)
+    at = source.find('\n', at) + 1;
+  // Moves `at` on by `n` code points (a UTF-8 continuation byte is 10xxxxxx); returns where
+  // it began.
+  auto skip = [&](toml::source_index n) {
+    const size_t from = at;
+    for (; n > 0 && at < source.size(); --n) {
+      ++at;
+      while (at < source.size() && (static_cast<unsigned char>(source[at]) & 0xC0) == 0x80) ++at;
+    }
+    return from;
+  };
+  skip(region.begin.column - 1);
+  const size_t begin = skip(region.end.column - region.begin.column);
+  return std::string(source.substr(begin, at - begin));
+}
+
+// Whether a TOML float literal lies outside a double's range: beyond the largest (toml++
+// refuses 1e400 itself) or a nonzero value below the smallest subnormal, which toml++ reads as
+// 0 (1e-400). Subnormals (5e-324) are in range.
+bool outside_double_range(std::string text) {
+  std::erase(text, '_');  // digit separators, which from_chars does not take
+  if (text.starts_with('+')) text.erase(0, 1);
+  double v = 0;
+  return std::from_chars(text.data(), text.data() + text.size(), v).ec ==
+         std::errc::result_out_of_range;
+}
+
+// Sets `key` from a TOML value `node` parsed from `source`, with TOML's types checked against
+// the key's, in one way for a config file and for --set; errors start with `where`.
+void set_value(Config& config, const ConfigKey& key, const toml::node& node,
+               std::string_view source, const std::string& where) {
+  // An integer is a float key's value too; a float is no integer key's.
+  const bool fits = takes_string(key)    ? node.is_string()
+                    : key.type == "bool" ? node.is_boolean()
+                    : key.type == "int"  ? node.is_integer()
+                                         : node.is_number();
+  if (!fits) wrong_type(where, key, toml_type_name(node), node.is_array());
+  ConfigValue value;
+  if (auto s = node.as_string()) value = s->get();
+  if (auto b = node.as_boolean()) value = b->get();
+  if (auto i = node.as_integer())
+    value = key.type == "float" ? ConfigValue(double(i->get())) : ConfigValue(i->get());
+  if (auto f = node.as_floating_point()) {
+    const std::string text = literal(source, node.source());
+    if (outside_double_range(text))
+      input_error(where, "config key '", key.name, "' = ", text, " is outside a double's range");
+    if (!std::isfinite(f->get()))
+      input_error(where, "config key '", key.name, "': expected a number, got '", text, "'");
+    value = f->get();
+  }
+  try {
+    key.set(config, value);
+  } catch (const InputError& e) {
+    input_error(where, e.what());
+  }
+}
+
 void apply_table(Config& config, const toml::table& table, const std::string& prefix,
-                 const std::string& file) {
+                 const std::string& file, std::string_view source) {
   for (const auto& [k, node] : table) {
     std::string name = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
-    if (auto sub = node.as_table()) {
-      apply_table(config, *sub, name, file);
+    const std::string where = file + ":" + std::to_string(node.source().begin.line) + ": ";
+    const ConfigKey* key = find_key(name);
+    if (!key) {
+      if (!node.is_table() || !is_table(name)) unknown_key(where, name, node.is_table());
+      apply_table(config, *node.as_table(), name, file, source);
       continue;
     }
-    const ConfigKey* key = find_key(name);
-    if (!key) unknown_key(file + ": ", name);
-    // A string where a number or bool is expected is a type error, not a parse; so is an array
-    // or a date.
-    const bool scalar = node.is_string() || node.is_number() || node.is_boolean();
-    if (!scalar || node.is_string() != takes_string(*key))
-      wrong_type(file + ": ", *key, toml_type_name(node), node.is_array());
-    const std::string text = toml_value_text(node);
-    try {
-      key->set(config, text);
-    } catch (const InputError& e) {
-      input_error(file, ": ", e.what());
-    }
+    set_value(config, *key, node, source, where);
   }
+}
+
+// `text` as the value of a one-key TOML document, `v = text`; nullopt unless it parses as
+// exactly one value.
+const std::string kValueDocument = "v = ";
+std::optional<toml::table> value_document(const std::string& text) {
+  try {
+    toml::table table = toml::parse(kValueDocument + text);
+    if (table.size() == 1 && table.contains("v")) return table;
+  } catch (const toml::parse_error&) {
+  }
+  return std::nullopt;
 }
 
 }  // namespace
 
 std::optional<std::string> config_string_value(const std::string& text) {
-  try {
-    const toml::table table = toml::parse("v = " + text);
-    if (table.size() == 1) return table["v"].value<std::string>();
-  } catch (const toml::parse_error&) {
-  }
-  return std::nullopt;
+  const auto table = value_document(text);
+  return table ? (*table)["v"].value<std::string>() : std::nullopt;
 }
 
 model::GptConfig default_model() {
@@ -628,68 +680,66 @@ void apply_override(Config& config, const std::string& assignment) {
   // As in a config file, whose parser refuses such bytes: config.toml must read back the same.
   if (const size_t bad = data::first_invalid_utf8(value); bad != std::string::npos)
     input_error("--set ", name, ": the value is not valid UTF-8 (at byte ", bad, ")");
-  // A value that starts with a quote is one TOML string, as in a config file ("..." with
-  // escapes such as \n, or '...' taken literally); any other value is taken as written.
-  if (!value.empty() && (value.front() == '"' || value.front() == '\'')) {
-    // A string where a number or bool is expected is a type error, as in a file.
-    if (!takes_string(*key)) wrong_type("--set: ", *key, "a quoted string");
-    const std::optional<std::string> parsed = config_string_value(value);
-    if (!parsed)
-      input_error(
-          "--set ", name,
-          ": the value starts with a quote but is not one TOML string (\"...\" with escapes "
-          "such as \\n, or '...')");
-    value = *parsed;
+  const bool quoted = !value.empty() && (value.front() == '"' || value.front() == '\'');
+  // A string key's value is taken as written unless it starts with a quote.
+  if (takes_string(*key) && !quoted) {
+    set_value(config, *key, toml::value<std::string>(value), "", "--set: ");
+    return;
   }
-  key->set(config, value);
+  // A string where a number or bool is expected is a type error, as in a file.
+  if (quoted && !takes_string(*key)) wrong_type("--set: ", *key, "a quoted string");
+  // Any other value is read as TOML, by a file's rules ("..." with escapes such as \n, '...'
+  // literally, 1_000, 0x10, 5e-324).
+  const auto document = value_document(value);
+  if (!document && quoted)
+    input_error("--set ", name,
+                ": the value starts with a quote but is not one TOML string (\"...\" with escapes "
+                "such as \\n, or '...')");
+  if (!document && key->type == "float" && outside_double_range(value))
+    input_error("--set: config key '", name, "' = ", value, " is outside a double's range");
+  if (!document)
+    input_error("--set: config key '", name, "': expected ", expected_value(*key), ", got '", value,
+                "'");
+  set_value(config, *key, *document->get("v"), kValueDocument + value, "--set: ");
 }
 
 namespace {
-Config config_from(const toml::table& table, const std::string& source,
+Config config_from(const std::string& text, const std::string& source,
                    const std::vector<std::string>& overrides) {
   Config config;
-  apply_table(config, table, "", source);
+  try {
+    apply_table(config, toml::parse(text, source), "", source, text);
+  } catch (const toml::parse_error& e) {
+    const auto& where = e.source().begin;
+    input_error(source, ":", where.line, ":", where.column, ": ", e.description());
+  }
   for (const auto& o : overrides) apply_override(config, o);
-  validate(config);
   return config;
-}
-
-[[noreturn]] void toml_error(const std::string& source, const toml::parse_error& e) {
-  const auto& where = e.source().begin;
-  input_error(source, ":", where.line, ":", where.column, ": ", e.description());
 }
 }  // namespace
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  if (path.empty()) return config_from(toml::table{}, "", overrides);
+  if (path.empty()) return parse_config("", "", overrides);
   if (std::filesystem::is_directory(path))
     input_error(path, ": is a directory; --config takes a TOML file");
   if (!std::filesystem::is_regular_file(path)) input_error(path, ": config file not found");
-  try {
-    return config_from(toml::parse_file(path), path, overrides);
-  } catch (const toml::parse_error& e) {
-    toml_error(path, e);
-  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) input_error(path, ": cannot open the config file");
+  const std::string text(std::istreambuf_iterator<char>(in), {});
+  return parse_config(text, path, overrides);
 }
 
 Config parse_config(const std::string& text, const std::string& source,
                     const std::vector<std::string>& overrides) {
-  try {
-    return config_from(toml::parse(text, source), source, overrides);
-  } catch (const toml::parse_error& e) {
-    toml_error(source, e);
-  }
+  Config config = config_from(text, source, overrides);
+  validate(config);
+  return config;
 }
 
 Config parse_stored_config(const std::string& text, const std::string& source) {
-  try {
-    Config config;
-    apply_table(config, toml::parse(text, source), "", source);
-    model::validate(config.model);
-    return config;
-  } catch (const toml::parse_error& e) {
-    toml_error(source, e);
-  }
+  Config config = config_from(text, source, {});
+  model::validate(config.model);
+  return config;
 }
 
 void check_run_dir(const std::string& dir) {
@@ -825,7 +875,7 @@ void validate(const Config& c) {
   auto positive = [](const char* name, int64_t v) {
     if (v < 1) input_error("config key '", name, "' must be at least 1, got ", v);
   };
-  auto non_negative = [](const char* name, double v) {
+  auto non_negative = [](const char* name, auto v) {  // an integer printed as one
     if (v < 0) input_error("config key '", name, "' must not be negative, got ", v);
   };
   model::validate(c.model);
@@ -853,13 +903,13 @@ void validate(const Config& c) {
     if (v > (int64_t(1) << 24))
       input_error("config key '", name, "' = ", v, " is larger than tessel supports (",
                   int64_t(1) << 24, ")");
-  non_negative("train.eval_every", double(c.train.eval_every));
-  non_negative("train.checkpoint_every", double(c.train.checkpoint_every));
-  non_negative("train.sample_tokens", double(c.train.sample_tokens));
+  non_negative("train.eval_every", c.train.eval_every);
+  non_negative("train.checkpoint_every", c.train.checkpoint_every);
+  non_negative("train.sample_tokens", c.train.sample_tokens);
   if (c.train.sample_tokens > 0 && c.train.sample_prompt.empty())
     input_error("config key 'train.sample_prompt' is empty; the final sample needs a prompt ",
                 "(or train.sample_tokens = 0)");
-  non_negative("train.sample_top_k", double(c.train.sample_top_k));
+  non_negative("train.sample_top_k", c.train.sample_top_k);
   non_negative("train.sample_temperature", c.train.sample_temperature);
   model::check_temperature_range(c.train.sample_temperature,
                                  "config key 'train.sample_temperature'");
@@ -877,7 +927,7 @@ void validate(const Config& c) {
   optim::validate(c.optim);
   optim::lr_schedule(c.optim, c.train.steps);
   optim::SpikeFilter(c.train.spike_factor, c.train.spike_window);
-  non_negative("parallel.dp", double(c.parallel.dp));
+  non_negative("parallel.dp", c.parallel.dp);
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
@@ -952,7 +1002,7 @@ void validate(const Config& c) {
     input_error("config key 'train.mtbf_seconds' must be positive, got ", c.train.mtbf_seconds);
   validate(c.fault);
   check_faults_can_strike(c);
-  non_negative("run.threads", double(c.run.threads));
+  non_negative("run.threads", c.run.threads);
   if (c.run.threads > kMaxThreads)
     input_error("config key 'run.threads' = ", c.run.threads, " is more than ", kMaxThreads);
   non_negative("mfu.peak_gflops", c.mfu.peak_gflops);

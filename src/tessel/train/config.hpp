@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "tessel/data/packing.hpp"
@@ -131,13 +132,18 @@ struct Config {
   FaultConfig fault;
 };
 
+// A config value as TOML reads it, from a file or a --set value.
+using ConfigValue = std::variant<int64_t, double, bool, std::string>;
+
 // One key of the schema: its dotted name, help text, and how to read/write it.
 struct ConfigKey {
   std::string name;
   std::string help;
   std::string type;  // "int", "float", "bool", "string" or "a|b|c" for choices
-  std::function<void(Config&, const std::string&)> set;  // parses text, throws InputError
-  std::function<std::string(const Config&)> get;         // value as TOML text
+  // Takes a value of the key's type (an int64_t, a finite double, a bool or a string); throws
+  // InputError for a name outside a choice's.
+  std::function<void(Config&, const ConfigValue&)> set;
+  std::function<std::string(const Config&)> get;  // value as TOML text
 };
 const std::vector<ConfigKey>& config_schema();
 // Whether `a` and `b`, texts of config key `key` as ConfigKey::get writes them, are the same

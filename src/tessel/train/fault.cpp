@@ -50,16 +50,22 @@ FaultInjector::FaultInjector(const FaultConfig& c, int attempt, int rank, std::s
   if (kill_step_ == 0) kill_step_ = -1;
   armed_ = kill_step_ > 0 || kill_seconds_ >= 0;
   if (kill_seconds_ < 0) return;
-  const int64_t deadline = t0_ns + int64_t(kill_seconds_ * 1e9);
+  // A deadline past what int64 nanoseconds of the clock hold (about 292 years) is never
+  // reached: no timer, where the conversion would have wrapped to a deadline already passed.
+  const double deadline_ns = double(t0_ns) + kill_seconds_ * 1e9;
+  if (deadline_ns >= 0x1p63) return;
+  const int64_t deadline = int64_t(deadline_ns);
   // Passed during start-up: kill now, not when a loaded machine first schedules the timer
   // thread (a short attempt may end before that).
   if (monotonic_ns() >= deadline) kill("kill_after_seconds");
   timer_ = std::thread([this, deadline] {
+    // monotonic_ns is CLOCK_MONOTONIC, steady_clock's clock: waiting until the time point
+    // adds nothing to a deadline near the largest one.
+    const std::chrono::steady_clock::time_point until{std::chrono::nanoseconds(deadline)};
     std::unique_lock lock(mu_);
     while (!stop_) {
-      int64_t left = deadline - monotonic_ns();
-      if (left <= 0) kill("kill_after_seconds");
-      cv_.wait_for(lock, std::chrono::nanoseconds(left));
+      if (monotonic_ns() >= deadline) kill("kill_after_seconds");
+      cv_.wait_until(lock, until);
     }
   });
 }

@@ -359,6 +359,13 @@ TEST_F(CliTest, MissingOrCorruptConfig) {
   std::string dir = temp_dir("tessel-cli-cfg");
   std::ofstream(dir + "/broken.toml") << "[model\n";
   expect_one_line_error(run_tessel("train --config " + dir + "/broken.toml"), {"broken.toml:1"});
+  // An empty path (an unset "$CFG") names no file: not the default config (CLI11's message).
+  for (const char* command : {"train --config ''", "run --config ''"}) {
+    const Outcome o = run_tessel(command);
+    EXPECT_NE(o.exit_code, 0) << command;
+    EXPECT_EQ(o.out, "") << command;
+    EXPECT_EQ(o.err.rfind("--config: must name a file\n", 0), 0u) << command << ": " << o.err;
+  }
 }
 
 TEST_F(CliTest, MissingDataset) {

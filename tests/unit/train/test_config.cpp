@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
@@ -88,6 +90,114 @@ TEST(Config, UnknownKeysAreRejected) {
   expect_input_error([&] { train::load_config("", {"nokey"}); }, {"key=value"});
 }
 
+// An unknown table is refused as an unknown key is, also without keys; a key is no table.
+TEST(Config, UnknownTablesAreRejected) {
+  for (const auto& [text, message] :
+       {std::pair{"[trian]\n", "t.toml:1: unknown config table [trian]"},
+        std::pair{"[train]\nsteps = 5\n[train.sub]\n",
+                  "t.toml:3: unknown config table [train.sub]"},
+        std::pair{"[train.steps]\n",
+                  "t.toml:1: config key 'train.steps' expects an integer, got a table"},
+        std::pair{"train = { sub = {} }\n", "t.toml:1: unknown config table [train.sub]"}})
+    expect_input_error([&] { train::parse_config(text, "t.toml", {}); }, {message});
+  EXPECT_EQ(train::parse_config("[train]\n[model]\nwidth = 64\n", "t.toml", {}).model.width, 64);
+}
+
+// A value is read by TOML's rules in a file and in --set alike: the same setting, or the same
+// refusal (after where it comes from: "f.toml:2: " or "--set: ").
+TEST(Config, FileAndSetReadValuesAlike) {
+  const std::pair<const char*, std::vector<const char*>> cases[] = {
+      {"run.seed",
+       {"1_000", "0x10", "0o10", "0b11", "+5", "-3", "9223372036854775807", "1e3", "1.5", "inf",
+        "true", "abc", "=5", "1 2", "[1]"}},
+      {"train.grad_clip",
+       {"0.5", "+2.5", "1_000.5", "3", "0x10", "1e-320", "5e-324", "-5e-324", "0e-400", "0.0",
+        "1e-400", "-1e-400", "1_0e-4_00", "inf", "-inf", "nan", "false", "x"}},
+      {"run.quiet", {"true", "false", "True", "1", "yes"}}};
+  for (const auto& [key, values] : cases)
+    for (const std::string value : values) {
+      SCOPED_TRACE(std::string(key) + " = " + value);
+      const std::string name = std::string(key).substr(std::string(key).find('.') + 1);
+      const std::string text = "[" + std::string(key).substr(0, std::string(key).find('.')) +
+                               "]\n" + name + " = " + value;
+      std::string from_file, from_set;
+      try {
+        from_file = train::to_toml(train::parse_config(text, "f.toml", {}));
+      } catch (const InputError& e) {
+        from_file = e.what();
+      }
+      try {
+        from_set = train::to_toml(train::load_config("", {std::string(key) + "=" + value}));
+      } catch (const InputError& e) {
+        from_set = e.what();
+      }
+      const std::string at_line = "f.toml:2: ", at_set = "--set: ";
+      if (from_file.rfind(at_line, 0) == 0 && from_set.rfind(at_set, 0) == 0)
+        EXPECT_EQ(from_file.substr(at_line.size()), from_set.substr(at_set.size()));
+      else if (from_file.rfind("f.toml:2:", 0) == 0)  // a TOML syntax error, in toml++'s words
+        EXPECT_EQ(from_set.rfind("--set: config key '" + std::string(key) + "'", 0), 0u)
+            << from_file << " | " << from_set;
+      else
+        EXPECT_EQ(from_file, from_set);
+    }
+  // The values themselves, against what TOML says they are.
+  auto set = [](const std::string& assignment) { return train::load_config("", {assignment}); };
+  EXPECT_EQ(set("run.seed=1_000").run.seed, 1000);
+  EXPECT_EQ(set("run.seed=0x10").run.seed, 16);
+  EXPECT_EQ(set("run.seed=0o10").run.seed, 8);
+  EXPECT_EQ(set("run.seed=0b11").run.seed, 3);
+  EXPECT_EQ(set("run.seed=+5").run.seed, 5);
+  EXPECT_EQ(set("train.grad_clip=5e-324").train.grad_clip,
+            std::numeric_limits<double>::denorm_min());
+  EXPECT_EQ(set("train.grad_clip=1e-320").train.grad_clip, 1e-320);
+  EXPECT_EQ(set("train.grad_clip=3").train.grad_clip, 3.0);
+  // A nonzero literal that would read as 0 or inf is refused, not trained with clipping off.
+  for (const char* value : {"1e-400", "-1e-400", "1e400"})
+    expect_input_error([&] { set(std::string("train.grad_clip=") + value); },
+                       {std::string("--set: config key 'train.grad_clip' = ") + value +
+                        " is outside a double's range"});
+  expect_input_error([&] { train::parse_config("[optim]\nlr = 1e-400\n", "f.toml", {}); },
+                     {"f.toml:2: config key 'optim.lr' = 1e-400 is outside a double's range"});
+  // The literal is found by code points: text before it on its line may hold UTF-8 (the keys
+  // of a table are read in order, grad_clip before the unknown key).
+  expect_input_error(
+      [&] {
+        train::parse_config("train = { \"\xc3\xa9\xc3\xa9\" = 1, grad_clip = 1e-400 }\n", "f.toml",
+                            {});
+      },
+      {"f.toml:1: config key 'train.grad_clip' = 1e-400 is outside a double's range"});
+  // A float is no integer, wherever it is given.
+  expect_input_error([&] { train::parse_config("[run]\nseed = 1e3\n", "f.toml", {}); },
+                     {"f.toml:2: config key 'run.seed' expects an integer, got a float"});
+  expect_input_error([&] { set("run.seed==5"); },
+                     {"--set: config key 'run.seed': expected an integer, got '=5'"});
+}
+
+// The optimizer's string settings are choice keys as the model's enums are: the same error,
+// in a file and in --set, and --help-config lists their names.
+TEST(Config, OptimizerNamesAreChoiceKeys) {
+  expect_input_error([] { train::parse_config("[optim]\nname = 'sgd'\n", "f.toml", {}); },
+                     {"f.toml:2: config key 'optim.name': expected one of adamw|muon|dion2|dion3, "
+                      "got 'sgd'"});
+  for (const auto& [key, names] : {std::pair{"optim.momentum_form", "sum|lerp"},
+                                   std::pair{"optim.lr_rule", "spectral_norm|rms_norm|keller"},
+                                   std::pair{"optim.ns_coefficients", "keller|polar_express|you"},
+                                   std::pair{"optim.ns_normalize", "frobenius|aol"},
+                                   std::pair{"optim.selection_scope", "local|global"},
+                                   std::pair{"optim.muon_mode", "sharded|replicated|allgather"},
+                                   std::pair{"optim.qkv_split", "none|blocks|heads"}}) {
+    expect_input_error(
+        [&] { train::load_config("", {std::string(key) + "=x"}); },
+        {"--set: config key '" + std::string(key) + "': expected one of " + names + ", got 'x'"});
+    const auto& schema = train::config_schema();
+    const auto entry = std::find_if(schema.begin(), schema.end(),
+                                    [&](const train::ConfigKey& k) { return k.name == key; });
+    ASSERT_NE(entry, schema.end());
+    EXPECT_EQ(entry->type, names);
+  }
+  EXPECT_EQ(train::load_config("", {"optim.qkv_split=heads"}).optim.qkv_split, "heads");
+}
+
 TEST(Config, WrongTypesAndValuesNameTheKey) {
   std::string path = write_file("c.toml", "[train]\nsteps = \"many\"\n");
   expect_input_error([&] { train::load_config(path, {}); }, {path, "train.steps"});
@@ -102,6 +212,13 @@ TEST(Config, WrongTypesAndValuesNameTheKey) {
   EXPECT_EQ(train::load_config("", {"train.keep_checkpoints=0"}).train.keep_checkpoints, 0);
   expect_input_error([&] { train::load_config("", {"run.threads=5000"}); },
                      {"run.threads", "4096"});
+  // An integer key's range error prints the integer (not 1e+06).
+  expect_input_error([&] { train::load_config("", {"optim.ns_steps=1000000"}); },
+                     {"optim.ns_steps = 1000000 is out of range"});
+  expect_input_error([&] { train::load_config("", {"optim.ns_gram_min=-1000000"}); },
+                     {"optim.ns_gram_min = -1000000 is out of range"});
+  expect_input_error([&] { train::load_config("", {"train.eval_every=-1000000"}); },
+                     {"'train.eval_every' must not be negative, got -1000000"});
 }
 
 TEST(Config, SequenceLongerThanTheModelAllows) {
@@ -337,7 +454,7 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
   // A quoted string for a number or bool key is refused as in a file, with the same words.
   const std::string file = write_file("s.toml", "[train]\nsteps = \"7\"\n");
   expect_input_error([&] { train::load_config(file, {}); },
-                     {file + ": config key 'train.steps' expects an integer, got a string"});
+                     {file + ":2: config key 'train.steps' expects an integer, got a string"});
   for (std::string bad : {"train.steps=\"7\"", "optim.lr='0.1'", "run.quiet=\"true\""})
     expect_input_error([&] { train::load_config("", {bad}); },
                        {"--set: config key '" + bad.substr(0, bad.find('=')) + "' expects ",
@@ -345,7 +462,7 @@ TEST(Config, QuotedOverridesAreTomlStrings) {
   // An array or a date is no value of any key; a list is one string.
   const std::string array = write_file("a.toml", "[model]\nmoe_layers = [0, 1]\n");
   expect_input_error([&] { train::load_config(array, {}); },
-                     {array + ": config key 'model.moe_layers' expects a string, got an array",
+                     {array + ":2: config key 'model.moe_layers' expects a string, got an array",
                       "comma-separated string"});
   const std::string date = write_file("d.toml", "[train]\nsteps = 2026-12-06\n");
   expect_input_error([&] { train::load_config(date, {}); },

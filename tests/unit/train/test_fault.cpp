@@ -1,0 +1,35 @@
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <thread>
+
+#include "tessel/train/ett.hpp"
+#include "tessel/train/fault.hpp"
+
+using namespace tessel::train;
+
+namespace {
+
+// Builds rank 0's injector for attempt 0 with `kill_seconds`, gives its timer 100 ms, and
+// exits 0 unless it fired (SIGKILL).
+[[noreturn]] void arm_and_wait(const char* kill_seconds) {
+  FaultConfig c;
+  c.kill_seconds = kill_seconds;
+  FaultInjector injector(c, /*attempt=*/0, /*rank=*/0, /*ledger_path=*/"", monotonic_ns());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::_Exit(0);
+}
+
+}  // namespace
+
+// A deadline longer than the attempt never fires, however long: 1e10 s is 1e19 ns, past int64,
+// which once wrapped to a deadline already passed and killed the attempt at once.
+TEST(FaultInjector, AKillDeadlineBeyondTheClockNeverFires) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the injector's timer is a thread
+  for (const char* seconds : {"1e10", "9.3e9", "1e300", "1e9"})
+    EXPECT_EXIT(arm_and_wait(seconds), testing::ExitedWithCode(0), "") << seconds;
+  // The control: a deadline inside the wait fires.
+  EXPECT_EXIT(arm_and_wait("0.001"), testing::KilledBySignal(SIGKILL), "kill_after_seconds");
+}
