@@ -117,9 +117,10 @@ TEST(Config, FileAndSetReadValuesAlike) {
   for (const auto& [key, values] : cases)
     for (const std::string value : values) {
       SCOPED_TRACE(std::string(key) + " = " + value);
-      const std::string name = std::string(key).substr(std::string(key).find('.') + 1);
-      const std::string text = "[" + std::string(key).substr(0, std::string(key).find('.')) +
-                               "]\n" + name + " = " + value;
+      const std::string whole(key);
+      const size_t dot = whole.find('.');
+      const std::string table = whole.substr(0, dot), name = whole.substr(dot + 1);
+      const std::string text = "[" + table + "]\n" + name + " = " + value;
       std::string from_file, from_set;
       try {
         from_file = train::to_toml(train::parse_config(text, "f.toml", {}));
