@@ -453,23 +453,38 @@ TEST(MoeLayer, EqbStepOutsideZeroToOneIsAnInputError) {
   }
 }
 
-// The loss coefficients, bias rate and LEI width reach the router in f32: beyond FLT_MAX they
-// would be inf there (a bias rate of 1e39 wrote NaN biases into the checkpoint), so they are
-// refused by name; up to FLT_MAX they pass.
+// The loss coefficients and bias rate reach the router in f32: beyond FLT_MAX they would be
+// inf there (a bias rate of 1e39 wrote NaN biases into the checkpoint), so they are refused by
+// name; up to FLT_MAX they pass.
 TEST(MoeLayer, CoefficientsBeyondTheFloatRangeAreInputErrors) {
   const double too_large = 1e39, largest = double(std::numeric_limits<float>::max());
   const std::pair<const char*, double MoeConfig::*> fields[] = {
       {"model.moe_aux_coeff", &MoeConfig::aux_coeff},
       {"model.moe_z_coeff", &MoeConfig::z_coeff},
       {"model.moe_bias_rate", &MoeConfig::bias_rate},
-      {"model.moe_lei_coeff", &MoeConfig::lei_coeff},
-      {"model.moe_lei_width", &MoeConfig::lei_width}};
+      {"model.moe_lei_coeff", &MoeConfig::lei_coeff}};
   for (const auto& [name, field] : fields) {
     MoeConfig c;
     c.*field = too_large;
     fixture::expect_input_error([&] { validate(c); }, {name, "float range"});
     c.*field = largest;
     EXPECT_NO_THROW(validate(c)) << name;
+  }
+}
+
+// LEI's +-1e30 margins lie outside every kernel only for widths far below 1e30: the width is
+// capped at 1e6, the bound named in the message; 1e6 itself passes.
+TEST(MoeLayer, LeiWidthAboveTheBoundIsAnInputError) {
+  MoeConfig c;
+  c.balance = Balance::lei;
+  for (double w :
+       {2e6, 1e30, 1e39, 0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    c.lei_width = w;
+    fixture::expect_input_error([&] { validate(c); }, {"model.moe_lei_width", "(0, 1e+06]"});
+  }
+  for (double w : {1e6, 1.0, 1e-3}) {
+    c.lei_width = w;
+    EXPECT_NO_THROW(validate(c)) << w;
   }
 }
 
