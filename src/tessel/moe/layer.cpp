@@ -778,6 +778,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
         keys[size_t(e * N + n)] = bf16_order_key(c.qb_margin[size_t(n * E + e)]);
     if (config_.balance == Balance::qb_avg && c.batch_tokens > 0) {
       // The biased baseline: this micro-batch's own quantile, averaged at the step's end.
+      // valid = {}: padding rows never reach the layer (the model routes only the others).
       const auto q = global_kth_smallest(
           keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); },
           [&comm](int32_t* d, size_t n) { comm.sum_micro_batch_counters(d, n); });
@@ -818,6 +819,7 @@ void MoeLayer::update(BalanceState& state, float* beta, ExpertComm& comm) const 
     for (const auto& col : state.keys) keys.insert(keys.end(), col.begin(), col.end());
     const RankOf rank = [&](int64_t n) { return qb_rank(n, k, E); };
     std::vector<float> q(static_cast<size_t>(E));
+    // valid = {} below: padding rows never reach the layer (the model routes only the others).
     if (config_.balance == Balance::qb_hist) {
       // The same bf16 margins as EQB's, so the two differ only in how they find the quantile.
       std::vector<float> margins(keys.size());
