@@ -37,15 +37,17 @@ void validate(const MoeConfig& c) {
   float_coefficient("z_coeff", c.z_coeff);
   float_coefficient("bias_rate", c.bias_rate);
   float_coefficient("lei_coeff", c.lei_coeff);
-  float_coefficient("lei_width", c.lei_width);
   if (!(c.eqb_step > 0 && c.eqb_step <= 1))
     input_error("model.moe_eqb_step = ", c.eqb_step, " must lie in (0, 1]");
   // Each update holds E x B int32 counters: the cap keeps that a bounded buffer.
   constexpr int64_t kMaxHistBins = int64_t(1) << 20;
   if (c.hist_bins < 2 || c.hist_bins > kMaxHistBins)
     input_error("model.moe_hist_bins = ", c.hist_bins, " must lie in [2, ", kMaxHistBins, "]");
-  if (!(c.lei_width > 0))  // finite and at most FLT_MAX: float_coefficient above
-    input_error("model.moe_lei_width = ", c.lei_width, " must be positive");
+  // LEI marks margins outside every kernel with +-1e30 (layer.cpp): a width near that would
+  // give those tokens a nonzero kernel derivative; at 1e6 they stay 1e24 widths away.
+  constexpr double kMaxLeiWidth = 1e6;
+  if (!(c.lei_width > 0 && c.lei_width <= kMaxLeiWidth))
+    input_error("model.moe_lei_width = ", c.lei_width, " must lie in (0, ", kMaxLeiWidth, "]");
   if (c.capacity > 0 && c.capacity * double(c.top_k) < 1e-9)
     input_error("model.moe_capacity = ", c.capacity, " is too small");
   // DeepSeek-V3 normalizes sigmoid scores over the experts before its sequence-wise loss; this

@@ -45,49 +45,7 @@ double capacity_factor(const MoeConfig& config) {
   return config.balance == Balance::expert_choice && config.capacity == 0 ? 1.0 : config.capacity;
 }
 
-void capacity_ranks(const int32_t* choice, const float* gate, int64_t N, int64_t slots, int64_t E,
-                    DropPolicy drop, int32_t* rank) {
-  std::vector<std::vector<int64_t>> by_expert(static_cast<size_t>(E));
-  for (int64_t s = 0; s < N * slots; ++s) by_expert[size_t(choice[s])].push_back(s);
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t e = 0; e < E; ++e) {
-    std::vector<int64_t>& list = by_expert[size_t(e)];
-    if (drop == DropPolicy::probability)
-      std::stable_sort(list.begin(), list.end(),
-                       [&](int64_t a, int64_t b) { return gate[a] > gate[b]; });
-    for (size_t i = 0; i < list.size(); ++i) rank[list[i]] = int32_t(i);
-  }
-}
-
-int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
-                       double capacity, DropPolicy drop, uint8_t* kept) {
-  const int64_t cap = expert_capacity(N, k, E, capacity);
-  std::vector<int32_t> rank(static_cast<size_t>(N * k));
-  capacity_ranks(choice, gate, N, k, E, drop, rank.data());
-  int64_t dropped = 0;
-  for (int64_t s = 0; s < N * k; ++s)
-    if (rank[size_t(s)] >= cap) kept[s] = 0, ++dropped;
-  return dropped;
-}
-
-double lei_kernel_grad(LeiKernel kernel, double m, double w) {
-  switch (kernel) {
-    case LeiKernel::rectangle:
-      return std::abs(m) <= 0.5 * w ? 1.0 / w : 0.0;
-    case LeiKernel::triangle:
-      return std::max(0.0, 1.0 - std::abs(m) / w) / w;
-    case LeiKernel::tanh: {
-      const double t = std::tanh(m / w);
-      return 0.5 * (1.0 - t * t) / w;
-    }
-    case LeiKernel::identity:
-      break;
-  }
-  TESSEL_CHECK(false, "the identity kernel acts on the probabilities, not on a margin");
-}
-
-template <class T>
-std::vector<double> sinkhorn_log_scale(const T* logits, int64_t N, int64_t E,
+std::vector<double> sinkhorn_log_scale(const float* logits, int64_t N, int64_t E,
                                        const SumValues& sum) {
   constexpr double eps = 1e-8;
   double Nb = double(N);
@@ -96,7 +54,7 @@ std::vector<double> sinkhorn_log_scale(const T* logits, int64_t N, int64_t E,
   // A row's maximum is taken out (r_n absorbs it), so exp stays finite.
   std::vector<double> K(size_t(N * E)), col(static_cast<size_t>(E)), c(size_t(E), 1.0);
   for (int64_t n = 0; n < N; ++n) {
-    const T* lg = logits + n * E;
+    const float* lg = logits + n * E;
     const double m = double(*std::max_element(lg, lg + E));
     for (int64_t e = 0; e < E; ++e) K[size_t(n * E + e)] = std::exp(double(lg[e]) - m);
   }
@@ -121,12 +79,42 @@ std::vector<double> sinkhorn_log_scale(const T* logits, int64_t N, int64_t E,
   for (double& v : c) v = std::log(v);
   return c;
 }
-template std::vector<double> sinkhorn_log_scale<float>(const float*, int64_t, int64_t,
-                                                       const SumValues&);
-template std::vector<double> sinkhorn_log_scale<double>(const double*, int64_t, int64_t,
-                                                        const SumValues&);
 
 namespace {
+
+// rank[s] = the place of slot s of `choice` [N, slots] in its expert's priority order (by
+// gate, highest first, ties by slot; or by slot): an expert of capacity cap keeps the slots
+// of rank < cap.
+void capacity_ranks(const int32_t* choice, const float* gate, int64_t N, int64_t slots, int64_t E,
+                    DropPolicy drop, int32_t* rank) {
+  std::vector<std::vector<int64_t>> by_expert(static_cast<size_t>(E));
+  for (int64_t s = 0; s < N * slots; ++s) by_expert[size_t(choice[s])].push_back(s);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<int64_t>& list = by_expert[size_t(e)];
+    if (drop == DropPolicy::probability)
+      std::stable_sort(list.begin(), list.end(),
+                       [&](int64_t a, int64_t b) { return gate[a] > gate[b]; });
+    for (size_t i = 0; i < list.size(); ++i) rank[list[i]] = int32_t(i);
+  }
+}
+
+// phi'(m) of the LEI kernels (rectangle, triangle, tanh) of width w.
+double lei_kernel_grad(LeiKernel kernel, double m, double w) {
+  switch (kernel) {
+    case LeiKernel::rectangle:
+      return std::abs(m) <= 0.5 * w ? 1.0 / w : 0.0;
+    case LeiKernel::triangle:
+      return std::max(0.0, 1.0 - std::abs(m) / w) / w;
+    case LeiKernel::tanh: {
+      const double t = std::tanh(m / w);
+      return 0.5 * (1.0 - t * t) / w;
+    }
+    case LeiKernel::identity:
+      break;
+  }
+  TESSEL_CHECK(false, "the identity kernel acts on the probabilities, not on a margin");
+}
 
 // Blocks (s, l) of counts[s * El + l] rows of width C: source-major (s outer) <-> expert-major
 // (l outer).
@@ -778,6 +766,7 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
         keys[size_t(e * N + n)] = bf16_order_key(c.qb_margin[size_t(n * E + e)]);
     if (config_.balance == Balance::qb_avg && c.batch_tokens > 0) {
       // The biased baseline: this micro-batch's own quantile, averaged at the step's end.
+      // valid = {}: padding rows never reach the layer (the model routes only the others).
       const auto q = global_kth_smallest(
           keys, E, {}, [&](int64_t n) { return qb_rank(n, k, E); },
           [&comm](int32_t* d, size_t n) { comm.sum_micro_batch_counters(d, n); });
@@ -818,6 +807,7 @@ void MoeLayer::update(BalanceState& state, float* beta, ExpertComm& comm) const 
     for (const auto& col : state.keys) keys.insert(keys.end(), col.begin(), col.end());
     const RankOf rank = [&](int64_t n) { return qb_rank(n, k, E); };
     std::vector<float> q(static_cast<size_t>(E));
+    // valid = {} below: padding rows never reach the layer (the model routes only the others).
     if (config_.balance == Balance::qb_hist) {
       // The same bf16 margins as EQB's, so the two differ only in how they find the quantile.
       std::vector<float> margins(keys.size());

@@ -181,26 +181,20 @@ class MoeLayer {
   LayerShape shape_;
 };
 
-// ---- pieces shared by the layer and its naive twin (the definitions, not the math) ----
+// ---- definitions shared by the layer and its naive twin ----
 
-// The k largest of sel[E] (ties: lowest expert first), best first, into out[k]; returns
-// the (k+1)-th largest value (-inf when k = E) through kplus1 and the k-th through kth.
-void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1);
 // Assignments each expert keeps at capacity factor cf: min(N, ceil(k N cf / E)).
 int64_t expert_capacity(int64_t N, int64_t k, int64_t E, double cf);
 // The capacity factor the layer applies: model.moe_capacity, but 1 for expert_choice at 0.
 double capacity_factor(const MoeConfig& config);
-// rank[s] = the place of slot s of `choice` [N, slots] in its expert's priority order (by
-// gate, highest first, ties by slot; or by slot): an expert of capacity cap keeps the slots
-// of rank < cap.
-void capacity_ranks(const int32_t* choice, const float* gate, int64_t N, int64_t slots, int64_t E,
-                    DropPolicy drop, int32_t* rank);
-// Marks the slots of `choice` [N, k] over capacity: kept[s] = 0 for the assignments each
-// expert drops (capacity_ranks' order); returns the number dropped.
-int64_t apply_capacity(const int32_t* choice, const float* gate, int64_t N, int64_t k, int64_t E,
-                       double capacity, DropPolicy drop, uint8_t* kept);
-// phi'(m) of the LEI kernels (rectangle, triangle, tanh) of width w.
-double lei_kernel_grad(LeiKernel kernel, double m, double w);
+
+// ---- the layer's selection pieces, declared for the tests (the naive twin has its own
+// top-k, capacity order, Sinkhorn scaling and LEI kernels, so comparing them can catch a bug
+// here) ----
+
+// The k largest of sel[E] (ties: lowest expert first), best first, into out[k]; returns
+// the (k+1)-th largest value (-inf when k = E) through kplus1 and the k-th through kth.
+void select_top_k(const float* sel, int64_t E, int64_t k, int32_t* out, float* kth, float* kplus1);
 // Sinkhorn balancing of a micro-batch's router logits [N, E] (this rank's part of it; `sum`
 // adds values over the micro-batch's parts, in place): K = exp(logits) is scaled to
 // Q = diag(r) K diag(c) with row sums 1 / Nb (Nb the micro-batch's tokens) and column sums
@@ -211,8 +205,8 @@ double lei_kernel_grad(LeiKernel kernel, double m, double w);
 inline constexpr double kSinkhornTolerance = 1e-4;
 inline constexpr int kSinkhornIterations = 100;
 using SumValues = std::function<void(double* data, size_t n)>;
-template <class T>
-std::vector<double> sinkhorn_log_scale(const T* logits, int64_t N, int64_t E, const SumValues& sum);
+std::vector<double> sinkhorn_log_scale(const float* logits, int64_t N, int64_t E,
+                                       const SumValues& sum);
 
 namespace naive {
 // Per-token loops in T, all experts local, no permutation: the twin of MoeLayer's forward

@@ -245,7 +245,7 @@ std::vector<ConfigKey> build_schema() {
                              {"tanh", LeiKernel::tanh},
                              {"identity", LeiKernel::identity}},
                             FIELD(model.moe.lei_kernel)),
-      float_key("model.moe_lei_width", "LEI kernel width w (tanh: 1 / slope)",
+      float_key("model.moe_lei_width", "LEI kernel width w in (0, 1e6] (tanh: 1 / slope)",
                 FIELD(model.moe.lei_width)),
       choice_key<LeiMargin>(
           "model.moe_lei_margin",

@@ -36,6 +36,10 @@ struct Case {
   Layout layout;
   int64_t N;
   std::vector<int32_t> sequence = {};  // MoeLayer::forward's (seq_aux)
+  // Experts given a zero router row and one common beta: their selection scores tie exactly
+  // for every token (and so do their gates within a token), so selection and capacity
+  // tie-breaks are compared.
+  std::vector<int64_t> tied = {};
 };
 
 Layout layout(ExpertMlp mlp, ScoreFn score, bool normalize, int64_t Fs, bool bias, double cf,
@@ -119,6 +123,22 @@ std::vector<Case> cases() {
       // cf 0.5: 2 tokens per expert of 13, so some tokens go to no expert.
       {"expert_choice_sigmoid_cf",
        layout(swiglu, sg, false, 0, false, 0.5, D::probability, B::expert_choice), 13},
+      // Top-1 with normalized gates: every gate is 1, so capacity keeps each expert's first
+      // ceil(12 * 0.5 / 6) = 1 slot, and tokens whose best score is the tied one take expert 1.
+      {"ties_top1_capacity_probability",
+       [&] {
+         Layout l = layout(gelu, sm, true, 0, true, 0.5, D::probability, B::none);
+         l.config.top_k = 1;
+         return l;
+       }(),
+       12,
+       {},
+       {1, 3, 4}},
+      {"ties_capacity_position",
+       layout(swiglu, sg, true, 0, false, 1.0, D::position, B::none),
+       12,
+       {},
+       {0, 2, 5}},
   };
 }
 
@@ -150,10 +170,14 @@ TEST(MoeLayer, FastMatchesNaive) {
     SCOPED_TRACE(c.name);
     const Layout& l = c.layout;
     Rng rng(11);
-    const VecF params = testing::random_params(l, 5);
+    VecF params = testing::random_params(l, 5);
     const VecF x = kernels::test::randn(rng, size_t(c.N * l.shape.C));
     const VecF dy = kernels::test::randn(rng, x.size());
-    const VecF beta = kernels::test::randn(rng, size_t(l.config.experts), 0.3f);
+    VecF beta = kernels::test::randn(rng, size_t(l.config.experts), 0.3f);
+    for (int64_t e : c.tied) {
+      std::fill_n(params.begin() + e * l.shape.C, l.shape.C, 0.0f);  // router row e
+      beta[size_t(e)] = beta[size_t(c.tied[0])];
+    }
     const VecF base = kernels::test::randn(rng, params.size());
     const float scale = 0.7f;
     LayerRun fast = run_fast(l, params, x, dy, beta, base, scale, c.sequence);
@@ -190,6 +214,35 @@ TEST(MoeLayer, CapacityDropsTheExcess) {
   EXPECT_GT(excess, 0) << "the test needs an unbalanced router";
   EXPECT_EQ(r.cache.dropped, excess);
   EXPECT_EQ(int64_t(r.cache.order.size()), kept);
+}
+
+// Which slots capacity drops (token choice), by gate and by position, on hand-built logits
+// through an identity router: E = 4, k = 2, N = 4, cf = 0.5, so each expert keeps
+// ceil(2 * 4 * 0.5 / 4) = 1 slot. Tokens 0 and 2 are equal (experts 0, 1), as are tokens 1
+// and 3 (experts 0, 3); slot s = 2 n + j. Expert 0's gate is 0.525 in tokens 0 and 2 and 0.881
+// in tokens 1 and 3; experts 1 and 3 each see two equal gates.
+TEST(MoeLayer, CapacityDropsTheLowestGatesOrTheLatestTokens) {
+  Layout l;
+  l.config.experts = 4;
+  l.config.top_k = 2;
+  l.config.capacity = 0.5;
+  l.shape = {4, 3, 0, ExpertMlp::gelu};
+  const VecF logits = {1, 0.9f, -5, -5, 2, -5, -5, 0, 1, 0.9f, -5, -5, 2, -5, -5, 0};
+  const std::pair<DropPolicy, std::vector<int32_t>> cases[] = {
+      // Expert 0 keeps token 1's slot 2 (the highest gate, tied with slot 6: the earlier
+      // slot); experts 1 and 3 keep the earlier of their tied slots, 1 and 3.
+      {DropPolicy::probability, {0, 1, 1, 1, 0, 0, 0, 0}},
+      // Each expert keeps its earliest slot: 0 (expert 0), 1 (expert 1), 3 (expert 3).
+      {DropPolicy::position, {1, 1, 0, 1, 0, 0, 0, 0}}};
+  for (const auto& [drop, kept] : cases) {
+    SCOPED_TRACE(drop == DropPolicy::probability ? "probability" : "position");
+    l.config.drop = drop;
+    const auto r = testing::balance_grad(l, logits);
+    ASSERT_EQ(r.cache.choice, (std::vector<int32_t>{0, 1, 0, 3, 0, 1, 0, 3}));
+    for (size_t s = 0; s < kept.size(); ++s)
+      EXPECT_EQ(r.cache.position[s] >= 0, kept[s] == 1) << "slot " << s;
+    EXPECT_EQ(r.cache.dropped, 5);
+  }
 }
 
 // ceil(k N cf / E), capped at N: an expert ranks at most one slot per token.
@@ -453,23 +506,38 @@ TEST(MoeLayer, EqbStepOutsideZeroToOneIsAnInputError) {
   }
 }
 
-// The loss coefficients, bias rate and LEI width reach the router in f32: beyond FLT_MAX they
-// would be inf there (a bias rate of 1e39 wrote NaN biases into the checkpoint), so they are
-// refused by name; up to FLT_MAX they pass.
+// The loss coefficients and bias rate reach the router in f32: beyond FLT_MAX they would be
+// inf there (a bias rate of 1e39 wrote NaN biases into the checkpoint), so they are refused by
+// name; up to FLT_MAX they pass.
 TEST(MoeLayer, CoefficientsBeyondTheFloatRangeAreInputErrors) {
   const double too_large = 1e39, largest = double(std::numeric_limits<float>::max());
   const std::pair<const char*, double MoeConfig::*> fields[] = {
       {"model.moe_aux_coeff", &MoeConfig::aux_coeff},
       {"model.moe_z_coeff", &MoeConfig::z_coeff},
       {"model.moe_bias_rate", &MoeConfig::bias_rate},
-      {"model.moe_lei_coeff", &MoeConfig::lei_coeff},
-      {"model.moe_lei_width", &MoeConfig::lei_width}};
+      {"model.moe_lei_coeff", &MoeConfig::lei_coeff}};
   for (const auto& [name, field] : fields) {
     MoeConfig c;
     c.*field = too_large;
     fixture::expect_input_error([&] { validate(c); }, {name, "float range"});
     c.*field = largest;
     EXPECT_NO_THROW(validate(c)) << name;
+  }
+}
+
+// LEI's +-1e30 margins lie outside every kernel only for widths far below 1e30: the width is
+// capped at 1e6, the bound named in the message; 1e6 itself passes.
+TEST(MoeLayer, LeiWidthAboveTheBoundIsAnInputError) {
+  MoeConfig c;
+  c.balance = Balance::lei;
+  for (double w :
+       {2e6, 1e30, 1e39, 0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    c.lei_width = w;
+    fixture::expect_input_error([&] { validate(c); }, {"model.moe_lei_width", "(0, 1e+06]"});
+  }
+  for (double w : {1e6, 1.0, 1e-3}) {
+    c.lei_width = w;
+    EXPECT_NO_THROW(validate(c)) << w;
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "tessel/core/error.hpp"
 #include "tessel/kernels/cpu/activations.hpp"
 #include "tessel/kernels/cpu/gemm.hpp"
 
@@ -26,6 +27,86 @@ struct Routing {
   std::vector<T> margin;         // [N, E] LEI margins
   std::vector<int64_t> loads;    // [E]
 };
+
+// The k largest of sel [E], best first (ties: the lower expert, spec 2.1): expert e goes to
+// place p = the number of experts ahead of it (a larger score, or an equal one and a lower
+// number) when p < k.
+void top_k(const float* sel, int64_t E, int64_t k, int32_t* choice) {
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t ahead = 0;
+    for (int64_t o = 0; o < E; ++o) ahead += sel[o] > sel[e] || (sel[o] == sel[e] && o < e);
+    if (ahead < k) choice[ahead] = int32_t(e);
+  }
+}
+
+// Token choice at capacity cf > 0: a slot stays when fewer than ceil(k N cf / E) slots of its
+// expert come before it: by gate, a higher gate or an equal one in an earlier slot
+// (probability); any earlier slot, i.e. an earlier token (position).
+template <class T>
+void drop_over_capacity(Routing<T>& r, int64_t N, const MoeConfig& cfg) {
+  const int64_t slots = N * cfg.top_k;
+  const int64_t cap = expert_capacity(N, cfg.top_k, cfg.experts, cfg.capacity);
+  for (int64_t s = 0; s < slots; ++s) {
+    int64_t ahead = 0;
+    for (int64_t o = 0; o < slots; ++o) {
+      if (r.choice[size_t(o)] != r.choice[size_t(s)]) continue;
+      const T go = r.gate[size_t(o)], gs = r.gate[size_t(s)];
+      ahead += cfg.drop == DropPolicy::position ? o < s : go > gs || (go == gs && o < s);
+    }
+    r.kept[size_t(s)] = ahead < cap;
+  }
+}
+
+// Sinkhorn's log column scale (docs/model.md, balance sinkhorn; one micro-batch): from c = 1,
+// alternately r_n = 1 / (N (sum_e K[n, e] c_e + eps)) and c_e = 1 / (E (sum_n r_n K[n, e] +
+// eps)), K = exp(logits less each row's maximum), until no c_e moves by more than the
+// tolerance relative, at most kSinkhornIterations times.
+template <class T>
+std::vector<T> sinkhorn_log_c(const std::vector<T>& logits, int64_t N, int64_t E) {
+  const T eps = T(1e-8);
+  std::vector<T> K(size_t(N * E)), r(static_cast<size_t>(N)), c(size_t(E), T(1));
+  for (int64_t n = 0; n < N; ++n) {
+    const T m = *std::max_element(logits.begin() + n * E, logits.begin() + (n + 1) * E);
+    for (int64_t e = 0; e < E; ++e) K[size_t(n * E + e)] = std::exp(logits[size_t(n * E + e)] - m);
+  }
+  for (int it = 0; it < kSinkhornIterations; ++it) {
+    for (int64_t n = 0; n < N; ++n) {
+      T row = 0;
+      for (int64_t e = 0; e < E; ++e) row += K[size_t(n * E + e)] * c[size_t(e)];
+      r[size_t(n)] = T(1) / (T(N) * (row + eps));
+    }
+    bool settled = true;
+    for (int64_t e = 0; e < E; ++e) {
+      T col = 0;
+      for (int64_t n = 0; n < N; ++n) col += r[size_t(n)] * K[size_t(n * E + e)];
+      const T next = T(1) / (T(E) * (col + eps));
+      if (std::abs(next / c[size_t(e)] - T(1)) > T(kSinkhornTolerance)) settled = false;
+      c[size_t(e)] = next;
+    }
+    if (settled) break;
+  }
+  for (T& v : c) v = std::log(v);
+  return c;
+}
+
+// phi'(m) of the LEI kernels of width w (docs/model.md, balance lei): rectangle phi = the ramp
+// clamp(1/2 + m / w, 0, 1); triangle's phi' is a triangle of half-width w and area 1; tanh
+// phi = (1 + tanh(m / w)) / 2, so phi' = 1 / (2 w cosh^2(m / w)).
+template <class T>
+T lei_phi_prime(LeiKernel kernel, T m, T w) {
+  const T a = std::abs(m);
+  switch (kernel) {
+    case LeiKernel::rectangle:
+      return a <= w / 2 ? T(1) / w : T(0);
+    case LeiKernel::triangle:
+      return a < w ? (w - a) / (w * w) : T(0);
+    case LeiKernel::tanh:
+      return T(1) / (T(2) * w * std::cosh(m / w) * std::cosh(m / w));
+    case LeiKernel::identity:
+      break;
+  }
+  TESSEL_CHECK(false, "the identity kernel acts on the probabilities, not on a margin");
+}
 
 // Expert choice: each expert in turn takes, C times, the highest-scoring token it has not
 // taken yet (the first on ties): C = ceil(k N cf / E), cf = 1 when the capacity is 0.
@@ -105,9 +186,8 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
   // Selection bias: beta, less Sinkhorn's log column scale (sinkhorn; one micro-batch here).
   std::vector<T> sel_bias(beta, beta + E);
   if (cfg.balance == Balance::sinkhorn) {
-    const std::vector<double> log_c =
-        sinkhorn_log_scale(r.logits.data(), N, E, [](double*, size_t) {});
-    for (int64_t e = 0; e < E; ++e) sel_bias[size_t(e)] -= T(log_c[size_t(e)]);
+    const std::vector<T> log_c = sinkhorn_log_c(r.logits, N, E);
+    for (int64_t e = 0; e < E; ++e) sel_bias[size_t(e)] -= log_c[size_t(e)];
   }
   for (int64_t n = 0; n < N; ++n) {
     T* lg = r.logits.data() + n * E;
@@ -126,9 +206,8 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
     }
     std::vector<float> sel(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) sel[size_t(e)] = float(lg[e] - sel_bias[size_t(e)]);
-    float kth_f = 0, kp1_f = 0;
     int32_t* ch = r.choice.data() + n * k;
-    select_top_k(sel.data(), E, k, ch, &kth_f, &kp1_f);
+    top_k(sel.data(), E, k, ch);
     T sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += p[ch[j]];
     for (int64_t j = 0; j < k; ++j)
@@ -155,8 +234,7 @@ Routing<T> route(const T* x, int64_t N, const LayerWeightsT<const T>& w, const T
   if (ec) {
     experts_choose(r, N, cfg);
   } else if (cfg.capacity > 0) {
-    std::vector<float> g(r.gate.begin(), r.gate.end());
-    apply_capacity(r.choice.data(), g.data(), N, k, E, cfg.capacity, cfg.drop, r.kept.data());
+    drop_over_capacity(r, N, cfg);
   }
   return r;
 }
@@ -315,8 +393,7 @@ void moe_backward(T* dx, LayerWeightsT<T>& g, const T* dy, const T* x, int64_t N
           dp[size_t(e)] += a;
         else
           dl[size_t(e)] +=
-              a * T(lei_kernel_grad(cfg.lei_kernel, double(r.margin[size_t(n * E + e)]),
-                                    cfg.lei_width));
+              a * lei_phi_prime(cfg.lei_kernel, r.margin[size_t(n * E + e)], T(cfg.lei_width));
       }
     }
     // d logits from d p: softmax Jacobian p_e (delta - p_i), or sigmoid p (1 - p).
