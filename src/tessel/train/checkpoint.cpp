@@ -50,7 +50,7 @@ nlohmann::json read_json(const fs::path& path) {
 }
 
 // The step of a directory named exactly as step_name names it; -1 for any other name
-// (`step-N.incomplete`, a copy such as `step-N.old`).
+// (`step-N.incomplete`, `step-N.deleted`, a copy such as `step-N.old`).
 int64_t step_of(const fs::path& dir) {
   const std::string name = dir.filename().string();
   if (name.rfind("step-", 0) != 0) return -1;
@@ -75,6 +75,19 @@ std::vector<fs::path> complete_checkpoints(const fs::path& root) {
   std::vector<fs::path> dirs;
   for (auto& [step, dir] : found) dirs.push_back(std::move(dir));
   return dirs;
+}
+
+// Deletes checkpoint directory `dir` so that a crash leaves either all of it or none under its
+// name: it is renamed to `step-N.deleted` first (one rename, made durable), which
+// sweep_leftovers removes after a crash; remove_all alone went file by file, and a kill left a
+// manifest-less step-N that nothing ever removed.
+void remove_checkpoint(const fs::path& dir) {
+  fs::path doomed = dir;
+  doomed += ".deleted";
+  fs::remove_all(doomed);  // an earlier deletion's, cut short
+  fs::rename(dir, doomed);
+  fsync_path(dir.parent_path().string());
+  fs::remove_all(doomed);
 }
 
 std::vector<std::string> names_of(const std::vector<NamedTensor>& tensors) {
@@ -390,7 +403,9 @@ void CheckpointStore::save(comm::Communicator& group, const CheckpointContent& c
 void CheckpointStore::sweep_leftovers() const {
   if (!fs::is_directory(root_)) return;
   for (const auto& e : fs::directory_iterator(root_))
-    if (e.is_directory() && e.path().extension() == ".incomplete") fs::remove_all(e.path());
+    if (e.is_directory() &&
+        (e.path().extension() == ".incomplete" || e.path().extension() == ".deleted"))
+      fs::remove_all(e.path());
   remove_temporary_files(root_);
 }
 
@@ -505,13 +520,13 @@ void AsyncCheckpointer::commit() {
                                      {"crc32", record[1]}});
     }
   write_file_atomically((tmp / kManifest).string(), manifest.dump(2));
-  fs::remove_all(final_dir);
+  if (fs::exists(final_dir)) remove_checkpoint(final_dir);
   fs::rename(tmp, final_dir);
   fsync_path(root.string());
   write_file_atomically((root / "latest").string(), step_name(c.step) + "\n");
   if (store_.keep() > 0) {  // 0 keeps every checkpoint
     auto dirs = complete_checkpoints(root);
-    for (size_t i = 0; i + size_t(store_.keep()) < dirs.size(); ++i) fs::remove_all(dirs[i]);
+    for (size_t i = 0; i + size_t(store_.keep()) < dirs.size(); ++i) remove_checkpoint(dirs[i]);
   }
   if (on_committed) on_committed(final_dir.string(), c.step);
 }
@@ -680,7 +695,7 @@ CheckpointStore::Loaded load_run_checkpoint(const std::string& path) {
 
 void CheckpointStore::discard_newer_than(const std::string& dir) const {
   for (const auto& d : complete_checkpoints(fs::path(root_)))
-    if (step_of(d) > step_of(dir)) fs::remove_all(d);
+    if (step_of(d) > step_of(dir)) remove_checkpoint(d);
 }
 
 CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointParts parts) {

@@ -120,7 +120,8 @@ class CheckpointStore {
   // damaged), so retention never keeps them in place of good ones.
   void discard_newer_than(const std::string& dir) const;
 
-  // Removes what a killed save leaves behind: `step-N.incomplete/` directories and the
+  // Removes what a killed save leaves behind: `step-N.incomplete/` directories, the
+  // `step-N.deleted/` of a deletion cut short (remove_checkpoint) and the
   // temporary files of atomic writes (`latest.tmp.<pid>`). Call before the first save.
   void sweep_leftovers() const;
 

@@ -278,10 +278,14 @@ TEST(Checkpoint, SweepRemovesWhatAKilledSaveLeft) {
   store.save(group, content_at(4));
   fs::create_directories(root + "/step-00000008.incomplete");
   std::ofstream(root + "/step-00000008.incomplete/model-00000-of-00001.safetensors") << "x";
+  // A deletion cut short: the renamed directory, part of its files gone.
+  fs::create_directories(root + "/step-00000002.deleted");
+  std::ofstream(root + "/step-00000002.deleted/model-00000-of-00001.safetensors") << "x";
   std::ofstream(root + "/latest.tmp.12345") << "step-00000008\n";
   std::ofstream(root + "/notes.tmp.txt") << "not ours";
   store.sweep_leftovers();
   EXPECT_FALSE(fs::exists(root + "/step-00000008.incomplete"));
+  EXPECT_FALSE(fs::exists(root + "/step-00000002.deleted"));
   EXPECT_FALSE(fs::exists(root + "/latest.tmp.12345"));
   EXPECT_TRUE(fs::exists(root + "/notes.tmp.txt"));
   EXPECT_TRUE(fs::exists(root + "/step-00000004/manifest.json"));
