@@ -40,10 +40,13 @@ def config_value(run, key):
     return m.group(1)
 
 runs = sys.argv[1:]
-if not runs or any(a in ("-h", "--help") for a in runs) or not all(
-        os.path.isfile(f"{r}/config.toml") for r in runs):
-    sys.exit("usage: bench/bpe_demo_report.py RUN_DIR [RUN_DIR ...] (runs of bench/bpe_demo.sh, "
-             "the byte-level baseline first; each holds a config.toml)")
+usage = ("usage: bench/bpe_demo_report.py RUN_DIR [RUN_DIR ...] (runs of bench/bpe_demo.sh, "
+         "the byte-level baseline first; each holds a config.toml)")
+if any(a in ("-h", "--help") for a in runs):
+    print(usage)
+    sys.exit(0)
+if not runs or not all(os.path.isfile(f"{r}/config.toml") for r in runs):
+    sys.exit(usage)
 binary = os.environ.get("TESSEL_BIN", "build/release/tessel")
 rows, base_docs = [], None
 for run in runs:

@@ -35,7 +35,9 @@ std::vector<T> parse_list(const std::string& key, const std::string& text, T min
     T value{};
     try {
       // A sign on a value that cannot be negative ("-0", "+3") is no such value's spelling.
-      if (!(min >= 0 && (item[0] == '-' || item[0] == '+'))) value = parse(item, &used);
+      const size_t at = item.find_first_not_of(" \t\n\v\f\r");  // stoll skips these
+      const char first = at == std::string::npos ? '\0' : item[at];
+      if (!(min >= 0 && (first == '-' || first == '+'))) value = parse(item, &used);
     } catch (const std::exception&) {
       used = 0;
     }

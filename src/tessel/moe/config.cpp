@@ -47,7 +47,7 @@ void validate(const MoeConfig& c) {
   // give those tokens a nonzero kernel derivative; at 1e6 they stay 1e24 widths away.
   constexpr double kMaxLeiWidth = 1e6;
   if (!(c.lei_width > 0 && c.lei_width <= kMaxLeiWidth))
-    input_error("model.moe_lei_width = ", c.lei_width, " must lie in (0, ", kMaxLeiWidth, "]");
+    input_error("model.moe_lei_width = ", c.lei_width, " must lie in (0, 1e6]");
   if (c.capacity > 0 && c.capacity * double(c.top_k) < 1e-9)
     input_error("model.moe_capacity = ", c.capacity, " is too small");
   // DeepSeek-V3 normalizes sigmoid scores over the experts before its sequence-wise loss; this

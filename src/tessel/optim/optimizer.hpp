@@ -91,7 +91,8 @@ struct OptimizerConfig {
 };
 
 // The names each OptimizerConfig string field takes, in one place: the config's choice keys
-// offer them, validate checks a config built in code, make_optimizer maps them.
+// offer them, validate checks a config built in code, make_optimizer maps them by index, so
+// each list is in its enum's order (muon.hpp; kOptimizerNames: adamw, then MuonVariant's).
 inline const std::vector<std::string> kOptimizerNames = {"adamw", "muon", "dion2", "dion3"};
 inline const std::vector<std::string> kMomentumForms = {"sum", "lerp"};
 inline const std::vector<std::string> kLrRules = {"spectral_norm", "rms_norm", "keller"};

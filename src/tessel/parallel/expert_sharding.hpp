@@ -53,6 +53,10 @@ class ExpertShardedGradients {
   // Scales every gradient by min(1, max_norm / (norm + 1e-6)) (optim::clip_grad_norm) with
   // the expert-sharded global norm; returns the norm.
   double clip(double max_norm);
+  // The all-reduces per step (each a bucket of the dense or the expert range).
+  int64_t num_buckets() const {
+    return dense_reducer_.num_buckets() + expert_reducer_.num_buckets();
+  }
 
  private:
   ParameterList all_;

@@ -558,6 +558,7 @@ std::string toml_type_name(const toml::node& node) {
 // The text of a value as it stands in `source`, the TOML text it was parsed from (toml++ keeps
 // no literal, and counts columns in code points).
 std::string literal(std::string_view source, const toml::source_region& region) {
+  if (source.starts_with("\xEF\xBB\xBF")) source.remove_prefix(3);  // no column to toml++
   size_t at = 0;
   for (auto line = region.begin.line; line > 1 && at < source.size(); --line)
     at = source.find('\n', at) + 1;
@@ -624,8 +625,11 @@ void apply_table(Config& config, const toml::table& table, const std::string& pr
     const std::string where = file + ":" + std::to_string(node.source().begin.line) + ": ";
     const ConfigKey* key = find_key(name);
     if (!key) {
-      if (!node.is_table() || !is_table(name)) unknown_key(where, name, node.is_table());
-      apply_table(config, *node.as_table(), name, file, source);
+      // An unknown table with keys names its first key, as written (`trian.steps = 5` or
+      // `[trian]` then `steps = 5`); one without keys names itself.
+      const toml::table* sub = node.as_table();
+      if (!sub || (sub->empty() && !is_table(name))) unknown_key(where, name, sub != nullptr);
+      apply_table(config, *sub, name, file, source);
       continue;
     }
     set_value(config, *key, node, source, where);
@@ -697,9 +701,13 @@ void apply_override(Config& config, const std::string& assignment) {
                 "such as \\n, or '...')");
   if (!document && key->type == "float" && outside_double_range(value))
     input_error("--set: config key '", name, "' = ", value, " is outside a double's range");
+  // TOML's numbers are stricter than C's: no ".95", "1." or "007".
+  const char* how = key->type == "float" ? " as TOML writes one (0.95, 1e-3, 1_000.5)"
+                    : key->type == "int" ? " as TOML writes one (1000, 1_000, 0x10)"
+                                         : "";
   if (!document)
-    input_error("--set: config key '", name, "': expected ", expected_value(*key), ", got '", value,
-                "'");
+    input_error("--set: config key '", name, "': expected ", expected_value(*key), how, ", got '",
+                value, "'");
   set_value(config, *key, *document->get("v"), kValueDocument + value, "--set: ");
 }
 

@@ -200,10 +200,10 @@ std::pair<int64_t, int64_t> flat_range(const model::Gpt& model, const ParameterL
 // `params` in two, each in order: the dense ones and the model's experts.
 std::pair<ParameterList, ParameterList> split_experts(const model::Gpt& model,
                                                       const ParameterList& params) {
-  std::set<std::string> experts;
-  for (const Parameter& p : model.expert_parameters()) experts.insert(p.name);
+  const std::vector<bool> expert = parallel::expert_flags(model, params);
   std::pair<ParameterList, ParameterList> out;
-  for (const Parameter& p : params) (experts.count(p.name) ? out.second : out.first).push_back(p);
+  for (size_t i = 0; i < params.size(); ++i)
+    (expert[i] ? out.second : out.first).push_back(params[i]);
   return out;
 }
 

@@ -1129,9 +1129,7 @@ TrainResult Trainer::run_steps() {
                                   "nothing: the run is plain data parallel"));
   // Each bucket is its own all-reduce, paying MPI's latency every step: a tiny bucket_mb (the
   // documented floor is one gradient) turns a step into hundreds of thousands of them.
-  const int64_t buckets =
-      (s.model.num_parameters() * int64_t(sizeof(float)) + c.parallel.bucket_bytes() - 1) /
-      c.parallel.bucket_bytes();
+  const int64_t buckets = s.grads.num_buckets();
   if (s.is_root && s.grad_group.size() > 1 && buckets > kManyGradientBuckets)
     warn_on_stderr(detail::concat("parallel.bucket_mb = ", c.parallel.bucket_mb, " cuts rank 0's ",
                                   s.model.num_parameters(), " gradients into ", buckets,

@@ -325,11 +325,11 @@ std::vector<nlohmann::json> moe_loads(const std::string& run_dir) {
 }  // namespace
 
 // Each rank holds only its ep shard of the experts (and their optimizer state): expert
-// gradients sum over edp, the optimizer of the experts runs over edp, the clipping norm adds
-// the ep ranks' expert norms, validation runs through the token exchange. With AdamW and
-// with Muon (ZeRO-1 sharded over dp for the dense matrices, over edp for the experts).
-// A mixture's validation under expert parallelism: the ep ranks run idle forwards where one
-// holds more validation batches (of either data set); each data set's loss still follows the
+// gradients sum over edp, the optimizer of the experts runs over edp, the clipping norm sums
+// each expert parameter's squares over the ep ranks, validation runs through the token exchange.
+// With AdamW and with Muon (ZeRO-1 sharded over dp for the dense matrices, over edp for the
+// experts). A mixture's validation under expert parallelism: the ep ranks run idle forwards where
+// one holds more validation batches (of either data set); each data set's loss still follows the
 // single process that accumulates the same global batch.
 TEST(DataParallel, ExpertParallelMoeValidatesEachDataSetOfAMixture) {
   comm::Communicator& world = comm::world();

@@ -25,6 +25,7 @@ TEST(NumberList, RejectsEmptyItemsNonNumbersAndValuesBelowTheMinimum) {
   expect_input_error([] { parse_int_list("pipeline.layout", "4,-0", 0); },
                      {"'-0' is not an integer >= 0"});
   expect_input_error([] { parse_int_list("k", "+3", 1); }, {"'+3' is not an integer >= 1"});
+  expect_input_error([] { parse_int_list("k", "\t-0", 0); }, {"is not an integer >= 0"});
   expect_input_error([] { parse_real_list("k", "0.5,-0", 0); }, {"'-0' is not a number >= 0"});
   expect_input_error([] { parse_int_list("optim.ns_restarts", "0", 1); }, {"'0'", ">= 1"});
   expect_input_error([] { parse_int_list("k", "99999999999999999999", 0); }, {"'9999"});

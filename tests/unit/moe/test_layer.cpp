@@ -533,7 +533,7 @@ TEST(MoeLayer, LeiWidthAboveTheBoundIsAnInputError) {
   for (double w :
        {2e6, 1e30, 1e39, 0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
     c.lei_width = w;
-    fixture::expect_input_error([&] { validate(c); }, {"model.moe_lei_width", "(0, 1e+06]"});
+    fixture::expect_input_error([&] { validate(c); }, {"model.moe_lei_width", "(0, 1e6]"});
   }
   for (double w : {1e6, 1.0, 1e-3}) {
     c.lei_width = w;

@@ -98,7 +98,10 @@ TEST(Config, UnknownTablesAreRejected) {
                   "t.toml:3: unknown config table [train.sub]"},
         std::pair{"[train.steps]\n",
                   "t.toml:1: config key 'train.steps' expects an integer, got a table"},
-        std::pair{"train = { sub = {} }\n", "t.toml:1: unknown config table [train.sub]"}})
+        std::pair{"train = { sub = {} }\n", "t.toml:1: unknown config table [train.sub]"},
+        // One with keys names its first key, as written (a dotted key or under a header).
+        std::pair{"trian.steps = 5\n", "t.toml:1: unknown config key 'trian.steps'"},
+        std::pair{"[trian]\nsteps = 5\n", "t.toml:2: unknown config key 'trian.steps'"}})
     expect_input_error([&] { train::parse_config(text, "t.toml", {}); }, {message});
   EXPECT_EQ(train::parse_config("[train]\n[model]\nwidth = 64\n", "t.toml", {}).model.width, 64);
 }
@@ -170,8 +173,17 @@ TEST(Config, FileAndSetReadValuesAlike) {
   // A float is no integer, wherever it is given.
   expect_input_error([&] { train::parse_config("[run]\nseed = 1e3\n", "f.toml", {}); },
                      {"f.toml:2: config key 'run.seed' expects an integer, got a float"});
-  expect_input_error([&] { set("run.seed==5"); },
-                     {"--set: config key 'run.seed': expected an integer, got '=5'"});
+  expect_input_error(
+      [&] { set("run.seed==5"); },
+      {"--set: config key 'run.seed': expected an integer as TOML writes one", "got '=5'"});
+  // C's spellings that TOML refuses say so.
+  expect_input_error([&] { set("optim.momentum=.95"); },
+                     {"--set: config key 'optim.momentum': expected a number as TOML writes one "
+                      "(0.95, 1e-3, 1_000.5), got '.95'"});
+  // A byte-order mark is no column: the literal on line 1 is still read whole.
+  expect_input_error(
+      [&] { train::parse_config("\xEF\xBB\xBFtrain.grad_clip = 1e-400\n", "f.toml", {}); },
+      {"f.toml:1: config key 'train.grad_clip' = 1e-400 is outside a double's range"});
 }
 
 // The optimizer's string settings are choice keys as the model's enums are: the same error,
