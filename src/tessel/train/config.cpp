@@ -588,6 +588,11 @@ bool outside_double_range(std::string text) {
          std::errc::result_out_of_range;
 }
 
+[[noreturn]] void outside_double_range_error(const std::string& where, const ConfigKey& key,
+                                             const std::string& text) {
+  input_error(where, "config key '", key.name, "' = ", text, " is outside a double's range");
+}
+
 // Sets `key` from a TOML value `node` parsed from `source`, with TOML's types checked against
 // the key's, in one way for a config file and for --set; errors start with `where`.
 void set_value(Config& config, const ConfigKey& key, const toml::node& node,
@@ -605,8 +610,7 @@ void set_value(Config& config, const ConfigKey& key, const toml::node& node,
     value = key.type == "float" ? ConfigValue(double(i->get())) : ConfigValue(i->get());
   if (auto f = node.as_floating_point()) {
     const std::string text = literal(source, node.source());
-    if (outside_double_range(text))
-      input_error(where, "config key '", key.name, "' = ", text, " is outside a double's range");
+    if (outside_double_range(text)) outside_double_range_error(where, key, text);
     if (!std::isfinite(f->get()))
       input_error(where, "config key '", key.name, "': expected a number, got '", text, "'");
     value = f->get();
@@ -700,7 +704,7 @@ void apply_override(Config& config, const std::string& assignment) {
                 ": the value starts with a quote but is not one TOML string (\"...\" with escapes "
                 "such as \\n, or '...')");
   if (!document && key->type == "float" && outside_double_range(value))
-    input_error("--set: config key '", name, "' = ", value, " is outside a double's range");
+    outside_double_range_error("--set: ", *key, value);
   // TOML's numbers are stricter than C's: no ".95", "1." or "007".
   const char* how = key->type == "float" ? " as TOML writes one (0.95, 1e-3, 1_000.5)"
                     : key->type == "int" ? " as TOML writes one (1000, 1_000, 0x10)"

@@ -1,10 +1,10 @@
 #include "tessel/train/metrics.hpp"
 
-#include <cstdio>
 #include <filesystem>
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
+#include "tessel/train/checkpoint.hpp"
 
 namespace tessel::train {
 
@@ -19,8 +19,7 @@ MetricsLog::MetricsLog(const std::string& path, int64_t keep_through_step) : pat
       const bool stepless = record.is_object() && !record.contains("step");
       if (!stepless && !(record.is_object() && record["step"].is_number_integer())) {
         // Cut short by a crash, or damaged: the history loses it, and says so.
-        std::fprintf(stderr, "tessel: warning: %s:%lld: malformed metrics record dropped\n",
-                     path.c_str(), static_cast<long long>(number));
+        warn_on_stderr(path + ":" + std::to_string(number) + ": malformed metrics record dropped");
         continue;
       }
       if (stepless || record["step"].get<int64_t>() <= keep_through_step) kept += line + "\n";
