@@ -104,10 +104,12 @@ PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len, Overlon
   if (seq_len < 1) input_error(tokens.path(), ": seq_len must be >= 1, got ", seq_len);
   std::vector<int64_t> kept, lengths;
   std::vector<int32_t> marks;
+  int64_t longer = 0;  // overlong_ counts only those placed under "cut"; the refusal counts all
   for (int64_t d = 0; d < tokens.num_documents(); ++d) {
     const auto [begin, n] = document_span(tokens, d);
     // A sample of T + 1 tokens fits: its last token is only a target.
     const bool too_long = n > T_ + 1;
+    longer += too_long;
     if (too_long && overlong == Overlong::drop) {
       ++overlong_;
       continue;
@@ -126,9 +128,11 @@ PackedSamples::PackedSamples(const ShardReader& tokens, int64_t seq_len, Overlon
   }
   samples_ = int64_t(kept.size());
   if (samples_ == 0)
-    input_error(tokens.path(), ": no sample left to use at seq_len = ", seq_len, ": ", overlong_,
+    input_error(tokens.path(), ": no sample left to use at seq_len = ", seq_len, ": ", longer,
                 " of its ", tokens.num_documents(), " samples are longer (data.overlong = \"",
-                overlong_name(overlong), "\"), ", untrained_,
+                overlong_name(overlong), "\"",
+                overlong == Overlong::cut ? ": cut to seq_len" : ": left out", "), ", untrained_,
+                overlong == Overlong::cut ? "" : " of the others",
                 " have no trained token within seq_len tokens");
   rows_ = pack_best_fit(lengths, T_);
   // Rows in the order of their first samples: the first rows (validation's, or training's

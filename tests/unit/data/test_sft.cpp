@@ -483,8 +483,19 @@ TEST_F(SftLoader, DamagedOrMismatchedLossMasksAreClearErrors) {
   o.corpus = "chat:test";
   o.output_dir = dir_.path().string();
   prepare_samples(samples_, o);
+  // Every sample is longer than 3 tokens: cut, each is left out for want of a trained token;
+  // dropped, none is left to look at.
+  const std::string n = std::to_string(ShardReader(dir_.file("train.tok")).num_documents());
   auto cut = options(2);
   cut.overlong = Overlong::cut;
   expect_input_error([&] { DataLoader(dir_.file("train.tok"), cut); },
-                     {"train.tok", "no sample left to use at seq_len = 2", "\"cut\""});
+                     {"train.tok", "no sample left to use at seq_len = 2",
+                      n + " of its " + n +
+                          " samples are longer (data.overlong = \"cut\": cut "
+                          "to seq_len), " +
+                          n + " have no trained token"});
+  expect_input_error([&] { DataLoader(dir_.file("train.tok"), options(2)); },
+                     {n + " of its " + n +
+                      " samples are longer (data.overlong = \"drop\": left "
+                      "out), 0 of the others have no trained token"});
 }
