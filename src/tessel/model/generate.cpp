@@ -124,6 +124,15 @@ std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
   for (int64_t i = 0; i < new_tokens; ++i) {
     std::vector<float> logits = next(last_window(prompt, max_seq));
     if (id_limit > 0 && id_limit < int64_t(logits.size())) logits.resize(size_t(id_limit));
+    // Sampling would still pick an id (greedy the lowest, since NaN compares false): a broken
+    // model's output must not pass for text.
+    const auto bad =
+        std::find_if(logits.begin(), logits.end(), [](float l) { return !std::isfinite(l); });
+    if (bad != logits.end())
+      throw DivergenceError(detail::concat(
+          "generate: the model's logits for new token ", i + 1, " hold ",
+          std::isnan(*bad) ? "NaN" : "inf", " (id ", bad - logits.begin(),
+          "): its weights are not finite (or its output overflows); nothing to sample from"));
     prompt.push_back(sample_token(logits, temperature, top_k, rng));
     if (on_token) on_token(prompt.back());
     if (prompt.back() == stop) break;

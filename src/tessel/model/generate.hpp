@@ -61,7 +61,8 @@ using OnToken = std::function<void(int32_t token)>;
 // `stop` token (kept; -1 = no stop token). With id_limit > 0 only ids below it are drawn: a
 // tokenizer's ids, when the model's vocabulary is padded beyond them. InputError on an empty
 // prompt, a negative temperature, top_k or new_tokens, or (from the forward) a token id
-// outside the vocabulary.
+// outside the vocabulary; DivergenceError when a drawn token's logits (below id_limit) are not
+// all finite (a model with NaN weights).
 std::vector<int32_t> generate(const NextTokenLogits& next, int64_t max_seq,
                               std::vector<int32_t> prompt, int64_t new_tokens, float temperature,
                               int64_t top_k, Rng& rng, int32_t stop = -1,

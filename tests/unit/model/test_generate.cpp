@@ -44,6 +44,35 @@ TEST(Generate, AnIdLimitKeepsDrawsBelowIt) {
   })) << "without the limit the same sampling reaches the upper ids";
 }
 
+// A model whose weights hold NaN gives NaN logits: generation refuses them (greedy would take
+// the lowest id, sampling the last candidate) rather than print a broken model's draws as text.
+// A NaN in the head row of an id at or above the id limit is never drawn from: no error.
+TEST(Generate, NonFiniteLogitsAreADivergenceError) {
+  Gpt gpt(gelu_config(), 3);
+  randomize_parameters(gpt, 4, 0.5f);
+  const int64_t V = gpt.config().vocab;
+  for (const Parameter& p : gpt.parameters())
+    if (p.name == "head.weight") {
+      Tensor head = p.value;  // a view
+      const int64_t width = head.shape()[1];
+      std::fill(head.f32() + (V - 1) * width, head.f32() + V * width, std::nanf(""));
+    }
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  Rng rng(1);
+  for (const float temperature : {0.0f, 1.0f}) {
+    SCOPED_TRACE(temperature);
+    try {
+      generate(gpt, prompt, 4, temperature, 0, rng);
+      ADD_FAILURE() << "no DivergenceError";
+    } catch (const DivergenceError& e) {
+      EXPECT_NE(std::string(e.what()).find("logits for new token 1 hold NaN (id 12)"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(generate(gpt, prompt, 4, temperature, 0, rng, -1, nullptr, V - 1).size(), 7u);
+  }
+}
+
 // Greedy generation is deterministic and equals step-by-step argmax of the next
 // token's logits; it runs past max_seq (8) by keeping the last 8 tokens.
 TEST(Generate, GreedyIsDeterministicArgmax) {
