@@ -107,29 +107,26 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
   const train::RunModel run = train::load_run_model(run_dir);
   // The tokenizer: --tokenizer's (the run's own, where it kept one), else the model's.
   std::string source = tokenizer_dir;
-  if (!source.empty() && !data::tokenizer_name(source))
-    input_error("--tokenizer ", source,
-                ": no tokenizer there (a prepared data directory, a run's tokenizer/ or a "
-                "directory with vocab.json and merges.txt)");
+  std::unique_ptr<data::Tokenizer> tokenizer;
   if (!source.empty()) {
+    if (!data::tokenizer_name(source))
+      input_error("--tokenizer ", source,
+                  ": no tokenizer there (a prepared data directory, a run's tokenizer/ or a "
+                  "directory with vocab.json and merges.txt)");
     // The advice is not to prepare again: the run's copy already decodes its ids.
     const std::string copy = train::checkpoint_tokenizer_dir(run.checkpoint);
     data::check_same_tokenizer({copy, source},
                                detail::concat("generate decodes with the run's own copy in ", copy,
                                               ": leave out --tokenizer, or pass one that holds "
                                               "the same tokenizer"));
+    tokenizer = data::load_tokenizer(source, run.config.model.vocab);
   } else {
-    source = train::model_tokenizer_dirs(run.checkpoint, run.config)[0];
+    train::ModelTokenizer model =
+        train::model_tokenizer(run.checkpoint, run.config, run.record, "generate",
+                               ", or pass --tokenizer with the data directory the run trained on");
+    source = model.dir;
+    tokenizer = std::move(model.tokenizer);
   }
-  const std::unique_ptr<data::Tokenizer> tokenizer =
-      data::load_tokenizer(source, run.config.model.vocab);
-  if (!tokenizer && !std::filesystem::exists(source))  // a run from before runs kept a copy
-    input_error(run.checkpoint,
-                ": generate needs a tokenizer; no copy of the run's is found, "
-                "and its data.path ",
-                source,
-                " does not exist from here (a relative path is read from where the run "
-                "started); pass --tokenizer with the data directory");
   if (!tokenizer)
     input_error(run.checkpoint, ": generate needs a tokenizer; ", source,
                 " holds token ids without one (prepare them with --tokenizer bpe:DIR, or pass "
@@ -146,9 +143,14 @@ int run_generate(const std::string& run_dir, const std::string& tokenizer_dir,
   };
   print(ids);
   Rng rng{seed};
-  model::generate(
-      gpt, ids, tokens, float(temperature), top_k, rng, stop_token,
-      [&print](int32_t token) { print(std::span<const int32_t>(&token, 1)); }, tok.vocab_size());
+  try {
+    model::generate(
+        gpt, ids, tokens, float(temperature), top_k, rng, stop_token,
+        [&print](int32_t token) { print(std::span<const int32_t>(&token, 1)); }, tok.vocab_size());
+  } catch (const DivergenceError& e) {  // the checkpoint that holds the broken model
+    std::printf("\n");
+    throw DivergenceError(detail::concat(run.checkpoint, " (step ", run.step, "): ", e.what()));
+  }
   std::printf("\n");
   return 0;
 }
@@ -255,7 +257,8 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
       train::check_packed_samples_mask(shards.back(), run.config.data.attention_mask);
   }
   // The model reads the ids of its own tokenizer.
-  std::vector<std::string> with_run_data = train::model_tokenizer_dirs(run.checkpoint, run.config);
+  std::vector<std::string> with_run_data =
+      train::model_tokenizer_dirs(run.checkpoint, run.config, run.record);
   with_run_data.insert(with_run_data.end(), dirs.begin(), dirs.end());
   data::check_same_tokenizer(with_run_data);
   const char* weighted_by = data_dir.empty()       ? "data.weights"

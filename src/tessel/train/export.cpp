@@ -99,9 +99,12 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   r.tensors = int64_t(content.model.size());
   // The model's ids mean nothing without their tokenizer: the one generate decodes with goes
   // along, checked before anything is written, so that a bad copy leaves an earlier export whole.
-  const std::string tokenizer = model_tokenizer_dirs(loaded.dir, config)[0];
-  r.tokenizer = !tokenizer.empty() && data::tokenizer_name(tokenizer).has_value();
-  if (r.tokenizer) data::load_tokenizer(tokenizer, config.model.vocab);
+  // Its absence is refused as generate refuses it (a run on shards without one has none).
+  const std::string tokenizer =
+      model_tokenizer(loaded.dir, config,
+                      content.state.value("compatibility", nlohmann::json::object()), "export", "")
+          .dir;
+  r.tokenizer = data::tokenizer_name(tokenizer).has_value();
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (!fs::is_directory(out_dir)) input_error(out_dir, ": cannot create: ", ec.message());

@@ -1,5 +1,6 @@
 #include "tessel/train/run_model.hpp"
 
+#include <cmath>
 #include <filesystem>
 #include <map>
 
@@ -9,6 +10,7 @@
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/export.hpp"
+#include "tessel/train/trainer.hpp"
 
 namespace tessel::train {
 
@@ -34,16 +36,87 @@ Config checkpoint_config(const CheckpointStore::Loaded& loaded) {
 
 RunModel load_run_model(const std::string& path) {
   const auto loaded = load_trained_checkpoint(path);
-  RunModel run{loaded.dir, loaded.content.step, checkpoint_config(loaded), nullptr};
+  RunModel run{loaded.dir, loaded.content.step, checkpoint_config(loaded),
+               loaded.content.state.value("compatibility", nlohmann::json::object()), nullptr};
   run.gpt = std::make_unique<model::Gpt>(run.config.model, 0);
   for (const auto& p : run.gpt->parameters())
     restore_tensor(loaded.content.model, p.name, p.value, loaded.dir);
   return run;
 }
 
-std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, const Config& config) {
+namespace {
+
+// Why data.path speaks for the model in `checkpoint`: the start of model_tokenizer_dirs' and
+// model_tokenizer's refusals, before that path.
+std::string without_copy(const std::string& checkpoint) {
+  return detail::concat("no copy of the run's tokenizer is found (",
+                        checkpoint_tokenizer_dir(checkpoint).empty()
+                            ? "a checkpoint outside its run's checkpoints/"
+                            : "a run from before runs kept one",
+                        "), and its data.path ");
+}
+
+// The first remedy of those refusals for a checkpoint copied out of its run; a run that kept
+// no copy has none to go back to.
+std::string with_its_run(const std::string& checkpoint) {
+  return checkpoint_tokenizer_dir(checkpoint).empty()
+             ? "copy the checkpoint together with its run directory (whose tokenizer/ keeps the "
+               "run's), or "
+             : "";
+}
+
+}  // namespace
+
+std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, const Config& config,
+                                              const nlohmann::json& record,
+                                              const std::string& advice) {
   const std::string copy = checkpoint_tokenizer_dir(checkpoint);
-  return data::tokenizer_name(copy) ? std::vector<std::string>{copy} : data_paths(config.data);
+  if (data::tokenizer_name(copy)) return {copy};
+  const std::vector<std::string> dirs = data_paths(config.data);
+  // Data prepared again in place (e.g. as bytes after BPE) would decode the model's ids as
+  // another tokenizer's: the training shards the record counted tell it. A data set gone from
+  // here is the caller's to refuse.
+  for (size_t d = 0; d < dirs.size(); ++d) {
+    const std::string tokens_key = data_set_key("", int64_t(d), " tokens");
+    const std::string documents_key = data_set_key("", int64_t(d), " documents");
+    if (!std::filesystem::exists(dirs[d]) || !record.contains(tokens_key) ||
+        !record[tokens_key].is_number_integer() || !record.contains(documents_key) ||
+        !record[documents_key].is_number_integer())
+      continue;
+    const std::string shard = dirs[d] + "/train.tok";
+    const int64_t tokens = record[tokens_key].get<int64_t>(),
+                  documents = record[documents_key].get<int64_t>();
+    std::string now = "it holds no train.tok";
+    if (std::filesystem::exists(shard)) {
+      const data::ShardReader reader(shard);
+      if (reader.num_tokens() == tokens && reader.num_documents() == documents) continue;
+      now = detail::concat("its train.tok holds ", reader.num_tokens(), " tokens in ",
+                           reader.num_documents(), " documents");
+    }
+    input_error(checkpoint, ": ", without_copy(checkpoint), dirs[d],
+                " changed since the run: ", now, ", the run trained on ", tokens, " in ", documents,
+                " (the checkpoint's record), so the tokenizer there may not be the model's; ",
+                with_its_run(checkpoint), "put the data the run trained on back at data.path",
+                advice);
+  }
+  return dirs;
+}
+
+ModelTokenizer model_tokenizer(const std::string& checkpoint, const Config& config,
+                               const nlohmann::json& record, const std::string& command,
+                               const std::string& advice) {
+  ModelTokenizer t;
+  t.dir = model_tokenizer_dirs(checkpoint, config, record, advice)[0];
+  t.tokenizer = data::load_tokenizer(t.dir, config.model.vocab);
+  // Without a copy or data.path there is nothing to read the model's ids with (but bytes for
+  // a model of 256 ids, which load_tokenizer gives).
+  if (!t.tokenizer && !std::filesystem::exists(t.dir))
+    input_error(checkpoint, ": ", command, " needs a tokenizer; ", without_copy(checkpoint), t.dir,
+                " does not exist from here (a relative path is read from where the run "
+                "started); ",
+                with_its_run(checkpoint), "run ", command, " from the directory the run started in",
+                advice);
+  return t;
 }
 
 Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences) {
@@ -67,6 +140,12 @@ Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequenc
     e.sequences += b.B;
   }
   e.loss = e.loss_tokens > 0 ? loss_sum / e.loss_tokens : 0.0;
+  // As a run's validation loss stops it: a NaN printed as a loss would pass for a result.
+  if (!std::isfinite(e.loss))
+    throw DivergenceError(
+        detail::concat(run.checkpoint, " (step ", run.step, ") on ", shard, ": the loss is ",
+                       std::isnan(e.loss) ? "NaN" : "inf",
+                       ": the model's weights are not finite (or its output overflows)"));
   return e;
 }
 

@@ -3,9 +3,11 @@
 // one process (`tessel generate`, `tessel eval`), and its loss on a token shard.
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "tessel/data/tokenizer.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/config.hpp"
@@ -24,14 +26,32 @@ struct RunModel {
   std::string checkpoint;  // the checkpoint directory it came from
   int64_t step = 0;
   Config config;
+  nlohmann::json record;            // its manifest's compatibility record (what the run trained on)
   std::unique_ptr<model::Gpt> gpt;  // every block and expert, whatever layout (dp, ep, pp) saved it
 };
 
 // Where the tokenizer of the model in `checkpoint` (a checkpoint directory, whose resolved
-// config is `config`) is: its run's own copy (checkpoint_tokenizer_dir), or for a run from
-// before copies were kept or a checkpoint outside its run, its data.path directories (taken
-// relative to this one). What generate decodes with, eval compares and export copies.
-std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, const Config& config);
+// config is `config` and compatibility record `record`) is: its run's own copy
+// (checkpoint_tokenizer_dir), or for a run from before copies were kept or a checkpoint outside
+// its run, its data.path directories (taken relative to this one). What generate decodes with,
+// eval compares and export copies. InputError when it would be data.path's but a data set
+// there is not the one the run trained on (its train.tok's tokens or documents differ from
+// the record): its tokenizer may be another. `advice` ends that message: another remedy the
+// command offers (", or pass --tokenizer ...").
+std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, const Config& config,
+                                              const nlohmann::json& record,
+                                              const std::string& advice = "");
+
+// The tokenizer of model_tokenizer_dirs' first directory, `dir` (data::load_tokenizer: null for
+// ids without one), for `command` (generate, export). InputError when there is none because
+// that directory, the run's data.path, does not exist from here; `advice` ends both messages.
+struct ModelTokenizer {
+  std::string dir;
+  std::unique_ptr<data::Tokenizer> tokenizer;
+};
+ModelTokenizer model_tokenizer(const std::string& checkpoint, const Config& config,
+                               const nlohmann::json& record, const std::string& command,
+                               const std::string& advice);
 
 // `path` is a checkpoint directory (step-N) or a run directory (its newest checkpoint that
 // verifies, as for a resume). InputError naming the file on a damaged checkpoint.
@@ -49,7 +69,8 @@ struct Evaluation {
 // the run's own val.tok and train.eval_sequences it is the run's validation loss at that
 // checkpoint (bitwise for a run on one process; up to summation order for dp, cp or pp).
 // InputError for a shard whose vocabulary exceeds model.vocab, that holds no full sequence, or
-// whose rows hold no token the loss counts.
+// whose rows hold no token the loss counts; DivergenceError naming the checkpoint for a loss
+// that is not finite (a model with NaN weights), as a run's validation stops it.
 Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences);
 
 }  // namespace tessel::train

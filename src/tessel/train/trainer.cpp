@@ -40,6 +40,7 @@
 #include "tessel/train/metrics.hpp"
 #include "tessel/train/moe_metrics.hpp"
 #include "tessel/train/pipeline_trainer.hpp"
+#include "tessel/train/run_model.hpp"
 
 namespace fs = std::filesystem;
 
@@ -231,13 +232,6 @@ constexpr const char* kPipelineChunksKey = "pipeline chunks per stage (pipeline.
 // Written into every checkpoint's compatibility record: renaming it breaks resuming them.
 constexpr std::string_view kGlobalBatchKey =
     "global batch (sequences per step: dp * accum * micro_batch)";
-// The compatibility record's name of a fact about data set d's training shard: data set 0
-// keeps the name it had before mixtures, so single-data-set checkpoints still resume.
-std::string data_set_key(const std::string& prefix, int64_t d, const std::string& fact) {
-  return prefix + (d == 0 ? "data.path" : detail::concat("data.path[", d, "]")) + "/train.tok" +
-         fact;
-}
-
 // The compatibility record's entry of a run on SFT data sets (each one's packed rows); text
 // runs have none, so their older checkpoints still resume.
 std::string sft_rows_key(int64_t d) {
@@ -298,6 +292,12 @@ bool init_may_differ(const std::string& key, const nlohmann::json& have, const n
 }
 
 }  // namespace
+
+// Data set 0 keeps the name it had before mixtures, so single-data-set checkpoints still resume.
+std::string data_set_key(const std::string& prefix, int64_t d, const std::string& fact) {
+  return prefix + (d == 0 ? "data.path" : detail::concat("data.path[", d, "]")) + "/train.tok" +
+         fact;
+}
 
 struct Trainer::Attempt {
   bool supervised = std::getenv("TESSEL_ETT_ATTEMPT") != nullptr;  // by `tessel run`
@@ -756,7 +756,7 @@ struct Trainer::State {
             used_pin = !pinned.empty();
           }
           try {
-            return load_run_checkpoint(dir);
+            return load_trained_checkpoint(dir);  // names an export, a run without one yet
           } catch (const InputError& e) {
             if (pinned.empty()) input_error("train.init_from = ", from, ": ", e.what());
             input_error("train.init_from = ", from, ": this run's first attempt started from ",

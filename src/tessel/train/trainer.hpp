@@ -78,4 +78,9 @@ int auto_threads_per_rank(int world_size);
 // negative one as 0, and one of a million hours or more (or infinite) as ">1000000h".
 std::string format_duration(double seconds);
 
+// The name, in a checkpoint's compatibility record, of a fact about data set d's training shard
+// (e.g. " tokens": "data.path/train.tok tokens", "data.path[1]/train.tok tokens"), after
+// `prefix`.
+std::string data_set_key(const std::string& prefix, int64_t d, const std::string& fact);
+
 }  // namespace tessel::train

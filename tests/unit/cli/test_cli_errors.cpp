@@ -16,6 +16,7 @@
 
 #include "support/train_fixture.hpp"
 #include "tessel/core/error.hpp"
+#include "tessel/train/checkpoint.hpp"
 #include "tessel/train/pipeline_profile.hpp"
 #include "unit/cli/cli_test_util.hpp"
 
@@ -615,6 +616,28 @@ TEST_F(CliTest, ADivergedRunStopsWithItsOwnExitStatus) {
   }
 }
 
+// A checkpoint whose weights hold NaN (saved here, as no run saves one: its validation stops it
+// first) is refused by generate and eval as a diverged model, naming the checkpoint and step,
+// not sampled as text or evaluated to a loss of nan.
+TEST_F(CliTest, AModelWithNanWeightsStopsGenerateAndEval) {
+  const std::string run = temp_dir("r"), broken = temp_dir("broken");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  auto content = tessel::train::CheckpointStore::load(run + "/checkpoints/step-00000004",
+                                                      tessel::train::CheckpointParts::model);
+  for (auto& t : content.model)
+    std::fill(t.tensor.f32(), t.tensor.f32() + t.tensor.numel(), std::nanf(""));
+  tessel::comm::SingleCommunicator self;
+  tessel::train::CheckpointStore(broken + "/checkpoints", 2).save(self, content);
+  const std::string checkpoint = broken + "/checkpoints/step-00000004 (step 4): ";
+  Outcome o = run_tessel("generate --run " + broken + " --prompt ab --tokens 3");
+  EXPECT_EQ(o.exit_code, kExitDiverged);
+  expect_one_line_error(o, {checkpoint + "generate: the model's logits for new token 1 hold NaN"});
+  o = run_tessel("eval --run " + broken);
+  EXPECT_EQ(o.exit_code, kExitDiverged);
+  expect_one_line_error(o, {checkpoint.substr(0, checkpoint.size() - 2) + " on " + data +
+                            "/val.tok: the loss is NaN"});
+}
+
 TEST_F(CliTest, SequenceLongerThanTheModelAllows) {
   expect_one_line_error(run_tessel(train_args(temp_dir("r")) + " --set train.seq_len=64"),
                         {"train.seq_len", "model.max_seq"});
@@ -869,8 +892,17 @@ TEST_F(CliTest, ATokenFileIsPreparedAndTrainsAModelOfItsVocabulary) {
   fs::rename(dir + "/data", dir + "/data-moved");
   expect_one_line_error(
       run_tessel("generate --run " + dir + "/run --prompt ab"),
-      {"no copy of the run's is found", dir + "/data does not exist", "--tokenizer"});
+      {"no copy of the run's tokenizer is found (a run from before runs kept one)",
+       dir + "/data does not exist", "--tokenizer"});
+  // Export refuses it alike; with the data back, a run on ids without a tokenizer exports (its
+  // tokenizer/ names them).
+  expect_one_line_error(run_tessel("export " + dir + "/run " + dir + "/out"),
+                        {"export needs a tokenizer", dir + "/data does not exist"});
+  EXPECT_FALSE(fs::exists(dir + "/out"));
   fs::rename(dir + "/data-moved", dir + "/data");
+  const Outcome e = run_tessel("export " + dir + "/run " + dir + "/out");
+  EXPECT_EQ(e.exit_code, 0) << e.err;
+  EXPECT_NE(slurp(dir + "/out/tokenizer/tokenizer.json").find("pretokenized"), std::string::npos);
   expect_one_line_error(
       run_tessel("prepare --corpus tokens:" + dir + "/train.bin --eot 299 --out " + dir + "/d2"),
       {"needs --vocab"});
@@ -969,20 +1001,42 @@ TEST_F(CliTest, ABpeVocabularyIsLearnedPreparedTrainedAndSampled) {
   EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
   for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
     EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
-  // A checkpoint outside its run exports the tokenizer generate decodes it with, its
-  // data.path's (the data the run trained on, moved back); without one the earlier export's
-  // goes.
-  fs::copy(run + "/checkpoints/step-00000004", dir + "/loose", fs::copy_options::recursive);
+  // A checkpoint outside its run reads its data.path's tokenizer, but not from data prepared
+  // again since the run (here with the 280-id vocabulary: its train.tok is not the one the
+  // checkpoint's record counted): generate, eval and export refuse it rather than read the
+  // model's ids as another tokenizer's; --tokenizer names the right one.
+  const std::string loose = dir + "/loose";
+  fs::copy(run + "/checkpoints/step-00000004", loose, fs::copy_options::recursive);
+  for (const std::string& command : {"generate --run " + loose + " --prompt the",
+                                     "eval --run " + loose, "export " + loose + " " + dir + "/out"})
+    expect_one_line_error(
+        run_tessel(command),
+        {loose + ": no copy of the run's tokenizer is found (a checkpoint outside",
+         dir + "/data changed since the run: its train.tok holds",
+         "copy the checkpoint together with its run directory"});
+  o = run_tessel("generate --run " + loose + " --tokenizer " + dir +
+                 "/data.moved --prompt 'the LORD' --tokens 5 --temperature 0");
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_EQ(o.out.rfind("the LORD", 0), 0u) << o.out;
+  // With the data the run trained on back at data.path, the export carries its tokenizer.
   fs::rename(dir + "/data", dir + "/data.bpe2");
   fs::rename(dir + "/data.moved", dir + "/data");
-  o = run_tessel("export " + dir + "/loose " + dir + "/out");
+  o = run_tessel("export " + loose + " " + dir + "/out");
   ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_NE(o.out.find(dir + "/out/tokenizer/"), std::string::npos) << o.out;
   for (const char* file : {"vocab.json", "merges.txt", "tokenizer.json"})
     EXPECT_EQ(slurp(dir + "/out/tokenizer/" + file), slurp(run + "/tokenizer/" + file)) << file;
+  // Without data.path from here export refuses as generate does (it dropped the tokenizer), and
+  // the earlier export stays whole.
   fs::rename(dir + "/data", dir + "/data.moved");
-  ASSERT_EQ(run_tessel("export " + dir + "/loose " + dir + "/out").exit_code, 0);
-  EXPECT_FALSE(fs::exists(dir + "/out/tokenizer"));
+  const auto exported = files_under(dir + "/out");
+  for (const auto& [command, name] : {std::pair{"export " + loose + " " + dir + "/out", "export"},
+                                      std::pair{"generate --run " + loose, "generate"}})
+    expect_one_line_error(run_tessel(command),
+                          {loose + ": " + name + " needs a tokenizer; no copy of the run's",
+                           dir + "/data does not exist from here",
+                           "copy the checkpoint together with its run directory"});
+  EXPECT_EQ(files_under(dir + "/out"), exported);
   // A checkpoint directory, however spelled, finds its run's copy.
   o = run_tessel("generate --run " + run + "/checkpoints/step-00000004/ --prompt 'the LORD'");
   EXPECT_EQ(o.exit_code, 0) << o.err;

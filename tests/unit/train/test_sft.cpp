@@ -22,6 +22,7 @@
 #include "tessel/moe/config.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/checkpoint.hpp"
+#include "tessel/train/export.hpp"
 
 namespace tessel::train {
 namespace {
@@ -417,6 +418,19 @@ TEST(SftTraining, InitFromStartsFromTheCheckpointWeights) {
   other.train.init_from = pre.run.dir + "/nowhere";
   fixture::expect_input_error([&] { fixture::train_run(other); },
                               {"train.init_from = ", "nowhere"});
+  // An export, and a base run that has saved no checkpoint yet, are named as generate names
+  // them.
+  const std::string exported = fixture::temp_dir("tessel-export") + "/out";
+  export_checkpoint(pre.run.dir, exported);
+  other.train.init_from = exported;
+  fixture::expect_input_error([&] { fixture::train_run(other); },
+                              {"train.init_from = " + exported, "an export (model.safetensors)",
+                               "pass the run it was exported from"});
+  const std::string starting = fixture::temp_dir("tessel-pre");
+  fs::copy_file(pre.run.dir + "/config.toml", starting + "/config.toml");
+  other.train.init_from = starting;
+  fixture::expect_input_error([&] { fixture::train_run(other); },
+                              {"train.init_from = " + starting, "the run has no checkpoint yet"});
 }
 
 // A restarted attempt before the run's first checkpoint starts from the checkpoint the first
