@@ -4,8 +4,10 @@
 //   OUT/model.safetensors   every parameter, in the model's order, one file
 //   OUT/config.toml         the resolved run config of the checkpoint
 //   OUT/tokenizer/          the tokenizer generate decodes with, where there is one: the
-//                           run's copy, else its data.path's (model_tokenizer_dirs; a BPE
-//                           vocabulary's vocab.json and merges.txt, and tokenizer.json)
+//                           run's copy, else its data.path's (model_tokenizer; refused as
+//                           generate refuses it: data changed since the run, or not found
+//                           from here; a BPE vocabulary's vocab.json and merges.txt, and
+//                           tokenizer.json)
 // readable by other tools (the safetensors format: safetensors.hpp).
 #include <cstdint>
 #include <string>
