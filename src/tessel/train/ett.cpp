@@ -269,8 +269,11 @@ std::optional<double> time_weighted_mfu(const std::string& run_dir) {
     const bool usable =
         mfu.is_number() && mfu.get<double>() >= 0 && t.is_number() && t.get<double>() >= 0;
     if (!usable) {
-      if (unusable++ == 0)
-        first_unusable = l.line, why = "mfu = " + mfu.dump() + ", step_seconds = " + t.dump();
+      if (unusable++ == 0) {
+        first_unusable = l.line;
+        why = "mfu = " + mfu.dump() + ", step_seconds = " + t.dump() +
+              (mfu.is_null() || t.is_null() ? " (null: NaN or infinite when written)" : "");
+      }
       continue;
     }
     flop_seconds += mfu.get<double>() * t.get<double>();
@@ -278,8 +281,7 @@ std::optional<double> time_weighted_mfu(const std::string& run_dir) {
   }
   if (unusable > 0)
     warn_on_stderr(detail::concat(
-        path, ":", first_unusable, ": a step record with ", why,
-        " (null: NaN or infinite when written) is left out of the MFU",
+        path, ":", first_unusable, ": a step record with ", why, " is left out of the MFU",
         unusable > 1 ? detail::concat(", as are ", unusable - 1, " more such records") : ""));
   if (!(seconds > 0)) return std::nullopt;
   return flop_seconds / seconds;
