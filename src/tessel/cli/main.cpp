@@ -418,6 +418,19 @@ CLI::Validator finite_range(double min, double max) {
   return not_nan & CLI::Range(min, max);
 }
 
+// 0 (off) or a value within finite_range(min, max).
+CLI::Validator zero_or_finite_range(double min, double max) {
+  return CLI::Validator(
+      [range = finite_range(min, max)](std::string& v) -> std::string {
+        char* end = nullptr;
+        if (std::strtod(v.c_str(), &end) == 0 && end != v.c_str() && *end == '\0') return "";
+        std::string copy = v;
+        const std::string error = range(copy);
+        return error.empty() ? "" : error + " (or 0)";
+      },
+      "");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -703,10 +716,12 @@ int main(int argc, char** argv) {
                    "seconds per activation or gradient message between stages, before its bytes")
       ->check(finite_range(0.0, 1e6))
       ->capture_default_str();
+  // At least 1 byte/s: a slower link (1e-300) made each message take ~1e304 s, and the
+  // simulated steps overflow to infinity.
   simc->add_option("--link-bandwidth", sim_bandwidth,
-                   "bytes per second of every link (a message is the micro-batch's f32 residual "
-                   "stream, from the run's config); 0 = no transfer time")
-      ->check(finite_range(0.0, 1e18))
+                   "bytes per second of every link, 1 to 1e18 (a message is the micro-batch's "
+                   "f32 residual stream, from the run's config); 0 = no transfer time")
+      ->check(zero_or_finite_range(1.0, 1e18))
       ->capture_default_str();
   simc->add_flag("--json", sim_json, "print JSON");
 

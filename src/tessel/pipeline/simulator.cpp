@@ -139,6 +139,12 @@ SimResult simulate(const SimOptions& o) {
     TESSEL_CHECK(next[size_t(s)] == ops[size_t(s)].size(), "pipeline simulator: stage ", s,
                  " deadlocked at op ", next[size_t(s)]);
   r.makespan = *std::max_element(free_at.begin(), free_at.end());
+  // Each op's and message's time is finite, their sums need not be: an infinite makespan
+  // gave a bubble of 1 and throughputs of 0 or NaN.
+  if (!std::isfinite(r.makespan))
+    input_error("pipeline simulator: the simulated ", schedule_name(sched.kind),
+                " makespan is not finite: its ops' costs and message times add up beyond a "
+                "double's range");
   double busy = 0;
   for (int s = 0; s < P; ++s) {
     busy += r.busy[size_t(s)];

@@ -453,7 +453,8 @@ std::vector<ConfigKey> build_schema() {
                  "blocks per stage, comma-separated (\"3,2\"; interleaved: per virtual "
                  "stage, pp x chunks counts in chain order); \"\" = balanced by compute",
                  FIELD(pipeline.layout)),
-      float_key("mfu.peak_gflops", "per-rank peak GFLOP/s; 0 = measure GEMM peak at start",
+      float_key("mfu.peak_gflops",
+                "per-rank peak GFLOP/s (>= 1e-6); 0 = measure GEMM peak at start",
                 FIELD(mfu.peak_gflops)),
       int_key("fault.kill_rank", "rank that the fault injector kills (or hangs)",
               FIELD(fault.kill_rank)),
@@ -1017,7 +1018,10 @@ void validate(const Config& c) {
   non_negative("run.threads", c.run.threads);
   if (c.run.threads > kMaxThreads)
     input_error("config key 'run.threads' = ", c.run.threads, " is more than ", kMaxThreads);
-  non_negative("mfu.peak_gflops", c.mfu.peak_gflops);
+  if (!(c.mfu.peak_gflops == 0 || c.mfu.peak_gflops >= kMinPeakGflops))
+    input_error("config key 'mfu.peak_gflops' = ", c.mfu.peak_gflops,
+                " must be 0 (measure) or >= ", kMinPeakGflops,
+                " GFLOP/s per rank (a smaller peak makes the MFU infinite)");
 }
 
 bool same_config_text(const std::string& key, const std::string& a, const std::string& b) {

@@ -116,6 +116,9 @@ struct PipelineConfig {
 struct MfuConfig {
   double peak_gflops = 0.0;  // per rank; 0 = measure with the GEMM benchmark at start
 };
+// The smallest mfu.peak_gflops other than 0 (1 kFLOP/s), far below any machine's peak: a
+// smaller one (a denormal such as 1e-310) makes the MFU overflow to infinity.
+inline constexpr double kMinPeakGflops = 1e-6;
 
 // The model of the README demo: a byte-level GPT of a few million parameters.
 model::GptConfig default_model();

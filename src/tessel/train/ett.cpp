@@ -19,6 +19,7 @@
 #include "tessel/core/error.hpp"
 #include "tessel/core/file_io.hpp"
 #include "tessel/train/checkpoint.hpp"
+#include "tessel/train/config.hpp"
 #include "tessel/train/metrics.hpp"
 
 namespace fs = std::filesystem;
@@ -53,15 +54,57 @@ double sec(int64_t ns) {
   return double(ns) * 1e-9;
 }
 
+// InputError naming path:line unless the record's `key`, when present, is an integer in
+// [lo, hi]: a string or a float (1e30 has no int64 value) threw nlohmann's type_error or
+// converted wrongly, and a number out of range wrapped a duration or counted ~1e19 steps.
+void check_integer(const nlohmann::json& r, const char* key, int64_t lo, int64_t hi,
+                   const std::string& path, int64_t line, const char* meaning) {
+  const auto at = r.find(key);
+  if (at == r.end()) return;
+  // (An unsigned one above int64's range would wrap in get<int64_t>.)
+  const bool int64 = at->is_number_integer() &&
+                     !(at->is_number_unsigned() &&
+                       at->get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()));
+  const bool in_range = int64 && at->get<int64_t>() >= lo && at->get<int64_t>() <= hi;
+  if (!in_range && lo == std::numeric_limits<int64_t>::min() &&
+      hi == std::numeric_limits<int64_t>::max())
+    input_error(path, ":", line, ": ", key, " = ", at->dump(), " must be an integer of 64 bits (",
+                meaning, ")");
+  if (!in_range)
+    input_error(path, ":", line, ": ", key, " = ", at->dump(), " must be an integer in [", lo, ", ",
+                hi, "] (", meaning, ")");
+}
+
+// InputError naming path:line unless the record's `key`, when present, is a string.
+void check_string(const nlohmann::json& r, const char* key, const std::string& path, int64_t line) {
+  const auto at = r.find(key);
+  if (at != r.end() && !at->is_string())
+    input_error(path, ":", line, ": ", key, " = ", at->dump(), " must be a string");
+}
+
 // The log's records, each with its time; `cut_line` tells whether its last line was cut short
-// and left out. InputError naming path:line for a record without its time, a log that does not
-// begin with its own attempt line, a second exit line and a time before an earlier line's: each
-// would change the accounting without a word (a lost attempt's time, a negative TTR, leaves
-// that no longer sum to W).
+// and left out. InputError naming path:line for a record without its time, a field of the
+// wrong type or out of range (each field parse_attempt reads), a log that does not begin with
+// its own attempt line, a second exit line, a time before an earlier line's and a step of a
+// resumed attempt not after its checkpoint: each would change the accounting without a word (a
+// lost attempt's time, a negative TTR, leaves that no longer sum to W, wasted steps that are
+// not).
 std::vector<JsonLine> read_log(const std::string& path, int index, bool& cut_line) {
   auto records = read_json_lines(path, "ETT", cut_line);
   if (records.empty())
     input_error(path, ": no complete line, not even its attempt line (the first)");
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min(),
+                    kMax = std::numeric_limits<int64_t>::max();
+  for (const auto& [number, r] : records) {
+    if (!r.contains("t")) input_error(path, ":", number, ": malformed ETT record");
+    // Any int64 here; the attempt line's >= 0 and the order below bound the others.
+    check_integer(r, "t", kMin, kMax, path, number, "CLOCK_MONOTONIC nanoseconds");
+    check_integer(r, "step", 0, kMaxSteps, path, number, "a step; train.steps' range");
+    check_integer(r, "status", kMin, kMax, path, number, "an exit status");
+    for (const char* key : {"event", "phase", "cause"}) check_string(r, key, path, number);
+    if (r.contains("phase") && !phase_from_name(r["phase"].get<std::string>()))
+      input_error(path, ":", number, ": unknown phase '", r["phase"].get<std::string>(), "'");
+  }
   const nlohmann::json& header = records.front().record;
   if (header.value("event", "") != "attempt")
     input_error(path, ":", records.front().line,
@@ -70,14 +113,18 @@ std::vector<JsonLine> read_log(const std::string& path, int index, bool& cut_lin
     input_error(path, ":", records.front().line, ": the attempt line names attempt ",
                 header.value("attempt", nlohmann::json()).dump(), ", but the file is attempt ",
                 index, "'s log");
+  // CLOCK_MONOTONIC is never negative; with the order below, no line's time is, so the
+  // difference of any two times (a duration, or a time since attempt 0's start) fits int64.
+  if (header["t"].get<int64_t>() < 0)
+    input_error(path, ":", records.front().line, ": time ", header["t"].get<int64_t>(),
+                " of the attempt line is negative (CLOCK_MONOTONIC nanoseconds are not)");
   // A time and the line it is on.
   struct Seen {
     int64_t t = std::numeric_limits<int64_t>::min(), line = 0;
   };
-  Seen ordered, latest, attempt_line, exit_line;
+  Seen ordered, latest, attempt_line, exit_line, resume_line;
+  int64_t resumed_from = 0;
   for (const auto& [number, r] : records) {
-    if (!(r.contains("t") && r["t"].is_number()))
-      input_error(path, ":", number, ": malformed ETT record");
     const int64_t t = r["t"].get<int64_t>();
     const std::string event = r.value("event", "");
     if (event == "exit" && exit_line.line > 0)
@@ -92,6 +139,19 @@ std::vector<JsonLine> read_log(const std::string& path, int index, bool& cut_lin
       input_error(path, ":", number, ": time ", t, " is before line ", bound.line, "'s ", bound.t,
                   " (the times of a log never go backwards; are tessel run and rank 0 on machines "
                   "with different clocks?)");
+    // A hang's detection runs from when the supervisor last saw progress, within the attempt.
+    if (event == "exit")
+      check_integer(r, "progress_t", attempt_line.t, t, path, number,
+                    "a time between the attempt line's and this line's");
+    if (event == "resume") resume_line = {t, number}, resumed_from = r.value("step", int64_t(0));
+    // An attempt trains the steps after the checkpoint it resumed from. (A fault line's step
+    // has no such bound: under PACI the faulting stage completes steps of a horizon before rank
+    // 0 writes their lines, and its count starts at 0 in a resumed attempt.)
+    if (r.contains("phase") && resume_line.line > 0 &&
+        r.value("step", resumed_from + 1) <= resumed_from)
+      input_error(path, ":", number, ": step ", r["step"].get<int64_t>(),
+                  " is not after the checkpoint the attempt resumed from (step ", resumed_from,
+                  ", line ", resume_line.line, ")");
     if (number == records.front().line) attempt_line = {t, number};
     if (event == "exit") exit_line = {t, number};
     if (!fault) ordered = {t, number};
@@ -125,10 +185,9 @@ EttAttempt parse_attempt(const std::string& path, int index) {
     const nlohmann::json& r = l.record;
     int64_t t = r["t"].get<int64_t>();
     a.t1 = std::max(a.t1, t);
-    if (r.contains("phase")) {
-      auto p = phase_from_name(r["phase"].get<std::string>());
-      if (!p) input_error(path, ": unknown phase '", r["phase"].get<std::string>(), "'");
-      bounds.push_back({t, *p, r.value("step", int64_t(-1))});
+    if (r.contains("phase")) {  // a known leaf (read_log)
+      bounds.push_back(
+          {t, *phase_from_name(r["phase"].get<std::string>()), r.value("step", int64_t(-1))});
       continue;
     }
     std::string ev = r.value("event", "");
@@ -141,7 +200,7 @@ EttAttempt parse_attempt(const std::string& path, int index) {
     if (ev == "exit") {
       exit_t = t;
       a.cause = r.value("cause", "");
-      a.failed = r.value("status", 0) != 0 || a.cause == "hang";
+      a.failed = r.value("status", int64_t(0)) != 0 || a.cause == "hang";
       if (r.contains("progress_t")) progress_t = r["progress_t"].get<int64_t>();
     }
   }
@@ -192,20 +251,38 @@ void finish_attempt(EttAttempt& a) {
 
 // The steps' MFU weighted by their seconds (their FLOPs over their time at the peak), so that
 // fast steps on a machine whose load varies do not outweigh slow ones; nullopt without step
-// records (or without metrics.jsonl).
+// records (or without metrics.jsonl). A step record whose mfu or step_seconds is no number
+// >= 0 is left out with a warning naming its line: the MFU is an aside of the report, and
+// the record cannot be mended (an older tessel wrote an infinite MFU, from a denormal
+// mfu.peak_gflops, as null).
 std::optional<double> time_weighted_mfu(const std::string& run_dir) {
   const std::string path = run_dir + "/metrics.jsonl";
   if (!fs::exists(path)) return std::nullopt;
   bool cut_line = false;  // being written, or a crash's: the trainer drops it on resume
   double flop_seconds = 0, seconds = 0;
+  int64_t first_unusable = 0, unusable = 0;  // its line; their count
+  std::string why;                           // of the first
   for (const JsonLine& l : read_json_lines(path, "metrics", cut_line)) {
     const nlohmann::json& j = l.record;
-    if (j.contains("loss") && j.contains("mfu") && j.contains("step_seconds")) {
-      const double t = j["step_seconds"].get<double>();
-      flop_seconds += j["mfu"].get<double>() * t;
-      seconds += t;
+    if (!(j.contains("loss") && j.contains("mfu") && j.contains("step_seconds"))) continue;
+    const nlohmann::json &mfu = j["mfu"], &t = j["step_seconds"];
+    const bool usable =
+        mfu.is_number() && mfu.get<double>() >= 0 && t.is_number() && t.get<double>() >= 0;
+    if (!usable) {
+      if (unusable++ == 0) {
+        first_unusable = l.line;
+        why = "mfu = " + mfu.dump() + ", step_seconds = " + t.dump() +
+              (mfu.is_null() || t.is_null() ? " (null: NaN or infinite when written)" : "");
+      }
+      continue;
     }
+    flop_seconds += mfu.get<double>() * t.get<double>();
+    seconds += t.get<double>();
   }
+  if (unusable > 0)
+    warn_on_stderr(detail::concat(
+        path, ":", first_unusable, ": a step record with ", why, " is left out of the MFU",
+        unusable > 1 ? detail::concat(", as are ", unusable - 1, " more such records") : ""));
   if (!(seconds > 0)) return std::nullopt;
   return flop_seconds / seconds;
 }
@@ -352,7 +429,8 @@ bool attempt_withdrawn(const std::string& path) {
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("event", "") == "withdrawn") return true;
+    // (value("event", "") would throw for an event that is no string; read_log names it.)
+    if (j.is_object() && j.value("event", nlohmann::json()) == "withdrawn") return true;
   }
   return false;
 }
@@ -659,11 +737,17 @@ std::vector<int> ttr_over_bound(const EttReport& r) {
 }
 
 EttReport write_ett_report(const std::string& run_dir, double ttr_bound) {
+  auto nothing_to_report = [&](const std::string& what) {
+    input_error(run_dir, ": ", what, "; run `tessel train` or `tessel run` first");
+  };
   if (count_attempts(run_dir) == 0)
-    input_error(run_dir, ": no ETT log (", ett_dir(run_dir),
-                "/attempt-0000.jsonl); run `tessel train` or `tessel run` first");
+    nothing_to_report("no ETT log (" + ett_dir(run_dir) + "/attempt-0000.jsonl)");
   if (!(ttr_bound >= 0)) input_error("--max-ttr must be >= 0 seconds, got ", ttr_bound);
   EttReport r = analyze_ett(run_dir);
+  // Only withdrawn starts' logs: no attempt, as without logs (a report of 0 s would say ETT 0 %).
+  if (r.attempts.empty())
+    nothing_to_report("no ETT attempt (the logs in " + ett_dir(run_dir) +
+                      " are all of withdrawn starts, which are no attempts)");
   r.ttr_bound = ttr_bound;
   // All three or none: a report is never part old, part new.
   write_files_atomically({{run_dir + "/ett.json", ett_json(r).dump(2) + "\n"},

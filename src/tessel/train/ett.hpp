@@ -203,8 +203,12 @@ struct EttReport {
 // Reads <run_dir>/ett/*.jsonl (and metrics.jsonl for MFU). InputError naming the file for a
 // missing or empty attempt log (one up to the highest index), and naming file:line for a
 // malformed line of a log or of metrics.jsonl other than a last line cut short by a crash, a
-// log whose first line is not its own attempt line, a second exit line, and a time before an
-// earlier line's (a fault line's: before the attempt line's).
+// log whose first line is not its own attempt line, a second exit line, a time before an
+// earlier line's (a fault line's: before the attempt line's), a field of the wrong type or
+// out of range (times integers, the attempt line's >= 0; steps integers in [0, kMaxSteps]; a
+// hang's progress_t within its attempt) and a training step not after the checkpoint its
+// attempt resumed from. A metrics step record whose mfu or step_seconds is no number >= 0 is
+// left out of the MFU with a warning. Only withdrawn logs: no attempt (an empty report).
 EttReport analyze_ett(const std::string& run_dir);
 nlohmann::json ett_json(const EttReport& report);
 // Chrome trace (chrome://tracing, Perfetto): one row per attempt, one slice per segment.
@@ -219,7 +223,8 @@ std::string mfu_percent_text(const std::optional<double>& fraction);
 // The failures (0-based) whose TTR exceeds report.ttr_bound (none when the bound is 0).
 std::vector<int> ttr_over_bound(const EttReport& report);
 // Writes ett.json, ett.html and ett_trace.json into `run_dir`, all or none
-// (write_files_atomically); returns the report.
+// (write_files_atomically); returns the report. InputError, writing nothing, without an
+// attempt to report: no log, or only withdrawn starts' logs.
 // `ttr_bound` (seconds, 0 = none) is the recovery-time objective each TTR is checked against.
 EttReport write_ett_report(const std::string& run_dir, double ttr_bound = 0);
 

@@ -180,6 +180,11 @@ std::vector<SimulatedSchedule> simulate_schedules(const std::vector<pipeline::St
   std::vector<SimulatedSchedule> out;
   for (const pipeline::SimOptions& sim : sims) {
     const pipeline::SimResult r = pipeline::simulate(sim);
+    // A step of 0 s (every cost 0, no message time) has no throughput to compare (0/0 = NaN).
+    if (!(r.makespan > 0))
+      input_error("simulate: the simulated ", pipeline::schedule_name(sim.schedule.kind),
+                  " step takes 0 s: the stage costs are all 0 and no message takes time, so no "
+                  "schedule can be compared with another");
     out.push_back({pipeline::schedule_name(sim.schedule.kind), r.makespan / double(steps), r.bubble,
                    r.peak_activations});
   }

@@ -997,7 +997,9 @@ TrainResult Trainer::run_steps() {
     if (s.is_root && c.train.fast_start && fs::exists(cache)) {
       std::ifstream in(cache);
       auto j = nlohmann::json::parse(in, nullptr, false);
-      if (j.is_object() && j.value("key", nlohmann::json()) == key && j["peak_gflops"].is_number())
+      // A peak too small for a finite MFU (a hand-edited file) is measured again.
+      if (j.is_object() && j.value("key", nlohmann::json()) == key &&
+          j["peak_gflops"].is_number() && j["peak_gflops"].get<double>() >= kMinPeakGflops)
         cached[0] = 1, cached[1] = j["peak_gflops"].get<double>();
     }
     s.world.broadcast(std::span<double>(cached, 2), 0);
@@ -1335,7 +1337,7 @@ TrainResult Trainer::run_steps() {
     if (rec.mfu > 1.0 && !mfu_warned) {  // said once: the denominator is wrong, not the run
       mfu_warned = true;
       s.log(detail::concat(
-          "tessel: warning: step ", rec.step, ": MFU ", int(100 * rec.mfu),
+          "tessel: warning: step ", rec.step, ": MFU ", std::llround(100 * rec.mfu),
           "% is above 100%: the GEMM peak of ", peak, " GFLOP/s per rank is too low (",
           c.mfu.peak_gflops > 0 ? "mfu.peak_gflops"
                                 : "measured while the machine was busy? fast start keeps it in " +

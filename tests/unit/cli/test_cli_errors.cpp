@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -335,6 +336,30 @@ TEST_F(CliTest, SimulateRefusesWhatItCannotModel) {
   expect_one_line_error(run_tessel("simulate " + run + " --skip 0 --micro-batches 1048576"),
                         {"simulate: 100 steps of 1048576 micro-batches on 1 stages are",
                          "more than the simulator's 4194304", "lower --steps or --micro-batches"});
+  // Never an inf or NaN step, bubble or throughput (exit 0): a link too slow (1e-300 bytes/s
+  // made each message take ~1e304 s) is refused by --link-bandwidth's range, 0 still turns
+  // transfers off; measured costs whose sums overflow, or that are all 0 (a 0/0 throughput
+  // against 1F1B), by the simulator.
+  o = run_tessel("simulate " + run + " --skip 0 --link-bandwidth 1e-300");
+  EXPECT_EQ(o.exit_code, 105) << o.err;  // CLI11's ValidationError
+  for (const char* part : {"--link-bandwidth: Value 1e-300 not in range 1.000000 to", "(or 0)"})
+    EXPECT_NE(o.err.find(part), std::string::npos) << o.err;
+  EXPECT_EQ(run_tessel("simulate " + run + " --skip 0 --link-bandwidth 0").exit_code, 0);
+  const std::string metrics_text = slurp(run + "/metrics.jsonl");
+  for (const auto& [costs, error] :
+       {std::pair{"1e307", "pipeline simulator: the simulated gpipe makespan is not finite"},
+        std::pair{"0",
+                  "simulate: the simulated gpipe step takes 0 s: the stage costs are all 0"}}) {
+    std::string text = metrics_text;
+    for (const char* time : {"0.4", "0.8", "0.1"})
+      for (size_t at; (at = text.find(std::string(":") + time)) != std::string::npos;)
+        text.replace(at + 1, std::strlen(time), costs);
+    std::ofstream(run + "/metrics.jsonl") << text;
+    o = run_tessel("simulate " + run + " --skip 0");
+    EXPECT_EQ(o.exit_code, 2);
+    expect_one_line_error(o, {error});
+  }
+  std::ofstream(run + "/metrics.jsonl") << metrics_text;
   std::ofstream(run + "/metrics.jsonl", std::ios::app) << R"({"step": 3, "lo)"
                                                        << "\n{}\n";
   expect_one_line_error(run_tessel("simulate " + run + " --skip 0"),

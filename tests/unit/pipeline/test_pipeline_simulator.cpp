@@ -325,8 +325,8 @@ TEST(PipelineSimulator, AWeightCostOutsideTheBackwardIsAnInputError) {
 
 // Links per boundary (latency + bytes / bandwidth per message): GPipe's fill and drain pass each
 // boundary once per step in each direction, so a step takes (M + P - 1)(F + B) + 2 sum_b c_b,
-// exactly, with uneven links; one link for all applies to every boundary; a wrong count or a
-// negative value is an InputError.
+// exactly, with uneven links; one link for all applies to every boundary; a wrong count, a
+// negative value or message times whose sum overflows is an InputError.
 TEST(PipelineSimulator, LinksAddTheirMessageTimeToGPipesFillAndDrain) {
   const int P = 4;
   const int64_t M = 5, steps = 3;
@@ -340,6 +340,11 @@ TEST(PipelineSimulator, LinksAddTheirMessageTimeToGPipesFillAndDrain) {
   fixture::expect_input_error([&] { simulate(o); }, {"links", "one per boundary (3)"});
   o.links = {{-0.1, 0, 0}};
   fixture::expect_input_error([&] { simulate(o); }, {"link"});
+  // Each message's time is finite, their sum is not: refused, not a makespan of inf (a bubble
+  // of 1, a throughput of 0).
+  o.links = {{1e308, 0, 0}};
+  fixture::expect_input_error([&] { simulate(o); },
+                              {"pipeline simulator: the simulated gpipe makespan is not finite"});
 }
 
 // simulated_ops, which bounds what `tessel simulate` may run, counts the ops the simulator

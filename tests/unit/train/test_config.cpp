@@ -232,6 +232,14 @@ TEST(Config, WrongTypesAndValuesNameTheKey) {
                      {"optim.ns_gram_min = -1000000 is out of range"});
   expect_input_error([&] { train::load_config("", {"train.eval_every=-1000000"}); },
                      {"'train.eval_every' must not be negative, got -1000000"});
+  // A peak so small (a denormal) that the MFU overflowed to infinity, which metrics.jsonl held
+  // as null; 0 (measure) and the smallest allowed are accepted.
+  for (const char* peak : {"1e-310", "9e-7", "-1"})
+    expect_input_error([&] { train::load_config("", {std::string("mfu.peak_gflops=") + peak}); },
+                       {"'mfu.peak_gflops' = ", "must be 0 (measure) or >= 1e-06"});
+  for (const double peak : {0.0, train::kMinPeakGflops})
+    EXPECT_EQ(train::load_config("", {"mfu.peak_gflops=" + std::to_string(peak)}).mfu.peak_gflops,
+              peak);
 }
 
 TEST(Config, SequenceLongerThanTheModelAllows) {

@@ -178,6 +178,35 @@ TEST(EttLedger, MfuWeightsEachStepByItsTime) {
   EXPECT_NEAR(*r.goodput, *r.mfu * r.ett, 1e-15);
 }
 
+// A step record whose MFU was not finite (null in JSON: an older tessel wrote it for a denormal
+// mfu.peak_gflops) made every report of the run fail with nlohmann's type_error. It is left
+// out of the MFU, with one warning naming its line; the rest of the report stands.
+TEST(EttLedger, AStepRecordWithoutAUsableMfuIsLeftOutWithAWarning) {
+  const std::string run = two_attempt_run();
+  const EttReport before = analyze_ett(run);
+  const std::string metrics = run + "/metrics.jsonl";
+  std::ofstream(metrics) << R"({"step": 1, "loss": 2.0, "mfu": 0.4, "step_seconds": 1.0})"
+                         << "\n"
+                         << R"({"step": 2, "loss": 1.9, "mfu": null, "step_seconds": 4.0})"
+                         << "\n"
+                         << R"({"step": 3, "loss": 1.8, "mfu": 0.2, "step_seconds": "4"})"
+                         << "\n"
+                         << R"({"step": 4, "loss": 1.7, "mfu": 0.1, "step_seconds": 3.0})"
+                         << "\n";
+  testing::internal::CaptureStderr();
+  const EttReport r = write_ett_report(run);
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(r.mfu);
+  EXPECT_NEAR(*r.mfu, (0.4 * 1 + 0.1 * 3) / 4, 1e-15);
+  EXPECT_EQ(r.ett, before.ett);
+  EXPECT_NE(warnings.find(metrics + ":2: a step record with mfu = null, step_seconds = 4.0 (null: "
+                                    "NaN or infinite when written) is left out of the MFU, as are "
+                                    "1 more such records"),
+            std::string::npos)
+      << warnings;
+  EXPECT_EQ(std::count(warnings.begin(), warnings.end(), '\n'), 1) << warnings;
+}
+
 TEST(EttLedger, ChromeTraceAndHtmlCoverEverySegment) {
   EttReport r = analyze_ett(two_attempt_run());
   nlohmann::json trace = ett_chrome_trace(r);
@@ -295,6 +324,90 @@ TEST(EttLedger, ALogOutOfShapeIsRefusedNamingItsLine) {
   std::ofstream(a0) << lines;
   line(a0, {{"event", "fault"}, {"t", -1}, {"rank", 1}, {"step", 4}, {"kind", "kill"}});
   fixture::expect_input_error([&] { analyze_ett(run); }, {a0 + ":8: time -1 is before line 1's 0"});
+}
+
+// Every field the report reads has its type and range checked, naming the file and line: a
+// phase, event or cause that is no string, a step that is a string or a float threw nlohmann's
+// type_error (exit 1); times of -9.2e18 and 9.2e18 wrapped the attempt's duration to -1.6 us
+// (ETT 0 %), a fault step of 9.2e18 counted 9.2e18 wasted steps and a step of 1e30 converted
+// to int64 (undefined). A training step of a resumed attempt comes after its checkpoint, and
+// a hang's progress time within its attempt.
+TEST(EttLedger, AFieldOfTheWrongTypeOrOutOfRangeIsRefusedNamingItsLine) {
+  const std::string run = killed_run(false);
+  const std::string a0 = attempt_path(run, 0);
+  std::vector<std::string> lines;  // 7: the attempt line, steps 1-5 from 100 ms, the last at 520
+  {
+    std::ifstream in(a0);
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+  }
+  ASSERT_EQ(lines.size(), 7u);
+  // The log with line `number` (1-based) replaced by `records` (one past the end: appended).
+  auto with = [&](size_t number, const std::vector<std::string>& records) {
+    std::ofstream out(a0, std::ios::trunc);
+    for (size_t i = 0; i < lines.size(); ++i)
+      if (i + 1 == number)
+        for (const auto& r : records) out << r << "\n";
+      else
+        out << lines[i] << "\n";
+    if (number == lines.size() + 1)
+      for (const auto& r : records) out << r << "\n";
+  };
+  const std::string steps = "must be an integer in [0, 1099511627776] (a step; train.steps' range)";
+  const struct {
+    size_t at;  // the line replaced
+    std::vector<std::string> records;
+    std::string error;
+  } cases[] = {
+      {2, {R"({"phase": 5, "t": 100000000, "step": 1})"}, ":2: phase = 5 must be a string"},
+      {2, {R"({"phase": "produktive", "t": 100000000})"}, ":2: unknown phase 'produktive'"},
+      {2,
+       {R"({"phase": "productive", "t": 100000000, "step": "one"})"},
+       ":2: step = \"one\" " + steps},
+      {2,
+       {R"({"phase": "productive", "t": 100000000, "step": 1e30})"},
+       ":2: step = 1e+30 " + steps},
+      {2, {R"({"phase": "productive", "t": 100000000, "step": -1})"}, ":2: step = -1 " + steps},
+      {2,
+       {R"({"phase": "productive", "t": 1e8, "step": 1})"},
+       ":2: t = 100000000.0 must be an integer of 64 bits (CLOCK_MONOTONIC nanoseconds)"},
+      {2,
+       {R"({"phase": "productive", "t": 18446744073709551615, "step": 1})"},
+       ":2: t = 18446744073709551615 must be an integer of 64 bits"},
+      {2, {R"({"event": 5, "t": 100000000})"}, ":2: event = 5 must be a string"},
+      {1,
+       {R"({"event": "attempt", "attempt": 0, "t": -9223372036854775000})"},
+       ":1: time -9223372036854775000 of the attempt line is negative"},
+      {2,
+       {R"({"event": "resume", "t": 50000000, "step": "0"})", lines[1]},
+       ":2: step = \"0\" " + steps},
+      {2,
+       {R"({"event": "resume", "t": 50000000, "step": 2})", lines[1]},
+       ":3: step 1 is not after the checkpoint the attempt resumed from (step 2, line 2)"},
+      {8,
+       {R"({"event": "fault", "t": 600000000, "rank": 1, "step": 9223372036854775806})"},
+       ":8: step = 9223372036854775806 " + steps},
+      {8,
+       {R"({"event": "exit", "t": 600000000, "status": "137"})"},
+       ":8: status = \"137\" must be an integer of 64 bits (an exit status)"},
+      {8,
+       {R"({"event": "exit", "t": 600000000, "status": 1, "cause": 1})"},
+       ":8: cause = 1 must be a string"},
+      {8,
+       {R"({"event": "exit", "t": 600000000, "status": 1, "cause": "hang", "progress_t": 700000000})"},
+       ":8: progress_t = 700000000 must be an integer in [0, 600000000] (a time between the "
+       "attempt line's and this line's)"},
+  };
+  for (const auto& c : cases) {
+    with(c.at, c.records);
+    fixture::expect_input_error([&] { write_ett_report(run); }, {a0 + c.error});
+  }
+  // A hang's progress time within its attempt, a step after its checkpoint: accepted.
+  with(
+      8,
+      {R"({"event": "exit", "t": 600000000, "status": 1, "cause": "hang", "progress_t": 550000000})"});
+  EXPECT_EQ(analyze_ett(run).attempts.at(0).leaf_ns[int(Phase::failure_detection)], 50 * ms);
+  with(2, {R"({"event": "resume", "t": 50000000, "step": 0})", lines[1]});
+  EXPECT_EQ(analyze_ett(run).attempts.at(0).resumed_from, 0);
 }
 
 // metrics.jsonl is read as the logs are: a malformed line other than a last one cut short would
@@ -494,6 +607,24 @@ TEST(EttLedger, AWithdrawnLogLeftBehindIsNoAttempt) {
   EXPECT_EQ(r.nof, before.nof);
   EXPECT_DOUBLE_EQ(r.wall, before.wall);
   EXPECT_FALSE(r.attempts[1].failed);
+}
+
+// Only a withdrawn start's log: no attempt, refused as a run without logs is (a report of
+// "W 0.000 s over 0 attempt(s), ETT 0.00%" was written), and no report file is written.
+TEST(EttLedger, OnlyWithdrawnLogsAreNoAttemptToReport) {
+  const std::string run = fixture::temp_dir("tessel-ett-withdrawn");
+  fs::create_directories(ett_dir(run));
+  const std::string log = attempt_path(run, 0);
+  line(log, {{"event", "attempt"}, {"attempt", 0}, {"t", 100}});
+  line(log, {{"event", "withdrawn"}, {"t", 200}, {"reason", "nothing to train"}});
+  EXPECT_TRUE(analyze_ett(run).attempts.empty());
+  fixture::expect_input_error(
+      [&] { write_ett_report(run); },
+      {run + ": no ETT attempt (the logs in " + ett_dir(run) +
+       " are all of withdrawn starts, which are no attempts); run `tessel train` or `tessel "
+       "run` first"});
+  for (const char* name : {"/ett.json", "/ett.html", "/ett_trace.json"})
+    EXPECT_FALSE(fs::exists(run + name)) << name;
 }
 
 // Failures are numbered among the failures, attempts by their logs: after a successful

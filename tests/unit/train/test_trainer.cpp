@@ -576,6 +576,25 @@ TEST_F(TrainerTest, FastStartAndAsyncCheckpointsLeaveTheRunBitwiseUnchanged) {
     expect_same_checkpoint(c.run.dir + step, slow.run.dir + step);
 }
 
+// Fast start takes the GEMM peak from gemm_peak.json, but not one too small for a finite MFU
+// (a hand-edited file): that is measured again (it made every step's MFU infinite, null in
+// metrics.jsonl).
+TEST_F(TrainerTest, ACachedPeakTooSmallForAFiniteMfuIsMeasuredAgain) {
+  for (const double cached : {1e-3, 1e-310}) {
+    train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+    c.train.steps = 6;      // past optim.warmup_steps = 5
+    c.mfu.peak_gflops = 0;  // measure, or with fast start take the cached peak
+    std::ofstream(c.run.dir + "/gemm_peak.json")
+        << nlohmann::json{{"key", {{"ranks", 1}, {"threads", 1}}}, {"peak_gflops", cached}};
+    const auto r = train_run(c);
+    if (cached >= train::kMinPeakGflops)
+      EXPECT_EQ(r.peak_gflops, cached);
+    else
+      EXPECT_GE(r.peak_gflops, train::kMinPeakGflops);
+    for (const auto& step : r.steps) EXPECT_TRUE(std::isfinite(step.mfu)) << step.mfu;
+  }
+}
+
 TEST_F(TrainerTest, YoungAndDalyPoliciesChooseTheIntervalFromTheFormula) {
   for (const char* policy : {"young", "daly"}) {
     train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
