@@ -104,6 +104,8 @@ std::vector<NsTriple> ns_coefficients(const std::string& set, int steps) {
         {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
         {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
         {2.3465413258596377, -1.7097828382687081, 0.42323551169305323}};
+    TESSEL_CHECK(steps >= 5, "the polar_express coefficient set needs at least its 5 steps, ",
+                 "asked for ", steps);
     std::vector<NsTriple> out;
     for (int t = 0; t < steps; ++t)
       out.push_back(t < 5 ? table[t] : NsTriple{15.0 / 8, -10.0 / 8, 3.0 / 8});

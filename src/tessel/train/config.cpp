@@ -368,8 +368,8 @@ std::vector<ConfigKey> build_schema() {
       name_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
                optim::kLrRules, FIELD(optim.lr_rule)),
       name_key("optim.ns_coefficients",
-               "Newton-Schulz coefficients: keller, polar_express (its table, then the limit "
-               "triple) or you (at most 5 steps; fewer take its last ones)",
+               "Newton-Schulz coefficients: keller, polar_express (at least 5 steps: its table, "
+               "then the limit triple) or you (at most 5 steps; fewer take its last ones)",
                optim::kNsCoefficientSets, FIELD(optim.ns_coefficients)),
       int_key("optim.ns_steps", "Newton-Schulz steps", FIELD(optim.ns_steps)),
       name_key("optim.ns_normalize",

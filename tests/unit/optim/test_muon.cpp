@@ -314,6 +314,20 @@ TEST(MuonFactory, NamesAndBadConfig) {
                        c.ns_steps = 6;
                      }),
                      {"optim.ns_steps", "<= 5"});
+  // Polar Express's table is used whole: 4 steps leave singular values up to 1.58.
+  for (int64_t steps : {1, 4})
+    expect_input_error(with([&](OptimizerConfig& c) {
+                         c.ns_coefficients = "polar_express";
+                         c.ns_steps = steps;
+                       }),
+                       {"optim.ns_steps = " + std::to_string(steps), ">= 5",
+                        "optim.ns_coefficients = polar_express"});
+  for (int64_t steps : {5, 8})
+    EXPECT_NO_THROW(with([&](OptimizerConfig& c) {
+      c.ns_coefficients = "polar_express";
+      c.ns_steps = steps;
+    })())
+        << steps;
   expect_input_error(with([](OptimizerConfig& c) { c.ns_normalize = "spectral"; }),
                      {"optim.ns_normalize"});
   expect_input_error(with([](OptimizerConfig& c) { c.ns_steps = 0; }), {"optim.ns_steps"});
