@@ -78,7 +78,8 @@ void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple
                         std::span<const int> restarts, const float* first_gram = nullptr);
 
 namespace naive {
-// The same recurrences with plain loops (naive::gemm) in T (float and double instantiated).
+// The same recurrences with plain loops (naive::gemm) in T (float and double instantiated);
+// orthogonalize has its own transpose and scalings too, sharing no code with the fast path.
 template <class T>
 void newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients);
 template <class T>

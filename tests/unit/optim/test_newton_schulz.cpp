@@ -141,7 +141,8 @@ TEST(NewtonSchulz, GramMatchesStandardAt1024) {
 
 // U = A diag(s) B^T with orthonormal A, B and s log-spaced over [1e-4, 1] (condition 1e4),
 // 8 KellerJordan steps: without restarts the f32 Gram recurrence drifts from standard NS
-// (measured 0.12), restarts before steps 2 and 5 keep it within 1e-4 (measured 8e-5).
+// (measured 0.12-0.14), restarts before steps 2 and 5 keep it within 2e-4 (measured 6.5e-5 to
+// 7.8e-5 over 1-16 BLAS threads; the bound leaves 2.5x of that for other BLAS builds).
 namespace {
 // A diag(s) B^T with orthonormal A [n, n], B [n, m] and s log-spaced over [1e-4, 1], normalized.
 std::vector<float> ill_conditioned(int64_t n, int64_t m) {
@@ -171,7 +172,7 @@ TEST(NewtonSchulz, RestartFixesIllConditionedDrift) {
   gram_newton_schulz(g.data(), n, m, o.coefficients, restart);
   gram_newton_schulz(g0.data(), n, m, o.coefficients, none);
   const double with = rel_frobenius(g, f64(s)), without = rel_frobenius(g0, f64(s));
-  EXPECT_LT(with, 1e-3);
+  EXPECT_LT(with, 2e-4);
   EXPECT_GT(without, 1e-2);
 }
 
