@@ -12,7 +12,8 @@ int64_t selected_count(double fraction, int64_t n);
 
 // The rows (0-based, ascending) with the selected_count(fraction, n) largest l1 norms among
 // the n rows of X (row i at X + i * stride, `cols` values; norms summed in double in column
-// order). Ties go to the lower row number, so the choice is deterministic.
+// order). Ties go to the lower row number, so the choice is deterministic; a NaN score
+// ranks below every number.
 std::vector<int64_t> select_rows(const float* X, int64_t n, int64_t cols, int64_t stride,
                                  double fraction);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -220,6 +221,20 @@ TEST(RowSelection, CountAndDeterministicTieBreak) {
   // Rows 1, 2, 4 tie on |.|_1 = 3; row 3 is largest: k = 3 takes 3, then 1 and 2.
   const std::vector<float> X = {1, 0, 1, -2, 3, 0, 2, 2, 0, -1, 2, 0, 0, 0, 1};
   EXPECT_EQ(select_rows(X.data(), 5, 3, 3, 0.6), (std::vector<int64_t>{1, 2, 3}));
+}
+
+// A NaN score (a row holding NaN) ranks below every number, ties among NaNs going to the
+// lower row: the order stays a strict weak order, so the choice stays deterministic.
+TEST(RowSelection, NanScoresRankLowest) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Row scores (2 columns): NaN, 1, 5, NaN, 3, 2, NaN, 4, 0, NaN.
+  const std::vector<float> X = {nan, 0, 1, 0,   2, 3, 1, nan, 3,   0,
+                                1,   1, 0, nan, 4, 0, 0, 0,   nan, nan};
+  EXPECT_EQ(select_rows(X.data(), 10, 2, 2, 0.3), (std::vector<int64_t>{2, 4, 7}));
+  // k = 7: the 6 numbered rows, then the lowest NaN row.
+  EXPECT_EQ(select_rows(X.data(), 10, 2, 2, 0.7), (std::vector<int64_t>{0, 1, 2, 4, 5, 7, 8}));
+  const std::vector<float> all_nan(8, nan);
+  EXPECT_EQ(select_rows(all_nan.data(), 4, 2, 2, 0.5), (std::vector<int64_t>{0, 1}));
 }
 
 // NorMuon keeps the Frobenius norm, divides each row by sqrt(v) + eps after updating the
