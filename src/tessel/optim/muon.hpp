@@ -115,14 +115,19 @@ class Muon : public Optimizer {
   struct Group {
     int64_t rows, cols;
     std::vector<size_t> mats;  // indices into mats_, slot order
+    // Per matrix (alike for one shape): rows each rank sends its owner (sharded), and rows of
+    // its update.
+    std::vector<int64_t> sent;
+    int64_t updated = 0;
   };
   float* value(const Matrix& mat) { return params_[mat.param].value.f32() + mat.row0 * mat.cols; }
   const float* grad(const Matrix& mat) const {
     return params_[mat.param].grad.f32() + mat.row0 * mat.cols;
   }
   void momentum_rows(const Matrix& mat, int64_t r0, int64_t r1, float* dst, int64_t stride);
-  int64_t rows_sent(const Matrix& mat, int rank) const;
-  int64_t rows_updated(const Matrix& mat) const;
+  // For a matrix of `rows` rows: rows `rank` sends its owner, rows of its update.
+  int64_t rows_sent(int64_t rows, int rank) const;
+  int64_t rows_updated(int64_t rows) const;
   void owner_update(const Matrix& mat, const float* in, int64_t k_in, bool select, double lr,
                     float* out);
   void apply(const Matrix& mat, const float* upd, int64_t k, float decay);
