@@ -84,12 +84,35 @@ Muon::Muon(ParameterList params, const MuonHyper& hyper, const AdamWHyper& adam,
   for (Group& g : groups_) {
     for (int p = 0; p < P; ++p) g.sent.push_back(rows_sent(g.rows, p));
     g.updated = rows_updated(g.rows);
+    check_collective_size(g);
   }
   m_ = Tensor(Shape{local});
   v_ = Tensor(Shape{h_.variant == MuonVariant::dion3 ? vrows : 0});
 }
 
 Muon::~Muon() = default;
+
+// MPI counts a collective's elements and offsets in an int. A collective moves a whole shape
+// group's rows (one matrix's in the allgather mode) as [row number, row] records: refused at
+// construction rather than at the first step(). One process moves nothing through MPI.
+void Muon::check_collective_size(const Group& g) const {
+  if (group_->backend() == "single") return;
+  constexpr int64_t kLimit = std::numeric_limits<int>::max();
+  const int64_t per_matrix = g.rows * (g.cols + 1);
+  const std::string& first = params_[mats_[g.mats[0]].param].name;
+  if (per_matrix > kLimit)
+    input_error("hidden matrix ", first, " [", g.rows, ", ", g.cols, "]: one collective moves its ",
+                g.rows, " x (", g.cols, " + 1) = ", per_matrix,
+                " floats, more than MPI's int count limit ", kLimit,
+                "; split it (optim.qkv_split for a fused QKV weight) or train on one process");
+  const int64_t n = h_.mode == MuonMode::allgather ? 1 : int64_t(g.mats.size());
+  if (per_matrix > kLimit / n)
+    input_error("optim.muon_mode = ", kMuonModes[size_t(h_.mode)], ": the ", n,
+                " hidden matrices of shape [", g.rows, ", ", g.cols, "] (", first, ", ...) move ",
+                n, " x ", g.rows, " x (", g.cols, " + 1) floats in one collective, ",
+                "more than MPI's int count limit ", kLimit,
+                "; use optim.muon_mode = allgather (one collective per matrix) or one process");
+}
 
 std::string Muon::name() const {
   switch (h_.variant) {

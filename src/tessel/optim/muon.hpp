@@ -30,6 +30,8 @@
 //   replicated: every rank keeps all momentum; owners compute, one all_gatherv per group.
 //   allgather (the naive baseline): sharded momentum, one all_gatherv of every full matrix,
 //     every rank orthogonalizes every matrix.
+// A collective moves at most a shape group's n rows (cols + 1) floats (one matrix's in the
+// allgather mode), within MPI's int count: a larger group is an InputError at construction.
 // In `global` scope (and in the replicated and allgather modes) the selection is made on the
 // whole matrix by its owner, so the result is independent of the rank count bitwise (for a
 // fixed thread count); `local` scope equals global on one rank.
@@ -124,6 +126,8 @@ class Muon : public Optimizer {
   const float* grad(const Matrix& mat) const {
     return params_[mat.param].grad.f32() + mat.row0 * mat.cols;
   }
+  // InputError when a collective of `g` would exceed MPI's int element count.
+  void check_collective_size(const Group& g) const;
   void momentum_rows(const Matrix& mat, int64_t r0, int64_t r1, float* dst, int64_t stride);
   // For a matrix of `rows` rows: rows `rank` sends its owner, rows of its update.
   int64_t rows_sent(int64_t rows, int rank) const;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "support/expect_input_error.hpp"
 #include "support/optimizer_state.hpp"
 #include "support/param_fixture.hpp"
 #include "tessel/comm/world.hpp"
@@ -181,6 +182,25 @@ TEST(MuonDistributed, StateListsOnlyThisRanksShardsWithoutCommunication) {
     EXPECT_EQ(counts[1], mode == MuonMode::replicated ? P * m_all : m_all);
     EXPECT_EQ(counts[2], mode == MuonMode::allgather ? P * v_all : v_all);
   }
+}
+
+// A collective beyond MPI's int count (2^31 - 1 elements) is refused when Muon is built,
+// naming the shape and the limit, not at the first step: 2047 matrices [1024, 1024] move
+// 2047 x 1024 x 1025 = 2148531200 floats per shape group (2046 would fit). The matrices are
+// views of one 4 MB buffer; the check comes before the momentum is allocated.
+TEST(MuonDistributed, AShapeGroupBeyondMpisIntCountIsRefusedAtConstruction) {
+  comm::Communicator& world = comm::world();
+  const int64_t n = 2047, rows = 1024, cols = 1024;
+  Tensor value(Shape{rows, cols}), grad(Shape{rows, cols});
+  ParameterList params;
+  for (int64_t i = 0; i < n; ++i)
+    params.push_back({std::string("w").append(std::to_string(i)), ParamTag::hidden_matrix,
+                      value.view(0, {rows, cols}), grad.view(0, {rows, cols})});
+  for (MuonMode mode : {MuonMode::sharded, MuonMode::replicated})
+    fixture::expect_input_error(
+        [&] { Muon opt(params, hyper(MuonVariant::dion3, mode, true), adam(), kDecay, &world); },
+        {mode == MuonMode::sharded ? "optim.muon_mode = sharded" : "optim.muon_mode = replicated",
+         "2047 hidden matrices of shape [1024, 1024] (w0, ...)", "2147483647", "allgather"});
 }
 
 // Save (this rank's state()), run on, restore into a fresh distributed optimizer of the same
