@@ -13,8 +13,10 @@
 //   dion3:  dion2 with NorMuon (normuon_normalize) on O, one second moment per row.
 //   then    W = W * (1 - lr * wd);  W[S] -= lr * lr_adjust(rule, |S|, cols) * O.
 // lr is the Muon base lr times the schedule's scale; weight decay uses it unadjusted. Rows
-// are the selection dimension (and the shard dimension below). With f = 1, sum accumulation
-// and ef_decay = mu, dion2 equals non-Nesterov sum-form Muon.
+// are the selection dimension (and the shard dimension below) for every shape and mode, so
+// every mode selects alike (spec section 5.1 takes the shorter side when not sharded:
+// docs/architecture.md lists the difference). With f = 1, sum accumulation and ef_decay = mu,
+// dion2 equals non-Nesterov sum-form Muon.
 //
 // Distribution over `group` (the data-parallel group; gradients and parameters replicated):
 // matrices (after row-block splitting) are grouped by shape in parameter order; in each
