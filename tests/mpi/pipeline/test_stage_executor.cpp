@@ -197,6 +197,20 @@ class MisSizedStage : public ToyStage {
   size_t input_elems() const override { return ToyStage::input_elems() + 1; }
 };
 
+// A stage that keeps its gradients as its first step finds them.
+class GradientAtStepStage : public ToyStage {
+ public:
+  using ToyStage::ToyStage;
+  void step(int64_t version) override {
+    if (steps() == 0) first_ = grad();
+    ToyStage::step(version);
+  }
+  const std::vector<float>& grad_at_first_step() const { return first_; }
+
+ private:
+  std::vector<float> first_;
+};
+
 // A stage whose optimizer step fails.
 class FailingStepStage : public ToyStage {
  public:
@@ -436,14 +450,25 @@ TEST(StageExecutor, PaciBeforeItsFirstStepAccumulatesThe1F1BGradients) {
   comm::Communicator& pp = comm::world();
   const int P = pp.size(), s = pp.rank();
   const int64_t n = 5;
-  ToyStage stage(s, P);
+  GradientAtStepStage stage(s, P);
   StageExecutor executor(pp, stage);
-  executor.run(paci(P, n, n + 1));
-  EXPECT_EQ(executor.version(), 0);
+  executor.run(paci(P, n, n));
+  EXPECT_EQ(executor.version(), 1);
   auto reference = make_chain(P);
   accumulate(reference, 0, n);
-  expect_bitwise_equal(stage.grad(), reference[size_t(s)].grad(), "accumulated gradients");
-  expect_bitwise_equal(stage.weight(), reference[size_t(s)].weight(), "untouched weights");
+  expect_bitwise_equal(stage.grad_at_first_step(), reference[size_t(s)].grad(),
+                       "accumulated gradients");
+  reference[size_t(s)].step(0);
+  expect_bitwise_equal(stage.weight(), reference[size_t(s)].weight(), "weights after the step");
+}
+
+TEST(StageExecutor, APaciHorizonNotDivisibleByKIsAnInputError) {
+  comm::Communicator& pp = comm::world();
+  ToyStage stage(pp.rank(), pp.size());
+  StageExecutor executor(pp, stage);
+  fixture::expect_input_error([&] { executor.run(paci(pp.size(), 5, 3)); },
+                              {"horizon of 5", "multiple of paci_k = 3"});
+  EXPECT_EQ(executor.version(), 0);
 }
 
 TEST(StageExecutor, PaciVersionGapsAndActivationsMatchTheBounds) {
