@@ -23,7 +23,9 @@ namespace {
 enum class Msg : int { activation = 0, gradient = 1 };
 constexpr int64_t kTagSlots = int64_t(1) << 14;
 int tag(Msg kind, const Op& op, int chunks) {
-  return int(2 * ((op.micro * chunks + op.chunk) % kTagSlots) + int(kind));
+  const int64_t t = 2 * ((op.micro * chunks + op.chunk) % kTagSlots) + int(kind);
+  TESSEL_CHECK(t >= 0 && t < 2 * kTagSlots, "pipeline tag ", t, " of micro-batch ", op.micro);
+  return int(t);
 }
 
 // Receives posted per direction ahead of the op that consumes them ("double-buffered"): a
