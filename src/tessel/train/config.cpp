@@ -944,6 +944,17 @@ void validate(const Config& c) {
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
   validate_pipeline(c);
+  // Each count is at most 2^24 and train.steps 2^40, so their product could wrap int64
+  // (validate_pipeline allows pipeline.paci_k > 0 only under PACI, where it is per step).
+  if (const int64_t per_step = micro_batches_per_step(c), chunks = pipeline_chunks(c);
+      c.train.steps > kMaxMicroBatchOps / per_step / chunks) {
+    const std::string times_chunks =
+        chunks > 1 ? " times 'pipeline.chunks' = " + std::to_string(chunks) : "";
+    input_error("config key 'train.steps' = ", c.train.steps, " times '",
+                c.pipeline.paci_k > 0 ? "pipeline.paci_k" : "train.accum", "' = ", per_step,
+                times_chunks, " is larger than tessel supports (", kMaxMicroBatchOps,
+                " micro-batch ops); lower train.steps");
+  }
   const bool paci = pipeline_enabled(c) && pipeline_schedule(c) == pipeline::ScheduleKind::paci;
   if (c.fault.spike_step > 0 && paci)
     input_error(
