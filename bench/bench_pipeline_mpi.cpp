@@ -364,6 +364,9 @@ Options parse(int argc, char** argv, int P) {
   }
   if (o.compare != "all" && o.compare != "paci" && o.compare != "interleaved")
     input_error("bench_pipeline_mpi: --compare must be all, paci or interleaved, got ", o.compare);
+  if (o.micro_batches % o.K != 0 && o.compare != "interleaved")
+    input_error("bench_pipeline_mpi: --micro-batches must be divisible by --k = ", o.K,
+                " (1F1B takes K per step, PACI a horizon of whole windows), got ", o.micro_batches);
   if (o.micro_batches % (2 * P) != 0 && o.compare != "paci")
     input_error("bench_pipeline_mpi: --micro-batches must be divisible by 2 P = ", 2 * P,
                 " for interleaved, got ", o.micro_batches);

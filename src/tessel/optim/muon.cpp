@@ -70,7 +70,7 @@ Muon::Muon(ParameterList params, const MuonHyper& hyper, const AdamWHyper& adam,
       TESSEL_CHECK(b > 0, "empty row block of ", p.name);
       auto g = std::find_if(groups_.begin(), groups_.end(),
                             [&](const Group& x) { return x.rows == b && x.cols == cols; });
-      if (g == groups_.end()) g = groups_.insert(groups_.end(), Group{b, cols, {}});
+      if (g == groups_.end()) g = groups_.insert(groups_.end(), Group{b, cols, {}, {}, 0});
       Matrix m{pi, row0, b, cols, local, 0, b, vrows, g->mats.size(), 0};
       m.owner = int(m.slot % size_t(P));
       if (h_.mode != MuonMode::replicated) std::tie(m.lo, m.hi) = shard_rows(b, P, me);
@@ -81,11 +81,38 @@ Muon::Muon(ParameterList params, const MuonHyper& hyper, const AdamWHyper& adam,
       row0 += b;
     }
   }
+  for (Group& g : groups_) {
+    for (int p = 0; p < P; ++p) g.sent.push_back(rows_sent(g.rows, p));
+    g.updated = rows_updated(g.rows);
+    check_collective_size(g);
+  }
   m_ = Tensor(Shape{local});
   v_ = Tensor(Shape{h_.variant == MuonVariant::dion3 ? vrows : 0});
 }
 
 Muon::~Muon() = default;
+
+// MPI counts a collective's elements and offsets in an int. A collective moves a whole shape
+// group's rows (one matrix's in the allgather mode) as [row number, row] records: refused at
+// construction rather than at the first step(). One process moves nothing through MPI.
+void Muon::check_collective_size(const Group& g) const {
+  if (group_->backend() == "single") return;
+  constexpr int64_t kLimit = std::numeric_limits<int>::max();
+  const int64_t per_matrix = g.rows * (g.cols + 1);
+  const std::string& first = params_[mats_[g.mats[0]].param].name;
+  if (per_matrix > kLimit)
+    input_error("hidden matrix ", first, " [", g.rows, ", ", g.cols, "]: one collective moves its ",
+                g.rows, " x (", g.cols, " + 1) = ", per_matrix,
+                " floats, more than MPI's int count limit ", kLimit,
+                "; split it (optim.qkv_split for a fused QKV weight) or train on one process");
+  const int64_t n = h_.mode == MuonMode::allgather ? 1 : int64_t(g.mats.size());
+  if (per_matrix > kLimit / n)
+    input_error("optim.muon_mode = ", kMuonModes[size_t(h_.mode)], ": the ", n,
+                " hidden matrices of shape [", g.rows, ", ", g.cols, "] (", first, ", ...) move ",
+                n, " x ", g.rows, " x (", g.cols, " + 1) floats in one collective, ",
+                "more than MPI's int count limit ", kLimit,
+                "; use optim.muon_mode = allgather (one collective per matrix) or one process");
+}
 
 std::string Muon::name() const {
   switch (h_.variant) {
@@ -127,17 +154,17 @@ void Muon::momentum_rows(const Matrix& mat, int64_t r0, int64_t r1, float* dst, 
   }
 }
 
-int64_t Muon::rows_sent(const Matrix& mat, int rank) const {
-  auto [lo, hi] = shard_rows(mat.rows, group_->size(), rank);
+int64_t Muon::rows_sent(int64_t rows, int rank) const {
+  auto [lo, hi] = shard_rows(rows, group_->size(), rank);
   const bool local_select = h_.variant != MuonVariant::muon && h_.local_scope;
   return local_select ? selected_count(h_.fraction, hi - lo) : hi - lo;
 }
 
-int64_t Muon::rows_updated(const Matrix& mat) const {
-  if (h_.variant == MuonVariant::muon) return mat.rows;
-  if (h_.mode != MuonMode::sharded || !h_.local_scope) return selected_count(h_.fraction, mat.rows);
+int64_t Muon::rows_updated(int64_t rows) const {
+  if (h_.variant == MuonVariant::muon) return rows;
+  if (h_.mode != MuonMode::sharded || !h_.local_scope) return selected_count(h_.fraction, rows);
   int64_t k = 0;
-  for (int p = 0; p < group_->size(); ++p) k += rows_sent(mat, p);
+  for (int p = 0; p < group_->size(); ++p) k += rows_sent(rows, p);
   return k;
 }
 
@@ -197,7 +224,7 @@ void Muon::step_sharded(double lr, float decay) {
   const bool owner_select = h_.variant != MuonVariant::muon && !h_.local_scope;
   const size_t G = groups_.size();
   std::vector<std::vector<float>> send(G), recv(G), out(G), all(G);
-  std::vector<std::vector<size_t>> out_counts(G);
+  std::vector<std::vector<size_t>> recv_counts(G), out_counts(G);
   std::vector<comm::Request> to_owner(G), from_owner(G);
   for (size_t g = 0; g < G; ++g) {
     const Group& grp = groups_[g];
@@ -205,13 +232,14 @@ void Muon::step_sharded(double lr, float decay) {
     std::vector<int64_t> sc(size_t(P), 0), rc(size_t(P), 0);
     for (size_t mi : grp.mats) {
       const Matrix& mat = mats_[mi];
-      sc[size_t(mat.owner)] += rows_sent(mat, me) * stride;
+      sc[size_t(mat.owner)] += grp.sent[size_t(me)] * stride;
       if (mat.owner == me)
-        for (int p = 0; p < P; ++p) rc[size_t(p)] += rows_sent(mat, p) * stride;
+        for (int p = 0; p < P; ++p) rc[size_t(p)] += grp.sent[size_t(p)] * stride;
     }
     send[g].resize(size_t(std::accumulate(sc.begin(), sc.end(), int64_t(0))));
     recv[g].resize(size_t(std::accumulate(rc.begin(), rc.end(), int64_t(0))));
-    const auto scount = counts_to_size_t(sc), rcount = counts_to_size_t(rc);
+    const auto scount = counts_to_size_t(sc);
+    recv_counts[g] = counts_to_size_t(rc);
     const auto sdispl = comm::packed_displacements(scount);
     std::vector<size_t> fill = sdispl;
     std::vector<float> rows;
@@ -229,39 +257,35 @@ void Muon::step_sharded(double lr, float decay) {
       }
       fill[size_t(mat.owner)] = size_t(dst - send[g].data());
     }
-    to_owner[g] = group_->iall_to_allv(send[g], scount, sdispl, recv[g], rcount,
-                                       comm::packed_displacements(rcount));
+    to_owner[g] = group_->iall_to_allv(send[g], scount, sdispl, recv[g], recv_counts[g],
+                                       comm::packed_displacements(recv_counts[g]));
   }
   for (size_t g = 0; g < G; ++g) {
     const Group& grp = groups_[g];
     const int64_t stride = grp.cols + 1;
     to_owner[g].wait();
     // recv: source p's block holds its rows of my matrices, in slot order.
-    std::vector<int64_t> rc(size_t(P), 0), oc(size_t(P), 0);
+    std::vector<int64_t> oc(size_t(P), 0);
     std::vector<const Matrix*> mine;
     for (size_t mi : grp.mats) {
       const Matrix& mat = mats_[mi];
-      oc[size_t(mat.owner)] += rows_updated(mat) * stride;
-      if (mat.owner == me) {
-        mine.push_back(&mat);
-        for (int p = 0; p < P; ++p) rc[size_t(p)] += rows_sent(mat, p) * stride;
-      }
+      oc[size_t(mat.owner)] += grp.updated * stride;
+      if (mat.owner == me) mine.push_back(&mat);
     }
-    const auto rdispl = comm::packed_displacements(counts_to_size_t(rc));
-    std::vector<size_t> at = rdispl;
+    std::vector<size_t> at = comm::packed_displacements(recv_counts[g]);
     out[g].resize(size_t(oc[size_t(me)]));
     float* o = out[g].data();
     std::vector<float> in;
     for (const Matrix* mat : mine) {
       in.clear();
       for (int p = 0; p < P; ++p) {
-        const size_t n = size_t(rows_sent(*mat, p) * stride);
+        const size_t n = size_t(grp.sent[size_t(p)] * stride);
         in.insert(in.end(), recv[g].begin() + long(at[size_t(p)]),
                   recv[g].begin() + long(at[size_t(p)] + n));
         at[size_t(p)] += n;
       }
       owner_update(*mat, in.data(), int64_t(in.size()) / stride, owner_select, lr, o);
-      o += rows_updated(*mat) * stride;
+      o += grp.updated * stride;
     }
     // This group's momentum rows are spent: freed now, their memory holds the updates
     // gathered next, instead of every group's rows and updates being live at once.
@@ -274,13 +298,11 @@ void Muon::step_sharded(double lr, float decay) {
   for (size_t g = 0; g < G; ++g) {
     from_owner[g].wait();
     const Group& grp = groups_[g];
-    const auto displ = comm::packed_displacements(out_counts[g]);
-    std::vector<size_t> at = displ;
+    std::vector<size_t> at = comm::packed_displacements(out_counts[g]);
     for (size_t mi : grp.mats) {
       const Matrix& mat = mats_[mi];
-      const int64_t k = rows_updated(mat);
-      apply(mat, all[g].data() + at[size_t(mat.owner)], k, decay);
-      at[size_t(mat.owner)] += size_t(k * (grp.cols + 1));
+      apply(mat, all[g].data() + at[size_t(mat.owner)], grp.updated, decay);
+      at[size_t(mat.owner)] += size_t(grp.updated * (grp.cols + 1));
     }
   }
 }
@@ -297,7 +319,7 @@ void Muon::step_replicated(double lr, float decay) {
     const Group& grp = groups_[g];
     const int64_t stride = grp.cols + 1;
     std::vector<int64_t> oc(size_t(P), 0);
-    for (size_t mi : grp.mats) oc[size_t(mats_[mi].owner)] += rows_updated(mats_[mi]) * stride;
+    for (size_t mi : grp.mats) oc[size_t(mats_[mi].owner)] += grp.updated * stride;
     out[g].resize(size_t(oc[size_t(me)]));
     float* o = out[g].data();
     for (size_t mi : grp.mats) {
@@ -306,7 +328,7 @@ void Muon::step_replicated(double lr, float decay) {
       momentum_rows(mat, 0, mat.rows, rows.data(), stride);  // every rank keeps all momentum
       if (mat.owner != me) continue;
       owner_update(mat, rows.data(), mat.rows, select, lr, o);
-      o += rows_updated(mat) * stride;
+      o += grp.updated * stride;
     }
     counts[g] = counts_to_size_t(oc);
     all[g].resize(size_t(std::accumulate(oc.begin(), oc.end(), int64_t(0))));
@@ -314,12 +336,12 @@ void Muon::step_replicated(double lr, float decay) {
   }
   for (size_t g = 0; g < G; ++g) {
     gathers[g].wait();
+    const Group& grp = groups_[g];
     std::vector<size_t> at = comm::packed_displacements(counts[g]);
-    for (size_t mi : groups_[g].mats) {
+    for (size_t mi : grp.mats) {
       const Matrix& mat = mats_[mi];
-      const int64_t k = rows_updated(mat);
-      apply(mat, all[g].data() + at[size_t(mat.owner)], k, decay);
-      at[size_t(mat.owner)] += size_t(k * (mat.cols + 1));
+      apply(mat, all[g].data() + at[size_t(mat.owner)], grp.updated, decay);
+      at[size_t(mat.owner)] += size_t(grp.updated * (grp.cols + 1));
     }
   }
 }
@@ -329,7 +351,7 @@ void Muon::step_allgather(double lr, float decay) {
   const bool select = h_.variant != MuonVariant::muon;
   std::vector<float> mine, full, upd;
   for (const Matrix& mat : mats_) {
-    const int64_t stride = mat.cols + 1;
+    const int64_t stride = mat.cols + 1, k = rows_updated(mat.rows);
     mine.resize(size_t((mat.hi - mat.lo) * stride));
     momentum_rows(mat, mat.lo, mat.hi, mine.data(), stride);
     std::vector<size_t> counts(static_cast<size_t>(P));
@@ -339,9 +361,9 @@ void Muon::step_allgather(double lr, float decay) {
     }
     full.resize(size_t(mat.rows * stride));
     group_->all_gatherv(mine, full, counts);
-    upd.resize(size_t(rows_updated(mat) * stride));
+    upd.resize(size_t(k * stride));
     owner_update(mat, full.data(), mat.rows, select, lr, upd.data());
-    apply(mat, upd.data(), rows_updated(mat), decay);
+    apply(mat, upd.data(), k, decay);
   }
 }
 

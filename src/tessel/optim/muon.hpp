@@ -13,8 +13,10 @@
 //   dion3:  dion2 with NorMuon (normuon_normalize) on O, one second moment per row.
 //   then    W = W * (1 - lr * wd);  W[S] -= lr * lr_adjust(rule, |S|, cols) * O.
 // lr is the Muon base lr times the schedule's scale; weight decay uses it unadjusted. Rows
-// are the selection dimension (and the shard dimension below). With f = 1, sum accumulation
-// and ef_decay = mu, dion2 equals non-Nesterov sum-form Muon.
+// are the selection dimension (and the shard dimension below) for every shape and mode, so
+// every mode selects alike (spec section 5.1 takes the shorter side when not sharded:
+// docs/architecture.md lists the difference). With f = 1, sum accumulation and ef_decay = mu,
+// dion2 equals non-Nesterov sum-form Muon.
 //
 // Distribution over `group` (the data-parallel group; gradients and parameters replicated):
 // matrices (after row-block splitting) are grouped by shape in parameter order; in each
@@ -30,6 +32,8 @@
 //   replicated: every rank keeps all momentum; owners compute, one all_gatherv per group.
 //   allgather (the naive baseline): sharded momentum, one all_gatherv of every full matrix,
 //     every rank orthogonalizes every matrix.
+// A collective moves at most a shape group's n rows (cols + 1) floats (one matrix's in the
+// allgather mode), within MPI's int count: a larger group is an InputError at construction.
 // In `global` scope (and in the replicated and allgather modes) the selection is made on the
 // whole matrix by its owner, so the result is independent of the rank count bitwise (for a
 // fixed thread count); `local` scope equals global on one rank.
@@ -115,14 +119,21 @@ class Muon : public Optimizer {
   struct Group {
     int64_t rows, cols;
     std::vector<size_t> mats;  // indices into mats_, slot order
+    // Per matrix (alike for one shape): rows each rank sends its owner (sharded), and rows of
+    // its update.
+    std::vector<int64_t> sent;
+    int64_t updated = 0;
   };
   float* value(const Matrix& mat) { return params_[mat.param].value.f32() + mat.row0 * mat.cols; }
   const float* grad(const Matrix& mat) const {
     return params_[mat.param].grad.f32() + mat.row0 * mat.cols;
   }
+  // InputError when a collective of `g` would exceed MPI's int element count.
+  void check_collective_size(const Group& g) const;
   void momentum_rows(const Matrix& mat, int64_t r0, int64_t r1, float* dst, int64_t stride);
-  int64_t rows_sent(const Matrix& mat, int rank) const;
-  int64_t rows_updated(const Matrix& mat) const;
+  // For a matrix of `rows` rows: rows `rank` sends its owner, rows of its update.
+  int64_t rows_sent(int64_t rows, int rank) const;
+  int64_t rows_updated(int64_t rows) const;
   void owner_update(const Matrix& mat, const float* in, int64_t k_in, bool select, double lr,
                     float* out);
   void apply(const Matrix& mat, const float* upd, int64_t k, float decay);

@@ -21,8 +21,7 @@ bool restarts_before(std::span<const int> restarts, int64_t t) {
 }
 
 // dst [m, n] = src [n, m] transposed.
-template <class T>
-void transpose(const T* src, int64_t n, int64_t m, T* dst) {
+void transpose(const float* src, int64_t n, int64_t m, float* dst) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < m; ++j) dst[j * n + i] = src[i * m + j];
 }
@@ -34,52 +33,19 @@ void transpose(const T* src, int64_t n, int64_t m, T* dst) {
 // and (D X)(D X)^T on return, the first step's Gram, which the core need not compute again.
 // A row sum is floored relative to the largest (kAolFloor), not absolutely, so the result does
 // not depend on the gradient's scale; an all-zero X stays zero.
-template <class T>
-void aol_rescale(T* X, int64_t n, int64_t m, T* gram) {
+void aol_rescale(float* X, int64_t n, int64_t m, float* gram) {
   std::vector<double> rows(static_cast<size_t>(n), 0.0);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < n; ++j) rows[size_t(i)] += std::fabs(double(gram[i * n + j]));
   const double floor = std::max(kAolFloor * *std::max_element(rows.begin(), rows.end()),
                                 std::numeric_limits<double>::min());
-  std::vector<T> d(static_cast<size_t>(n));
+  std::vector<float> d(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)
-    d[size_t(i)] = T(1.0 / std::sqrt(std::max(rows[size_t(i)], floor)));
+    d[size_t(i)] = float(1.0 / std::sqrt(std::max(rows[size_t(i)], floor)));
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t j = 0; j < m; ++j) X[i * m + j] *= d[size_t(i)];
     for (int64_t j = 0; j < n; ++j) gram[i * n + j] *= d[size_t(i)] * d[size_t(j)];
   }
-}
-
-// Steps 1-4 of orthogonalize around `core(X, n, m, gram)`, which runs on X [n, m], n <= m,
-// normalized by its Frobenius norm (gram null) or, with `aol`, by aol_rescale, whose Gram it
-// gets; `gram_of(X, n, m, out)` writes X X^T.
-template <class T, class GramOf, class Core>
-void orthogonalize_with(const T* U, int64_t rows, int64_t cols, bool aol, T* out, GramOf gram_of,
-                        Core core) {
-  TESSEL_CHECK(rows > 0 && cols > 0, "orthogonalize of a ", rows, "x", cols, " matrix");
-  const bool tall = rows > cols;
-  const int64_t n = tall ? cols : rows, m = tall ? rows : cols;
-  std::vector<T> X(size_t(n * m));
-  if (tall)
-    transpose(U, rows, cols, X.data());
-  else
-    std::copy(U, U + n * m, X.data());
-  std::vector<T> gram;
-  if (aol) {
-    gram.resize(size_t(n * n));
-    gram_of(X.data(), n, m, gram.data());
-    aol_rescale(X.data(), n, m, gram.data());
-  } else {
-    double ss = 0;
-    for (T x : X) ss += double(x) * double(x);
-    const T inv = T(1.0 / (std::sqrt(ss) + kNormEps));
-    for (T& x : X) x *= inv;
-  }
-  core(X.data(), n, m, aol ? gram.data() : nullptr);
-  if (tall)
-    transpose(X.data(), n, m, out);
-  else
-    std::copy(X.begin(), X.end(), out);
 }
 
 }  // namespace
@@ -104,6 +70,8 @@ std::vector<NsTriple> ns_coefficients(const std::string& set, int steps) {
         {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
         {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
         {2.3465413258596377, -1.7097828382687081, 0.42323551169305323}};
+    TESSEL_CHECK(steps >= 5, "the polar_express coefficient set needs at least its 5 steps, ",
+                 "asked for ", steps);
     std::vector<NsTriple> out;
     for (int t = 0; t < steps; ++t)
       out.push_back(t < 5 ? table[t] : NsTriple{15.0 / 8, -10.0 / 8, 3.0 / 8});
@@ -187,17 +155,37 @@ void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple
   apply_q();
 }
 
+// Steps 1-4 of the header: the short side first, scaled, one core, the transpose undone.
 void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& o, float* out) {
-  const bool gram = uses_gram(o, rows, cols);
-  orthogonalize_with(
-      U, rows, cols, o.aol, out,
-      [](const float* X, int64_t n, int64_t m, float* G) { kernels::syrk(n, m, 1.0f, X, 0.0f, G); },
-      [&](float* X, int64_t n, int64_t m, const float* first_gram) {
-        if (gram)
-          gram_newton_schulz(X, n, m, o.coefficients, o.restarts, first_gram);
-        else
-          newton_schulz(X, n, m, o.coefficients, o.symmetric, first_gram);
-      });
+  TESSEL_CHECK(rows > 0 && cols > 0, "orthogonalize of a ", rows, "x", cols, " matrix");
+  const bool tall = rows > cols;
+  const int64_t n = tall ? cols : rows, m = tall ? rows : cols;
+  std::vector<float> X(size_t(n * m));
+  if (tall)
+    transpose(U, rows, cols, X.data());
+  else
+    std::copy(U, U + n * m, X.data());
+  // With AOL the rescaled X's Gram is the first step's, handed to the core.
+  std::vector<float> gram;
+  if (o.aol) {
+    gram.resize(size_t(n * n));
+    kernels::syrk(n, m, 1.0f, X.data(), 0.0f, gram.data());
+    aol_rescale(X.data(), n, m, gram.data());
+  } else {
+    double ss = 0;
+    for (float x : X) ss += double(x) * double(x);
+    const float inv = float(1.0 / (std::sqrt(ss) + kNormEps));
+    for (float& x : X) x *= inv;
+  }
+  const float* first_gram = o.aol ? gram.data() : nullptr;
+  if (uses_gram(o, rows, cols))
+    gram_newton_schulz(X.data(), n, m, o.coefficients, o.restarts, first_gram);
+  else
+    newton_schulz(X.data(), n, m, o.coefficients, o.symmetric, first_gram);
+  if (tall)
+    transpose(X.data(), n, m, out);
+  else
+    std::copy(X.begin(), X.end(), out);
 }
 
 namespace naive {
@@ -254,21 +242,47 @@ void gram_newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> co
   apply_q();
 }
 
+// Written apart from the fast path (its own transpose, scalings and Gram), so that a slip in
+// either shows as a difference: X [n, m] is U, or U^T when tall, read element by element.
 template <class T>
 void orthogonalize(const T* U, int64_t rows, int64_t cols, const NsOptions& o, T* out) {
-  const bool gram = uses_gram(o, rows, cols);
-  // The twin's cores compute the first Gram again from the rescaled X.
-  orthogonalize_with(
-      U, rows, cols, o.aol, out,
-      [](const T* X, int64_t n, int64_t m, T* G) {
-        kernels::naive::gemm<T>(false, true, n, n, m, T(1), X, m, X, m, T(0), G, n);
-      },
-      [&](T* X, int64_t n, int64_t m, const T*) {
-        if (gram)
-          gram_newton_schulz<T>(X, n, m, o.coefficients, o.restarts);
-        else
-          newton_schulz<T>(X, n, m, o.coefficients);
-      });
+  TESSEL_CHECK(rows > 0 && cols > 0, "orthogonalize of a ", rows, "x", cols, " matrix");
+  const bool tall = rows > cols;
+  const int64_t n = tall ? cols : rows, m = tall ? rows : cols;
+  auto u_index = [&](int64_t i, int64_t j) { return tall ? j * cols + i : i * cols + j; };
+  std::vector<T> X(size_t(n * m));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < m; ++j) X[size_t(i * m + j)] = U[u_index(i, j)];
+  if (o.aol) {
+    // D_ii = (sum_k |X X^T|_ik)^(-1/2), each row's sum floored at kAolFloor times the largest.
+    std::vector<double> sums(static_cast<size_t>(n), 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < n; ++k) {
+        double g = 0;
+        for (int64_t j = 0; j < m; ++j)
+          g += double(X[size_t(i * m + j)]) * double(X[size_t(k * m + j)]);
+        sums[size_t(i)] += std::fabs(g);
+      }
+    double largest = 0;
+    for (double x : sums) largest = std::max(largest, x);
+    const double floor = std::max(kAolFloor * largest, std::numeric_limits<double>::min());
+    for (int64_t i = 0; i < n; ++i) {
+      const T d = T(1.0 / std::sqrt(std::max(sums[size_t(i)], floor)));
+      for (int64_t j = 0; j < m; ++j) X[size_t(i * m + j)] *= d;
+    }
+  } else {
+    double ss = 0;
+    for (int64_t i = 0; i < n * m; ++i) ss += double(X[size_t(i)]) * double(X[size_t(i)]);
+    const T inv = T(1.0 / (std::sqrt(ss) + kNormEps));
+    for (int64_t i = 0; i < n * m; ++i) X[size_t(i)] *= inv;
+  }
+  // The twin's cores compute the first Gram themselves.
+  if (uses_gram(o, rows, cols))
+    gram_newton_schulz<T>(X.data(), n, m, o.coefficients, o.restarts);
+  else
+    newton_schulz<T>(X.data(), n, m, o.coefficients);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < m; ++j) out[u_index(i, j)] = X[size_t(i * m + j)];
 }
 
 #define TESSEL_INSTANTIATE(T)                                                          \

@@ -46,7 +46,9 @@ struct NsTriple {
 
 // "keller": KellerJordan's (3.4445, -4.7750, 2.0315) at every step (singular values end
 // roughly in [0.7, 1.2], by design). "polar_express": the published 5-step Polar Express
-// table (safety factor applied), then the limit (15/8, -10/8, 3/8) for further steps.
+// table (safety factor applied), then the limit (15/8, -10/8, 3/8) for further steps, which
+// converge to 1; fewer than 5 steps are an error (the table's first triples overshoot, up to
+// 1.97, and only its later ones bring every singular value back into [0.86, 1.14]).
 // "you": the 5-step table of Dao-AILab's gram-newton-schulz README (spec section 2), as
 // Turbo-Muon's reference code lists it (thib-s/flash-newton-schulz); fewer steps take its last
 // ones (what Turbo-Muon runs after the AOL rescaling), more than 5 are an error.
@@ -76,7 +78,8 @@ void gram_newton_schulz(float* X, int64_t n, int64_t m, std::span<const NsTriple
                         std::span<const int> restarts, const float* first_gram = nullptr);
 
 namespace naive {
-// The same recurrences with plain loops (naive::gemm) in T (float and double instantiated).
+// The same recurrences with plain loops (naive::gemm) in T (float and double instantiated);
+// orthogonalize has its own transpose and scalings too, sharing no code with the fast path.
 template <class T>
 void newton_schulz(T* X, int64_t n, int64_t m, std::span<const NsTriple> coefficients);
 template <class T>

@@ -19,6 +19,10 @@ std::vector<int64_t> select_rows(const float* X, int64_t n, int64_t cols, int64_
   std::vector<double> score(size_t(n), 0.0);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < cols; ++j) score[size_t(i)] += std::abs(double(X[i * stride + j]));
+  // A NaN score ranks lowest: NaN compares unordered with everything, which would break the
+  // sort's strict weak order. Scores are sums of |x|, so -1 is below every number.
+  for (double& s : score)
+    if (std::isnan(s)) s = -1;
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t(0));
   const int64_t k = selected_count(fraction, n);

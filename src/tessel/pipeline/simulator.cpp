@@ -160,8 +160,10 @@ double simulated_ops(const ScheduleOptions& o) {
   const double per_micro_batch =
                    double(o.stages) * o.chunks * (o.kind == ScheduleKind::zb_h1 ? 3 : 2),
                micro_batches = double(o.micro_batches);
-  if (o.kind == ScheduleKind::paci)  // a local step after every K backwards of a stage
-    return micro_batches * per_micro_batch + double(o.stages) * (micro_batches / double(o.paci_k));
+  // A local step after every K-th backward of a stage: floor(n / K) per stage (the drain at
+  // the horizon's end steps no more).
+  if (o.kind == ScheduleKind::paci)
+    return micro_batches * per_micro_batch + double(o.stages) * double(o.micro_batches / o.paci_k);
   return double(o.steps) * (micro_batches * per_micro_batch + o.stages);
 }
 

@@ -23,7 +23,9 @@ namespace {
 enum class Msg : int { activation = 0, gradient = 1 };
 constexpr int64_t kTagSlots = int64_t(1) << 14;
 int tag(Msg kind, const Op& op, int chunks) {
-  return int(2 * ((op.micro * chunks + op.chunk) % kTagSlots) + int(kind));
+  const int64_t t = 2 * ((op.micro * chunks + op.chunk) % kTagSlots) + int(kind);
+  TESSEL_CHECK(t >= 0 && t < 2 * kTagSlots, "pipeline tag ", t, " of micro-batch ", op.micro);
+  return int(t);
 }
 
 // Receives posted per direction ahead of the op that consumes them ("double-buffered"): a
@@ -340,6 +342,13 @@ StageStats StageExecutor::run(const ScheduleOptions& schedule, int64_t first_mic
     input_error("pipeline: the schedule has ", schedule.chunks, " chunks per stage but the stage ",
                 "holds ", work_.chunks());
   if (first_micro < 0) input_error("pipeline: first_micro must be >= 0, got ", first_micro);
+  // Each run counts the backwards towards PACI's next local STEP afresh: a horizon that is no
+  // multiple of K would leave its last backwards' gradients to the next run's first STEP.
+  if (schedule.kind == ScheduleKind::paci && schedule.paci_k >= 1 &&
+      schedule.micro_batches % schedule.paci_k != 0)
+    input_error("pipeline: a PACI run's horizon of ", schedule.micro_batches,
+                " micro-batches must be a multiple of paci_k = ", schedule.paci_k,
+                " (each run ends with a local step)");
   return StageRun(group_, work_, options_, delays_, version_, schedule, first_micro).run();
 }
 

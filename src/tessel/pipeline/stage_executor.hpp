@@ -112,7 +112,8 @@ class StageExecutor {
   // barrier (and a broadcast of the timeline origin) and ends with every forward's backward
   // done and every message delivered (flush schedules: after their last STEP; PACI: the
   // drain at the horizon's end). The weight version carries over between calls; PACI's
-  // count of backwards towards the next STEP does not, so give it horizons divisible by K.
+  // count of backwards towards the next STEP does not, so a PACI horizon must be a multiple
+  // of K (InputError otherwise).
   StageStats run(const ScheduleOptions& schedule, int64_t first_micro = 0);
   int64_t version() const { return version_; }
 

@@ -368,8 +368,8 @@ std::vector<ConfigKey> build_schema() {
       name_key("optim.lr_rule", "muon family lr shape rule: spectral_norm, rms_norm or keller",
                optim::kLrRules, FIELD(optim.lr_rule)),
       name_key("optim.ns_coefficients",
-               "Newton-Schulz coefficients: keller, polar_express (its table, then the limit "
-               "triple) or you (at most 5 steps; fewer take its last ones)",
+               "Newton-Schulz coefficients: keller, polar_express (at least 5 steps: its table, "
+               "then the limit triple) or you (at most 5 steps; fewer take its last ones)",
                optim::kNsCoefficientSets, FIELD(optim.ns_coefficients)),
       int_key("optim.ns_steps", "Newton-Schulz steps", FIELD(optim.ns_steps)),
       name_key("optim.ns_normalize",
@@ -945,6 +945,17 @@ void validate(const Config& c) {
   positive("parallel.cp", c.parallel.cp);
   positive("parallel.ep", c.parallel.ep);
   validate_pipeline(c);
+  // Each count is at most 2^24 and train.steps 2^40, so their product could wrap int64
+  // (validate_pipeline allows pipeline.paci_k > 0 only under PACI, where it is per step).
+  if (const int64_t per_step = micro_batches_per_step(c), chunks = pipeline_chunks(c);
+      c.train.steps > kMaxMicroBatchOps / per_step / chunks) {
+    const std::string times_chunks =
+        chunks > 1 ? " times 'pipeline.chunks' = " + std::to_string(chunks) : "";
+    input_error("config key 'train.steps' = ", c.train.steps, " times '",
+                c.pipeline.paci_k > 0 ? "pipeline.paci_k" : "train.accum", "' = ", per_step,
+                times_chunks, " is larger than tessel supports (", kMaxMicroBatchOps,
+                " micro-batch ops); lower train.steps");
+  }
   const bool paci = pipeline_enabled(c) && pipeline_schedule(c) == pipeline::ScheduleKind::paci;
   if (c.fault.spike_step > 0 && paci)
     input_error(

@@ -161,6 +161,10 @@ std::optional<std::string> config_string_value(const std::string& text);
 inline constexpr int64_t kMaxThreads = 4096;
 // The most train.steps: far beyond a real run, and times a real global batch far within int64.
 inline constexpr int64_t kMaxSteps = int64_t(1) << 40;
+// The most of train.steps x micro-batches per step (train.accum, or PACI's pipeline.paci_k) x
+// pipeline.chunks: a pipeline numbers its micro-batches up to the first two's product and its
+// message tags multiply that by the chunks, all in int64.
+inline constexpr int64_t kMaxMicroBatchOps = int64_t(1) << 62;
 
 // Loads `path` (TOML; empty = defaults only), applies `overrides` ("key=value"),
 // validates the result. Errors name the file and key.

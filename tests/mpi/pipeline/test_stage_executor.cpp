@@ -197,6 +197,20 @@ class MisSizedStage : public ToyStage {
   size_t input_elems() const override { return ToyStage::input_elems() + 1; }
 };
 
+// A stage that keeps its gradients as its first step finds them.
+class GradientAtStepStage : public ToyStage {
+ public:
+  using ToyStage::ToyStage;
+  void step(int64_t version) override {
+    if (steps() == 0) first_ = grad();
+    ToyStage::step(version);
+  }
+  const std::vector<float>& grad_at_first_step() const { return first_; }
+
+ private:
+  std::vector<float> first_;
+};
+
 // A stage whose optimizer step fails.
 class FailingStepStage : public ToyStage {
  public:
@@ -436,14 +450,25 @@ TEST(StageExecutor, PaciBeforeItsFirstStepAccumulatesThe1F1BGradients) {
   comm::Communicator& pp = comm::world();
   const int P = pp.size(), s = pp.rank();
   const int64_t n = 5;
-  ToyStage stage(s, P);
+  GradientAtStepStage stage(s, P);
   StageExecutor executor(pp, stage);
-  executor.run(paci(P, n, n + 1));
-  EXPECT_EQ(executor.version(), 0);
+  executor.run(paci(P, n, n));
+  EXPECT_EQ(executor.version(), 1);
   auto reference = make_chain(P);
   accumulate(reference, 0, n);
-  expect_bitwise_equal(stage.grad(), reference[size_t(s)].grad(), "accumulated gradients");
-  expect_bitwise_equal(stage.weight(), reference[size_t(s)].weight(), "untouched weights");
+  expect_bitwise_equal(stage.grad_at_first_step(), reference[size_t(s)].grad(),
+                       "accumulated gradients");
+  reference[size_t(s)].step(0);
+  expect_bitwise_equal(stage.weight(), reference[size_t(s)].weight(), "weights after the step");
+}
+
+TEST(StageExecutor, APaciHorizonNotDivisibleByKIsAnInputError) {
+  comm::Communicator& pp = comm::world();
+  ToyStage stage(pp.rank(), pp.size());
+  StageExecutor executor(pp, stage);
+  fixture::expect_input_error([&] { executor.run(paci(pp.size(), 5, 3)); },
+                              {"horizon of 5", "multiple of paci_k = 3"});
+  EXPECT_EQ(executor.version(), 0);
 }
 
 TEST(StageExecutor, PaciVersionGapsAndActivationsMatchTheBounds) {
@@ -571,6 +596,40 @@ TEST(StageExecutor, NoDeadlockOverTenThousandMicroBatchesWithRandomDelays) {
     } else {
       expect_bitwise_equal(stage.weight(), flushed[size_t(s)].weight(),
                            schedule_name(schedule.kind));
+    }
+  }
+}
+
+// Message tags wrap at 2^14 micro-batches (chunk ops with v chunks): one chunk crosses the
+// wrap only past micro-batch 16383, so these runs start at 16380, with receives posted for
+// micro-batches on both sides of it.
+TEST(StageExecutor, NoDeadlockAcrossTheTagWrapWithOneChunk) {
+  comm::Communicator& pp = comm::world();
+  const int P = pp.size(), s = pp.rank();
+  const int64_t first = 16380, M = 4, steps = 3, n = M * steps;
+  ExecutorOptions options;
+  options.max_random_delay_us = 5;
+  options.delay_seed = 11;
+  auto flushed = make_chain(P);
+  for (int64_t t = 0; t < steps; ++t) {
+    accumulate(flushed, first + t * M, M);
+    for (ToyStage& stage : flushed) stage.step(t);
+  }
+  for (const ScheduleOptions& schedule :
+       {flush(ScheduleKind::gpipe, P, M, steps), flush(ScheduleKind::one_f_one_b, P, M, steps),
+        flush(ScheduleKind::zb_h1, P, M, steps), paci(P, n, M)}) {
+    SCOPED_TRACE(schedule_name(schedule.kind));
+    ToyStage stage(s, P);
+    StageExecutor executor(pp, stage, options);
+    const auto stats = executor.run(schedule, first);
+    EXPECT_EQ(stats.forwards, n);
+    EXPECT_EQ(stats.backwards, n);
+    if (schedule.kind == ScheduleKind::paci) {
+      auto reference = make_chain(P);
+      replay(reference, schedule, first);
+      expect_bitwise_equal(stage.weight(), reference[size_t(s)].weight(), "paci");
+    } else {
+      expect_bitwise_equal(stage.weight(), flushed[size_t(s)].weight(), "flush");
     }
   }
 }

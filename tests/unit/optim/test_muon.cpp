@@ -3,13 +3,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
+#include <numeric>
 #include <string>
 #include <vector>
 
 #include "support/expect_input_error.hpp"
 #include "support/param_fixture.hpp"
 #include "tessel/optim/muon.hpp"
+#include "tessel/optim/newton_schulz.hpp"
 #include "tessel/optim/row_selection.hpp"
 
 using namespace tessel;
@@ -210,6 +213,83 @@ TEST(Dion2, SelectionAndErrorFeedback) {
   }
 }
 
+// One Dion2 / Dion3 step's values from the spec, written out here: the selected rows are the
+// top-k l1 rows of M0 + G (k = ceil(f rows) = 10 of 40, ties to the lower row); their
+// submatrix A [k, cols] is orthogonalized (the naive f64 twin, same coefficients); Dion3 then
+// applies NorMuon per row from v = 0 (v = (1 - beta2) mean_j O_ij^2, O / (sqrt(v) + eps),
+// rescaled to the Frobenius norm of O); the step is lr * sqrt(k / cols) (spectral_norm of the
+// submatrix shape, spec section 5.5) times that. No weight decay: unselected rows stay bitwise.
+// Tolerance 1e-4 of the largest update entry: the f32 Gram NS against its f64 twin (1e-4 in
+// FastMatchesNaive; measured 1.3e-6 to 1.7e-6 here). The full shape's lr_adjust would double
+// the step (an error of 1.0 in those units), skipping NorMuon is off by 0.17 (measured).
+TEST(Dion2, SelectedRowsMoveByTheSpecsUpdate) {
+  for (MuonVariant v : {MuonVariant::dion2, MuonVariant::dion3}) {
+    SCOPED_TRACE(v == MuonVariant::dion2 ? "dion2" : "dion3");
+    MuonHyper h = hyper(v);
+    h.weight_decay = 0;
+    const int64_t rows = 40, cols = 8, k = 10;
+    ParamSet ps({{"w", ParamTag::hidden_matrix, {rows, cols}}}, 4);
+    Muon opt(ps.params, h, adam(), kDecay, nullptr);
+    auto st = opt.state();
+    Tensor m = state_named(st, opt.name() + ".m/w");
+    Rng(5).fill_normal(m.f32(), m.numel(), 0.0f, 1.0f);
+    const auto M0 = values_of(m), W0 = ps.snapshot();
+    ps.random_grads(6);
+    std::vector<float> acc(M0.size());
+    for (size_t i = 0; i < acc.size(); ++i) acc[i] = M0[i] + ps.grads.f32()[i];
+    // The k rows of largest l1 norm, ties to the lower row, in increasing row order.
+    std::vector<double> score(static_cast<size_t>(rows), 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j)
+        score[size_t(r)] += std::abs(double(acc[size_t(r * cols + j)]));
+    std::vector<int64_t> sel(static_cast<size_t>(rows));
+    std::iota(sel.begin(), sel.end(), int64_t(0));
+    std::stable_sort(sel.begin(), sel.end(),
+                     [&](int64_t a, int64_t b) { return score[size_t(a)] > score[size_t(b)]; });
+    sel.resize(size_t(k));
+    std::sort(sel.begin(), sel.end());
+    std::vector<double> A(size_t(k * cols)), O(size_t(k * cols));
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        A[size_t(i * cols + j)] = acc[size_t(sel[size_t(i)] * cols + j)];
+    naive::orthogonalize<double>(A.data(), k, cols, h.ns, O.data());
+    if (v == MuonVariant::dion3) {
+      double before = 0, after = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        double ss = 0;
+        for (int64_t j = 0; j < cols; ++j) ss += O[size_t(i * cols + j)] * O[size_t(i * cols + j)];
+        const double second_moment = (1 - h.normuon_beta2) * ss / double(cols);
+        const double inv = 1 / (std::sqrt(second_moment) + h.normuon_eps);
+        before += ss;
+        after += ss * inv * inv;
+        for (int64_t j = 0; j < cols; ++j) O[size_t(i * cols + j)] *= inv;
+      }
+      for (double& o : O) o *= std::sqrt(before / after);
+    }
+    const double step = h.lr * std::sqrt(double(k) / double(cols));
+    opt.step(1.0);
+    const auto W1 = ps.snapshot();
+    double err = 0, largest = 0;
+    size_t next = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool selected = next < sel.size() && sel[next] == r;
+      for (int64_t j = 0; j < cols; ++j) {
+        const size_t i = size_t(r * cols + j);
+        if (!selected) {
+          EXPECT_EQ(W1[i], W0[i]) << r;
+          continue;
+        }
+        const double want = step * O[size_t(int64_t(next) * cols + j)];
+        err = std::max(err, std::abs((double(W0[i]) - double(W1[i])) - want));
+        largest = std::max(largest, std::abs(want));
+      }
+      next += selected;
+    }
+    ASSERT_EQ(next, sel.size());
+    EXPECT_LT(err, 1e-4 * largest) << "largest update " << largest;
+  }
+}
+
 TEST(RowSelection, CountAndDeterministicTieBreak) {
   EXPECT_EQ(selected_count(0.25, 40), 10);
   EXPECT_EQ(selected_count(0.1, 30), 3);  // 0.1 * 30 is 3.0000000000000004 in double
@@ -220,6 +300,20 @@ TEST(RowSelection, CountAndDeterministicTieBreak) {
   // Rows 1, 2, 4 tie on |.|_1 = 3; row 3 is largest: k = 3 takes 3, then 1 and 2.
   const std::vector<float> X = {1, 0, 1, -2, 3, 0, 2, 2, 0, -1, 2, 0, 0, 0, 1};
   EXPECT_EQ(select_rows(X.data(), 5, 3, 3, 0.6), (std::vector<int64_t>{1, 2, 3}));
+}
+
+// A NaN score (a row holding NaN) ranks below every number, ties among NaNs going to the
+// lower row: the order stays a strict weak order, so the choice stays deterministic.
+TEST(RowSelection, NanScoresRankLowest) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Row scores (2 columns): NaN, 1, 5, NaN, 3, 2, NaN, 4, 0, NaN.
+  const std::vector<float> X = {nan, 0, 1, 0,   2, 3, 1, nan, 3,   0,
+                                1,   1, 0, nan, 4, 0, 0, 0,   nan, nan};
+  EXPECT_EQ(select_rows(X.data(), 10, 2, 2, 0.3), (std::vector<int64_t>{2, 4, 7}));
+  // k = 7: the 6 numbered rows, then the lowest NaN row.
+  EXPECT_EQ(select_rows(X.data(), 10, 2, 2, 0.7), (std::vector<int64_t>{0, 1, 2, 4, 5, 7, 8}));
+  const std::vector<float> all_nan(8, nan);
+  EXPECT_EQ(select_rows(all_nan.data(), 4, 2, 2, 0.5), (std::vector<int64_t>{0, 1}));
 }
 
 // NorMuon keeps the Frobenius norm, divides each row by sqrt(v) + eps after updating the
@@ -314,6 +408,20 @@ TEST(MuonFactory, NamesAndBadConfig) {
                        c.ns_steps = 6;
                      }),
                      {"optim.ns_steps", "<= 5"});
+  // Polar Express's table is used whole: 4 steps leave singular values up to 1.58.
+  for (int64_t steps : {1, 4})
+    expect_input_error(with([&](OptimizerConfig& c) {
+                         c.ns_coefficients = "polar_express";
+                         c.ns_steps = steps;
+                       }),
+                       {"optim.ns_steps = " + std::to_string(steps), ">= 5",
+                        "optim.ns_coefficients = polar_express"});
+  for (int64_t steps : {5, 8})
+    EXPECT_NO_THROW(with([&](OptimizerConfig& c) {
+      c.ns_coefficients = "polar_express";
+      c.ns_steps = steps;
+    })())
+        << steps;
   expect_input_error(with([](OptimizerConfig& c) { c.ns_normalize = "spectral"; }),
                      {"optim.ns_normalize"});
   expect_input_error(with([](OptimizerConfig& c) { c.ns_steps = 0; }), {"optim.ns_steps"});

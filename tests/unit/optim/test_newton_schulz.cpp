@@ -47,13 +47,19 @@ double scalar_map(std::span<const NsTriple> coefficients, double s) {
   return s;
 }
 
-// The spec's numeric check of the coefficient tables on the scalar map.
+// The spec's numeric check of the coefficient tables on the scalar map. Polar Express past
+// its 5 steps repeats the limit triple, which converges to 1 (measured [0.994, 1.008] after
+// 6); fewer than 5 are refused (the table's first triples overshoot: 1.58 after 4).
 TEST(NewtonSchulz, ScalarMapBands) {
   const auto pe = ns_coefficients("polar_express", 5);
+  const auto pe6 = ns_coefficients("polar_express", 6), pe12 = ns_coefficients("polar_express", 12);
   const auto kj = ns_coefficients("keller", 5);
+  EXPECT_THROW(ns_coefficients("polar_express", 4), Error);
   for (double s = 1e-3; s <= 1.0; s *= 1.01) {
     EXPECT_GE(scalar_map(pe, s), 0.85) << s;
     EXPECT_LE(scalar_map(pe, s), 1.15) << s;
+    EXPECT_NEAR(scalar_map(pe6, s), 1.0, 0.01) << s;
+    EXPECT_NEAR(scalar_map(pe12, s), 1.0, 1e-9) << s;
     if (s >= 1.3e-3) {
       EXPECT_GE(scalar_map(kj, s), 0.6) << s;
       EXPECT_LE(scalar_map(kj, s), 1.21) << s;
@@ -135,7 +141,8 @@ TEST(NewtonSchulz, GramMatchesStandardAt1024) {
 
 // U = A diag(s) B^T with orthonormal A, B and s log-spaced over [1e-4, 1] (condition 1e4),
 // 8 KellerJordan steps: without restarts the f32 Gram recurrence drifts from standard NS
-// (measured 0.12), restarts before steps 2 and 5 keep it within 1e-4 (measured 8e-5).
+// (measured 0.12-0.14), restarts before steps 2 and 5 keep it within 2e-4 (measured 6.5e-5 to
+// 7.8e-5 over 1-16 BLAS threads; the bound leaves 2.5x of that for other BLAS builds).
 namespace {
 // A diag(s) B^T with orthonormal A [n, n], B [n, m] and s log-spaced over [1e-4, 1], normalized.
 std::vector<float> ill_conditioned(int64_t n, int64_t m) {
@@ -165,7 +172,7 @@ TEST(NewtonSchulz, RestartFixesIllConditionedDrift) {
   gram_newton_schulz(g.data(), n, m, o.coefficients, restart);
   gram_newton_schulz(g0.data(), n, m, o.coefficients, none);
   const double with = rel_frobenius(g, f64(s)), without = rel_frobenius(g0, f64(s));
-  EXPECT_LT(with, 1e-3);
+  EXPECT_LT(with, 2e-4);
   EXPECT_GT(without, 1e-2);
 }
 

@@ -348,19 +348,23 @@ TEST(PipelineSimulator, LinksAddTheirMessageTimeToGPipesFillAndDrain) {
 }
 
 // simulated_ops, which bounds what `tessel simulate` may run, counts the ops the simulator
-// runs.
+// runs; PACI with K dividing the horizon n and not (n = 10, K = 3: floor(10 / 3) = 3 local
+// steps per stage, 92 ops at P = 4).
 TEST(PipelineSimulator, SimulatedOpsCountsEveryOpItRuns) {
   for (const ScheduleKind kind :
        {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::zb_h1,
         ScheduleKind::interleaved, ScheduleKind::paci})
-    for (const int P : {1, 2, 4}) {
-      if (kind == ScheduleKind::interleaved && P == 1) continue;
-      SimOptions o;
-      o.schedule = kind == ScheduleKind::paci ? ScheduleOptions{kind, P, 24, 1, 3}
-                                              : ScheduleOptions{kind, P, 8, 3, 1};
-      if (kind == ScheduleKind::interleaved) o.schedule.chunks = 3;
-      o.costs = {{1, 2, 0.5, kind == ScheduleKind::zb_h1 ? 1.0 : 0.0}};
-      EXPECT_EQ(double(simulate(o).timeline.size()), simulated_ops(o.schedule))
-          << schedule_name(kind) << ", P " << P;
-    }
+    for (const int P : {1, 2, 4})
+      for (const int64_t paci_n : {24, 10}) {
+        if (kind == ScheduleKind::interleaved && P == 1) continue;
+        if (kind != ScheduleKind::paci && paci_n != 24) continue;
+        SimOptions o;
+        o.schedule = kind == ScheduleKind::paci ? ScheduleOptions{kind, P, paci_n, 1, 3}
+                                                : ScheduleOptions{kind, P, 8, 3, 1};
+        if (kind == ScheduleKind::interleaved) o.schedule.chunks = 3;
+        o.costs = {{1, 2, 0.5, kind == ScheduleKind::zb_h1 ? 1.0 : 0.0}};
+        EXPECT_EQ(double(simulate(o).timeline.size()), simulated_ops(o.schedule))
+            << schedule_name(kind) << ", P " << P << ", n " << o.schedule.micro_batches;
+      }
+  EXPECT_EQ(simulated_ops({ScheduleKind::paci, 4, 10, 1, 3}), 92.0);
 }

@@ -392,6 +392,29 @@ TEST(Config, SpikeSkippingAndScheduleSettings) {
   expect_input_error([] { train::load_config("", {"train.steps=9223372036854775807"}); },
                      {"'train.steps' = 9223372036854775807", "larger than tessel supports"});
   EXPECT_EQ(train::load_config("", {"train.steps=1099511627776"}).train.steps, int64_t(1) << 40);
+  // Micro-batch numbers (train.steps x per step) times pipeline.chunks stay within 2^62.
+  EXPECT_EQ(
+      train::load_config("", {"train.steps=1099511627776", "train.accum=4194304"}).train.accum,
+      int64_t(1) << 22);
+  expect_input_error(
+      [] {
+        train::load_config("", {"train.steps=1099511627776", "train.accum=4194305"});
+      },
+      {"'train.steps' = 1099511627776 times 'train.accum' = 4194305", "4611686018427387904"});
+  expect_input_error(
+      [] {
+        train::load_config("",
+                           {"train.steps=1099511627776", "parallel.pp=2", "pipeline.schedule=paci",
+                            "model.tied_head=false", "pipeline.paci_k=16777216"});
+      },
+      {"'pipeline.paci_k' = 16777216", "larger than tessel supports"});
+  expect_input_error(
+      [] {
+        train::load_config(
+            "", {"train.steps=1099511627776", "parallel.pp=2", "pipeline.schedule=interleaved",
+                 "train.accum=2097152", "pipeline.chunks=4"});
+      },
+      {"'train.accum' = 2097152 times 'pipeline.chunks' = 4", "larger than tessel supports"});
   // Counts whose products size buffers or meshes: refused before anything multiplies them.
   for (const char* key :
        {"pipeline.paci_k=16777217", "pipeline.chunks=4611686018427387904",
