@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <exception>
 #include <numeric>
+#include <utility>
 
 namespace tessel::comm {
 
@@ -104,6 +105,12 @@ bool Request::test() {
   return complete;
 }
 
+void Request::abandon() noexcept {
+  // Still in flight: never free what the backend may still use.
+  if (op_ && !op_->cancel()) (void)op_.release();
+  op_.reset();
+}
+
 void Request::finish_quietly() noexcept {
   try {
     wait();
@@ -129,6 +136,16 @@ void wait_all(std::span<Request> requests) {
     }
   }
   if (first) std::rethrow_exception(first);
+}
+
+bool test_all(std::span<Request> requests) {
+  for (Request& r : requests)
+    if (!r.test()) return false;
+  return true;
+}
+
+void abandon_all(std::span<Request> requests) noexcept {
+  for (Request& r : requests) r.abandon();
 }
 
 uint64_t TrafficCounts::total() const {
@@ -165,6 +182,16 @@ size_t sum(std::span<const size_t> counts) {
   return std::accumulate(counts.begin(), counts.end(), size_t{0});
 }
 
+// Of blocks at displs[r] with counts[r] elements: where the one reaching furthest ends, and its
+// r (the extent of the buffer the call uses).
+std::pair<size_t, size_t> furthest_block(std::span<const size_t> counts,
+                                         std::span<const size_t> displs) {
+  std::pair<size_t, size_t> end{0, 0};
+  for (size_t r = 0; r < counts.size(); ++r)
+    if (displs[r] + counts[r] > end.first) end = {displs[r] + counts[r], r};
+  return end;
+}
+
 }  // namespace
 
 void Communicator::check_blocks(size_t whole, size_t block, const char* call) const {
@@ -187,23 +214,37 @@ void Communicator::check_gatherv(size_t send, size_t recv, std::span<const size_
                " elements but the counts add up to ", sum(recv_counts));
 }
 
-void Communicator::check_all_to_allv(size_t send, std::span<const size_t> send_counts,
-                                     std::span<const size_t> send_displs, size_t recv,
-                                     std::span<const size_t> recv_counts,
-                                     std::span<const size_t> recv_displs, const char* call) const {
+void Communicator::check_all_to_allv_spans(std::span<const size_t> send_counts,
+                                           std::span<const size_t> send_displs,
+                                           std::span<const size_t> recv_counts,
+                                           std::span<const size_t> recv_displs,
+                                           const char* call) const {
   check_ranks(send_counts, size(), "send_counts", call);
   check_ranks(send_displs, size(), "send_displs", call);
   check_ranks(recv_counts, size(), "recv_counts", call);
   check_ranks(recv_displs, size(), "recv_displs", call);
-  for (size_t r = 0; r < size_t(size()); ++r) {
-    TESSEL_CHECK(send_displs[r] + send_counts[r] <= send, call, ": block for rank ", r,
-                 " ends past the send buffer of ", send, " elements");
-    TESSEL_CHECK(recv_displs[r] + recv_counts[r] <= recv, call, ": block from rank ", r,
-                 " ends past the recv buffer of ", recv, " elements");
-  }
+}
+
+void Communicator::check_all_to_allv(size_t send, std::span<const size_t> send_counts,
+                                     std::span<const size_t> send_displs, size_t recv,
+                                     std::span<const size_t> recv_counts,
+                                     std::span<const size_t> recv_displs, const char* call) const {
+  check_all_to_allv_spans(send_counts, send_displs, recv_counts, recv_displs, call);
+  const auto [send_end, to] = furthest_block(send_counts, send_displs);
+  TESSEL_CHECK(send_end <= send, call, ": block for rank ", to, " ends past the send buffer of ",
+               send, " elements");
+  const auto [recv_end, from] = furthest_block(recv_counts, recv_displs);
+  TESSEL_CHECK(recv_end <= recv, call, ": block from rank ", from, " ends past the recv buffer of ",
+               recv, " elements");
 }
 
 // ---- front ends ----
+
+Request Communicator::counted(uint64_t TrafficCounts::*kind, uint64_t bytes, Request started) {
+  traffic_.bytes.*kind += bytes;
+  ++(traffic_.calls.*kind);
+  return started;
+}
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {
   return do_split(color, key);
@@ -212,9 +253,8 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key) {
 Request Communicator::start_all_reduce(void* data, size_t count, ElemType type, ReduceOp op,
                                        Mode mode) {
   check_reducible(type, "all_reduce");
-  traffic_.bytes.all_reduce += count * elem_size(type);
-  ++traffic_.calls.all_reduce;
-  return do_all_reduce(data, count, type, op, mode);
+  return counted(&TrafficCounts::all_reduce, count * elem_size(type),
+                 do_all_reduce(data, count, type, op, mode));
 }
 
 Request Communicator::start_reduce_scatter(const void* send, void* recv, size_t block_count,
@@ -223,9 +263,8 @@ Request Communicator::start_reduce_scatter(const void* send, void* recv, size_t 
   const size_t block_bytes = block_count * elem_size(type);
   TESSEL_CHECK(!overlaps(send, block_bytes * size_t(size()), recv, block_bytes),
                "reduce_scatter: send and recv buffers overlap");
-  traffic_.bytes.reduce_scatter += block_bytes * size_t(size());
-  ++traffic_.calls.reduce_scatter;
-  return do_reduce_scatter(send, recv, block_count, type, op, mode);
+  return counted(&TrafficCounts::reduce_scatter, block_bytes * size_t(size()),
+                 do_reduce_scatter(send, recv, block_count, type, op, mode));
 }
 
 Request Communicator::start_all_gather(const void* send, void* recv, size_t block_count,
@@ -233,9 +272,8 @@ Request Communicator::start_all_gather(const void* send, void* recv, size_t bloc
   const size_t block_bytes = block_count * elem_size(type);
   check_gather_overlap(send, block_bytes, recv, block_bytes * size_t(size()),
                        block_bytes * size_t(rank()), "all_gather");
-  traffic_.bytes.all_gather += block_bytes;
-  ++traffic_.calls.all_gather;
-  return do_all_gather(send, recv, block_count, type, mode);
+  return counted(&TrafficCounts::all_gather, block_bytes,
+                 do_all_gather(send, recv, block_count, type, mode));
 }
 
 Request Communicator::start_all_gatherv(const void* send, void* recv,
@@ -247,18 +285,16 @@ Request Communicator::start_all_gatherv(const void* send, void* recv,
   const size_t own_offset = sum(recv_counts.first(own));
   check_gather_overlap(send, recv_counts[own] * es, recv, sum(recv_counts) * es, own_offset * es,
                        "all_gatherv");
-  traffic_.bytes.all_gather += recv_counts[own] * es;
-  ++traffic_.calls.all_gather;
-  return do_all_gatherv(send, recv, recv_counts, type, mode);
+  return counted(&TrafficCounts::all_gather, recv_counts[own] * es,
+                 do_all_gatherv(send, recv, recv_counts, type, mode));
 }
 
 Request Communicator::start_all_to_all(const void* send, void* recv, size_t block_count,
                                        ElemType type, Mode mode) {
   const size_t bytes = block_count * elem_size(type) * size_t(size());
   TESSEL_CHECK(!overlaps(send, bytes, recv, bytes), "all_to_all: send and recv buffers overlap");
-  traffic_.bytes.all_to_all += bytes;
-  ++traffic_.calls.all_to_all;
-  return do_all_to_all(send, recv, block_count, type, mode);
+  return counted(&TrafficCounts::all_to_all, bytes,
+                 do_all_to_all(send, recv, block_count, type, mode));
 }
 
 Request Communicator::start_all_to_allv(const void* send, std::span<const size_t> send_counts,
@@ -266,21 +302,21 @@ Request Communicator::start_all_to_allv(const void* send, std::span<const size_t
                                         std::span<const size_t> recv_counts,
                                         std::span<const size_t> recv_displs, ElemType type,
                                         Mode mode) {
-  check_ranks(send_counts, size(), "send_counts", "all_to_allv");
-  check_ranks(send_displs, size(), "send_displs", "all_to_allv");
-  check_ranks(recv_counts, size(), "recv_counts", "all_to_allv");
-  check_ranks(recv_displs, size(), "recv_displs", "all_to_allv");
-  traffic_.bytes.all_to_all += sum(send_counts) * elem_size(type);
-  ++traffic_.calls.all_to_all;
-  return do_all_to_allv(send, send_counts, send_displs, recv, recv_counts, recv_displs, type, mode);
+  check_all_to_allv_spans(send_counts, send_displs, recv_counts, recv_displs, "all_to_allv");
+  const size_t es = elem_size(type);
+  TESSEL_CHECK(!overlaps(send, furthest_block(send_counts, send_displs).first * es, recv,
+                         furthest_block(recv_counts, recv_displs).first * es),
+               "all_to_allv: send and recv buffers overlap");
+  return counted(
+      &TrafficCounts::all_to_all, sum(send_counts) * es,
+      do_all_to_allv(send, send_counts, send_displs, recv, recv_counts, recv_displs, type, mode));
 }
 
 Request Communicator::start_broadcast(void* data, size_t count, ElemType type, int root,
                                       Mode mode) {
   TESSEL_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank of ", size());
-  if (rank() == root) traffic_.bytes.broadcast += count * elem_size(type);
-  ++traffic_.calls.broadcast;
-  return do_broadcast(data, count, type, root, mode);
+  return counted(&TrafficCounts::broadcast, rank() == root ? count * elem_size(type) : 0,
+                 do_broadcast(data, count, type, root, mode));
 }
 
 Request Communicator::start_send(const void* data, size_t count, ElemType type, int dest, int tag,
@@ -288,9 +324,8 @@ Request Communicator::start_send(const void* data, size_t count, ElemType type, 
   TESSEL_CHECK(dest >= 0 && dest < size(), "send: destination ", dest, " is not a rank of ",
                size());
   TESSEL_CHECK(tag >= 0, "send: tag ", tag, " must be >= 0");
-  traffic_.bytes.send += count * elem_size(type);
-  ++traffic_.calls.send;
-  return do_send(data, count, type, dest, tag, mode);
+  return counted(&TrafficCounts::send, count * elem_size(type),
+                 do_send(data, count, type, dest, tag, mode));
 }
 
 Request Communicator::start_recv(void* data, size_t count, ElemType type, int source, int tag,

@@ -16,7 +16,9 @@
 //
 // Non-blocking calls (i*) start the operation and return a Request. The buffers
 // must stay valid and untouched until the request completes (wait() or test()
-// returning true). A Request that is destroyed while pending waits for completion.
+// returning true). A Request that is destroyed while pending waits for completion;
+// abandon() gives it up instead (for unwinding from an error, when peers may never take
+// part).
 //
 // Determinism: reductions are computed by the backend's fixed algorithms. For a
 // fixed communicator size, message size and call form, MPI picks the same algorithm
@@ -99,6 +101,10 @@ class PendingOp {
   virtual ~PendingOp() = default;
   virtual void wait() = 0;  // blocks until complete; throws tessel::Error on failure
   virtual bool test() = 0;  // true once complete; throws tessel::Error on failure
+  // Gives the operation up without waiting for peers: true once it is over (complete, or a
+  // receive cancelled unmatched, which never writes its buffer), so it may be destroyed; false
+  // while the backend may still use it and its buffers (Request::abandon then leaks it).
+  virtual bool cancel() noexcept { return false; }
 };
 }  // namespace detail
 
@@ -118,6 +124,13 @@ class Request {
   // Progresses the operation; true once complete.
   bool test();
   bool done() const { return op_ == nullptr; }
+  // Gives the operation up without waiting: for a rank unwinding from an error, whose peers
+  // may never send, receive or join what is pending (waiting could then deadlock every rank).
+  // A receive not yet matched is cancelled and never writes its buffer; anything else still
+  // in flight is left to the process's end (as AsyncCheckpointer leaves its agreement): its
+  // buffers may still be read or written, and the communicator may hold its stray messages,
+  // so end the job rather than communicate on. Afterwards done() is true.
+  void abandon() noexcept;
 
  private:
   void finish_quietly() noexcept;
@@ -126,6 +139,12 @@ class Request {
 
 // Waits for every request, even when one fails; then rethrows the first failure.
 void wait_all(std::span<Request> requests);
+// Tests the requests in order up to the first still pending; true when all are complete.
+// Testing one pending request drives the backend's progress for all (MPI moves
+// non-blocking operations only inside MPI calls), so call it between long computations.
+bool test_all(std::span<Request> requests);
+// Request::abandon on each.
+void abandon_all(std::span<Request> requests) noexcept;
 
 class Communicator;
 // Collective: true on every rank iff `mine` is true on every rank (so all ranks take the
@@ -153,7 +172,8 @@ struct TrafficCounts {
 // buffer; reduce_scatter the whole input (size() blocks); all_gather(v) this rank's
 // block; all_to_all(v) everything it sends, its own block included; broadcast the
 // buffer on the root and 0 elsewhere; send the message. Receives count nothing.
-// calls: the number of such calls this rank made (receives and barriers excluded).
+// calls: the number of such calls this rank made (receives and barriers excluded; a call
+// rejected with an Error counts nothing).
 struct Traffic {
   TrafficCounts bytes;
   TrafficCounts calls;
@@ -203,7 +223,8 @@ class Communicator {
   void all_to_all(const void* send, void* recv, size_t block_count, ElemType type);
   // send_counts[d] elements at send + send_displs[d] go to rank d; recv_counts[s]
   // elements from rank s land at recv + recv_displs[s]. All spans have size() entries;
-  // send_counts[d] on this rank must equal recv_counts[this rank] on rank d.
+  // send_counts[d] on this rank must equal recv_counts[this rank] on rank d. The blocks'
+  // extents in send and in recv must not overlap.
   void all_to_allv(const void* send, std::span<const size_t> send_counts,
                    std::span<const size_t> send_displs, void* recv,
                    std::span<const size_t> recv_counts, std::span<const size_t> recv_displs,
@@ -371,8 +392,8 @@ class Communicator {
   // Request is then complete) or may return a pending Request.
   enum class Mode : uint8_t { kBlocking, kNonBlocking };
 
-  // Backend hooks. Arguments are validated and traffic counted before these run;
-  // spans have size() entries.
+  // Backend hooks. Arguments are validated before these run (spans have size() entries);
+  // traffic is counted once they return, as a backend may still reject a call.
   virtual std::unique_ptr<Communicator> do_split(int color, int key) = 0;
   virtual Request do_all_reduce(void* data, size_t count, ElemType type, ReduceOp op,
                                 Mode mode) = 0;
@@ -396,7 +417,7 @@ class Communicator {
   virtual Request do_barrier(Mode mode) = 0;
 
  private:
-  // Shared front ends of the blocking and non-blocking forms: validate, count, dispatch.
+  // Shared front ends of the blocking and non-blocking forms: validate, dispatch, count.
   Request start_all_reduce(void* data, size_t count, ElemType type, ReduceOp op, Mode mode);
   Request start_reduce_scatter(const void* send, void* recv, size_t block_count, ElemType type,
                                ReduceOp op, Mode mode);
@@ -413,12 +434,18 @@ class Communicator {
   Request start_broadcast(void* data, size_t count, ElemType type, int root, Mode mode);
   Request start_send(const void* data, size_t count, ElemType type, int dest, int tag, Mode mode);
   Request start_recv(void* data, size_t count, ElemType type, int source, int tag, Mode mode);
+  // Counts a call of `kind` sending `bytes` that the backend has `started`; returns it.
+  Request counted(uint64_t TrafficCounts::*kind, uint64_t bytes, Request started);
 
   // Size checks of the typed forms; each throws tessel::Error naming `call`.
   void check_blocks(size_t whole, size_t block, const char* call) const;
   size_t check_all_to_all(size_t send, size_t recv, const char* call) const;
   void check_gatherv(size_t send, size_t recv, std::span<const size_t> recv_counts,
                      const char* call) const;
+  void check_all_to_allv_spans(std::span<const size_t> send_counts,
+                               std::span<const size_t> send_displs,
+                               std::span<const size_t> recv_counts,
+                               std::span<const size_t> recv_displs, const char* call) const;
   void check_all_to_allv(size_t send, std::span<const size_t> send_counts,
                          std::span<const size_t> send_displs, size_t recv,
                          std::span<const size_t> recv_counts, std::span<const size_t> recv_displs,

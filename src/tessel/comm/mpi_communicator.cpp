@@ -75,6 +75,14 @@ class MpiPending final : public detail::PendingOp {
     if (complete) check_received(status);
     return complete != 0;
   }
+  bool cancel() noexcept override {
+    MPI_Status status;
+    // A cancelled receive's wait is local (MPI 3.1 §3.8.4): it returns even if no peer sends.
+    if (expect_count >= 0)
+      return MPI_Cancel(&request) == MPI_SUCCESS && MPI_Wait(&request, &status) == MPI_SUCCESS;
+    int complete = 0;  // sends and collectives cannot be cancelled: over only if complete
+    return MPI_Test(&request, &complete, &status) == MPI_SUCCESS && complete != 0;
+  }
 
   MPI_Request request = MPI_REQUEST_NULL;
   std::vector<int> counts, displs, counts2, displs2;

@@ -6,7 +6,10 @@
 // Blocking calls map to MPI's blocking collectives (the tuned algorithms), the i*
 // forms to MPI-3 non-blocking collectives; non-blocking operations progress inside
 // MPI calls, so test() or wait() them. MPI counts are int: a count or displacement
-// past INT_MAX elements is an Error (split the buffer).
+// past INT_MAX elements is an Error (split the buffer), and so is a reduce_scatter,
+// all_gather or all_to_all whose whole buffer (size() blocks) has more than INT_MAX
+// elements, however small each block. Abandoning a Request cancels a pending receive; a
+// pending send or collective cannot be cancelled and is left in flight.
 #include <mpi.h>
 
 #include "tessel/comm/communicator.hpp"

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace tessel::comm {
 
@@ -13,7 +14,8 @@ struct PostedRecv {
   ElemType type;
   int tag;
   bool done = false;
-  bool cancelled = false;  // its Request went away unmatched; never write to `data`
+  // The communicator's list holding it until matched; null once the communicator is gone.
+  std::deque<std::shared_ptr<PostedRecv>>* posted = nullptr;
 };
 }  // namespace detail
 
@@ -49,19 +51,27 @@ void check_match(int tag, size_t sent_count, ElemType sent_type, size_t recv_cou
 class PendingRecv final : public detail::PendingOp {
  public:
   explicit PendingRecv(std::shared_ptr<detail::PostedRecv> posted) : posted_(std::move(posted)) {}
-  ~PendingRecv() override {
-    if (!posted_->done) posted_->cancelled = true;
-  }
+  ~PendingRecv() override { cancel(); }
   void wait() override {
     if (!posted_->done) no_matching_send(posted_->tag);
   }
   bool test() override { return posted_->done; }
+  // Unmatched: leaves the communicator's list at once, so no send writes to its buffer.
+  bool cancel() noexcept override {
+    if (!posted_->done && posted_->posted)
+      std::erase(*std::exchange(posted_->posted, nullptr), posted_);
+    return true;
+  }
 
  private:
   std::shared_ptr<detail::PostedRecv> posted_;
 };
 
 }  // namespace
+
+SingleCommunicator::~SingleCommunicator() {
+  for (auto& posted : posted_) posted->posted = nullptr;  // their Requests may outlive it
+}
 
 void SingleCommunicator::abort(int exit_code) {
   std::fflush(nullptr);
@@ -122,20 +132,15 @@ Request SingleCommunicator::do_broadcast(void* data, size_t count, ElemType type
 
 Request SingleCommunicator::do_send(const void* data, size_t count, ElemType type, int dest,
                                     int tag, Mode mode) {
-  for (auto it = posted_.begin(); it != posted_.end();) {
+  for (auto it = posted_.begin(); it != posted_.end(); ++it) {
     detail::PostedRecv& posted = **it;
-    if (posted.cancelled) {
-      it = posted_.erase(it);
-      continue;
-    }
-    if (posted.tag == tag) {
-      check_match(tag, count, type, posted.count, posted.type);
-      copy(posted.data, data, count * elem_size(type));
-      posted.done = true;
-      posted_.erase(it);
-      return {};
-    }
-    ++it;
+    if (posted.tag != tag) continue;
+    check_match(tag, count, type, posted.count, posted.type);
+    copy(posted.data, data, count * elem_size(type));
+    posted.done = true;
+    posted.posted = nullptr;
+    posted_.erase(it);
+    return {};
   }
   const auto* bytes = static_cast<const std::byte*>(data);
   queued_.push_back(Message{{bytes, bytes + count * elem_size(type)}, count, type, tag});
@@ -152,7 +157,8 @@ Request SingleCommunicator::do_recv(void* data, size_t count, ElemType type, int
     return {};
   }
   if (mode == Mode::kBlocking) no_matching_send(tag);
-  auto posted = std::make_shared<detail::PostedRecv>(detail::PostedRecv{data, count, type, tag});
+  auto posted = std::make_shared<detail::PostedRecv>(
+      detail::PostedRecv{data, count, type, tag, false, &posted_});
   posted_.push_back(posted);
   return Request(std::make_unique<PendingRecv>(std::move(posted)));
 }

@@ -9,7 +9,9 @@
 // queued message with its tag, else an irecv stays pending until a matching send.
 // A blocking recv, or a wait() on an irecv, with no matching send throws
 // tessel::Error: with one process no message can arrive later. The element type
-// and count of a matched message must equal the receive's.
+// and count of a matched message must equal the receive's. An irecv whose Request goes
+// away unmatched (destroyed or abandoned) is withdrawn at once: a later send is queued,
+// never written into its buffer.
 #include <deque>
 #include <memory>
 #include <vector>
@@ -25,11 +27,15 @@ struct PostedRecv;  // an irecv not matched yet, shared with its Request
 class SingleCommunicator final : public Communicator {
  public:
   SingleCommunicator() = default;
+  ~SingleCommunicator() override;
 
   int rank() const override { return 0; }
   int size() const override { return 1; }
   std::string_view backend() const override { return "single"; }
   [[noreturn]] void abort(int exit_code) override;
+
+  // Receives posted with irecv and neither matched nor given up (their Request gone).
+  size_t posted_receives() const { return posted_.size(); }
 
  protected:
   std::unique_ptr<Communicator> do_split(int color, int key) override;

@@ -28,10 +28,23 @@ CommGuard init_communication(int* argc, char*** argv) {
   MPI_Finalized(&finalized);
   if (initialized || launched_by_mpi()) {
     TESSEL_CHECK(!finalized, "init_communication: MPI was already finalized in this process");
+    int provided = 0;
     if (!initialized) {
-      int provided = 0;
       mpi_check(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
       g_finalize_mpi = true;
+    } else {
+      mpi_check(MPI_Query_thread(&provided), "MPI_Query_thread");
+    }
+    // world.hpp promises that any thread may communicate (one at a time); below this level
+    // a call from a second thread would be undefined behaviour, not an error.
+    if (provided < MPI_THREAD_SERIALIZED) {
+      if (g_finalize_mpi) MPI_Finalize();
+      g_finalize_mpi = false;
+      throw Error(tessel::detail::concat(
+          "init_communication: MPI grants thread level ", provided,
+          " but tessel needs MPI_THREAD_SERIALIZED (", MPI_THREAD_SERIALIZED,
+          ": any thread may communicate, one at a time); use an MPI library built with thread "
+          "support, or initialize MPI with MPI_Init_thread requesting it"));
     }
     g_world = MpiCommunicator::dup_world();
   } else {

@@ -10,7 +10,8 @@
 // Under a launcher (mpirun/mpiexec/srun: one of OMPI_COMM_WORLD_SIZE, PMIX_RANK,
 // PMI_RANK, PMI_SIZE is set) or when MPI is already initialized, the world is an
 // MpiCommunicator (MPI initialized requesting MPI_THREAD_SERIALIZED, so that any
-// thread may communicate, one at a time). Otherwise it is a SingleCommunicator and MPI is not
+// thread may communicate, one at a time; a granted level below it, also of an MPI
+// initialized before, is an Error). Otherwise it is a SingleCommunicator and MPI is not
 // touched. MPI_Finalize runs only if init_communication initialized MPI.
 //
 // Destroy every communicator split from the world (meshes included) before the

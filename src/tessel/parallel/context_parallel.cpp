@@ -105,6 +105,18 @@ int64_t ContextParallelAttention::local_row(const at::ColumnSpan& s) const {
   return local_offset_[size_t(c)] + s.begin - layout_.chunk_begin(c);
 }
 
+ContextParallelAttention::Exchange::~Exchange() {
+  // Left pending only when unwinding from an error, maybe on every rank: peers may never send,
+  // receive or match what is pending, so waiting could deadlock the job before main aborts it.
+  comm::abandon_all(recv_req);
+  comm::abandon_all(send_req);
+}
+
+void ContextParallelAttention::Exchange::progress() {
+  // One pending request's test moves all on (GradientReducer::start_from does the same).
+  if (comm::test_all(recv_req)) comm::test_all(send_req);
+}
+
 ContextParallelAttention::Exchange ContextParallelAttention::start_kv_exchange(const float* k,
                                                                                const float* v) {
   Exchange ex;
@@ -149,6 +161,7 @@ void ContextParallelAttention::forward(float* o, float* lse, const float* q, con
     lp.resize(size_t(B_ * Hq_ * rows_));
   }
   for (size_t g = 1; g < groups_.size(); ++g) {
+    ex.progress();
     wait_for(ex.recv_req[g - 1]);
     const float* kv = ex.recv[g - 1].data();
     const at::AttentionShape s = shape(groups_[g].span.size());
@@ -164,47 +177,45 @@ void ContextParallelAttention::backward(float* dq, float* dk, float* dv, const f
                                         const float* o, const float* lse) {
   const int me = group_.rank();
   Exchange ex = start_kv_exchange(k, v);
-  // Partial dK/dV of the owned chunks' spans from every rank that needed them, in (chunk, rank)
-  // order.
-  struct Incoming {
-    at::ColumnSpan span;
-    std::vector<float> buf;
-  };
-  std::vector<Incoming> incoming;
-  std::vector<comm::Request> incoming_req;
+  // Partial dK/dV: received for the owned chunks' spans from every rank that needed them, in
+  // (chunk, rank) order, of `incoming` spans; sent for each remote group to its owner.
+  Exchange grads;
+  std::vector<at::ColumnSpan> incoming;
   const int grad_tag = tag_of(layout_.num_chunks());
   for (int64_t c : layout_.owned[size_t(me)])
     for (int t = 0; t < group_.size(); ++t)
       if (t != me && needs(t, c)) {
-        incoming.push_back({span(t, c), std::vector<float>(size_t(2 * span_elems(span(t, c))))});
-        incoming_req.push_back(group_.irecv(incoming.back().buf, t, grad_tag + tag_of(c)));
+        incoming.push_back(span(t, c));
+        grads.recv.emplace_back(size_t(2 * span_elems(span(t, c))));
+        grads.recv_req.push_back(group_.irecv(grads.recv.back(), t, grad_tag + tag_of(c)));
       }
   at::flash_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, shape(rows_), groups_[0].mask,
                                opt_.flash);
-  std::vector<std::vector<float>> outgoing;
-  std::vector<comm::Request> outgoing_req;
   for (size_t g = 1; g < groups_.size(); ++g) {
+    ex.progress();
+    grads.progress();
     wait_for(ex.recv_req[g - 1]);
     const int64_t c = groups_[g].chunk, n = span_elems(groups_[g].span);
     const float* kv = ex.recv[g - 1].data();
-    outgoing.emplace_back(size_t(2 * n), 0.0f);
-    float* grad = outgoing.back().data();
+    grads.send.emplace_back(size_t(2 * n), 0.0f);
+    float* grad = grads.send.back().data();
     at::flash_attention_backward(dq, grad, grad + n, dout, q, kv, kv + n, o, lse,
                                  shape(groups_[g].span.size()), groups_[g].mask, opt_.flash);
-    outgoing_req.push_back(group_.isend(outgoing.back(), owner_[size_t(c)], grad_tag + tag_of(c)));
+    grads.send_req.push_back(
+        group_.isend(grads.send.back(), owner_[size_t(c)], grad_tag + tag_of(c)));
     ++stats_.grad_chunks_sent;
     stats_.grad_bytes_sent += 2 * n * int64_t(sizeof(float));
   }
   const int64_t width = Hk_ * D_;
   for (size_t i = 0; i < incoming.size(); ++i) {
-    wait_for(incoming_req[i]);
-    const at::ColumnSpan& s = incoming[i].span;
+    wait_for(grads.recv_req[i]);
+    const at::ColumnSpan& s = incoming[i];
     const int64_t n = span_elems(s);
-    add_rows(dk, incoming[i].buf.data(), B_, rows_, local_row(s), s.size(), width);
-    add_rows(dv, incoming[i].buf.data() + n, B_, rows_, local_row(s), s.size(), width);
+    add_rows(dk, grads.recv[i].data(), B_, rows_, local_row(s), s.size(), width);
+    add_rows(dv, grads.recv[i].data() + n, B_, rows_, local_row(s), s.size(), width);
   }
   comm::wait_all(ex.send_req);
-  comm::wait_all(outgoing_req);
+  comm::wait_all(grads.send_req);
 }
 
 }  // namespace tessel::parallel

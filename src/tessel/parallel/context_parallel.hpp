@@ -16,15 +16,20 @@
 //
 // forward: non-blocking sends of each owned chunk's K and V span to exactly the ranks that need
 // it and receives of the needed remote spans are started first; group 0 is computed while they
-// travel, then each remote group once its chunk arrives. Every group gives an exact partial
-// (O_p, LSE_p) over its keys; partials are merged in the fixed group order,
-//   LSE = log(sum_p e^{LSE_p}),  O = sum_p e^{LSE_p - LSE} O_p,
-// so the result does not depend on arrival order and repeats bitwise.
+// travel, then each remote group in ascending order, waiting for its span if it has not
+// arrived yet (between groups the pending transfers are tested, so that MPI moves them on).
+// Every group gives an exact partial (O_p, LSE_p) over its keys, merged into the running
+// (O, LSE) pairwise, one group at a time in that fixed order:
+//   LSE' = log(e^{LSE} + e^{LSE_p}),  O' = e^{LSE - LSE'} O + e^{LSE_p - LSE'} O_p,
+// which is LSE = log(sum_p e^{LSE_p}), O = sum_p e^{LSE_p - LSE} O_p up to rounding; the order
+// is fixed, so the result does not depend on arrival order and repeats bitwise.
 // backward (adds into dq, dk, dv; needs the final o and lse): the same pruned K/V exchange;
 // each group's flash backward with the final O and LSE gives exact partial dQ (added in group
 // order) and partial dK/dV of that group's keys; partials of remote spans go back to their
 // owner (the same pruning: only ranks that needed a chunk send the gradient of their span),
 // which adds them after its own in ascending rank order.
+// An exception (on some or every rank) abandons the pending transfers (comm::Request::abandon)
+// rather than wait for peers that may never send: the job must then end, as main's abort does.
 #include <cstdint>
 #include <vector>
 
@@ -77,8 +82,14 @@ class ContextParallelAttention final : public attention::AttentionHook {
     attention::ColumnSpan span;  // its columns (global); the own chunks: [0, local rows)
     attention::TiledMask mask;
   };
-  // Started transfers of one K/V exchange: receive buffers per remote group, send buffers.
+  // Started transfers of one exchange (K/V, or the dK/dV partials): receive buffers, send
+  // buffers. Destroyed with transfers pending (an exception), it abandons them.
   struct Exchange {
+    Exchange() = default;
+    Exchange(Exchange&&) = default;
+    ~Exchange();
+    // Lets MPI move the pending transfers on (between groups' computations).
+    void progress();
     std::vector<std::vector<float>> recv, send;
     std::vector<comm::Request> recv_req, send_req;
   };

@@ -6,12 +6,20 @@
 
 namespace tessel::parallel {
 
+std::vector<int64_t> bucket_offsets(int64_t numel, int64_t bucket_bytes, int64_t max_elems) {
+  TESSEL_CHECK(bucket_bytes > 0 && max_elems > 0, "bucket size must be positive");
+  const int64_t per_bucket =
+      std::clamp<int64_t>(bucket_bytes / int64_t(sizeof(float)), 1, max_elems);
+  std::vector<int64_t> offsets;
+  for (int64_t b = 0; b < numel; b += per_bucket) offsets.push_back(b);
+  return offsets;
+}
+
 GradientReducer::GradientReducer(comm::Communicator& dp_group, Tensor flat_grads,
                                  int64_t bucket_bytes)
-    : group_(dp_group), grads_(std::move(flat_grads)) {
-  TESSEL_CHECK(bucket_bytes > 0, "bucket size must be positive");
-  int64_t per_bucket = std::max<int64_t>(1, bucket_bytes / int64_t(sizeof(float)));
-  for (int64_t b = 0; b < grads_.numel(); b += per_bucket) bucket_begin_.push_back(b);
+    : group_(dp_group),
+      grads_(std::move(flat_grads)),
+      bucket_begin_(bucket_offsets(grads_.numel(), bucket_bytes)) {
   unstarted_ = num_buckets();
   pending_.reserve(bucket_begin_.size());
 }
@@ -26,9 +34,7 @@ void GradientReducer::start_from(int64_t from) {
     pending_.push_back(group_.iall_reduce(g + begin, size_t(end - begin), comm::ElemType::f32,
                                           comm::ReduceOp::sum));
   }
-  // Testing the oldest unfinished request drives the library's progress engine for all.
-  for (comm::Request& r : pending_)
-    if (!r.test()) break;
+  comm::test_all(pending_);
 }
 
 void GradientReducer::reduce(float scale) {

@@ -1,13 +1,14 @@
 #pragma once
 // Data parallelism: the gradient all-reduce over the dp group.
 //
-// The flat gradient buffer is cut into buckets of about bucket_bytes, always at the
-// same offsets, each all-reduced on its own, so the result is deterministic for a given
+// The flat gradient buffer is cut into buckets of about bucket_bytes (bucket_offsets), always
+// at the same offsets, each all-reduced on its own, so the result is deterministic for a given
 // layout whenever each bucket starts. start_from starts the buckets a backward has finished
 // (it visits the buffer from the end: the model's on_grads_final), so their reduction
 // overlaps the rest of the backward; reduce starts the rest, waits for all, and scales.
 // Gradients are summed, then multiplied by `scale` (1 / global loss-token count):
 // the mean over the global batch, whatever the dp size and accumulation.
+#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -15,6 +16,12 @@
 #include "tessel/core/tensor.hpp"
 
 namespace tessel::parallel {
+
+// Where the buckets of a flat f32 buffer of `numel` elements begin: every bucket_bytes / 4
+// elements (at least 1), but at most `max_elems`: MPI counts are int, and a bucket past
+// INT_MAX elements (bucket_mb accepts up to 1 TiB) would fail only at the step's end.
+std::vector<int64_t> bucket_offsets(int64_t numel, int64_t bucket_bytes,
+                                    int64_t max_elems = INT_MAX);
 
 class GradientReducer {
  public:

@@ -59,6 +59,9 @@ void ExpertShardedGradients::start_from(model::GradsFinal final) {
 }
 
 void ExpertShardedGradients::reduce(float scale) {
+  // Both ranges' remaining buckets travel before either range is waited for.
+  dense_reducer_.start_from(0);
+  expert_reducer_.start_from(0);
   dense_reducer_.reduce(scale);
   expert_reducer_.reduce(scale);
 }

@@ -1,6 +1,7 @@
 // Traffic counters on the MPI world: exact bytes of this rank's send buffer per kind.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <vector>
 
 #include "tessel/comm/world.hpp"
@@ -66,6 +67,20 @@ TEST(Traffic, CountsEveryKindExactly) {
   EXPECT_EQ(comm.traffic().bytes, t.bytes);
 
   comm.reset_traffic();
+  EXPECT_EQ(comm.traffic().bytes, TrafficCounts{});
+  EXPECT_EQ(comm.traffic().calls, TrafficCounts{});
+}
+
+// The backend refuses counts past MPI's int before touching a buffer; a refused call counts
+// nothing.
+TEST(Traffic, ARefusedCallCountsNothing) {
+  Communicator& comm = world();
+  comm.reset_traffic();
+  uint8_t byte = 0;
+  const size_t too_many = size_t(INT_MAX) + 1;
+  EXPECT_THROW(comm.all_reduce(&byte, too_many, ElemType::u8, ReduceOp::max), Error);
+  EXPECT_THROW(comm.broadcast(&byte, too_many, ElemType::u8, 0), Error);
+  EXPECT_THROW(comm.isend(&byte, too_many, ElemType::u8, 0, 0), Error);
   EXPECT_EQ(comm.traffic().bytes, TrafficCounts{});
   EXPECT_EQ(comm.traffic().calls, TrafficCounts{});
 }

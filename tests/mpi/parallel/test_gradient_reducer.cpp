@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <climits>
+#include <vector>
+
 #include "tessel/comm/world.hpp"
 #include "tessel/parallel/data_parallel.hpp"
 
@@ -47,4 +50,17 @@ TEST(GradientReducer, StartsEachBucketOnceItsGradientsAreFinal) {
       ASSERT_EQ(g.f32()[i], 0.25f * float((i % 7 - 3 + step) * P * (P + 1) / 2))
           << "step " << step << ", element " << i;
   }
+}
+
+// Buckets are bucket_bytes / 4 elements, but never more than MPI's int count: a 1 TiB bucket of
+// a 5 Gi-element buffer is three all-reduces, not one that fails at the step's end.
+TEST(GradientReducer, BucketsStayWithinMpisCount) {
+  using V = std::vector<int64_t>;
+  EXPECT_EQ(parallel::bucket_offsets(10, 8), (V{0, 2, 4, 6, 8}));
+  EXPECT_EQ(parallel::bucket_offsets(10, 3), (V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));  // at least 1
+  EXPECT_EQ(parallel::bucket_offsets(10, int64_t(1) << 40, 4), (V{0, 4, 8}));
+  EXPECT_EQ(parallel::bucket_offsets(10, 8, 4), (V{0, 2, 4, 6, 8}));  // the cap only caps
+  EXPECT_EQ(parallel::bucket_offsets(int64_t(5) << 30, int64_t(1) << 40),
+            (V{0, INT_MAX, 2 * int64_t(INT_MAX)}));
+  EXPECT_TRUE(parallel::bucket_offsets(0, 8).empty());
 }

@@ -139,6 +139,12 @@ TEST(Single, RejectsBadArguments) {
   const std::vector<size_t> four{4}, three{3}, zero{0}, one{1};
   EXPECT_THROW(comm.all_to_allv(a, four, zero, b, three, zero), Error);  // self counts differ
   EXPECT_THROW(comm.all_to_allv(a, four, one, b, four, zero), Error);    // past send end
+  // The untyped form checks what it can without buffer sizes too: span sizes, overlap.
+  EXPECT_THROW(comm.all_to_allv(a.data(), four, zero, a.data() + 2, four, zero, ElemType::f32),
+               Error);
+  EXPECT_THROW(comm.all_to_allv(a.data(), std::vector<size_t>{4, 0}, zero, b.data(), four, zero,
+                                ElemType::f32),
+               Error);
   EXPECT_THROW(comm.broadcast(a, 1), Error);
   EXPECT_THROW(comm.send(a, 1, 0), Error);
   EXPECT_THROW(comm.send(a, 0, -1), Error);
@@ -185,8 +191,48 @@ TEST(Single, UnmatchedReceivesThrow) {
   comm.send(std::vector<float>{8, 9}, 0, 5);  // queued, not written into `dropped`
   comm.recv(got, 0, 5);
   EXPECT_EQ(got, (std::vector<float>{8, 9}));
+  // Abandoned unmatched: the same, without waiting (or complaining).
+  std::vector<float> abandoned(2, -1.0f);
+  Request given_up = comm.irecv(abandoned, 0, 5);
+  given_up.abandon();
+  EXPECT_TRUE(given_up.done());
+  comm.send(std::vector<float>{6, 7}, 0, 5);
+  EXPECT_EQ(abandoned, (std::vector<float>{-1, -1}));
+  comm.recv(got, 0, 5);
+  EXPECT_EQ(got, (std::vector<float>{6, 7}));
   comm.send(std::vector<float>{1, 2, 3}, 0, 6);
   EXPECT_THROW(comm.recv(got, 0, 6), Error);  // 3 elements into 2
+}
+
+// A receive given up leaves the posted list at once, wherever it stands in it, so posting and
+// dropping receives does not pile them up.
+TEST(Single, DroppedReceivesLeaveAtOnce) {
+  SingleCommunicator comm;
+  std::vector<int32_t> kept(1, 0), dropped(1, 0);
+  Request r = comm.irecv(kept, 0, 7);
+  for (int i = 0; i < 3; ++i) {
+    Request gone = comm.irecv(dropped, 0, 5);
+    EXPECT_FALSE(gone.test());
+    gone.abandon();
+  }
+  EXPECT_EQ(comm.posted_receives(), 1u);
+  comm.send(std::vector<int32_t>{3}, 0, 7);  // matches the first posted, in front of the others
+  EXPECT_TRUE(r.test());
+  EXPECT_EQ(kept[0], 3);
+  EXPECT_EQ(comm.posted_receives(), 0u);
+  {
+    Request destroyed = comm.irecv(dropped, 0, 6);
+    EXPECT_EQ(comm.posted_receives(), 1u);
+  }  // (prints that no send matched it)
+  EXPECT_EQ(comm.posted_receives(), 0u);
+  // A Request outliving its communicator is harmless.
+  Request orphan;
+  {
+    SingleCommunicator gone;
+    orphan = gone.irecv(dropped, 0, 1);
+  }
+  orphan.abandon();
+  EXPECT_EQ(dropped[0], 0);
 }
 
 TEST(Request, MoveWaitAllAndDefault) {
@@ -231,7 +277,7 @@ TEST(Traffic, CountsSendBufferBytesPerKind) {
   comm.all_gather(l, m);       // own block: 24 bytes
   comm.all_gatherv(l, m, std::vector<size_t>{3});
   comm.all_to_all(f, g);  // everything sent: 24 bytes
-  const std::vector<size_t> two{2}, zero{0};
+  const std::vector<size_t> two{2}, one{1}, zero{0};
   comm.iall_to_allv(f, two, zero, g, two, zero).wait();  // 8 bytes
   comm.broadcast(l, 0);                                  // the root's buffer: 24 bytes
   comm.send(f, 0, 0);                                    // 24 bytes
@@ -260,6 +306,11 @@ TEST(Traffic, CountsSendBufferBytesPerKind) {
   EXPECT_EQ(comm.traffic().bytes.all_reduce, 48u);
 
   comm.reset_traffic();
+  EXPECT_EQ(comm.traffic().bytes, TrafficCounts{});
+  EXPECT_EQ(comm.traffic().calls, TrafficCounts{});
+
+  // A call the backend refuses counts nothing (here: rank 0 sends itself 2 but expects 1).
+  EXPECT_THROW(comm.all_to_allv(f, two, zero, g, one, zero), Error);
   EXPECT_EQ(comm.traffic().bytes, TrafficCounts{});
   EXPECT_EQ(comm.traffic().calls, TrafficCounts{});
 }
