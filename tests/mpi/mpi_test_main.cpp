@@ -1,4 +1,4 @@
-// Main of every MPI test binary (run under mpirun with 2 and 4 ranks).
+// Main of every MPI test binary (run under mpirun with 2 and 4 ranks; comm and parallel also 3).
 //
 // Rank 0 prints the normal gtest output; every other rank prints only its failed
 // assertions, each line prefixed with "[rank r]". After each test the ranks

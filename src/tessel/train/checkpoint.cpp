@@ -426,7 +426,7 @@ AsyncCheckpointer::~AsyncCheckpointer() {
   writer_.join();
   // A collective still pending here waits for peers that may never join it (this rank is
   // unwinding from an error): leave it to the process exit rather than block.
-  if (request_ && !request_->done()) (void)request_.release();
+  if (request_) request_->abandon();
 }
 
 void AsyncCheckpointer::writer_loop() {

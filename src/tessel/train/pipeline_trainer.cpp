@@ -318,6 +318,9 @@ void PipelineTrainer::on_step(int64_t version) {
   grad_group_.all_reduce(std::span<double>(stats, 2));
   TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
   const float scale = float(1.0 / stats[1]) * hooks_.gradient_scale(update);
+  // Both ranges in flight before either is waited on (ExpertShardedGradients::reduce).
+  reducer_->start_from(0);
+  if (expert_reducer_) expert_reducer_->start_from(0);
   reducer_->reduce(scale);
   if (expert_reducer_) expert_reducer_->reduce(scale);
   // The stage's sums of squares (an expert's summed over ep), in registry order.
