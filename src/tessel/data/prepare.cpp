@@ -31,6 +31,14 @@ constexpr std::string_view kTokenFilePrefix = "tokens:";  // the corpus of a raw
 constexpr std::string_view kCorpusPrefixes[] = {"file:", "jsonl:", kTokenFilePrefix, "chat:"};
 constexpr std::string_view kBpePrefix = "bpe:";  // --tokenizer bpe:DIR
 
+// InputError for a corpus that is a PREFIX:PATH corpus's prefix alone ("file:"): said so, not
+// taken for an unknown corpus name or a corpus other than tokens:PATH.
+void check_names_a_file(const std::string& corpus) {
+  if (std::find(std::begin(kCorpusPrefixes), std::end(kCorpusPrefixes), corpus) !=
+      std::end(kCorpusPrefixes))
+    input_error("corpus \"", corpus, "\" names no file (expected ", corpus, "PATH)");
+}
+
 std::string split_json(const SplitCounts& split, bool sft) {
   return detail::concat("{\"documents\": ", split.documents, ", \"tokens\": ", split.tokens,
                         sft ? detail::concat(", \"trained_tokens\": ", split.trained_tokens) : "",
@@ -273,6 +281,7 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
 }  // namespace
 
 std::vector<std::string> training_documents(const PrepareOptions& options) {
+  check_names_a_file(options.corpus);
   if (options.corpus.starts_with(kTokenFilePrefix) || is_sft_corpus(options.corpus))
     input_error("corpus \"", options.corpus,
                 "\": a vocabulary is learned from text (bible, fortunes, file:PATH or jsonl:PATH)");
@@ -308,10 +317,7 @@ void check_corpus_outside(const std::string& corpus, const std::vector<fs::path>
 std::string corpus_directory_name(const std::string& corpus) {
   const size_t colon = corpus.find(':');
   if (colon == std::string::npos) return corpus;  // an unknown name is refused when loaded
-  if (colon + 1 == corpus.size() &&
-      std::find(std::begin(kCorpusPrefixes), std::end(kCorpusPrefixes), corpus) !=
-          std::end(kCorpusPrefixes))
-    input_error("corpus \"", corpus, "\" names no file (expected ", corpus, "PATH)");
+  check_names_a_file(corpus);
   const std::string stem = fs::path(corpus.substr(colon + 1)).stem().string();
   if (stem.empty() || stem == "." || stem == "..")
     input_error("corpus \"", corpus, "\": its path names no output directory; pass --out");
@@ -319,8 +325,8 @@ std::string corpus_directory_name(const std::string& corpus) {
 }
 
 PrepareResult prepare_dataset(const PrepareOptions& options) {
-  const bool tokens = options.corpus.starts_with(kTokenFilePrefix) &&
-                      options.corpus.size() > kTokenFilePrefix.size();
+  check_names_a_file(options.corpus);
+  const bool tokens = options.corpus.starts_with(kTokenFilePrefix);
   if (!tokens && (options.vocab || options.eot || options.token_dtype))
     input_error("prepare: --vocab, --eot and --token-dtype describe a tokens:PATH corpus, not \"",
                 options.corpus, "\"");

@@ -176,6 +176,15 @@ TEST(Prepare, SplitBoundsAndErrors) {
   opt.corpus = "nope";
   expect_input_error([&] { prepare_dataset(opt); },
                      {"unknown corpus", "file:PATH, jsonl:PATH or tokens:PATH", "chat:PATH"});
+  // A prefix without its path is said to name no file, whatever other options are given.
+  for (const char* prefix : {"file:", "jsonl:", "chat:", "tokens:"}) {
+    opt.corpus = prefix;
+    expect_input_error([&] { prepare_dataset(opt); },
+                       {std::string("corpus \"") + prefix + "\" names no file", "PATH)"});
+    expect_input_error([&] { training_documents(opt); }, {"names no file"});
+  }
+  opt.vocab = 1000, opt.eot = 999;
+  expect_input_error([&] { prepare_dataset(opt); }, {"\"tokens:\" names no file"});
 }
 
 // Without --out, each corpus gets its own directory: only `tessel prepare` of the Bible
