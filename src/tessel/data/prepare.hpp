@@ -27,7 +27,9 @@
 // tokenizer "bpe", so that sampling and generation read them (tokenizer.hpp). Any other
 // prepare removes such copies. An SFT sample is encoded run by run of equally trained bytes,
 // so that each token is wholly context or wholly reply.
-// Every file is written to a temporary name and renamed into place.
+// Every file is written to a temporary name and renamed into place, after the earlier prepare's
+// shards, loss masks, description and leftover temporaries are removed from the directory: a
+// prepare cut short never leaves a new shard beside an old one.
 #include <cstdint>
 #include <filesystem>
 #include <optional>
