@@ -344,6 +344,39 @@ std::string corpus_directory_name(const std::string& corpus) {
   return stem;
 }
 
+void check_described_shard(const ShardReader& shard) {
+  const fs::path path(shard.path()), metadata = path.parent_path() / "dataset.json";
+  if (!fs::exists(metadata)) return;
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(read_file(metadata.string()));
+  } catch (const nlohmann::json::exception& e) {
+    input_error(metadata.string(), ": not valid JSON (", e.what(), "); prepare the data again");
+  }
+  auto mismatch = [&](const std::string& recorded, const std::string& found) {
+    input_error(metadata.string(), " does not describe ", shard.path(), ": it records ", recorded,
+                " but the shard ", found,
+                "; the description belongs to other shards (edited, or left by another "
+                "prepare): prepare the data set again");
+  };
+  const std::string vocab = detail::concat("has a vocabulary of ", shard.vocab_size(), " ids");
+  if (json.contains("vocab_size") && json["vocab_size"] != shard.vocab_size())
+    mismatch("\"vocab_size\": " + json["vocab_size"].dump(), vocab);
+  if (json.contains("tokenizer") && json["tokenizer"] == "byte" &&
+      shard.vocab_size() != ByteTokenizer::kVocabSize)
+    mismatch(detail::concat("\"tokenizer\": \"byte\" (", ByteTokenizer::kVocabSize, " ids)"),
+             vocab);
+  // The split's counts (split_json), under its shard's stem: "train", "val".
+  const std::string split = path.stem().string();
+  if (!json.contains(split) || !json[split].is_object()) return;
+  const std::pair<const char*, int64_t> counts[] = {{"tokens", shard.num_tokens()},
+                                                    {"documents", shard.num_documents()}};
+  for (const auto& [key, count] : counts)
+    if (json[split].contains(key) && json[split][key] != count)
+      mismatch(detail::concat("\"", split, "\": {\"", key, "\": ", json[split][key].dump(), "}"),
+               detail::concat("holds ", count, " ", key));
+}
+
 PrepareResult prepare_dataset(const PrepareOptions& options) {
   check_names_a_file(options.corpus);
   const bool tokens = options.corpus.starts_with(kTokenFilePrefix);

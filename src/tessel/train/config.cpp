@@ -14,6 +14,7 @@
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
 #include "tessel/data/corpus.hpp"
+#include "tessel/data/prepare.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/spike_filter.hpp"
@@ -818,6 +819,13 @@ std::vector<double> data_weights(const DataConfig& data) {
 
 std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c) {
   return data::load_tokenizer(data_paths(c.data)[0], c.model.vocab);
+}
+
+void check_data_shard(const data::ShardReader& shard, int64_t model_vocab) {
+  data::check_described_shard(shard);
+  if (shard.vocab_size() > model_vocab)
+    input_error(shard.path(), ": token vocabulary ", shard.vocab_size(),
+                " exceeds model.vocab = ", model_vocab);
 }
 
 std::string run_tokenizer_dir(const std::string& run_dir) {

@@ -46,13 +46,10 @@ std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, con
   return data::tokenizer_name(copy) ? std::vector<std::string>{copy} : data_paths(config.data);
 }
 
-Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences) {
+Evaluation evaluate(RunModel& run, const data::ShardReader& shard, int64_t max_sequences) {
   if (max_sequences < 0) input_error("eval: sequences = ", max_sequences, " must be >= 0");
   const Config& c = run.config;
-  const int64_t vocab = data::ShardReader(shard).vocab_size();
-  if (vocab > c.model.vocab)
-    input_error(shard, ": token vocabulary ", vocab,
-                " exceeds the model's model.vocab = ", c.model.vocab);
+  check_data_shard(shard, c.model.vocab);
   const auto batches = data::validation_batches(shard, c.train.seq_len, c.train.micro_batch,
                                                 max_sequences, 0, 1, c.data.overlong);
   Evaluation e;

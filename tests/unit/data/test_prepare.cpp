@@ -462,6 +462,30 @@ TEST(Prepare, APrepareCutShortLeavesNoFileOfTheEarlierOne) {
   EXPECT_EQ(ShardReader(out + "/val.tok").num_documents(), 1);
 }
 
+// dataset.json describes the shards prepare wrote beside it; edited ("bpe" renamed "byte", as
+// if the ids were bytes) it no longer does, and each shard says so.
+TEST(Prepare, ADescriptionIsCheckedAgainstItsShards) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), out = dir.file("out");
+  data::write_bpe_files(bpe, fixture::english_merges());
+  prepare_two_documents(bpe, out);
+  const ShardReader train(out + "/train.tok"), val(out + "/val.tok");
+  ASSERT_GT(train.vocab_size(), 256);
+  check_described_shard(train);
+  check_described_shard(val);
+  std::string json = read_text(out + "/dataset.json");
+  json.replace(json.find("\"bpe\""), 5, "\"byte\"");
+  std::ofstream(out + "/dataset.json") << json;
+  for (const ShardReader* shard : {&train, &val})
+    expect_input_error([&] { check_described_shard(*shard); },
+                       {out + "/dataset.json does not describe " + shard->path(),
+                        "\"tokenizer\": \"byte\"", "prepare the data set again"});
+  std::ofstream(out + "/dataset.json") << "{\"tokenizer\": ";
+  expect_input_error([&] { check_described_shard(train); }, {out + "/dataset.json", "JSON"});
+  std::filesystem::remove(out + "/dataset.json");
+  check_described_shard(train);  // shards written another way describe themselves
+}
+
 // prepare never writes over its own corpus file, nor over a vocabulary it did not copy.
 TEST(Prepare, KeepsItsCorpusAndAVocabularyItDidNotWrite) {
   TempDir dir;
