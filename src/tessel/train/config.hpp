@@ -45,7 +45,8 @@ struct DataConfig {
 
 // data.path's directories (more than one: a mixture; InputError for one listed twice) and
 // data.weights' shares of them as given ({1} for one directory without weights); InputError
-// unless there is one positive share per directory with a finite sum. data::normalized_weights
+// unless there is one positive share per directory with a finite sum, each at least
+// data::kMinShare of it. data::normalized_weights
 // normalizes them.
 std::vector<std::string> data_paths(const DataConfig& data);
 std::vector<double> data_weights(const DataConfig& data);
