@@ -351,7 +351,7 @@ void check_described_shard(const ShardReader& shard) {
   try {
     json = nlohmann::json::parse(read_file(metadata.string()));
   } catch (const nlohmann::json::exception& e) {
-    input_error(metadata.string(), ": not valid JSON (", e.what(), "); prepare the data again");
+    input_error(metadata.string(), ": not valid JSON (", e.what(), "); prepare the data set again");
   }
   auto mismatch = [&](const std::string& recorded, const std::string& found) {
     input_error(metadata.string(), " does not describe ", shard.path(), ": it records ", recorded,
