@@ -244,17 +244,19 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
     if (data_dir.empty()) throw;
     input_error("--data / --weights (checked as data.path / data.weights): ", e.what());
   }
-  std::vector<std::string> shards;
+  std::vector<data::ShardReader> shards;
   for (const auto& dir : dirs) {  // all checked before any evaluation: a typo costs no time
-    shards.push_back(dir + "/" + split + ".tok");
-    if (!std::filesystem::exists(shards.back()))
-      input_error(shards.back(), ": no such shard",
+    const std::string shard = dir + "/" + split + ".tok";
+    if (!std::filesystem::exists(shard))
+      input_error(shard, ": no such shard",
                   data_dir.empty() ? " (the run's data.path, taken relative to this directory; "
                                      "pass --data)"
                                    : "");
+    shards.emplace_back(shard);
+    train::check_data_shard(shards.back(), run.config.model.vocab);
     // A run trained with a plain causal mask: its packed SFT samples would see each other.
-    if (data::has_loss_mask(shards.back()))
-      train::check_packed_samples_mask(shards.back(), run.config.data.attention_mask);
+    if (data::has_loss_mask(shard))
+      train::check_packed_samples_mask(shard, run.config.data.attention_mask);
   }
   // The model reads the ids of its own tokenizer.
   std::vector<std::string> with_run_data =
@@ -267,9 +269,9 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
   nlohmann::json data_sets = nlohmann::json::array();
   std::vector<double> losses;
   for (size_t d = 0; d < dirs.size(); ++d) {
-    const std::string& shard = shards[d];
+    const std::string& shard = shards[d].path();
     const train::Evaluation e =
-        train::evaluate(run, shard, sequences.value_or(run.config.train.eval_sequences));
+        train::evaluate(run, shards[d], sequences.value_or(run.config.train.eval_sequences));
     losses.push_back(e.loss);
     const double bits = e.loss / std::log(2.0), perplexity = std::exp(e.loss);
     data_sets.push_back(

@@ -1,8 +1,11 @@
 #include "tessel/core/number_list.hpp"
 
 #include <cmath>
+#include <optional>
+#include <type_traits>
 
 #include "tessel/core/error.hpp"
+#include "tessel/core/toml_value.hpp"
 
 namespace tessel {
 
@@ -25,26 +28,39 @@ std::vector<std::string> split_list(const std::string& key, const std::string& t
 
 namespace {
 
-// Each item of `text` through `parse(item, used)`, which must consume all of it.
-template <class T, class Parse>
+// `item` as a config file reads a number (toml_value.hpp): an integer, or for a real list a
+// float too, finite and inside a double's range; nullopt for any other text (C's .5, 1., 007
+// or 0x1p3, inf, nan, or a '#', which TOML would take for a comment).
+template <class T>
+std::optional<T> toml_number(const std::string& item) {
+  if (item.find('#') != std::string::npos) return std::nullopt;
+  const std::optional<toml::table> document = value_document(item);
+  if (!document) return std::nullopt;
+  const toml::node& node = *document->get("v");
+  if (const auto* i = node.as_integer()) return T(i->get());
+  const auto* f = node.as_floating_point();
+  if (!std::is_floating_point_v<T> || !f || outside_double_range(item) || !std::isfinite(f->get()))
+    return std::nullopt;
+  return T(f->get());
+}
+
+// Each item of `text` as toml_number reads it; `what` names such a number, `spelling` shows how
+// one is written.
+template <class T>
 std::vector<T> parse_list(const std::string& key, const std::string& text, T min, bool min_excluded,
-                          const char* what, Parse parse) {
+                          const char* what, const char* spelling) {
   std::vector<T> out;
   for (const std::string& item : split_list(key, text)) {
-    size_t used = 0;
-    T value{};
-    try {
-      // A sign on a value that cannot be negative ("-0", "+3") is no such value's spelling.
-      const size_t at = item.find_first_not_of(" \t\n\v\f\r");  // stoll skips these
-      const char first = at == std::string::npos ? '\0' : item[at];
-      if (!(min >= 0 && (first == '-' || first == '+'))) value = parse(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || !(min_excluded ? value > min : value >= min))
+    // A sign on a value that cannot be negative ("-0", "+3") is no such value's spelling.
+    const size_t at = item.find_first_not_of(" \t");  // the blanks TOML skips before a value
+    const char first = at == std::string::npos ? '\0' : item[at];
+    std::optional<T> value;
+    if (!(min >= 0 && (first == '-' || first == '+'))) value = toml_number<T>(item);
+    if (!value || !(min_excluded ? *value > min : *value >= min))
       input_error("config key '", key, "' = \"", text, "\": '", item, "' is not ", what,
-                  min_excluded ? " > " : " >= ", min, " (expected comma-separated values)");
-    out.push_back(value);
+                  min_excluded ? " > " : " >= ", min, " (expected comma-separated values, ",
+                  spelling, ")");
+    out.push_back(*value);
   }
   return out;
 }
@@ -52,19 +68,14 @@ std::vector<T> parse_list(const std::string& key, const std::string& text, T min
 }  // namespace
 
 std::vector<int64_t> parse_int_list(const std::string& key, const std::string& text, int64_t min) {
-  return parse_list<int64_t>(
-      key, text, min, false, "an integer",
-      [](const std::string& s, size_t* used) { return std::stoll(s, used); });
+  return parse_list<int64_t>(key, text, min, false, "an integer",
+                             "integers as TOML writes them: 1000, 1_000, 0x10");
 }
 
 std::vector<double> parse_real_list(const std::string& key, const std::string& text, double min,
                                     bool min_excluded) {
   return parse_list<double>(key, text, min, min_excluded, "a number",
-                            [](const std::string& s, size_t* used) {
-                              const double v = std::stod(s, used);
-                              if (!std::isfinite(v)) *used = 0;
-                              return v;
-                            });
+                            "numbers as TOML writes them: 0.5, 1e-3, 1_000");
 }
 
 }  // namespace tessel

@@ -17,6 +17,10 @@
 
 namespace tessel::data {
 
+// The smallest share a data set of a mixture may have (data.weights, checked with the config):
+// fewer than one sequence in a million would leave it all but unread, as a weight of 0 would.
+inline constexpr double kMinShare = 1e-6;
+
 // `weights` divided by their sum: the one place shares are normalized, so the run and `tessel
 // eval` weight with the same rounded shares. InputError unless there is at least one and each
 // is positive and finite.

@@ -31,20 +31,22 @@ constexpr std::string_view kTokenFilePrefix = "tokens:";  // the corpus of a raw
 constexpr std::string_view kCorpusPrefixes[] = {"file:", "jsonl:", kTokenFilePrefix, "chat:"};
 constexpr std::string_view kBpePrefix = "bpe:";  // --tokenizer bpe:DIR
 
+// InputError for a corpus that is a PREFIX:PATH corpus's prefix alone ("file:"): said so, not
+// taken for an unknown corpus name or a corpus other than tokens:PATH.
+void check_names_a_file(const std::string& corpus) {
+  if (std::find(std::begin(kCorpusPrefixes), std::end(kCorpusPrefixes), corpus) !=
+      std::end(kCorpusPrefixes))
+    input_error("corpus \"", corpus, "\" names no file (expected ", corpus, "PATH)");
+}
+
 std::string split_json(const SplitCounts& split, bool sft) {
   return detail::concat("{\"documents\": ", split.documents, ", \"tokens\": ", split.tokens,
                         sft ? detail::concat(", \"trained_tokens\": ", split.trained_tokens) : "",
                         ", \"path\": ", json_quote(fs::path(split.path).filename().string()), "}");
 }
 
-// Removes the loss-mask shard an earlier SFT prepare left beside the token shard `path`.
-void remove_loss_mask(const std::string& path) {
-  std::error_code ec;
-  fs::remove(loss_mask_path(path), ec);
-}
-
 // Writes one split: the token shard of the chosen items and, for SFT samples, its loss-mask
-// shard (packing.hpp); a text split removes a loss-mask shard left by an earlier SFT prepare.
+// shard (packing.hpp), into a directory begin_output emptied of an earlier prepare's shards.
 template <class Item>
 SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t>& which,
                         const std::string& path, const Tokenizer& tokenizer) {
@@ -72,12 +74,8 @@ SplitCounts write_split(const std::vector<Item>& items, const std::vector<size_t
       writer.add_document(tokenizer.encode(items[i]));
     }
   }
-  // The mask first, or an old one removed first: a new token shard never stands beside a
-  // missing or older mask.
-  if (mask)
-    mask->finish();
-  else
-    remove_loss_mask(path);
+  // The mask first: a new token shard never stands without its mask.
+  if (mask) mask->finish();
   writer.finish();
   counts.documents = writer.num_documents();
   counts.tokens = writer.num_tokens();
@@ -95,20 +93,44 @@ std::optional<std::string> bpe_directory(const PrepareOptions& options) {
   input_error("prepare: --tokenizer must be byte or bpe:DIR, got \"", name, "\"");
 }
 
-// Every file prepare may write or remove in output directory `out`.
-std::vector<fs::path> output_files(const fs::path& out) {
+// The shards prepare writes in output directory `out`: each split's token shard and its
+// loss-mask shard (an SFT corpus's).
+std::vector<fs::path> shard_files(const fs::path& out) {
   std::vector<fs::path> files;
   for (const char* split : {"train.tok", "val.tok"})
     files.insert(files.end(), {out / split, loss_mask_path((out / split).string())});
+  return files;
+}
+
+// Every file prepare may write or remove in output directory `out`.
+std::vector<fs::path> output_files(const fs::path& out) {
+  std::vector<fs::path> files = shard_files(out);
   files.push_back(out / "dataset.json");
   for (const char* file : kBpeFiles) files.push_back(out / file);
   return files;
 }
 
-// The output directory, created. An earlier prepare's description goes first: the BPE copies
-// it made (never a vocabulary the user keeps there, e.g. train-bpe's), then dataset.json, which
-// is written last (write_metadata). So a prepare cut short leaves shards that describe
-// themselves as nothing, not as the old vocabulary's.
+// The temporaries (`<file>.tmp.<pid>`: shard.hpp, file_io.hpp) of prepare's files in `out`
+// that an earlier prepare, killed while it wrote them, left behind.
+std::vector<fs::path> leftover_temporaries(const fs::path& out) {
+  std::vector<std::string> names;
+  for (const fs::path& file : output_files(out)) names.push_back(file.filename().string());
+  std::vector<fs::path> found;
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const auto target = temporary_file_target(entry.path().filename().string());
+    if (entry.is_regular_file() && target &&
+        std::find(names.begin(), names.end(), *target) != names.end())
+      found.push_back(entry.path());
+  }
+  return found;
+}
+
+// The output directory, created, with an earlier prepare's files removed (durably) before
+// anything is written: its description first, the BPE copies it made (never a vocabulary the
+// user keeps there, e.g. train-bpe's) and dataset.json, which is written last
+// (write_metadata); then its shards, loss masks and leftover temporaries. So a prepare cut
+// short never leaves a new shard beside an old one (at most a train.tok without its val.tok,
+// which the trainer refuses), nor shards that describe themselves as the old vocabulary's.
 fs::path begin_output(const PrepareOptions& options, const std::optional<std::string>& bpe_dir) {
   const fs::path out(options.output_dir);
   std::error_code ec;
@@ -133,11 +155,19 @@ fs::path begin_output(const PrepareOptions& options, const std::optional<std::st
                   " is a vocabulary that no dataset.json there names as prepare's copy "
                   "(train-bpe's, or a prepare cut short); prepare with --tokenizer bpe:DIR into "
                   "another --out, or move it first");
-  if (!fs::exists(metadata)) return out;
+  std::vector<fs::path> earlier;
   if (bpe_copies)
-    for (const char* file : kBpeFiles) fs::remove(out / file, ec);
-  fs::remove(metadata, ec);
-  if (ec) input_error(metadata.string(), ": cannot remove: ", ec.message());
+    for (const char* file : kBpeFiles) earlier.push_back(out / file);
+  earlier.push_back(metadata);
+  // val.tok before train.tok, which is written first: a val.tok only ever stands beside the
+  // train.tok of its own prepare.
+  const std::vector<fs::path> shards = shard_files(out);
+  earlier.insert(earlier.end(), shards.rbegin(), shards.rend());
+  for (const fs::path& file : leftover_temporaries(out)) earlier.push_back(file);
+  for (const fs::path& file : earlier)
+    if (fs::remove(file, ec); ec)
+      input_error(file.string(), ": cannot remove the earlier prepare's file: ", ec.message());
+  fsync_path(out.string());
   return out;
 }
 
@@ -256,8 +286,6 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
     (is_val[d++] ? val : train).add_document(doc);
   });
   if (d != is_val.size()) input_error(file.path(), ": changed while it was read");
-  remove_loss_mask(train_path);
-  remove_loss_mask(val_path);
   train.finish();
   val.finish();
   install_tokenizer_files(bpe_dir, out);
@@ -273,6 +301,7 @@ PrepareResult prepare_token_file(const PrepareOptions& options) {
 }  // namespace
 
 std::vector<std::string> training_documents(const PrepareOptions& options) {
+  check_names_a_file(options.corpus);
   if (options.corpus.starts_with(kTokenFilePrefix) || is_sft_corpus(options.corpus))
     input_error("corpus \"", options.corpus,
                 "\": a vocabulary is learned from text (bible, fortunes, file:PATH or jsonl:PATH)");
@@ -308,19 +337,49 @@ void check_corpus_outside(const std::string& corpus, const std::vector<fs::path>
 std::string corpus_directory_name(const std::string& corpus) {
   const size_t colon = corpus.find(':');
   if (colon == std::string::npos) return corpus;  // an unknown name is refused when loaded
-  if (colon + 1 == corpus.size() &&
-      std::find(std::begin(kCorpusPrefixes), std::end(kCorpusPrefixes), corpus) !=
-          std::end(kCorpusPrefixes))
-    input_error("corpus \"", corpus, "\" names no file (expected ", corpus, "PATH)");
+  check_names_a_file(corpus);
   const std::string stem = fs::path(corpus.substr(colon + 1)).stem().string();
   if (stem.empty() || stem == "." || stem == "..")
     input_error("corpus \"", corpus, "\": its path names no output directory; pass --out");
   return stem;
 }
 
+void check_described_shard(const ShardReader& shard) {
+  const fs::path path(shard.path()), metadata = path.parent_path() / "dataset.json";
+  if (!fs::exists(metadata)) return;
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(read_file(metadata.string()));
+  } catch (const nlohmann::json::exception& e) {
+    input_error(metadata.string(), ": not valid JSON (", e.what(), "); prepare the data set again");
+  }
+  auto mismatch = [&](const std::string& recorded, const std::string& found) {
+    input_error(metadata.string(), " does not describe ", shard.path(), ": it records ", recorded,
+                " but the shard ", found,
+                "; the description belongs to other shards (edited, or left by another "
+                "prepare): prepare the data set again");
+  };
+  const std::string vocab = detail::concat("has a vocabulary of ", shard.vocab_size(), " ids");
+  if (json.contains("vocab_size") && json["vocab_size"] != shard.vocab_size())
+    mismatch("\"vocab_size\": " + json["vocab_size"].dump(), vocab);
+  if (json.contains("tokenizer") && json["tokenizer"] == "byte" &&
+      shard.vocab_size() != ByteTokenizer::kVocabSize)
+    mismatch(detail::concat("\"tokenizer\": \"byte\" (", ByteTokenizer::kVocabSize, " ids)"),
+             vocab);
+  // The split's counts (split_json), under its shard's stem: "train", "val".
+  const std::string split = path.stem().string();
+  if (!json.contains(split) || !json[split].is_object()) return;
+  const std::pair<const char*, int64_t> counts[] = {{"tokens", shard.num_tokens()},
+                                                    {"documents", shard.num_documents()}};
+  for (const auto& [key, count] : counts)
+    if (json[split].contains(key) && json[split][key] != count)
+      mismatch(detail::concat("\"", split, "\": {\"", key, "\": ", json[split][key].dump(), "}"),
+               detail::concat("holds ", count, " ", key));
+}
+
 PrepareResult prepare_dataset(const PrepareOptions& options) {
-  const bool tokens = options.corpus.starts_with(kTokenFilePrefix) &&
-                      options.corpus.size() > kTokenFilePrefix.size();
+  check_names_a_file(options.corpus);
+  const bool tokens = options.corpus.starts_with(kTokenFilePrefix);
   if (!tokens && (options.vocab || options.eot || options.token_dtype))
     input_error("prepare: --vocab, --eot and --token-dtype describe a tokens:PATH corpus, not \"",
                 options.corpus, "\"");

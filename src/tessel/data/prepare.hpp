@@ -27,7 +27,9 @@
 // tokenizer "bpe", so that sampling and generation read them (tokenizer.hpp). Any other
 // prepare removes such copies. An SFT sample is encoded run by run of equally trained bytes,
 // so that each token is wholly context or wholly reply.
-// Every file is written to a temporary name and renamed into place.
+// Every file is written to a temporary name and renamed into place, after the earlier prepare's
+// shards, loss masks, description and leftover temporaries are removed from the directory: a
+// prepare cut short never leaves a new shard beside an old one.
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -35,6 +37,7 @@
 #include <vector>
 
 #include "tessel/data/sft_corpus.hpp"
+#include "tessel/data/shard.hpp"
 
 namespace tessel::data {
 
@@ -70,6 +73,13 @@ struct PrepareResult {
 // val_fraction outside [0, 1), a corpus of fewer than 2 documents (samples), or an unwritable
 // directory.
 PrepareResult prepare_dataset(const PrepareOptions& options);
+
+// InputError when `shard`, a prepared data directory's train.tok or val.tok, is not the shard
+// the dataset.json beside it describes: its "vocab_size" is not the shard's vocabulary (nor
+// 256 under the "byte" tokenizer), or the split's recorded "tokens" or "documents" are not
+// the shard's (a description edited, or left by another prepare). The message says to prepare
+// the data set again. A directory without dataset.json, or a record it lacks, is not checked.
+void check_described_shard(const ShardReader& shard);
 
 // The name prepare and train-bpe give a corpus's output directory when --out is not given
 // (data/<name>, data/bpe-<name>), so that another corpus never replaces data/bible: a built-in

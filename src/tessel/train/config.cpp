@@ -13,7 +13,10 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/number_list.hpp"
+#include "tessel/core/toml_value.hpp"
 #include "tessel/data/corpus.hpp"
+#include "tessel/data/mixture.hpp"
+#include "tessel/data/prepare.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/spike_filter.hpp"
@@ -578,17 +581,6 @@ std::string literal(std::string_view source, const toml::source_region& region) 
   return std::string(source.substr(begin, at - begin));
 }
 
-// Whether a TOML float literal lies outside a double's range: beyond the largest (toml++
-// refuses 1e400 itself) or a nonzero value below the smallest subnormal, which toml++ reads as
-// 0 (1e-400). Subnormals (5e-324) are in range.
-bool outside_double_range(std::string text) {
-  std::erase(text, '_');  // digit separators, which from_chars does not take
-  if (text.starts_with('+')) text.erase(0, 1);
-  double v = 0;
-  return std::from_chars(text.data(), text.data() + text.size(), v).ec ==
-         std::errc::result_out_of_range;
-}
-
 [[noreturn]] void outside_double_range_error(const std::string& where, const ConfigKey& key,
                                              const std::string& text) {
   input_error(where, "config key '", key.name, "' = ", text, " is outside a double's range");
@@ -639,18 +631,6 @@ void apply_table(Config& config, const toml::table& table, const std::string& pr
     }
     set_value(config, *key, node, source, where);
   }
-}
-
-// `text` as the value of a one-key TOML document, `v = text`; nullopt unless it parses as
-// exactly one value.
-const std::string kValueDocument = "v = ";
-std::optional<toml::table> value_document(const std::string& text) {
-  try {
-    toml::table table = toml::parse(kValueDocument + text);
-    if (table.size() == 1 && table.contains("v")) return table;
-  } catch (const toml::parse_error&) {
-  }
-  return std::nullopt;
 }
 
 }  // namespace
@@ -713,7 +693,7 @@ void apply_override(Config& config, const std::string& assignment) {
   if (!document)
     input_error("--set: config key '", name, "': expected ", expected_value(*key), how, ", got '",
                 value, "'");
-  set_value(config, *key, *document->get("v"), kValueDocument + value, "--set: ");
+  set_value(config, *key, *document->get("v"), std::string(kValueDocument) + value, "--set: ");
 }
 
 namespace {
@@ -814,11 +794,26 @@ std::vector<double> data_weights(const DataConfig& data) {
   for (double w : weights) sum += w;
   if (!std::isfinite(sum))
     input_error("config key 'data.weights' = \"", data.weights, "\": the weights' sum overflows");
+  const std::vector<double> shares = data::normalized_weights(weights);
+  for (size_t d = 0; d < n; ++d)
+    if (shares[d] < data::kMinShare)
+      input_error("config key 'data.weights' = \"", data.weights, "\": data set ",
+                  data_names(data)[d], "'s share is ", shares[d], ", below the smallest, ",
+                  data::kMinShare,
+                  " (fewer than one sequence in a million, it would all but never "
+                  "be read): leave it out of data.path, or give it a larger weight");
   return weights;
 }
 
 std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c) {
   return data::load_tokenizer(data_paths(c.data)[0], c.model.vocab);
+}
+
+void check_data_shard(const data::ShardReader& shard, int64_t model_vocab) {
+  data::check_described_shard(shard);
+  if (shard.vocab_size() > model_vocab)
+    input_error(shard.path(), ": token vocabulary ", shard.vocab_size(),
+                " exceeds model.vocab = ", model_vocab);
 }
 
 std::string run_tokenizer_dir(const std::string& run_dir) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tessel/data/packing.hpp"
+#include "tessel/data/shard.hpp"
 #include "tessel/data/tokenizer.hpp"
 #include "tessel/model/gpt_config.hpp"
 #include "tessel/optim/optimizer.hpp"
@@ -44,7 +45,8 @@ struct DataConfig {
 
 // data.path's directories (more than one: a mixture; InputError for one listed twice) and
 // data.weights' shares of them as given ({1} for one directory without weights); InputError
-// unless there is one positive share per directory with a finite sum. data::normalized_weights
+// unless there is one positive share per directory with a finite sum, each at least
+// data::kMinShare of it. data::normalized_weights
 // normalizes them.
 std::vector<std::string> data_paths(const DataConfig& data);
 std::vector<double> data_weights(const DataConfig& data);
@@ -188,6 +190,10 @@ bool fixed_policy_saves(const TrainLoopConfig& train, int64_t step);
 // The tokenizer of the run's token ids (data::load_tokenizer of data.path's first directory:
 // a mixture's data sets share one vocabulary); nullptr when they have none tessel can apply.
 std::unique_ptr<data::Tokenizer> data_tokenizer(const Config& c);
+// InputError unless `shard` (a data directory's train.tok or val.tok) is the one its
+// dataset.json describes (data::check_described_shard) and holds ids a model of `model_vocab`
+// reads: what training and eval check of every shard before they read it.
+void check_data_shard(const data::ShardReader& shard, int64_t model_vocab);
 // A run's copy of its data's tokenizer (data::save_tokenizer, written when the run starts), so
 // that generate, eval and fine-tuning know what its ids mean: <run.dir>/tokenizer; and that of
 // the run a checkpoint directory (<run.dir>/checkpoints/step-N, any spelling of it) belongs

@@ -119,13 +119,10 @@ ModelTokenizer model_tokenizer(const std::string& checkpoint, const Config& conf
   return t;
 }
 
-Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences) {
+Evaluation evaluate(RunModel& run, const data::ShardReader& shard, int64_t max_sequences) {
   if (max_sequences < 0) input_error("eval: sequences = ", max_sequences, " must be >= 0");
   const Config& c = run.config;
-  const int64_t vocab = data::ShardReader(shard).vocab_size();
-  if (vocab > c.model.vocab)
-    input_error(shard, ": token vocabulary ", vocab,
-                " exceeds the model's model.vocab = ", c.model.vocab);
+  check_data_shard(shard, c.model.vocab);
   const auto batches = data::validation_batches(shard, c.train.seq_len, c.train.micro_batch,
                                                 max_sequences, 0, 1, c.data.overlong);
   Evaluation e;
@@ -143,7 +140,7 @@ Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequenc
   // As a run's validation loss stops it: a NaN printed as a loss would pass for a result.
   if (!std::isfinite(e.loss))
     throw DivergenceError(
-        detail::concat(run.checkpoint, " (step ", run.step, ") on ", shard, ": the loss is ",
+        detail::concat(run.checkpoint, " (step ", run.step, ") on ", shard.path(), ": the loss is ",
                        std::isnan(e.loss) ? "NaN" : "inf",
                        ": the model's weights are not finite (or its output overflows)"));
   return e;

@@ -68,9 +68,10 @@ struct Evaluation {
 // data.attention_mask and data.overlong; an SFT shard's loss mask beside it is used). With
 // the run's own val.tok and train.eval_sequences it is the run's validation loss at that
 // checkpoint (bitwise for a run on one process; up to summation order for dp, cp or pp).
-// InputError for a shard whose vocabulary exceeds model.vocab, that holds no full sequence, or
-// whose rows hold no token the loss counts; DivergenceError naming the checkpoint for a loss
-// that is not finite (a model with NaN weights), as a run's validation stops it.
-Evaluation evaluate(RunModel& run, const std::string& shard, int64_t max_sequences);
+// InputError for a shard that check_data_shard refuses (a vocabulary beyond model.vocab, a
+// dataset.json that describes other shards), that holds no full sequence, or whose rows hold
+// no token the loss counts; DivergenceError naming the checkpoint for a loss that is not
+// finite (a model with NaN weights), as a run's validation stops it.
+Evaluation evaluate(RunModel& run, const data::ShardReader& shard, int64_t max_sequences);
 
 }  // namespace tessel::train

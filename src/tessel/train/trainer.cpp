@@ -251,16 +251,31 @@ struct ValidationSet {
   std::vector<int64_t> data_set;  // of each batch
 };
 
-ValidationSet validation_set(const Config& c, const comm::Mesh& mesh) {
+// Checked at start-up with the training shards (`loader`'s), before any step: each data set's
+// val.tok has its train.tok's vocabulary and dtype (else a mismatched pair fails at the first
+// validation, or is validated as other ids, silently), and both are the shards their
+// dataset.json describes and that the model reads (check_data_shard).
+ValidationSet validation_set(const Config& c, const comm::Mesh& mesh,
+                             const data::DataLoader& loader) {
   ValidationSet v;
   const auto shards = split_shards(c.data, "val");
-  for (size_t d = 0; d < shards.size(); ++d)
-    for (auto& b : data::validation_batches(shards[d], c.train.seq_len, c.train.micro_batch,
+  for (size_t d = 0; d < shards.size(); ++d) {
+    const data::ShardReader val(shards[d]);
+    const data::ShardReader& train = loader.shard(int64_t(d));
+    if (val.vocab_size() != train.vocab_size() || val.dtype() != train.dtype())
+      input_error(val.path(), ": token vocabulary ", val.vocab_size(), " (",
+                  data::token_dtype_name(val.dtype()), ") but ", train.path(), " has ",
+                  train.vocab_size(), " (", data::token_dtype_name(train.dtype()),
+                  "): the two shards come from different prepares; prepare the data set again");
+    check_data_shard(train, c.model.vocab);
+    check_data_shard(val, c.model.vocab);
+    for (auto& b : data::validation_batches(val, c.train.seq_len, c.train.micro_batch,
                                             c.train.eval_sequences, mesh.coordinate(comm::Axis::dp),
                                             mesh.size(comm::Axis::dp), c.data.overlong)) {
       v.batches.push_back(std::move(b));
       v.data_set.push_back(int64_t(d));
     }
+  }
   return v;
 }
 
@@ -428,7 +443,7 @@ struct Trainer::State {
         pipeline(pipeline_enabled(config) ? std::make_unique<PipelineTrainer>(
                                                 config, mesh, model, loader, *optimizer, schedule)
                                           : nullptr),
-        validation(validation_set(config, mesh)),
+        validation(validation_set(config, mesh, loader)),
         store(config.run.dir + "/checkpoints", config.train.keep_checkpoints),
         ckpt_comm(w.split(0, w.rank())),
         checkpointer(store, *ckpt_comm),
@@ -454,10 +469,6 @@ struct Trainer::State {
                     " has a loss-mask shard and ", sft ? "val.tok" : "train.tok",
                     " has none; prepare the data set again");
     }
-    int64_t data_vocab = loader.shard().vocab_size();  // the same in every data set
-    if (data_vocab > config.model.vocab)
-      input_error(loader.shard().path(), ": token vocabulary ", data_vocab,
-                  " exceeds model.vocab = ", config.model.vocab);
     // Loaded now, sample or not: a bad vocabulary fails before the run copies it.
     tokenizer = data_tokenizer(config);
     if (config.train.sample_tokens > 0) {  // encoded now: bad text fails before the training

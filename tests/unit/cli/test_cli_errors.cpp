@@ -887,19 +887,49 @@ TEST_F(CliTest, EvalOfSftDataUnderACausalMaskRunIsRefused) {
                         {"is an SFT data set", "causal_document", "attend to each other"});
 }
 
+namespace {
+// A u16 file of token ids (nanoGPT's format): 40 documents, each ending with the eot id 299.
+void write_token_file(const std::string& path) {
+  std::vector<uint16_t> ids;
+  for (int d = 0; d < 40; ++d) {
+    for (int t = 0; t < 30 + d; ++t) ids.push_back(uint16_t((d * 7 + t * 13) % 299));
+    ids.push_back(299);
+  }
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(2 * ids.size()));
+}
+}  // namespace
+
+// eval checks every --data directory before it evaluates any: a shard of a larger vocabulary
+// than the model's, or one its dataset.json does not describe, is one error and no loss line.
+TEST_F(CliTest, EvalChecksEveryDataSetBeforeEvaluatingAny) {
+  const std::string run = temp_dir("eval-checks"), dir = temp_dir("eval-checks-data");
+  ASSERT_EQ(run_tessel(train_args(run)).exit_code, 0);
+  write_token_file(dir + "/ids.bin");
+  const Outcome prepared = run_tessel("prepare --corpus tokens:" + dir +
+                                      "/ids.bin --vocab 300 --eot 299 --out " + dir + "/wide");
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.err;
+  Outcome o = run_tessel("eval --run " + run + " --data " + data + "," + dir + "/wide");
+  expect_one_line_error(o, {dir + "/wide/val.tok: token vocabulary 300 exceeds model.vocab = 256"});
+  EXPECT_EQ(o.out, "");
+  fs::copy(data, dir + "/edited", fs::copy_options::recursive);
+  nlohmann::json description = nlohmann::json::parse(slurp(dir + "/edited/dataset.json"));
+  description["val"]["tokens"] = description["val"]["tokens"].get<int64_t>() + 1;
+  std::ofstream(dir + "/edited/dataset.json") << description.dump();
+  o = run_tessel("eval --run " + run + " --data " + data + "," + dir + "/edited");
+  expect_one_line_error(o,
+                        {dir + "/edited/dataset.json does not describe " + dir + "/edited/val.tok",
+                         "prepare the data set again"});
+  EXPECT_EQ(o.out, "");
+}
+
 // Token ids from another tokenizer through the binary: a u16 file (nanoGPT's format) of 40
 // documents, each ending with the eot id 299, is prepared into shards of vocabulary 300 and
 // trains a model of that vocabulary (not one of the byte vocabulary); without --vocab it is one
 // error.
 TEST_F(CliTest, ATokenFileIsPreparedAndTrainsAModelOfItsVocabulary) {
   const std::string dir = temp_dir("tokens");
-  std::vector<uint16_t> ids;
-  for (int d = 0; d < 40; ++d) {
-    for (int t = 0; t < 30 + d; ++t) ids.push_back(uint16_t((d * 7 + t * 13) % 299));
-    ids.push_back(299);
-  }
-  std::ofstream(dir + "/train.bin", std::ios::binary)
-      .write(reinterpret_cast<const char*>(ids.data()), std::streamsize(2 * ids.size()));
+  write_token_file(dir + "/train.bin");
   const Outcome o = run_tessel("prepare --corpus tokens:" + dir +
                                "/train.bin --vocab 300 --eot "
                                "299 --val-fraction 0.1 --out " +

@@ -176,6 +176,15 @@ TEST(Prepare, SplitBoundsAndErrors) {
   opt.corpus = "nope";
   expect_input_error([&] { prepare_dataset(opt); },
                      {"unknown corpus", "file:PATH, jsonl:PATH or tokens:PATH", "chat:PATH"});
+  // A prefix without its path is said to name no file, whatever other options are given.
+  for (const char* prefix : {"file:", "jsonl:", "chat:", "tokens:"}) {
+    opt.corpus = prefix;
+    expect_input_error([&] { prepare_dataset(opt); },
+                       {std::string("corpus \"") + prefix + "\" names no file", "PATH)"});
+    expect_input_error([&] { training_documents(opt); }, {"names no file"});
+  }
+  opt.vocab = 1000, opt.eot = 999;
+  expect_input_error([&] { prepare_dataset(opt); }, {"\"tokens:\" names no file"});
 }
 
 // Without --out, each corpus gets its own directory: only `tessel prepare` of the Bible
@@ -411,6 +420,70 @@ TEST(Prepare, ReplacedBpeFilesAreRefusedByTheirChecksums) {
   expect_input_error([&] { load_tokenizer(out, vocab); }, {out, "dataset.json"});
   data::write_bpe_files(out, fixture::english_merges());
   EXPECT_NE(load_tokenizer(out, vocab), nullptr) << "both restored";
+}
+
+// A prepare cut short (here: its val.tok cannot be written) has removed the earlier prepare's
+// shards, loss masks and description before writing anything: its new train.tok never stands
+// beside the old val.tok. The temporaries of prepare's files that a prepare killed earlier
+// left go too; other files in the directory stay.
+TEST(Prepare, APrepareCutShortLeavesNoFileOfTheEarlierOne) {
+  TempDir dir;
+  const std::string out = dir.file("out");
+  PrepareOptions opt;
+  opt.corpus = "chat:talks.jsonl";
+  opt.output_dir = out;
+  opt.val_fraction = 0.5;
+  const SftSample sample{"User: hi\nAssistant: hello\n", std::vector<uint8_t>(26, 1)};
+  prepare_samples({sample, sample}, opt);
+  ASSERT_TRUE(std::filesystem::exists(out + "/val.loss_mask.tok"));
+  const std::vector<std::string> stale = {"val.tok.tmp.999999", "train.loss_mask.tok.tmp.12",
+                                          "dataset.json.tmp.7", "vocab.json.tmp.8"},
+                                 kept = {"notes.txt.tmp.7", "val.tok.tmp.x", "val.tok.old"};
+  for (const auto& name : stale) std::ofstream(out + "/" + name) << "partial";
+  for (const auto& name : kept) std::ofstream(out + "/" + name) << "mine";
+  // val.tok's temporary cannot be created: a directory stands under its name.
+  const std::string blocked = out + "/val.tok.tmp." + std::to_string(::getpid());
+  std::filesystem::create_directories(blocked + "/inside");
+  opt.corpus = "file:docs.txt";
+  expect_input_error(
+      [&] {
+        prepare_documents({"In the beginning", "the LORD said"}, opt);
+      },
+      {out + "/val.tok", "cannot create"});
+  const ShardReader train(out + "/train.tok");  // the new one, bytes of one document
+  EXPECT_EQ(train.num_documents(), 1);
+  EXPECT_EQ(train.vocab_size(), 256);
+  for (const char* gone : {"val.tok", "train.loss_mask.tok", "val.loss_mask.tok", "dataset.json"})
+    EXPECT_FALSE(std::filesystem::exists(out + "/" + gone)) << gone;
+  for (const auto& name : stale) EXPECT_FALSE(std::filesystem::exists(out + "/" + name)) << name;
+  for (const auto& name : kept) EXPECT_EQ(read_text(out + "/" + name), "mine") << name;
+  std::filesystem::remove_all(blocked);
+  prepare_documents({"In the beginning", "the LORD said"}, opt);
+  EXPECT_EQ(ShardReader(out + "/val.tok").num_documents(), 1);
+}
+
+// dataset.json describes the shards prepare wrote beside it; edited ("bpe" renamed "byte", as
+// if the ids were bytes) it no longer does, and each shard says so.
+TEST(Prepare, ADescriptionIsCheckedAgainstItsShards) {
+  TempDir dir;
+  const std::string bpe = dir.file("bpe"), out = dir.file("out");
+  data::write_bpe_files(bpe, fixture::english_merges());
+  prepare_two_documents(bpe, out);
+  const ShardReader train(out + "/train.tok"), val(out + "/val.tok");
+  ASSERT_GT(train.vocab_size(), 256);
+  check_described_shard(train);
+  check_described_shard(val);
+  std::string json = read_text(out + "/dataset.json");
+  json.replace(json.find("\"bpe\""), 5, "\"byte\"");
+  std::ofstream(out + "/dataset.json") << json;
+  for (const ShardReader* shard : {&train, &val})
+    expect_input_error([&] { check_described_shard(*shard); },
+                       {out + "/dataset.json does not describe " + shard->path(),
+                        "\"tokenizer\": \"byte\"", "prepare the data set again"});
+  std::ofstream(out + "/dataset.json") << "{\"tokenizer\": ";
+  expect_input_error([&] { check_described_shard(train); }, {out + "/dataset.json", "JSON"});
+  std::filesystem::remove(out + "/dataset.json");
+  check_described_shard(train);  // shards written another way describe themselves
 }
 
 // prepare never writes over its own corpus file, nor over a vocabulary it did not copy.

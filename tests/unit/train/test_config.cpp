@@ -470,6 +470,17 @@ TEST(Config, DataMixturesNeedOnePositiveWeightPerDataSet) {
                      {"data.weights", "0 weights for the 2 data sets", "one weight per data set"});
   expect_input_error([&] { load("a,b", "1,2,3"); }, {"3 weights for the 2 data sets"});
   expect_input_error([&] { load("a,b", "1,0"); }, {"data.weights", "'0' is not a number > 0"});
+  // Any positive number as TOML writes one; but a share below data::kMinShare would leave its
+  // data set all but unread, as a weight of 0 would.
+  EXPECT_EQ(train::data_weights(load("a,b", "5e-324,5e-324").data),
+            (std::vector<double>{5e-324, 5e-324}));
+  EXPECT_EQ(train::data_weights(load("a,b", "0x10,1_0").data), (std::vector<double>{16, 10}));
+  EXPECT_EQ(train::data_weights(load("a,b", "2e-6,1").data), (std::vector<double>{2e-6, 1}));
+  expect_input_error([&] { load("a,b", "0x1p3,1"); }, {"'0x1p3' is not a number > 0"});
+  expect_input_error([&] { load("data/bible,data/fortunes", "1e-300,1"); },
+                     {"data.weights", "data set bible's share is 1e-300",
+                      "below the smallest, 1e-06", "leave it out of data.path"});
+  expect_input_error([&] { load("a,b,c", "1,1e-6,1"); }, {"data set b's share is 5e-07"});
   expect_input_error([&] { load("a,b", "1,-1"); }, {"data.weights", "'-1' is not a number > 0"});
   expect_input_error([&] { load("a,,b", "1,1,1"); }, {"data.path", "'' is an empty item"});
   expect_input_error([&] { load("", ""); }, {"data.path", "empty"});

@@ -57,10 +57,12 @@ TEST_F(MixtureTest, ValidationReportsEachDataSetAndTheirWeightedMean) {
   }
   train::RunModel model = train::load_run_model(run);
   EXPECT_EQ(model.step, 10);
-  EXPECT_EQ(train::evaluate(model, first + "/val.tok", c.train.eval_sequences).loss,
-            r.data_set_validation[1][0]);
-  EXPECT_EQ(train::evaluate(model, second + "/val.tok", c.train.eval_sequences).loss,
-            r.data_set_validation[1][1]);
+  EXPECT_EQ(
+      train::evaluate(model, data::ShardReader(first + "/val.tok"), c.train.eval_sequences).loss,
+      r.data_set_validation[1][0]);
+  EXPECT_EQ(
+      train::evaluate(model, data::ShardReader(second + "/val.tok"), c.train.eval_sequences).loss,
+      r.data_set_validation[1][1]);
   nlohmann::json last_validation, start;
   std::ifstream in(run + "/metrics.jsonl");
   for (std::string line; std::getline(in, line);) {

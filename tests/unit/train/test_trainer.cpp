@@ -13,6 +13,7 @@
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
 #include "tessel/core/threading.hpp"
+#include "tessel/data/shard.hpp"
 #include "tessel/model/gpt.hpp"
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/checkpoint_interval.hpp"
@@ -538,6 +539,90 @@ TEST_F(TrainerTest, DataVocabularyMustFitTheModel) {
   train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
   c.model.vocab = 100;  // byte shards hold ids up to 255
   fixture::expect_input_error([&] { train_run(c); }, {"model.vocab", "train.tok"});
+}
+
+namespace {
+// A token shard at `path` of 8 documents of 50 ids below `vocab` (the largest among them).
+void write_shard(const std::string& path, data::TokenDtype dtype, int64_t vocab) {
+  data::ShardWriter shard(path, dtype, vocab);
+  for (int64_t d = 0; d < 8; ++d) {
+    std::vector<int32_t> ids(50);
+    for (int64_t i = 0; i < 50; ++i) ids[size_t(i)] = int32_t((d * 50 + i * 7) % vocab);
+    shard.add_document(ids);
+  }
+  shard.finish();
+}
+}  // namespace
+
+// A val.tok from another prepare than its train.tok (another vocabulary or dtype) is refused
+// before any step: it would fail at the first validation, the steps before it lost (a
+// vocabulary beyond the model's), or be validated silently as other ids.
+TEST_F(TrainerTest, AValidationShardOfAnotherVocabularyIsRefusedAtTheStart) {
+  using data::TokenDtype;
+  struct Case {
+    TokenDtype train_dtype;
+    int64_t train_vocab;
+    TokenDtype val_dtype;
+    int64_t val_vocab, model_vocab;
+  };
+  for (const Case& k : {Case{TokenDtype::u8, 256, TokenDtype::u16, 300, 256},
+                        Case{TokenDtype::u16, 300, TokenDtype::u8, 256, 300},
+                        Case{TokenDtype::u16, 256, TokenDtype::u8, 256, 256},
+                        Case{TokenDtype::u16, 300, TokenDtype::u16, 300, 300}}) {
+    const std::string dir = fixture::temp_dir("tessel-data"), run = fixture::temp_dir("tessel-run");
+    write_shard(dir + "/train.tok", k.train_dtype, k.train_vocab);
+    write_shard(dir + "/val.tok", k.val_dtype, k.val_vocab);
+    train::Config c = fixture::tiny_config(dir, run);
+    c.model.vocab = k.model_vocab;
+    c.train.steps = 2;
+    c.train.eval_every = 1;
+    c.optim.warmup_steps = 1;
+    if (k.val_dtype == k.train_dtype && k.val_vocab == k.train_vocab) {
+      EXPECT_EQ(train_run(c).validation.size(), 2u) << "one prepare's pair trains";
+      continue;
+    }
+    SCOPED_TRACE(dir);
+    fixture::expect_input_error(
+        [&] { train_run(c); },
+        {dir + "/val.tok: token vocabulary " + std::to_string(k.val_vocab),
+         dir + "/train.tok has " + std::to_string(k.train_vocab), "different prepares"});
+    EXPECT_FALSE(fs::exists(run + "/checkpoints/step-00000001")) << "it trained";
+  }
+}
+
+// A dataset.json that does not describe the shards beside it (edited, or another prepare's)
+// is refused before any step, for val.tok as for train.tok: its tokenizer would sample the
+// ids, and the run would copy it as what the ids mean.
+TEST_F(TrainerTest, ADescriptionOfOtherShardsIsRefusedAtTheStart) {
+  const std::string dir = fixture::temp_dir("tessel-data");
+  fs::copy(data_dir, dir, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  const nlohmann::json original = nlohmann::json::parse(std::ifstream(dir + "/dataset.json"));
+  train::Config c = fixture::tiny_config(dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 2;
+  c.optim.warmup_steps = 1;
+  auto edited = [&](const char* split, const char* key, int64_t add) {
+    nlohmann::json j = original;
+    (split ? j[split] : j)[key] = (split ? j[split] : j)[key].get<int64_t>() + add;
+    std::ofstream(dir + "/dataset.json") << j.dump();
+  };
+  edited(nullptr, "vocab_size", 44);
+  fixture::expect_input_error(
+      [&] { train_run(c); },
+      {dir + "/dataset.json does not describe " + dir + "/train.tok", "\"vocab_size\": 300",
+       "vocabulary of 256 ids", "prepare the data set again"});
+  edited("val", "tokens", 1);
+  fixture::expect_input_error([&] { train_run(c); }, {dir + "/val.tok", "\"val\": {\"tokens\""});
+  edited("train", "documents", -1);
+  fixture::expect_input_error([&] { train_run(c); }, {dir + "/train.tok", "documents"});
+  // "byte" over shards of another vocabulary (a BPE data set's, with its name edited).
+  write_shard(dir + "/train.tok", data::TokenDtype::u16, 300);
+  write_shard(dir + "/val.tok", data::TokenDtype::u16, 300);
+  std::ofstream(dir + "/dataset.json") << R"({"tokenizer": "byte"})";
+  c.model.vocab = 300;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"\"tokenizer\": \"byte\" (256 ids)", "vocabulary of 300 ids"});
+  std::ofstream(dir + "/dataset.json") << R"({"tokenizer": "pretokenized u16, eot 299"})";
+  EXPECT_NO_THROW(train_run(c));
 }
 
 namespace {
