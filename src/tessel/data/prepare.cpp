@@ -141,6 +141,13 @@ fs::path begin_output(const PrepareOptions& options, const std::optional<std::st
                 " is the output directory; keep the vocabulary elsewhere (prepare copies it "
                 "there, and a later prepare replaces the copy)");
   check_corpus_outside(options.corpus, output_files(out), "prepare");  // it would write over it
+  // Shards written into a run, a checkpoint or an export would be mistaken for its files (an
+  // export over it is refused, a run's data.path there reads them).
+  for (const char* file : {"config.toml", "checkpoints", "manifest.json", "model.safetensors"})
+    if (fs::exists(out / file, ec))
+      input_error("prepare: --out ", options.output_dir, " holds ", file,
+                  ": it is a run's, a checkpoint's or an export's directory, not a data set's; "
+                  "prepare into a directory of its own");
   const fs::path metadata = out / "dataset.json";
   bool bpe_copies = false;
   try {

@@ -898,7 +898,8 @@ void validate(const Config& c) {
   positive("train.log_every", c.train.log_every);
   positive("train.eval_sequences", c.train.eval_sequences);
   // Far beyond a real batch or mesh, and small enough that buffer sizes cannot overflow, that
-  // each count fits an int and that products of two or three of them fit 64 bits.
+  // each count fits an int and that a product of two of them fits 64 bits (longer products
+  // are bounded where they arise: train.steps below, the tokens of a run in job_mesh).
   for (auto [name, v] :
        {std::pair{"train.micro_batch", c.train.micro_batch},
         std::pair{"train.accum", c.train.accum},

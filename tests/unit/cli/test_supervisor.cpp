@@ -479,6 +479,15 @@ TEST_F(SupervisorTest, AMeshTheRanksCannotHoldCreatesNoFile) {
     EXPECT_NE(o.err.find(error), std::string::npos) << options << ": " << o.err;
     EXPECT_FALSE(fs::exists(run)) << options;
   }
+  // Tokens beyond int64's range (2^40 steps x dp 2 x 2^24 sequences x 16), each factor allowed.
+  const Outcome o = run_tessel(
+      "run --np 2 --threads 1" +
+      settings(run, " --set train.steps=1099511627776 --set train.micro_batch=16777216"));
+  EXPECT_EQ(o.exit_code, 2) << o.err;
+  EXPECT_NE(o.err.find("(the tokens this run reads) is larger than tessel supports"),
+            std::string::npos)
+      << o.err;
+  EXPECT_FALSE(fs::exists(run));
 }
 
 // A launcher that cannot start ran nothing: no attempt is left to count as a failure of the

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -185,6 +186,20 @@ TEST(Prepare, SplitBoundsAndErrors) {
   }
   opt.vocab = 1000, opt.eot = 999;
   expect_input_error([&] { prepare_dataset(opt); }, {"\"tokens:\" names no file"});
+  // Not into a run's, a checkpoint's or an export's directory, whose files the shards would join.
+  opt = PrepareOptions{};
+  opt.corpus = "test";
+  for (const char* file : {"config.toml", "checkpoints", "manifest.json", "model.safetensors"}) {
+    opt.output_dir = dir.file(std::string("not-data-") + file);
+    std::filesystem::create_directories(opt.output_dir);
+    std::ofstream(opt.output_dir + "/" + file) << "x";
+    expect_input_error(
+        [&] {
+          prepare_documents({"a\n", "b\n"}, opt);
+        },
+        {"holds " + std::string(file), "not a data set's"});
+    EXPECT_FALSE(std::filesystem::exists(opt.output_dir + "/train.tok"));
+  }
 }
 
 // Without --out, each corpus gets its own directory: only `tessel prepare` of the Bible
