@@ -105,10 +105,12 @@ bool Request::test() {
   return complete;
 }
 
-void Request::abandon() noexcept {
+bool Request::abandon() noexcept {
   // Still in flight: never free what the backend may still use.
-  if (op_ && !op_->cancel()) (void)op_.release();
+  const bool over = !op_ || op_->cancel();
+  if (!over) (void)op_.release();
   op_.reset();
+  return over;
 }
 
 void Request::finish_quietly() noexcept {
@@ -144,8 +146,10 @@ bool test_all(std::span<Request> requests) {
   return true;
 }
 
-void abandon_all(std::span<Request> requests) noexcept {
-  for (Request& r : requests) r.abandon();
+bool abandon_all(std::span<Request> requests) noexcept {
+  bool over = true;
+  for (Request& r : requests) over = r.abandon() && over;
+  return over;
 }
 
 uint64_t TrafficCounts::total() const {

@@ -129,8 +129,9 @@ class Request {
   // A receive not yet matched is cancelled and never writes its buffer; anything else still
   // in flight is left to the process's end (as AsyncCheckpointer leaves its agreement): its
   // buffers may still be read or written, and the communicator may hold its stray messages,
-  // so end the job rather than communicate on. Afterwards done() is true.
-  void abandon() noexcept;
+  // so end the job rather than communicate on; the caller must then keep them allocated. Returns
+  // false in that case, true when nothing is left in flight. Afterwards done() is true.
+  bool abandon() noexcept;
 
  private:
   void finish_quietly() noexcept;
@@ -143,8 +144,8 @@ void wait_all(std::span<Request> requests);
 // Testing one pending request drives the backend's progress for all (MPI moves
 // non-blocking operations only inside MPI calls), so call it between long computations.
 bool test_all(std::span<Request> requests);
-// Request::abandon on each.
-void abandon_all(std::span<Request> requests) noexcept;
+// Request::abandon on each; true when none was left in flight (their buffers may be freed).
+bool abandon_all(std::span<Request> requests) noexcept;
 
 class Communicator;
 // Collective: true on every rank iff `mine` is true on every rank (so all ranks take the

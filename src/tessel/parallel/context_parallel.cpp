@@ -108,8 +108,14 @@ int64_t ContextParallelAttention::local_row(const at::ColumnSpan& s) const {
 ContextParallelAttention::Exchange::~Exchange() {
   // Left pending only when unwinding from an error, maybe on every rank: peers may never send,
   // receive or match what is pending, so waiting could deadlock the job before main aborts it.
-  comm::abandon_all(recv_req);
-  comm::abandon_all(send_req);
+  const bool recv_over = comm::abandon_all(recv_req);
+  const bool send_over = comm::abandon_all(send_req);
+  // A transfer left in flight may still read or write its buffer: keep the buffers to the
+  // process's end, which the error is on its way to (main aborts the job).
+  if (!recv_over || !send_over) {
+    (void)new std::vector<std::vector<float>>(std::move(recv));
+    (void)new std::vector<std::vector<float>>(std::move(send));
+  }
 }
 
 void ContextParallelAttention::Exchange::progress() {

@@ -167,9 +167,10 @@ inline constexpr int64_t kMaxSteps = int64_t(1) << 40;
 // pipeline.chunks: a pipeline numbers its micro-batches up to the first two's product and its
 // message tags multiply that by the chunks, all in int64.
 inline constexpr int64_t kMaxMicroBatchOps = int64_t(1) << 62;
-// The most tokens a run reads, train.steps x dp x train.accum x train.micro_batch x
-// train.seq_len (checked by job_mesh, which knows dp): the loader's sequence numbers and the
-// logs' token counts stay in int64.
+// The most tokens a run reads, train.steps x dp x micro-batches per step (train.accum, or
+// PACI's pipeline.paci_k) x train.micro_batch x train.seq_len (checked by job_mesh, which knows
+// dp): the loader's sequence numbers and the logs' token counts stay in int64. The same bound
+// as kMaxMicroBatchOps, on another product.
 inline constexpr int64_t kMaxRunTokens = int64_t(1) << 62;
 
 // Loads `path` (TOML; empty = defaults only), applies `overrides` ("key=value"),

@@ -912,14 +912,16 @@ comm::MeshShape job_mesh(const Config& config, int world_size) {
   // Each factor is capped (config.cpp), their product is not. Divided in turn, so that
   // nothing overflows: the quotient is 0 exactly when the product exceeds the bound.
   int64_t room = kMaxRunTokens;
-  for (const int64_t factor : {config.train.steps, int64_t(shape.dp), config.train.accum,
-                               config.train.micro_batch, config.train.seq_len})
+  for (const int64_t factor :
+       {config.train.steps, int64_t(shape.dp), micro_batches_per_step(config),
+        config.train.micro_batch, config.train.seq_len})
     room /= factor;
   if (room == 0)
-    input_error(
-        "train.steps x dp x train.accum x train.micro_batch x train.seq_len (the tokens "
-        "this run reads) is larger than tessel supports (",
-        kMaxRunTokens, "); lower train.steps or the batch");
+    input_error("train.steps x dp x ",
+                config.pipeline.paci_k > 0 ? "pipeline.paci_k" : "train.accum",
+                " x train.micro_batch x train.seq_len (the tokens this run reads) is larger than "
+                "tessel supports (",
+                kMaxRunTokens, "); lower train.steps or the batch");
   if (config.fault.kill_rank >= world_size)
     input_error("config key 'fault.kill_rank' = ", config.fault.kill_rank,
                 " is not a rank of this job (world size ", world_size, ")");

@@ -446,7 +446,7 @@ TEST(StageExecutor, PaciWithADrainAtEveryKBoundaryIs1F1BWithMEqualK) {
                        "weights");
 }
 
-TEST(StageExecutor, PaciBeforeItsFirstStepAccumulatesThe1F1BGradients) {
+TEST(StageExecutor, PaciAccumulatesThe1F1BGradientsUntilItsFirstStep) {
   comm::Communicator& pp = comm::world();
   const int P = pp.size(), s = pp.rank();
   const int64_t n = 5;
