@@ -53,6 +53,9 @@ class FaultInjector {
   FaultInjector(const FaultInjector&) = delete;
   FaultInjector& operator=(const FaultInjector&) = delete;
 
+  // The attempt resumed from the checkpoint of `step`: what a fault before its first update
+  // reports as done.
+  void starts_from(int64_t step) { completed_ = step; }
   // The training thread finished the update of `step`.
   void after_step(int64_t step);
   // The checkpoint writer made the files of `step` durable (writer thread).
@@ -79,7 +82,7 @@ class FaultInjector {
   int64_t corrupt_step_;
   int64_t spike_step_;
   std::string ledger_;
-  std::atomic<int64_t> completed_{0};  // steps this attempt completed
+  std::atomic<int64_t> completed_{0};  // the run's last completed step
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -74,32 +74,44 @@ std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, con
   if (data::tokenizer_name(copy)) return {copy};
   const std::vector<std::string> dirs = data_paths(config.data);
   // Data prepared again in place (e.g. as bytes after BPE) would decode the model's ids as
-  // another tokenizer's: the training shards the record counted tell it. A data set gone from
-  // here is the caller's to refuse.
+  // another tokenizer's: the training shards the record counted tell it. The data sets of a
+  // mixture all held the run's tokenizer (the trainer checks), so each one unchanged speaks
+  // for the model; a changed one is left out, and refused only when none is left.
+  std::vector<std::string> unchanged;
+  std::string first_change;
   for (size_t d = 0; d < dirs.size(); ++d) {
+    if (!std::filesystem::exists(dirs[d])) continue;
     const std::string tokens_key = data_set_key("", int64_t(d), " tokens");
     const std::string documents_key = data_set_key("", int64_t(d), " documents");
-    if (!std::filesystem::exists(dirs[d]) || !record.contains(tokens_key) ||
-        !record[tokens_key].is_number_integer() || !record.contains(documents_key) ||
-        !record[documents_key].is_number_integer())
-      continue;
     const std::string shard = dirs[d] + "/train.tok";
+    if (!record.contains(tokens_key) || !record[tokens_key].is_number_integer() ||
+        !record.contains(documents_key) || !record[documents_key].is_number_integer()) {
+      unchanged.push_back(dirs[d]);  // a record from before runs counted their shards
+      continue;
+    }
     const int64_t tokens = record[tokens_key].get<int64_t>(),
                   documents = record[documents_key].get<int64_t>();
     std::string now = "it holds no train.tok";
     if (std::filesystem::exists(shard)) {
       const data::ShardReader reader(shard);
-      if (reader.num_tokens() == tokens && reader.num_documents() == documents) continue;
+      if (reader.num_tokens() == tokens && reader.num_documents() == documents) {
+        unchanged.push_back(dirs[d]);
+        continue;
+      }
       now = detail::concat("its train.tok holds ", reader.num_tokens(), " tokens in ",
                            reader.num_documents(), " documents");
     }
-    input_error(checkpoint, ": ", without_copy(checkpoint), dirs[d],
-                " changed since the run: ", now, ", the run trained on ", tokens, " in ", documents,
-                " (the checkpoint's record), so the tokenizer there may not be the model's; ",
-                with_its_run(checkpoint), "put the data the run trained on back at data.path",
-                advice);
+    if (first_change.empty())
+      first_change =
+          detail::concat(dirs[d], " changed since the run: ", now, ", the run trained on ", tokens,
+                         " in ", documents, " (the checkpoint's record)");
   }
-  return dirs;
+  if (!unchanged.empty()) return unchanged;
+  if (!first_change.empty())
+    input_error(checkpoint, ": ", without_copy(checkpoint), first_change,
+                ", so the tokenizer there may not be the model's; ", with_its_run(checkpoint),
+                "put the data the run trained on back at data.path", advice);
+  return {dirs[0]};  // none is here: the caller's to refuse
 }
 
 ModelTokenizer model_tokenizer(const std::string& checkpoint, const Config& config,

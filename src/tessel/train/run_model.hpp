@@ -33,11 +33,12 @@ struct RunModel {
 // Where the tokenizer of the model in `checkpoint` (a checkpoint directory, whose resolved
 // config is `config` and compatibility record `record`) is: its run's own copy
 // (checkpoint_tokenizer_dir), or for a run from before copies were kept or a checkpoint outside
-// its run, its data.path directories (taken relative to this one). What generate decodes with,
-// eval compares and export copies. InputError when it would be data.path's but a data set
-// there is not the one the run trained on (its train.tok's tokens or documents differ from
-// the record): its tokenizer may be another. `advice` ends that message: another remedy the
-// command offers (", or pass --tokenizer ...").
+// its run, those of its data.path directories (taken relative to this one) that are still the
+// data sets the run trained on (their train.tok's tokens and documents are the record's); with
+// none of them here, the first directory (the caller refuses or reads bytes). What generate
+// decodes with, eval compares, export copies and train.init_from compares. InputError when
+// data.path's data sets are here but each one changed: its tokenizer may be another.
+// `advice` ends that message: another remedy the command offers (", or pass --tokenizer ...").
 std::vector<std::string> model_tokenizer_dirs(const std::string& checkpoint, const Config& config,
                                               const nlohmann::json& record,
                                               const std::string& advice = "");

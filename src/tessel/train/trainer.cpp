@@ -738,6 +738,7 @@ struct Trainer::State {
     if (!per_stage_updates())
       spikes.restore(content.state.value("spike_norms", std::vector<double>{}));
     start_step = resumed_from = content.step;
+    faults.starts_from(start_step);
     ledger.event({{"event", "resume"}, {"step", content.step}, {"dir", chosen}});
   }
 
@@ -777,9 +778,10 @@ struct Trainer::State {
         },
         CheckpointParts::model);
     const std::string& dir = loaded->dir;
-    std::vector<std::string> with_base = {checkpoint_tokenizer_dir(dir)};
-    for (const auto& d : data_paths(config.data)) with_base.push_back(d);
     try {  // the base model read the ids of its own tokenizer
+      std::vector<std::string> with_base = model_tokenizer_dirs(
+          dir, checkpoint_config(*loaded), loaded->content.state.at("compatibility"));
+      for (const auto& d : data_paths(config.data)) with_base.push_back(d);
       data::check_same_tokenizer(with_base);
     } catch (const InputError& e) {
       input_error("train.init_from: ", e.what());

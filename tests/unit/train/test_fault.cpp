@@ -13,12 +13,14 @@ using namespace tessel::train;
 namespace {
 
 // Builds rank 0's injector for attempt 0 with `kill_seconds`, gives its timer 100 ms, and
-// exits 0 unless it fired (SIGKILL).
-[[noreturn]] void arm_and_wait(const char* kill_seconds) {
+// exits 0 unless it fired (SIGKILL); a resumed attempt is told its step first.
+[[noreturn]] void arm_and_wait(const char* kill_seconds, int64_t resumed_from = -1,
+                               int wait_ms = 100) {
   FaultConfig c;
   c.kill_seconds = kill_seconds;
   FaultInjector injector(c, /*attempt=*/0, /*rank=*/0, /*ledger_path=*/"", monotonic_ns());
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (resumed_from >= 0) injector.starts_from(resumed_from);
+  std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms));
   std::_Exit(0);
 }
 
@@ -32,4 +34,12 @@ TEST(FaultInjector, AKillDeadlineBeyondTheClockNeverFires) {
     EXPECT_EXIT(arm_and_wait(seconds), testing::ExitedWithCode(0), "") << seconds;
   // The control: a deadline inside the wait fires.
   EXPECT_EXIT(arm_and_wait("0.001"), testing::KilledBySignal(SIGKILL), "kill_after_seconds");
+}
+
+// A kill before a resumed attempt's first update reports the step it resumed from as done
+// (the ETT report's failure_step), not 0.
+TEST(FaultInjector, AKillBeforeAResumedAttemptsFirstStepNamesTheResumedStep) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(arm_and_wait("0.3", /*resumed_from=*/7, /*wait_ms=*/2000),
+              testing::KilledBySignal(SIGKILL), "kill_after_seconds, 7 steps done");
 }

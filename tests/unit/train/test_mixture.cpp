@@ -102,3 +102,29 @@ TEST_F(MixtureTest, ResumesBitwiseAndRefusesOtherShares) {
   c.data.weights = "6,2";  // the same shares
   EXPECT_EQ(train_run(c).resumed_from, 10);
 }
+
+// A checkpoint copied out of its run reads its data.path's tokenizer: every data set of a
+// mixture held the run's, so each one still the run's (its train.tok the record counted)
+// speaks for the model. One prepared again is left out; only when each one here changed is
+// the checkpoint refused (generate, eval, export and train.init_from alike).
+TEST_F(MixtureTest, ACopiedCheckpointReadsTheTokenizerOfAnyUnchangedDataSet) {
+  const std::string a = fixture::make_dataset(fixture::temp_dir("tessel-mix-own") + "/a");
+  const std::string b = fixture::make_other_dataset(fixture::temp_dir("tessel-mix-own") + "/b");
+  const std::string run = fixture::temp_dir("tessel-mix-run");
+  train::Config c = mixture_config(run);
+  c.data.path = a + "," + b;
+  train_run(c);
+  const std::string loose = fixture::temp_dir("tessel-mix-loose") + "/step";
+  fs::copy(run + "/checkpoints/step-00000010", loose, fs::copy_options::recursive);
+  const train::RunModel model = train::load_run_model(loose);
+  const auto dirs = [&] { return train::model_tokenizer_dirs(loose, model.config, model.record); };
+  EXPECT_EQ(dirs(), (std::vector<std::string>{a, b}));
+  fixture::make_dataset(b);  // b prepared again from a's documents: shards the run never read
+  EXPECT_EQ(dirs(), std::vector<std::string>{a});
+  fs::remove_all(a);
+  fixture::expect_input_error(
+      [&] { dirs(); }, {loose + ": no copy of the run's tokenizer is found (a checkpoint outside",
+                        b + " changed since the run: its train.tok holds"});
+  fs::remove_all(b);
+  EXPECT_EQ(dirs(), std::vector<std::string>{a});  // none is here: the caller's to refuse
+}

@@ -433,6 +433,27 @@ TEST(SftTraining, InitFromStartsFromTheCheckpointWeights) {
                               {"train.init_from = " + starting, "the run has no checkpoint yet"});
 }
 
+// A base checkpoint copied out of its run has no copy of the run's tokenizer beside it: its
+// data.path's speaks for it, checked against the checkpoint's record as generate checks it.
+TEST(SftTraining, InitFromACopiedCheckpointChecksItsDataPath) {
+  const std::string data = fixture::make_dataset(fixture::temp_dir("tessel-pre-data") + "/text");
+  Config pre = fixture::tiny_config(data, fixture::temp_dir("tessel-pre"));
+  pre.model.max_seq = 128;
+  pre.train.steps = 6;
+  fixture::train_run(pre);
+  const std::string loose = fixture::temp_dir("tessel-loose") + "/step";
+  fs::copy(pre.run.dir + "/checkpoints/step-00000006", loose, fs::copy_options::recursive);
+  Config tune = sft_config(fixture::temp_dir("tessel-tune"));
+  tune.train.init_from = loose;
+  tune.train.steps = 6;
+  EXPECT_EQ(fixture::train_run(tune).steps.size(), 6u);
+  fixture::make_other_dataset(data);  // prepared again: not the shards the base trained on
+  tune.run.dir = fixture::temp_dir("tessel-tune");
+  fixture::expect_input_error([&] { fixture::train_run(tune); },
+                              {"train.init_from: " + loose + ": no copy of the run's tokenizer",
+                               data + " changed since the run"});
+}
+
 // A restarted attempt before the run's first checkpoint starts from the checkpoint the first
 // attempt took (init.json), not from a newer one the base run saved since; a pinned checkpoint
 // that is gone is an error that says how to start over.
