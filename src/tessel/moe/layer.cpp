@@ -762,8 +762,16 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
   if (config_.balance == Balance::qb_avg || uses_global_quantile(config_.balance)) {
     std::vector<uint16_t> keys(size_t(N * E));
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t e = 0; e < E; ++e)
-        keys[size_t(e * N + n)] = bf16_order_key(c.qb_margin[size_t(n * E + e)]);
+      for (int64_t e = 0; e < E; ++e) {
+        const float margin = c.qb_margin[size_t(n * E + e)];
+        // Logits that overflowed (inf - inf): a NaN has no rank among the margins. The step's
+        // gradient norm need not show it (sigmoid scores of inf are finite), so stop here.
+        if (std::isnan(margin))
+          throw DivergenceError(
+              "the MoE router's logits are not finite (a quantile-balancing margin is NaN): the "
+              "run diverged; a lower optim.lr or a tighter train.grad_clip may avoid it");
+        keys[size_t(e * N + n)] = bf16_order_key(margin);
+      }
     if (config_.balance == Balance::qb_avg && c.batch_tokens > 0) {
       // The biased baseline: this micro-batch's own quantile, averaged at the step's end.
       // valid = {}: padding rows never reach the layer (the model routes only the others).

@@ -67,6 +67,22 @@ TEST(GptMoe, BadMoeLayersAreInputErrors) {
   fixture::expect_input_error([&] { validate(c); }, {"model.moe_top_k = 5"});
 }
 
+// One expert per token with normalized gates gives every gate p / p = 1: the router would get
+// no gradient from the loss. Refused, unless the gates are p or experts choose (their gates
+// are the scores whatever normalize_gates says).
+TEST(GptMoe, TopOneWithNormalizedGatesIsAnInputError) {
+  GptConfig c = moe_config(gelu_config(), "all");
+  c.moe.top_k = 1;
+  fixture::expect_input_error([&] { validate(c); },
+                              {"model.moe_top_k = 1 with model.moe_normalize_gates = true",
+                               "no gradient", "set model.moe_normalize_gates = false"});
+  c.moe.normalize_gates = false;
+  EXPECT_NO_THROW(validate(c));
+  c.moe.normalize_gates = true;
+  c.moe.balance = moe::Balance::expert_choice;
+  EXPECT_NO_THROW(validate(c));
+}
+
 // seq_aux: each row of the micro-batch is one sequence; every block's balancing value is the
 // mean over the rows of alpha E sum_e f_e P_e over that row's tokens, recomputed here from
 // the block's routing.
