@@ -164,6 +164,10 @@ MaskColumns global_sliding_window_mask(int64_t N, int64_t global, int64_t w_left
   if (global < 0 || global > N || w_left < 0 || w_right < 0)
     input_error("global + sliding window mask: need 0 <= global <= N and windows >= 0, got global=",
                 global, " w_left=", w_left, " w_right=", w_right, " N=", N);
+  // A window of N or more cuts nothing (INT64_MAX for "unbounded"): clamped, the sums below
+  // cannot overflow.
+  w_left = std::min(w_left, N);
+  w_right = std::min(w_right, N);
   MaskColumns m{false, 4, std::vector<int32_t>(size_t(4 * N))};
   for (int64_t j = 0; j < N; ++j) {
     int32_t* v = m.values.data() + 4 * j;
@@ -227,9 +231,9 @@ MaskColumns qk_sparse_mask(int64_t N, const std::vector<Span>& spans) {
   MaskColumns m{true, 2, std::vector<int32_t>(size_t(2 * N), i32(N))};
   int64_t prev_end = 0;
   for (const Span& s : spans) {
-    if (s.length < 1 || s.offset < prev_end || s.offset + s.length > N)
-      input_error("QK-sparse mask: span [", s.offset, ", ", s.offset + s.length,
-                  ") must be non-empty, after the previous span and inside [0, N=", N, ")");
+    if (s.length < 1 || s.offset < prev_end || s.length > N - s.offset)  // no overflow
+      input_error("QK-sparse mask: span at ", s.offset, " of length ", s.length,
+                  " must be non-empty, after the previous span and inside [0, N=", N, ")");
     for (int64_t j = s.offset; j < s.offset + s.length; ++j) {
       m.values[size_t(2 * j)] = i32(j);
       m.values[size_t(2 * j + 1)] = i32(s.offset + s.length);

@@ -70,6 +70,7 @@ TileCounts count_tiles(const TiledMask& m, int64_t Hq, int64_t Hk, int64_t tile_
                        int64_t row_begin, int64_t row_end, const BlockMask* block) {
   m.mask().check_heads(Hq, Hk);
   if (block) block->check_fits(m.mask(), Hq, Hk);
+  TESSEL_CHECK(tile_q >= 1, "tile_q = ", tile_q);  // the row loop would never advance
   const int64_t Sq = row_end < 0 ? m.mask().rows() : row_end, Sk = m.mask().cols();
   TESSEL_CHECK(0 <= row_begin && row_begin <= Sq && Sq <= m.mask().rows(), "rows [", row_begin,
                ", ", Sq, ")");

@@ -165,13 +165,33 @@ TEST(ColumnMask, RejectsInvalidMasks) {
   expect_input_error([&] { m.check_heads(4, 2); }, {"Hm = 3", "1, Hq = 4 or Hk = 2"});
 }
 
+// Windows of N or more cut nothing, up to the largest int64, whose sums with a key index
+// once overflowed: row 5 lost its own key and rows [2, 10) key 9.
+TEST(MaskBuilders, GlobalSlidingWindowsBeyondTheKeysCutNothing) {
+  const int64_t N = 10, global = 2, big = std::numeric_limits<int64_t>::max();
+  const auto rows = [&](int64_t w_left, int64_t w_right) {
+    return dense_rows(single(global_sliding_window_mask(N, global, w_left, w_right), N, N));
+  };
+  const auto full = rows(N, N);
+  EXPECT_EQ(full, std::vector<std::string>(size_t(N), std::string(size_t(N), '1')));
+  EXPECT_EQ(rows(big, big), full);
+  EXPECT_EQ(rows(big, 1), rows(N, 1));
+  EXPECT_EQ(rows(1, big), rows(1, N));
+}
+
 TEST(MaskBuilders, RejectBadArguments) {
   expect_input_error([] { causal_document_mask({2, 0}); }, {"document 1 has length 0"});
   expect_input_error([] { causal_document_mask({}); }, {"at least one document"});
   expect_input_error([] { sliding_window_mask(4, 4, 0); }, {"window = 0"});
   expect_input_error([] { prefix_lm_causal_mask(4, 5); }, {"prefix = 5"});
   expect_input_error([] { prefix_lm_document_mask({2, 2}, {3, 0}); }, {"prefix 3 of document 0"});
-  expect_input_error([] { qk_sparse_mask(8, {{4, 2}, {5, 1}}); }, {"span [5, 6)"});
+  expect_input_error([] { qk_sparse_mask(8, {{4, 2}, {5, 1}}); }, {"span at 5 of length 1"});
+  // Past N by far: offset + length would overflow int64 and pass the bound.
+  expect_input_error(
+      [] {
+        qk_sparse_mask(10, {{1, std::numeric_limits<int64_t>::max()}});
+      },
+      {"span at 1 of length 9223372036854775807", "inside [0, N=10)"});
   expect_input_error([] { random_eviction_mask({0, 2}); }, {"key 0 evicted at row 0"});
   expect_input_error([] { global_sliding_window_mask(4, 5, 1, 1); }, {"global=5"});
   expect_input_error([] { doc_lengths_from_starts({0, 3, 3}, 5); }, {"ascend strictly"});

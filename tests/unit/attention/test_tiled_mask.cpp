@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "tessel/attention/tiled_mask.hpp"
+#include "tessel/core/error.hpp"
 #include "unit/attention/attention_test_util.hpp"
 
 namespace tessel::attention {
@@ -77,6 +78,13 @@ TEST(TiledMask, ClassificationWithBlockMaskIsConservative) {
   EXPECT_GT(tally.partial, 0);
   EXPECT_GT(tally.unmasked, 0);
   EXPECT_GT(tally.skipped, tally.skipped_by_blocks);
+}
+
+// A row tile of no rows would never advance the row loop: refused, not a hang.
+TEST(TiledMask, CountTilesRefusesRowTilesOfNoRows) {
+  const TiledMask tm(ColumnMask::causal_only(1, 8, 8), 4);
+  for (int64_t tile_q : {0, -3}) EXPECT_THROW(count_tiles(tm, 1, 1, tile_q), Error) << tile_q;
+  EXPECT_EQ(count_tiles(tm, 1, 1, 4).total(), 4);
 }
 
 // Causal-document with 64-row tiles: the block structure is found exactly.
