@@ -110,9 +110,13 @@ class CheckpointStore {
   };
   // The newest checkpoint that verifies, row-shard files' checksums included (they are read
   // here once, in chunks; the ranks read their own later): `latest()` first, then older
-  // complete ones, each failure reported through `warn` (a damaged newest checkpoint costs
-  // the steps since the previous one, not the run). nullopt when there is no checkpoint; when
-  // every one fails, rethrows the newest one's error.
+  // complete ones, passing over damaged ones (a file missing, of another size or checksum, a
+  // manifest that does not parse, contradicts itself or names another step than its
+  // directory), each reported through `warn` (a damaged newest checkpoint costs the steps
+  // since the previous one, not the run). Any other failure (a format version this tessel does
+  // not read, a file it cannot read) stops with an InputError naming the checkpoint: it may be
+  // good, and a resume deletes what is passed over. nullopt when there is no checkpoint; when
+  // every one is damaged, rethrows the newest one's error.
   std::optional<Loaded> load_newest_valid(const std::function<void(const std::string&)>& warn,
                                           CheckpointParts parts = CheckpointParts::all) const;
 
