@@ -661,7 +661,8 @@ std::optional<std::string> CheckpointStore::latest() const {
 }
 
 std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
-    const std::function<void(const std::string&)>& warn, CheckpointParts parts) const {
+    const std::function<void(const std::string&)>& warn, CheckpointParts parts,
+    const std::function<std::string(const CheckpointContent&)>& state_problem) const {
   std::vector<std::string> candidates;  // newest first
   for (const auto& dir : complete_checkpoints(fs::path(root_))) candidates.push_back(dir.string());
   if (candidates.empty()) return std::nullopt;
@@ -677,6 +678,9 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
         damaged(candidates[i], "/", kManifest, ": holds step ", loaded.content.step,
                 ", not the step ", named,
                 " its directory is named after (a copied or renamed checkpoint)");
+      if (const std::string problem = state_problem ? state_problem(loaded.content) : "";
+          !problem.empty())
+        damaged(candidates[i], "/", kManifest, ": ", problem);
       // The row-shard files too, each once (in chunks, holding none): a damaged one falls back
       // to an older checkpoint here, before every rank reads its own and would stop.
       std::set<std::string> checked;

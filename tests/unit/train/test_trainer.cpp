@@ -259,6 +259,28 @@ TEST_F(TrainerTest, ACheckpointOfANewerTesselStopsTheResumeAndIsKept) {
                               {newest + "/manifest.json", "newer"});
 }
 
+// Every checkpoint is saved between steps, where the loader stands at the start of the next
+// one: a manifest whose loader position is anywhere else (edited or damaged) would replay or
+// skip data, so it fails verification and the resume falls back to the previous checkpoint.
+TEST_F(TrainerTest, ALoaderPositionOffItsCheckpointsStepIsDamage) {
+  const std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = twelve_steps(data_dir, run);
+  const auto resume_after = [&](const std::string& step_dir, const char* key, int64_t value,
+                                int64_t steps) {
+    const std::string dir = run + "/checkpoints/" + step_dir;
+    edit_manifest(dir, [&](nlohmann::json& m) { m["state"]["loader"][key] = value; });
+    c.train.steps = steps;
+    testing::internal::CaptureStderr();
+    const auto resumed = train_run(c);
+    const std::string warned = testing::internal::GetCapturedStderr();
+    EXPECT_NE(warned.find(dir + "/manifest.json"), std::string::npos) << warned;
+    EXPECT_NE(warned.find("loader position"), std::string::npos) << warned;
+    return resumed.resumed_from;
+  };
+  EXPECT_EQ(resume_after("step-00000012", "step", 11, 18), 6);
+  EXPECT_EQ(resume_after("step-00000018", "micro", 1, 24), 12);
+}
+
 namespace {
 // A 10-step run into `run` (its last checkpoint: step 10), and its config.
 train::Config ten_steps(const std::string& data_dir, const std::string& run) {
