@@ -667,7 +667,7 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
   for (const auto& dir : complete_checkpoints(fs::path(root_))) candidates.push_back(dir.string());
   if (candidates.empty()) return std::nullopt;
   std::reverse(candidates.begin(), candidates.end());
-  std::exception_ptr newest_failure;
+  std::string failures;  // each damaged one's, newest first
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
       Loaded loaded{candidates[i], load(candidates[i], parts)};
@@ -688,7 +688,7 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
         if (checked.insert(s.file).second) verify_crc32(s.file, s.crc32);
       return loaded;
     } catch (const DamagedCheckpoint& e) {
-      if (!newest_failure) newest_failure = std::current_exception();
+      failures += (failures.empty() ? "" : "; ") + std::string(e.what());
       if (i + 1 < candidates.size()) warn(std::string(e.what()) + "; trying an older checkpoint");
     } catch (const InputError& e) {
       input_error(e.what(), " (", candidates[i],
@@ -697,7 +697,7 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
                   root_, ")");
     }
   }
-  std::rethrow_exception(newest_failure);
+  input_error("all ", candidates.size(), " checkpoints under ", root_, " are damaged: ", failures);
 }
 
 void warn_on_stderr(const std::string& why) {

@@ -117,8 +117,8 @@ class CheckpointStore {
   // not read, a file it cannot read) stops with an InputError naming the checkpoint: it may be
   // good, and a resume deletes what is passed over. `state_problem`, when set, checks the
   // trainer state the store does not interpret: what it returns (empty: nothing) is damage of
-  // the manifest. nullopt when there is no checkpoint; when every one is damaged, rethrows the
-  // newest one's error.
+  // the manifest. nullopt when there is no checkpoint; when every one is damaged, an InputError
+  // naming each with what failed in it.
   std::optional<Loaded> load_newest_valid(
       const std::function<void(const std::string&)>& warn,
       CheckpointParts parts = CheckpointParts::all,
