@@ -1,6 +1,7 @@
 #include "tessel/train/checkpoint.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstring>
@@ -39,13 +40,31 @@ std::string shard_name(const char* kind, int rank, int ranks) {
   return buf;
 }
 
+// A checkpoint that fails verification: a file missing, shorter or longer than the manifest
+// says or not matching its checksum, a manifest that does not parse or contradicts itself.
+// The only failure load_newest_valid falls back from (a resume then deletes the checkpoint):
+// any other (a newer format, a file that cannot be read) says nothing about the checkpoint.
+class DamagedCheckpoint : public InputError {
+ public:
+  using InputError::InputError;
+};
+
+template <class... Args>
+[[noreturn]] void damaged(const Args&... args) {
+  throw DamagedCheckpoint(detail::concat(args...));
+}
+
+void verify_crc32(const std::string& file, uint32_t crc32) {
+  if (file_crc32(file) != crc32) damaged(file, ": checksum mismatch (corrupt checkpoint file)");
+}
+
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
-  if (!in) input_error(path.string(), ": cannot open");
+  if (!in) input_error(path.string(), ": cannot open: ", std::strerror(errno));
   try {
     return nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
-    input_error(path.string(), ": corrupt JSON (", e.what(), ")");
+    damaged(path.string(), ": corrupt JSON (", e.what(), ")");
   }
 }
 
@@ -362,8 +381,7 @@ void restore_optimizer(const CheckpointContent& from, const std::vector<RowShard
     if (!found) input_error(source, ": tensor '", w.name, "' missing from the checkpoint");
   }
   for (const auto& [file, copies] : reads) {
-    if (file_crc32(file) != copies.front().first->crc32)
-      input_error(file, ": checksum mismatch (corrupt checkpoint file)");
+    verify_crc32(file, copies.front().first->crc32);
     const SafetensorsFile shards = read_safetensors(file);
     for (const auto& [s, w] : copies) {
       const std::string key = shard_key(s->name, s->row0, s->row1);
@@ -643,12 +661,13 @@ std::optional<std::string> CheckpointStore::latest() const {
 }
 
 std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
-    const std::function<void(const std::string&)>& warn, CheckpointParts parts) const {
+    const std::function<void(const std::string&)>& warn, CheckpointParts parts,
+    const std::function<std::string(const CheckpointContent&)>& state_problem) const {
   std::vector<std::string> candidates;  // newest first
   for (const auto& dir : complete_checkpoints(fs::path(root_))) candidates.push_back(dir.string());
   if (candidates.empty()) return std::nullopt;
   std::reverse(candidates.begin(), candidates.end());
-  std::exception_ptr newest_failure;
+  std::string failures;  // each damaged one's, newest first
   for (size_t i = 0; i < candidates.size(); ++i) {
     try {
       Loaded loaded{candidates[i], load(candidates[i], parts)};
@@ -656,22 +675,29 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
       // step, every resume would go back to its real one, and retention would delete the real
       // newer ones. (A checkpoint directory named explicitly loads whatever its name.)
       if (const int64_t named = step_of(candidates[i]); named != loaded.content.step)
-        input_error(candidates[i], "/", kManifest, ": holds step ", loaded.content.step,
-                    ", not the step ", named,
-                    " its directory is named after (a copied or renamed checkpoint)");
+        damaged(candidates[i], "/", kManifest, ": holds step ", loaded.content.step,
+                ", not the step ", named,
+                " its directory is named after (a copied or renamed checkpoint)");
+      if (const std::string problem = state_problem ? state_problem(loaded.content) : "";
+          !problem.empty())
+        damaged(candidates[i], "/", kManifest, ": ", problem);
       // The row-shard files too, each once (in chunks, holding none): a damaged one falls back
       // to an older checkpoint here, before every rank reads its own and would stop.
       std::set<std::string> checked;
       for (const ShardLocation& s : loaded.content.shard_locations)
-        if (checked.insert(s.file).second && file_crc32(s.file) != s.crc32)
-          input_error(s.file, ": checksum mismatch (corrupt checkpoint file)");
+        if (checked.insert(s.file).second) verify_crc32(s.file, s.crc32);
       return loaded;
-    } catch (const InputError& e) {
-      if (!newest_failure) newest_failure = std::current_exception();
+    } catch (const DamagedCheckpoint& e) {
+      failures += (failures.empty() ? "" : "; ") + std::string(e.what());
       if (i + 1 < candidates.size()) warn(std::string(e.what()) + "; trying an older checkpoint");
+    } catch (const InputError& e) {
+      input_error(e.what(), " (", candidates[i],
+                  " is not known to be damaged, so no older checkpoint is used in its place; to "
+                  "use an older one, move it out of ",
+                  root_, ")");
     }
   }
-  std::rethrow_exception(newest_failure);
+  input_error("all ", candidates.size(), " checkpoints under ", root_, " are damaged: ", failures);
 }
 
 void warn_on_stderr(const std::string& why) {
@@ -709,10 +735,15 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
   std::vector<std::string> files;
   std::map<std::string, uint32_t> shard_crcs;  // row-shard files, by path: verified when read
   try {
-    const int version = manifest.at("version").get<int>();
-    if (manifest.at("format") != "tessel-checkpoint" || version < kOldestVersion ||
-        version > kFormatVersion)
-      input_error(manifest_path.string(), ": unsupported checkpoint format or version");
+    // Another format or version is not damage: the checkpoint may be fine for what wrote it.
+    if (manifest.at("format") != "tessel-checkpoint")
+      input_error(manifest_path.string(), ": format ", manifest["format"].dump(),
+                  " is not a tessel checkpoint's (\"tessel-checkpoint\")");
+    if (const int version = manifest.at("version").get<int>();
+        version < kOldestVersion || version > kFormatVersion)
+      input_error(manifest_path.string(), ": checkpoint format version ", version, " is ",
+                  version > kFormatVersion ? "newer" : "older", " than this tessel reads (",
+                  kOldestVersion, " to ", kFormatVersion, "); use the tessel that wrote it");
     content.step = manifest.at("step").get<int64_t>();
     content.state = manifest.at("state");
     for (const auto& f : manifest.at("files")) {
@@ -720,16 +751,15 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
       auto is = [&](int kind) { return name.rfind(std::string(kKinds[kind]) + "-", 0) == 0; };
       if (kinds == 1 && !is(0)) continue;
       fs::path p = dir / name;
-      if (!fs::exists(p)) input_error(p.string(), ": missing checkpoint file");
+      if (!fs::exists(p)) damaged(p.string(), ": missing checkpoint file");
       if (fs::file_size(p) != f.at("bytes").get<uint64_t>())
-        input_error(p.string(), ": size ", fs::file_size(p), " differs from the manifest's ",
-                    f.at("bytes").get<uint64_t>(), " (truncated or corrupt)");
+        damaged(p.string(), ": size ", fs::file_size(p), " differs from the manifest's ",
+                f.at("bytes").get<uint64_t>(), " (truncated or corrupt)");
       if (is(2)) {
         shard_crcs[p.string()] = f.at("crc32").get<uint32_t>();
         continue;
       }
-      if (file_crc32(p.string()) != f.at("crc32").get<uint32_t>())
-        input_error(p.string(), ": checksum mismatch (corrupt checkpoint file)");
+      verify_crc32(p.string(), f.at("crc32").get<uint32_t>());
       files.push_back(name);
     }
     // Each kind's shares, merged by name into the saved order.
@@ -744,8 +774,8 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
       for (const auto& name : manifest.at("tensors").at(kKinds[k])) {
         auto it = by_name.find(name.get<std::string>());
         if (it == by_name.end())
-          input_error(manifest_path.string(), ": tensor '", name.get<std::string>(),
-                      "' is in no checkpoint file");
+          damaged(manifest_path.string(), ": tensor '", name.get<std::string>(),
+                  "' is in no checkpoint file");
         into[k]->push_back({it->first, it->second});
       }
     }
@@ -755,16 +785,16 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
       for (ShardLocation& s : content.shard_locations) {
         auto crc = shard_crcs.find(s.file);
         if (crc == shard_crcs.end())
-          input_error(manifest_path.string(), ": row shard '", s.name, "' lies in ", s.file,
-                      ", which is not among its files");
+          damaged(manifest_path.string(), ": row shard '", s.name, "' lies in ", s.file,
+                  ", which is not among its files");
         s.crc32 = crc->second;
       }
       const std::string problem =
           shard_tiling_problem(content.shard_locations, names_of(content.optimizer));
-      if (!problem.empty()) input_error(manifest_path.string(), ": ", problem);
+      if (!problem.empty()) damaged(manifest_path.string(), ": ", problem);
     }
   } catch (const nlohmann::json::exception& e) {
-    input_error(manifest_path.string(), ": malformed manifest (", e.what(), ")");
+    damaged(manifest_path.string(), ": malformed manifest (", e.what(), ")");
   }
   return content;
 }

@@ -110,11 +110,19 @@ class CheckpointStore {
   };
   // The newest checkpoint that verifies, row-shard files' checksums included (they are read
   // here once, in chunks; the ranks read their own later): `latest()` first, then older
-  // complete ones, each failure reported through `warn` (a damaged newest checkpoint costs
-  // the steps since the previous one, not the run). nullopt when there is no checkpoint; when
-  // every one fails, rethrows the newest one's error.
-  std::optional<Loaded> load_newest_valid(const std::function<void(const std::string&)>& warn,
-                                          CheckpointParts parts = CheckpointParts::all) const;
+  // complete ones, passing over damaged ones (a file missing, of another size or checksum, a
+  // manifest that does not parse, contradicts itself or names another step than its
+  // directory), each reported through `warn` (a damaged newest checkpoint costs the steps
+  // since the previous one, not the run). Any other failure (a format version this tessel does
+  // not read, a file it cannot read) stops with an InputError naming the checkpoint: it may be
+  // good, and a resume deletes what is passed over. `state_problem`, when set, checks the
+  // trainer state the store does not interpret: what it returns (empty: nothing) is damage of
+  // the manifest. nullopt when there is no checkpoint; when every one is damaged, an InputError
+  // naming each with what failed in it.
+  std::optional<Loaded> load_newest_valid(
+      const std::function<void(const std::string&)>& warn,
+      CheckpointParts parts = CheckpointParts::all,
+      const std::function<std::string(const CheckpointContent&)>& state_problem = {}) const;
 
   // Deletes the complete checkpoints after `dir` (those load_newest_valid passed over as
   // damaged), so retention never keeps them in place of good ones.

@@ -177,6 +177,24 @@ std::string absent_key_mismatch(const std::string& key, const nlohmann::json& va
                         json_text(value));
 }
 
+// Why a checkpoint's data-loader position is not the one save() records, the start of the step
+// after the checkpoint's (empty when it is): saves come between steps, so any other position
+// is an edited or damaged manifest, and resuming there would replay or skip data.
+std::string loader_position_problem(const CheckpointContent& content) {
+  try {
+    const nlohmann::json& loader = content.state.at("loader");
+    const int64_t step = loader.at("step").get<int64_t>(),
+                  micro = loader.at("micro").get<int64_t>();
+    if (step == content.step && micro == 0) return "";
+    return detail::concat("data loader position step ", step, ", micro-batch ", micro,
+                          " is not where a checkpoint of step ", content.step,
+                          " leaves the loader (step ", content.step,
+                          ", micro-batch 0); resuming there would replay or skip data");
+  } catch (const nlohmann::json::exception& e) {
+    return detail::concat("malformed data loader position (", e.what(), ")");
+  }
+}
+
 // Rank 0's `text` on every rank.
 std::string broadcast_text(comm::Communicator& group, const std::string& text) {
   int64_t n = int64_t(text.size());
@@ -675,7 +693,9 @@ struct Trainer::State {
 
   // Continues from the run directory's newest checkpoint that verifies, when there is one.
   void resume() {
-    const auto loaded = load_agreed([this] { return store.load_newest_valid(warn_on_stderr); });
+    const auto loaded = load_agreed([this] {
+      return store.load_newest_valid(warn_on_stderr, CheckpointParts::all, loader_position_problem);
+    });
     if (!loaded) return;
     const std::string& chosen = loaded->dir;
     const CheckpointContent& content = loaded->content;

@@ -223,6 +223,27 @@ TEST(Checkpoint, CorruptionIsDetectedByChecksumAndSize) {
   EXPECT_NE(what.find("manifest.json"), std::string::npos) << what;
 }
 
+// When no checkpoint verifies, the error names each one with what failed in it (it used to
+// name the newest alone: the others' reasons were warned about or, the oldest's, never shown).
+TEST(Checkpoint, WhenNoneVerifiesTheErrorNamesEveryCheckpoint) {
+  comm::SingleCommunicator group;
+  std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";
+  CheckpointStore store(root, 0);
+  for (int64_t step : {1, 2}) store.save(group, content_at(step));
+  const std::string older = root + "/step-00000001/model-00000-of-00001.safetensors";
+  const std::string newer = root + "/step-00000002/model-00000-of-00001.safetensors";
+  fs::resize_file(older, fs::file_size(older) - 1);
+  corrupt_byte(newer, std::streamoff(fs::file_size(newer) - 2));
+  std::vector<std::string> warned;
+  const std::string what = input_error_of(
+      [&] { store.load_newest_valid([&](const std::string& why) { warned.push_back(why); }); });
+  for (const std::string& part : {older + ": size", newer + ": checksum mismatch"})
+    EXPECT_NE(what.find(part), std::string::npos) << what;
+  EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  ASSERT_EQ(warned.size(), 1u);  // while an older one was left to try
+  EXPECT_NE(warned[0].find(newer), std::string::npos) << warned[0];
+}
+
 TEST(AsyncCheckpoint, ParametersChangedAfterSaveReturnsAreNotInTheCheckpoint) {
   comm::SingleCommunicator group;
   std::string root = fixture::temp_dir("tessel-ckpt") + "/checkpoints";

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -218,6 +219,66 @@ TEST_F(TrainerTest, ResumeTakesTheNewestCheckpointWhateverLatestNames) {
   fs::create_directories(named);
   fs::copy(run + "/checkpoints/step-00000020", named);
   EXPECT_EQ(train::CheckpointStore::load(named).step, 20);
+}
+
+namespace {
+// A 12-step run into `run` with checkpoints at steps 6 and 12, and its config.
+train::Config twelve_steps(const std::string& data_dir, const std::string& run) {
+  train::Config c = fixture::tiny_config(data_dir, run);
+  c.train.steps = 12;
+  c.train.checkpoint_every = 6;
+  c.train.checkpoint_async = false;
+  c.optim.warmup_steps = 2;
+  train_run(c);
+  return c;
+}
+
+// Rewrites the manifest of checkpoint directory `dir` through `edit`.
+void edit_manifest(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  const std::string path = dir + "/manifest.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(path));
+  edit(m);
+  std::ofstream(path) << m.dump();
+}
+}  // namespace
+
+// A checkpoint written by a newer tessel is not damaged: the resume stops, naming it and the
+// tessel to use, and keeps it (it used to fall back to step 6 and delete it as damaged).
+// Whatever else loads a run's newest checkpoint (generate, eval, export, train.init_from)
+// stops on it too rather than take an older one's weights.
+TEST_F(TrainerTest, ACheckpointOfANewerTesselStopsTheResumeAndIsKept) {
+  const std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = twelve_steps(data_dir, run);
+  const std::string newest = run + "/checkpoints/step-00000012";
+  edit_manifest(newest, [](nlohmann::json& m) { m["version"] = m["version"].get<int>() + 1; });
+  c.train.steps = 18;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {newest + "/manifest.json", "newer", "the tessel that wrote it"});
+  EXPECT_TRUE(fs::exists(newest + "/manifest.json"));
+  fixture::expect_input_error([&] { train::load_run_checkpoint(run); },
+                              {newest + "/manifest.json", "newer"});
+}
+
+// Every checkpoint is saved between steps, where the loader stands at the start of the next
+// one: a manifest whose loader position is anywhere else (edited or damaged) would replay or
+// skip data, so it fails verification and the resume falls back to the previous checkpoint.
+TEST_F(TrainerTest, ALoaderPositionOffItsCheckpointsStepIsDamage) {
+  const std::string run = fixture::temp_dir("tessel-run");
+  train::Config c = twelve_steps(data_dir, run);
+  const auto resume_after = [&](const std::string& step_dir, const char* key, int64_t value,
+                                int64_t steps) {
+    const std::string dir = run + "/checkpoints/" + step_dir;
+    edit_manifest(dir, [&](nlohmann::json& m) { m["state"]["loader"][key] = value; });
+    c.train.steps = steps;
+    testing::internal::CaptureStderr();
+    const auto resumed = train_run(c);
+    const std::string warned = testing::internal::GetCapturedStderr();
+    EXPECT_NE(warned.find(dir + "/manifest.json"), std::string::npos) << warned;
+    EXPECT_NE(warned.find("loader position"), std::string::npos) << warned;
+    return resumed.resumed_from;
+  };
+  EXPECT_EQ(resume_after("step-00000012", "step", 11, 18), 6);
+  EXPECT_EQ(resume_after("step-00000018", "micro", 1, 24), 12);
 }
 
 namespace {
