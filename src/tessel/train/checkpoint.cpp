@@ -444,7 +444,7 @@ AsyncCheckpointer::~AsyncCheckpointer() {
   writer_.join();
   // A collective still pending here waits for peers that may never join it (this rank is
   // unwinding from an error): leave it to the process exit rather than block.
-  if (request_) request_->abandon();
+  if (request_ && !request_->abandon()) (void)agreement_.release();
 }
 
 void AsyncCheckpointer::writer_loop() {
@@ -497,7 +497,7 @@ void AsyncCheckpointer::write_files() {
     content_.optimizer_shards.clear();
   }
   cv_.notify_all();
-  record_.assign(kRecord, -1);
+  agreement_->record.assign(kRecord, -1);
   fs::path tmp = fs::path(store_.root()) / (step_name(c.step) + ".incomplete");
   std::error_code ec;
   fs::create_directories(tmp, ec);  // every rank; the others may have made it already
@@ -508,11 +508,11 @@ void AsyncCheckpointer::write_files() {
     uint32_t crc = 0;
     write_safetensors(path, staging_[k], {}, &crc);
     fsync_path(path);
-    record_[1 + 2 * k] = int64_t(fs::file_size(path));
-    record_[2 + 2 * k] = int64_t(crc);
+    agreement_->record[1 + 2 * k] = int64_t(fs::file_size(path));
+    agreement_->record[2 + 2 * k] = int64_t(crc);
   }
   if (on_files_written) on_files_written(c.step);
-  record_[0] = 1;
+  agreement_->record[0] = 1;
 }
 
 void AsyncCheckpointer::commit() {
@@ -531,7 +531,7 @@ void AsyncCheckpointer::commit() {
   manifest["files"] = nlohmann::json::array();
   for (int r = 0; r < ranks_; ++r)
     for (int k = 0; k < kFiles; ++k) {
-      const int64_t* record = &gathered_[kRecord * size_t(r) + 1 + 2 * size_t(k)];
+      const int64_t* record = &agreement_->gathered[kRecord * size_t(r) + 1 + 2 * size_t(k)];
       if (record[0] >= 0)
         manifest["files"].push_back({{"name", shard_name(kKinds[k], r, ranks_)},
                                      {"bytes", record[0]},
@@ -601,9 +601,9 @@ void AsyncCheckpointer::advance(bool block) {
   };
   auto request_done = [&] { return block ? (request_->wait(), true) : request_->test(); };
   auto agree_on_commit = [&](bool ok) {  // phase two: every rank's view of rank 0's commit
-    agree_flag_ = ok ? 1 : 0;
+    agreement_->flag = ok ? 1 : 0;
     request_ = std::make_unique<comm::Request>(
-        group_.iall_reduce(&agree_flag_, 1, comm::ElemType::i64, comm::ReduceOp::min));
+        group_.iall_reduce(&agreement_->flag, 1, comm::ElemType::i64, comm::ReduceOp::min));
     stage_ = Stage::agree_commit;
   };
   for (;;) {
@@ -612,15 +612,16 @@ void AsyncCheckpointer::advance(bool block) {
         return;
       case Stage::writing:
         if (!writer_done()) return;
-        gathered_.assign(kRecord * size_t(ranks_), 0);
-        request_ = std::make_unique<comm::Request>(
-            group_.iall_gather(record_.data(), gathered_.data(), kRecord, comm::ElemType::i64));
+        agreement_->gathered.assign(kRecord * size_t(ranks_), 0);
+        request_ = std::make_unique<comm::Request>(group_.iall_gather(
+            agreement_->record.data(), agreement_->gathered.data(), kRecord, comm::ElemType::i64));
         stage_ = Stage::agree_files;
         break;
       case Stage::agree_files: {
         if (!request_done()) return;
         bool all_ok = true;
-        for (int r = 0; r < ranks_; ++r) all_ok = all_ok && gathered_[kRecord * size_t(r)] == 1;
+        for (int r = 0; r < ranks_; ++r)
+          all_ok = all_ok && agreement_->gathered[kRecord * size_t(r)] == 1;
         if (!all_ok) {
           if (rank_ == 0)
             fs::remove_all(fs::path(store_.root()) / (step_name(content_.step) + ".incomplete"));
@@ -645,7 +646,7 @@ void AsyncCheckpointer::advance(bool block) {
         break;
       case Stage::agree_commit:
         if (!request_done()) return;
-        if (agree_flag_ != 1) fail(failure_.empty() ? "rank 0 failed to commit it" : failure_);
+        if (agreement_->flag != 1) fail(failure_.empty() ? "rank 0 failed to commit it" : failure_);
         last_committed_ = content_.step;
         stage_ = Stage::idle;
         return;

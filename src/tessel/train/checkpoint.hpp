@@ -202,14 +202,19 @@ class AsyncCheckpointer {
   std::condition_variable cv_;
   bool stop_ = false, job_write_ = false, job_commit_ = false;
   bool staged_ = true, done_ = true;
-  std::string failure_;                     // writer failure of the current job
-  CheckpointContent content_;               // views; this rank copies its share
-  std::vector<std::string> names_[2];       // model, optimizer: the manifest's
-  nlohmann::json shards_;                   // the manifest's "shards": every rank's row shards
-  std::vector<NamedTensor> staging_[3];     // model, optimizer, row shards: reusable buffers
-  std::vector<int64_t> record_, gathered_;  // [ok, (bytes, crc) per file], every rank's
+  std::string failure_;                  // writer failure of the current job
+  CheckpointContent content_;            // views; this rank copies its share
+  std::vector<std::string> names_[2];    // model, optimizer: the manifest's
+  nlohmann::json shards_;                // the manifest's "shards": every rank's row shards
+  std::vector<NamedTensor> staging_[3];  // model, optimizer, row shards: reusable buffers
+  // The agreements' buffers, written by the collective in flight: when it cannot be abandoned
+  // (~AsyncCheckpointer, unwinding), they are left to the process exit, not freed under it.
+  struct Agreement {
+    std::vector<int64_t> record, gathered;  // [ok, (bytes, crc) per file], every rank's
+    int64_t flag = 0;                       // rank 0 committed (1) or not (0), min over ranks
+  };
+  std::unique_ptr<Agreement> agreement_ = std::make_unique<Agreement>();
   std::unique_ptr<comm::Request> request_;  // the agreement in progress
-  int64_t agree_flag_ = 0;
   std::thread writer_;
 };
 

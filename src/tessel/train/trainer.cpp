@@ -177,11 +177,20 @@ std::string absent_key_mismatch(const std::string& key, const nlohmann::json& va
                         json_text(value));
 }
 
-// Why a checkpoint's data-loader position is not the one save() records, the start of the step
-// after the checkpoint's (empty when it is): saves come between steps, so any other position
-// is an edited or damaged manifest, and resuming there would replay or skip data.
-std::string loader_position_problem(const CheckpointContent& content) {
+// Why a checkpoint's trainer state cannot be resumed from (empty when it can): the resume
+// reads a compatibility record and the spike filter's norms (numbers, when kept), and the
+// data-loader position must be the one save() records, the start of the step after the
+// checkpoint's: saves come between steps, so any other position is an edited or damaged
+// manifest, and resuming there would replay or skip data.
+std::string resume_state_problem(const CheckpointContent& content) {
   try {
+    if (!content.state.at("compatibility").is_object())
+      return "the compatibility record is not an object";
+    if (const auto norms = content.state.find("spike_norms");
+        norms != content.state.end() &&
+        (!norms->is_array() ||
+         !std::all_of(norms->begin(), norms->end(), [](const auto& v) { return v.is_number(); })))
+      return "spike_norms is not a list of numbers";
     const nlohmann::json& loader = content.state.at("loader");
     const int64_t step = loader.at("step").get<int64_t>(),
                   micro = loader.at("micro").get<int64_t>();
@@ -191,7 +200,7 @@ std::string loader_position_problem(const CheckpointContent& content) {
                           " leaves the loader (step ", content.step,
                           ", micro-batch 0); resuming there would replay or skip data");
   } catch (const nlohmann::json::exception& e) {
-    return detail::concat("malformed data loader position (", e.what(), ")");
+    return detail::concat("malformed trainer state (", e.what(), ")");
   }
 }
 
@@ -694,7 +703,7 @@ struct Trainer::State {
   // Continues from the run directory's newest checkpoint that verifies, when there is one.
   void resume() {
     const auto loaded = load_agreed([this] {
-      return store.load_newest_valid(warn_on_stderr, CheckpointParts::all, loader_position_problem);
+      return store.load_newest_valid(warn_on_stderr, CheckpointParts::all, resume_state_problem);
     });
     if (!loaded) return;
     const std::string& chosen = loaded->dir;

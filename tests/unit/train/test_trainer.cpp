@@ -279,6 +279,26 @@ TEST_F(TrainerTest, ALoaderPositionOffItsCheckpointsStepIsDamage) {
   };
   EXPECT_EQ(resume_after("step-00000012", "step", 11, 18), 6);
   EXPECT_EQ(resume_after("step-00000018", "micro", 1, 24), 12);
+  // So is trainer state the resume reads in another form: once an exit 1 naming a JSON key.
+  for (const auto& [edit, why] :
+       {std::pair<std::function<void(nlohmann::json&)>, const char*>{
+            [](nlohmann::json& s) { s["spike_norms"] = "1.0"; }, "spike_norms is not a list"},
+        {[](nlohmann::json& s) {
+           s["spike_norms"] = {1.0, "x"};
+         },
+         "spike_norms is not a list"},
+        {[](nlohmann::json& s) { s.erase("compatibility"); }, "malformed trainer state"},
+        {[](nlohmann::json& s) { s["compatibility"] = 3; }, "compatibility record is not"}}) {
+    const std::string dir = run + "/checkpoints/step-00000024";
+    c.train.steps = 24;
+    ASSERT_EQ(train_run(c).resumed_from, 24);  // nothing to train: the checkpoint stays
+    edit_manifest(dir, [&](nlohmann::json& m) { edit(m["state"]); });
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(train_run(c).resumed_from, 18);
+    const std::string warned = testing::internal::GetCapturedStderr();
+    EXPECT_NE(warned.find(dir + "/manifest.json: " + std::string()), std::string::npos) << warned;
+    EXPECT_NE(warned.find(why), std::string::npos) << warned;
+  }
 }
 
 namespace {
