@@ -20,12 +20,6 @@ bool restarts_before(std::span<const int> restarts, int64_t t) {
   return t > 0 && std::find(restarts.begin(), restarts.end(), int(t)) != restarts.end();
 }
 
-// dst [m, n] = src [n, m] transposed.
-void transpose(const float* src, int64_t n, int64_t m, float* dst) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < m; ++j) dst[j * n + i] = src[i * m + j];
-}
-
 // AOL rescaling (Prach & Lampert's almost-orthogonal layers, Turbo-Muon's preconditioner):
 // X <- D X with D_ii = (sum_j |X X^T|_ij)^(-1/2), which bounds ||D X||_2 by 1 like the
 // Frobenius normalization; on a gradient the rows' sums are typically far below the whole
@@ -162,7 +156,7 @@ void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& 
   const int64_t n = tall ? cols : rows, m = tall ? rows : cols;
   std::vector<float> X(size_t(n * m));
   if (tall)
-    transpose(U, rows, cols, X.data());
+    kernels::transpose(U, rows, cols, X.data());
   else
     std::copy(U, U + n * m, X.data());
   // With AOL the rescaled X's Gram is the first step's, handed to the core.
@@ -183,7 +177,7 @@ void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& 
   else
     newton_schulz(X.data(), n, m, o.coefficients, o.symmetric, first_gram);
   if (tall)
-    transpose(X.data(), n, m, out);
+    kernels::transpose(X.data(), n, m, out);
   else
     std::copy(X.begin(), X.end(), out);
 }

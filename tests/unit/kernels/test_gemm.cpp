@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "kernel_test_util.hpp"
 #include "tessel/core/threading.hpp"
@@ -76,6 +79,25 @@ TEST(Gemm, ZeroInnerDimensionScalesC) {
   VecF C = {1, 2, 3, 4, 5, 6};
   gemm(false, false, 2, 3, 0, 1.0f, nullptr, 0, nullptr, 3, 0.5f, C.data(), 3);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(C[i], 0.5f * float(i + 1));
+}
+
+// Every element lands at its transposed place, bitwise (NaN and signed zero included: a copy,
+// not arithmetic), for shapes around OpenBLAS's blocking, one row or column, and empty ones.
+TEST(Transpose, EqualsTheDefinitionBitwise) {
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 1}, {1, 9}, {9, 1}, {3, 5}, {37, 53}, {256, 1024}, {1024, 256}, {0, 4}, {4, 0}}) {
+    SCOPED_TRACE(::testing::Message() << rows << " x " << cols);
+    Rng rng(uint64_t(rows * 1000 + cols));
+    VecF src = randn(rng, rows * cols);
+    if (!src.empty()) src[0] = -0.0f, src.back() = std::numeric_limits<float>::quiet_NaN();
+    VecF dst(src.size(), 7.0f);
+    transpose(src.data(), rows, cols, dst.data());
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        ASSERT_EQ(std::bit_cast<uint32_t>(dst[size_t(j * rows + i)]),
+                  std::bit_cast<uint32_t>(src[size_t(i * cols + j)]))
+            << i << ", " << j;
+  }
 }
 
 namespace {

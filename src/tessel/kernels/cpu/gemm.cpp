@@ -41,6 +41,15 @@ void ssyrk_lower(int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
 
 }  // namespace detail
 
+void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  constexpr int64_t kMaxInt = 0x7fffffff;
+  TESSEL_CHECK(rows >= 0 && cols >= 0 && rows <= kMaxInt && cols <= kMaxInt, "transpose sizes ",
+               rows, "x", cols);
+  if (rows == 0 || cols == 0) return;
+  cblas_somatcopy(CblasRowMajor, CblasTrans, int(rows), int(cols), 1.0f, src, int(cols), dst,
+                  int(rows));
+}
+
 // OpenBLAS is its OpenMP build (see CMakeLists.txt): called here, outside any parallel
 // region, it splits the product over tessel's OpenMP threads; its partition depends only
 // on the sizes and the thread count, so results are deterministic for a fixed count.
