@@ -3,7 +3,8 @@
 //  - tessel::Error: an internal invariant broke (a bug); TESSEL_CHECK names file and line.
 //  - tessel::InputError: the user gave bad input (file, config field, world size);
 //    the message names the file or field and the expected value.
-//  - tessel::DivergenceError: training produced a non-finite gradient norm. A resume from
+//  - tessel::DivergenceError: training produced a non-finite gradient norm, validation loss
+//    or MoE router logits (a model's non-finite output, in generate and eval). A resume from
 //    the last checkpoint would repeat it bit for bit, so `tessel run` does not relaunch.
 // The CLI prints the message as one line and exits with the kind's status.
 #include <sstream>

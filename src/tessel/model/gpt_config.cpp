@@ -81,10 +81,7 @@ void validate(const GptConfig& c) {
     if (c.head_dim() % 2 != 0)
       input_error("model.width / model.heads = ", c.head_dim(),
                   " (the head dimension) must be even for model.positions = \"rotary\"");
-    // The pair frequencies theta^(-2i/d) fall with i only above 1 (at 1 all are equal).
     require_positive("rope_theta", c.rope_theta);
-    if (c.rope_theta <= 1.0)
-      input_error("model.rope_theta = ", c.rope_theta, " must be greater than 1");
   }
   require_size("max_seq", c.max_seq, kMaxSize);
   if (c.attention_window < 0)
@@ -97,15 +94,6 @@ void validate(const GptConfig& c) {
   const std::vector<bool> mask = c.moe_mask();
   const bool moe = std::find(mask.begin(), mask.end(), true) != mask.end();
   if (moe) moe::validate(c.moe);
-  // The layer computes it (its tests tie every gate that way), but a model would not learn to
-  // route: the loss gives a gate of p / p no gradient.
-  if (moe && c.moe.top_k == 1 && c.moe.normalize_gates &&
-      c.moe.balance != moe::Balance::expert_choice)
-    input_error(
-        "model.moe_top_k = 1 with model.moe_normalize_gates = true makes every gate p / p = 1, so "
-        "the loss gives the router no gradient and it never learns to route; set "
-        "model.moe_normalize_gates = false (each token's output scaled by its expert's "
-        "probability, as Switch Transformer's top-1 router)");
   // An upper bound of the parameter count (every block with the widest MLP, gated, each
   // expert and the shared one), in floating point: sizes whose products would overflow the
   // int64 element counts of the model's tensors are refused here, not in an allocation.
@@ -132,6 +120,24 @@ const char* to_string(PositionType positions) {
 }
 const char* to_string(Recompute recompute) {
   return recompute == Recompute::none ? "none" : "blocks";
+}
+
+void check_trainable(const GptConfig& c) {
+  const std::vector<bool> mask = c.moe_mask();
+  if (std::find(mask.begin(), mask.end(), true) == mask.end()) return;
+  const moe::MoeConfig& m = c.moe;
+  // The loss gives a gate of p / p no gradient: the router would never learn to route.
+  if (m.top_k == 1 && m.normalize_gates && m.balance != moe::Balance::expert_choice)
+    input_error(
+        "model.moe_top_k = 1 with model.moe_normalize_gates = true makes every gate p / p = 1, so "
+        "the loss gives the router no gradient and it never learns to route; set "
+        "model.moe_normalize_gates = false (each token's output scaled by its expert's "
+        "probability, as Switch Transformer's top-1 router)");
+  // Every token takes every expert: each margin is S - (-inf) = inf, and so would beta be.
+  if (m.balance == moe::Balance::qb_avg && m.top_k == m.experts)
+    input_error(
+        "model.moe_balance = \"qb_avg\" needs model.moe_top_k < model.moe_experts (every token "
+        "takes every expert, and its quantile bias would be infinite)");
 }
 
 }  // namespace tessel::model

@@ -64,6 +64,13 @@ int64_t default_mlp_hidden(MlpType mlp, int64_t width);
 // Throws tessel::InputError naming the first bad field ("model.<field> = value ...").
 void validate(const GptConfig& config);
 
+// InputError for settings the model computes but would not learn with, refused for a run
+// that starts training (not for a checkpoint an earlier tessel let train with them, which
+// still resumes, generates and exports): top-1 MoE routing with normalized gates (every
+// gate p / p = 1, so the router gets no gradient), and qb_avg with every expert per token
+// (an infinite bias).
+void check_trainable(const GptConfig& config);
+
 // Names as config files spell them; the parsers throw InputError naming model.<field>.
 const char* to_string(MlpType mlp);             // "gelu" | "swiglu"
 const char* to_string(NormType norm);           // "layernorm" | "rmsnorm"

@@ -56,8 +56,7 @@ void validate(const MoeConfig& c) {
     input_error(
         "model.moe_balance = \"seq_aux\" needs model.moe_score = \"softmax\" (DeepSeek-V3 "
         "normalizes sigmoid scores over the experts first, which is not implemented)");
-  // Every margin is then S - (-inf) = inf, and so would beta be.
-  if ((uses_global_quantile(c.balance) || c.balance == Balance::qb_avg) && c.top_k == c.experts)
+  if (uses_global_quantile(c.balance) && c.top_k == c.experts)
     input_error("model.moe_balance = \"", to_string(c.balance),
                 "\" needs model.moe_top_k < model.moe_experts (every token takes every expert)");
   if (c.balance == Balance::expert_choice && c.drop == DropPolicy::position)

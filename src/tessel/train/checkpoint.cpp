@@ -698,7 +698,10 @@ std::optional<CheckpointStore::Loaded> CheckpointStore::load_newest_valid(
                   root_, ")");
     }
   }
-  input_error("all ", candidates.size(), " checkpoints under ", root_, " are damaged: ", failures);
+  input_error(candidates.size() == 1 ? "the only checkpoint"
+                                     : detail::concat("all ", candidates.size(), " checkpoints"),
+              " under ", root_, (candidates.size() == 1 ? " is" : " are"), " damaged: ", failures,
+              "; to start over, use a new run.dir or remove ", root_);
 }
 
 void warn_on_stderr(const std::string& why) {
@@ -796,6 +799,8 @@ CheckpointContent CheckpointStore::load(const std::string& dir_text, CheckpointP
     }
   } catch (const nlohmann::json::exception& e) {
     damaged(manifest_path.string(), ": malformed manifest (", e.what(), ")");
+  } catch (const std::filesystem::filesystem_error& e) {  // a file that cannot be examined
+    input_error(manifest_path.string(), ": ", e.what());
   }
   return content;
 }

@@ -54,7 +54,7 @@ class FaultInjector {
   FaultInjector& operator=(const FaultInjector&) = delete;
 
   // The attempt resumed from the checkpoint of `step`: what a fault before its first update
-  // reports as done.
+  // reports as done (one while the checkpoint still loads reports 0).
   void starts_from(int64_t step) { completed_ = step; }
   // The training thread finished the update of `step`.
   void after_step(int64_t step);

@@ -997,6 +997,7 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
                   ": holds checkpoints of an earlier run but train.resume = "
                   "false; choose a new run.dir or remove ",
                   s.config.run.dir, "/checkpoints");
+    if (s.resumed_from < 0) model::check_trainable(s.config.model);
     if (s.resumed_from < 0 && !s.config.train.init_from.empty()) s.init_weights();
     s.finish_warmup();
     // A resume or an init loaded a whole checkpoint on every rank; the steps never hold that

@@ -67,20 +67,32 @@ TEST(GptMoe, BadMoeLayersAreInputErrors) {
   fixture::expect_input_error([&] { validate(c); }, {"model.moe_top_k = 5"});
 }
 
-// One expert per token with normalized gates gives every gate p / p = 1: the router would get
-// no gradient from the loss. Refused, unless the gates are p or experts choose (their gates
-// are the scores whatever normalize_gates says).
-TEST(GptMoe, TopOneWithNormalizedGatesIsAnInputError) {
+// What a model computes but would not learn with is refused for training (check_trainable),
+// though it validates (an earlier tessel's checkpoint with it still loads): one expert per
+// token with normalized gates gives every gate p / p = 1 and the router no gradient, unless
+// the gates are p or experts choose (their gates are the scores); qb_avg with every expert per
+// token an infinite bias. A dense model is never refused for its MoE keys.
+TEST(GptMoe, UntrainableMoeSettingsAreRefusedForTraining) {
   GptConfig c = moe_config(gelu_config(), "all");
+  EXPECT_NO_THROW(check_trainable(c));
   c.moe.top_k = 1;
-  fixture::expect_input_error([&] { validate(c); },
+  EXPECT_NO_THROW(validate(c));
+  fixture::expect_input_error([&] { check_trainable(c); },
                               {"model.moe_top_k = 1 with model.moe_normalize_gates = true",
                                "no gradient", "set model.moe_normalize_gates = false"});
   c.moe.normalize_gates = false;
-  EXPECT_NO_THROW(validate(c));
+  EXPECT_NO_THROW(check_trainable(c));
   c.moe.normalize_gates = true;
   c.moe.balance = moe::Balance::expert_choice;
+  EXPECT_NO_THROW(check_trainable(c));
+  c.moe.balance = moe::Balance::qb_avg;
+  c.moe.top_k = c.moe.experts;
   EXPECT_NO_THROW(validate(c));
+  fixture::expect_input_error([&] { check_trainable(c); },
+                              {"\"qb_avg\" needs model.moe_top_k < model.moe_experts"});
+  c.moe_layers = "";
+  c.moe.top_k = 1;
+  EXPECT_NO_THROW(check_trainable(c));
 }
 
 // seq_aux: each row of the micro-batch is one sequence; every block's balancing value is the

@@ -493,21 +493,6 @@ TEST(MoeLayer, QbHistBinsBelowTwoOrAboveTwoToThe20AreAnInputError) {
   }
 }
 
-// qb_avg with every token on every expert: the (k+1)-th score is -inf, every margin and so
-// beta would be +inf (written into checkpoints and exports); refused as for the global ones.
-TEST(MoeLayer, QuantileBalancingWithTopKEqualToTheExpertsIsAnInputError) {
-  MoeConfig c;
-  c.experts = 4;
-  c.top_k = 4;
-  for (Balance b : {Balance::qb_avg, Balance::eqb, Balance::eqb_lei, Balance::qb_hist}) {
-    c.balance = b;
-    fixture::expect_input_error([&] { validate(c); },
-                                {"needs model.moe_top_k < model.moe_experts"});
-  }
-  c.balance = Balance::bias;
-  EXPECT_NO_THROW(validate(c));
-}
-
 // Router logits that overflow make the quantile margins inf - inf = NaN, which have no order:
 // the run stops as diverged (exit 4, DivergenceError), not on an internal check (exit 1).
 // Sigmoid scores: the probabilities of inf logits are finite, so no NaN gradient would say it.

@@ -40,6 +40,6 @@ TEST(FaultInjector, AKillDeadlineBeyondTheClockNeverFires) {
 // (the ETT report's failure_step), not 0.
 TEST(FaultInjector, AKillBeforeAResumedAttemptsFirstStepNamesTheResumedStep) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(arm_and_wait("0.3", /*resumed_from=*/7, /*wait_ms=*/2000),
+  EXPECT_EXIT(arm_and_wait("1", /*resumed_from=*/7, /*wait_ms=*/4000),
               testing::KilledBySignal(SIGKILL), "kill_after_seconds, 7 steps done");
 }

@@ -19,6 +19,7 @@
 #include "tessel/train/checkpoint.hpp"
 #include "tessel/train/checkpoint_interval.hpp"
 #include "tessel/train/ett.hpp"
+#include "tessel/train/run_model.hpp"
 #include "tessel/train/trainer.hpp"
 
 using namespace tessel;
@@ -288,7 +289,7 @@ TEST_F(TrainerTest, ALoaderPositionOffItsCheckpointsStepIsDamage) {
          },
          "spike_norms is not a list"},
         {[](nlohmann::json& s) { s.erase("compatibility"); }, "malformed trainer state"},
-        {[](nlohmann::json& s) { s["compatibility"] = 3; }, "compatibility record is not"}}) {
+        {[](nlohmann::json& s) { s["compatibility"] = 3; }, "the compatibility record is not"}}) {
     const std::string dir = run + "/checkpoints/step-00000024";
     c.train.steps = 24;
     ASSERT_EQ(train_run(c).resumed_from, 24);  // nothing to train: the checkpoint stays
@@ -296,8 +297,7 @@ TEST_F(TrainerTest, ALoaderPositionOffItsCheckpointsStepIsDamage) {
     testing::internal::CaptureStderr();
     EXPECT_EQ(train_run(c).resumed_from, 18);
     const std::string warned = testing::internal::GetCapturedStderr();
-    EXPECT_NE(warned.find(dir + "/manifest.json: " + std::string()), std::string::npos) << warned;
-    EXPECT_NE(warned.find(why), std::string::npos) << warned;
+    EXPECT_NE(warned.find(dir + "/manifest.json: " + why), std::string::npos) << warned;
   }
 }
 
@@ -351,6 +351,35 @@ TEST_F(TrainerTest, ResumeComparesFloatSettingsByValue) {
   c.train.steps = 14;
   fixture::expect_input_error([&] { train_run(c); },
                               {"model.norm_eps = 1.1e-05 but this run has 1e-05"});
+}
+
+// Top-1 routing with normalized gates (every gate p / p = 1: the router never learns) is
+// refused for a run that starts, but a checkpoint an earlier tessel trained with it still
+// resumes, and generate, eval and export still load it.
+TEST_F(TrainerTest, TopOneWithNormalizedGatesIsRefusedForANewRunOnly) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 4;
+  c.optim.warmup_steps = 1;
+  c.model.moe_layers = "all";
+  c.model.moe.experts = 4;
+  c.model.moe.top_k = 1;
+  fixture::expect_input_error([&] { train_run(c); },
+                              {"model.moe_top_k = 1 with model.moe_normalize_gates = true"});
+  c.model.moe.top_k = 2;
+  train_run(c);
+  // The same checkpoint as of top-1, as an earlier tessel wrote it (the router's shape does
+  // not depend on k).
+  edit_manifest(c.run.dir + "/checkpoints/step-00000004", [](nlohmann::json& m) {
+    m["state"]["compatibility"]["model.moe_top_k"] = "1";
+    std::string config = m["state"]["config"];
+    const size_t at = config.find("moe_top_k = 2\n");
+    ASSERT_NE(at, std::string::npos);
+    m["state"]["config"] = config.replace(at, 13, "moe_top_k = 1");
+  });
+  c.model.moe.top_k = 1;
+  c.train.steps = 5;
+  EXPECT_EQ(train_run(c).resumed_from, 4);
+  EXPECT_EQ(train::load_run_model(c.run.dir).config.model.moe.top_k, 1);
 }
 
 // model.moe_layers names blocks: "0,1", "1,0" and "all" are one setting on the 2-block model,
