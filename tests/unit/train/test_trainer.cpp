@@ -353,15 +353,23 @@ TEST_F(TrainerTest, ResumeComparesFloatSettingsByValue) {
                               {"model.norm_eps = 1.1e-05 but this run has 1e-05"});
 }
 
+namespace {
+// 4 steps of the tiny model in a new run directory, with `moe_layers` MoE blocks of 4 experts.
+train::Config four_moe_steps(const std::string& data_dir, const char* moe_layers) {
+  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
+  c.train.steps = 4;
+  c.optim.warmup_steps = 1;
+  c.model.moe_layers = moe_layers;
+  c.model.moe.experts = 4;
+  return c;
+}
+}  // namespace
+
 // Top-1 routing with normalized gates (every gate p / p = 1: the router never learns) is
 // refused for a run that starts, but a checkpoint an earlier tessel trained with it still
 // resumes, and generate, eval and export still load it.
 TEST_F(TrainerTest, TopOneWithNormalizedGatesIsRefusedForANewRunOnly) {
-  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
-  c.train.steps = 4;
-  c.optim.warmup_steps = 1;
-  c.model.moe_layers = "all";
-  c.model.moe.experts = 4;
+  train::Config c = four_moe_steps(data_dir, "all");
   c.model.moe.top_k = 1;
   fixture::expect_input_error([&] { train_run(c); },
                               {"model.moe_top_k = 1 with model.moe_normalize_gates = true"});
@@ -385,11 +393,7 @@ TEST_F(TrainerTest, TopOneWithNormalizedGatesIsRefusedForANewRunOnly) {
 // model.moe_layers names blocks: "0,1", "1,0" and "all" are one setting on the 2-block model,
 // and its checkpoint resumes under any of them; another set of blocks is refused.
 TEST_F(TrainerTest, ResumeComparesMoeBlocksNotTheirSpelling) {
-  train::Config c = fixture::tiny_config(data_dir, fixture::temp_dir("tessel-run"));
-  c.train.steps = 4;
-  c.optim.warmup_steps = 1;
-  c.model.moe_layers = "0,1";
-  c.model.moe.experts = 4;
+  train::Config c = four_moe_steps(data_dir, "0,1");
   train_run(c);
   c.model.moe_layers = "1";
   c.train.steps = 5;
