@@ -55,6 +55,18 @@ inline std::string shared_sft_dataset(comm::Communicator& world) {
   return shared_once(world, dir, make_sft_dataset);
 }
 
+// The tiny model with 4 blocks for pipeline runs, in a directory every rank knows: 8 steps of
+// 4 micro-batches per rank, validated every 4, clipping in the early steps.
+inline train::Config pipeline_config(comm::Communicator& world, const std::string& stem) {
+  train::Config c = tiny_config(shared_dataset(world), shared_temp_dir(world, stem));
+  c.model.layers = 4;
+  c.train.steps = 8;
+  c.train.accum = 4;
+  c.train.eval_every = 4;
+  c.train.grad_clip = 0.5;  // clipping fires in the early steps
+  return c;
+}
+
 // Runs `c` to its end, lets rank 0 `break_newest` (remove or damage the newest checkpoint),
 // then runs `c` again: the second run must resume from step `from` and repeat the first run's
 // losses from there bitwise. Returns the first run.

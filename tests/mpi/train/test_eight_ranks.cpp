@@ -31,14 +31,10 @@ constexpr int kWorld = 8;
 // interleaved chunks gives every virtual stage a block; 4 steps of 4 micro-batches per rank,
 // clipping in the early steps, one validation at the end.
 train::Config eight_rank_config(comm::Communicator& world, const std::string& stem) {
-  train::Config c =
-      fixture::tiny_config(fixture::shared_dataset(world), shared_temp_dir(world, stem));
+  train::Config c = fixture::pipeline_config(world, stem);
   c.model.layers = 8;
   c.train.steps = 4;
-  c.train.accum = 4;
-  c.train.eval_every = 4;
   c.optim.warmup_steps = 2;
-  c.train.grad_clip = 0.5;
   return c;
 }
 

@@ -33,22 +33,12 @@
 #include "tessel/train/safetensors.hpp"
 
 using namespace tessel;
+using fixture::pipeline_config;
 using fixture::run_on;
 using fixture::shared_temp_dir;
 namespace fs = std::filesystem;
 
 namespace {
-
-train::Config pipeline_config(comm::Communicator& world, const std::string& stem) {
-  train::Config c =
-      fixture::tiny_config(fixture::shared_dataset(world), shared_temp_dir(world, stem));
-  c.model.layers = 4;
-  c.train.steps = 8;
-  c.train.accum = 4;
-  c.train.eval_every = 4;
-  c.train.grad_clip = 0.5;  // clipping fires in the early steps
-  return c;
-}
 
 // The same run in this process alone (every rank makes its own).
 struct Reference {
