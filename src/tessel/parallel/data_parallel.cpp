@@ -55,4 +55,11 @@ void GradientReducer::reduce(float scale) {
   for (int64_t i = 0; i < n; ++i) g[i] *= scale;
 }
 
+void reduce_together(std::span<GradientReducer* const> reducers, float scale) {
+  for (GradientReducer* r : reducers)
+    if (r) r->start_from(0);
+  for (GradientReducer* r : reducers)
+    if (r) r->reduce(scale);
+}
+
 }  // namespace tessel::parallel

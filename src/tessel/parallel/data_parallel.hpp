@@ -10,6 +10,7 @@
 // the mean over the global batch, whatever the dp size and accumulation.
 #include <climits>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "tessel/comm/communicator.hpp"
@@ -43,5 +44,10 @@ class GradientReducer {
   int64_t unstarted_;                  // buckets [0, unstarted_) have not started this step
   std::vector<comm::Request> pending_;
 };
+
+// reduce(scale) on each of `reducers` (null entries skipped: e.g. a dense range and an
+// optional expert range, over different groups), every remaining bucket of every one started
+// before any is waited for.
+void reduce_together(std::span<GradientReducer* const> reducers, float scale);
 
 }  // namespace tessel::parallel

@@ -1,5 +1,6 @@
 #include "tessel/parallel/expert_sharding.hpp"
 
+#include <array>
 #include <cmath>
 #include <numeric>
 #include <set>
@@ -59,11 +60,7 @@ void ExpertShardedGradients::start_from(model::GradsFinal final) {
 }
 
 void ExpertShardedGradients::reduce(float scale) {
-  // Both ranges' remaining buckets travel before either range is waited for.
-  dense_reducer_.start_from(0);
-  expert_reducer_.start_from(0);
-  dense_reducer_.reduce(scale);
-  expert_reducer_.reduce(scale);
+  reduce_together(std::array{&dense_reducer_, &expert_reducer_}, scale);
 }
 
 double ExpertShardedGradients::clip(double max_norm) {

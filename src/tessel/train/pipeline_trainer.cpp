@@ -1,6 +1,7 @@
 #include "tessel/train/pipeline_trainer.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -318,11 +319,8 @@ void PipelineTrainer::on_step(int64_t version) {
   grad_group_.all_reduce(std::span<double>(stats, 2));
   TESSEL_CHECK(stats[1] > 0, "a training step without loss tokens");
   const float scale = float(1.0 / stats[1]) * hooks_.gradient_scale(update);
-  // Both ranges in flight before either is waited on (ExpertShardedGradients::reduce).
-  reducer_->start_from(0);
-  if (expert_reducer_) expert_reducer_->start_from(0);
-  reducer_->reduce(scale);
-  if (expert_reducer_) expert_reducer_->reduce(scale);
+  parallel::reduce_together(std::array{&*reducer_, expert_reducer_ ? &*expert_reducer_ : nullptr},
+                            scale);
   // The stage's sums of squares (an expert's summed over ep), in registry order.
   const std::vector<double> squares = parallel::grad_squares(own_params_, own_is_expert_, ep_);
   double norm = 0;
