@@ -66,7 +66,7 @@ int run_prepare(const data::PrepareOptions& opts) {
   auto r = data::prepare_dataset(opts);
   auto split = [&](const data::SplitCounts& c) {
     return detail::concat(c.documents, r.sft ? " sample" : " document", c.documents == 1 ? "" : "s",
-                          " / ", c.tokens, " tokens",
+                          " / ", c.tokens, c.tokens == 1 ? " token" : " tokens",
                           r.sft ? detail::concat(" (", c.trained_tokens, " trained)") : "", " -> ",
                           c.path);
   };
@@ -227,23 +227,27 @@ int run_eval(const std::string& run_dir, const std::string& data_dir,
   train::DataConfig given = run.config.data;
   if (!weights_text.empty() && data_dir.empty())
     input_error("--weights needs --data (the run's data sets have their data.weights)");
-  std::vector<std::string> dirs;
-  std::vector<double> weights;
-  try {
-    if (!data_dir.empty()) {
-      given.path = data_dir;
-      given.weights = weights_text;
-    }
-    dirs = train::data_paths(given);
-    if (!weights_text.empty() && dirs.size() == 1)
-      input_error("--weights needs several --data directories");
-    const bool equal = !data_dir.empty() && weights_text.empty();
-    weights = data::normalized_weights(equal ? std::vector<double>(dirs.size(), 1.0)
-                                             : train::data_weights(given));
-  } catch (const InputError& e) {
-    if (data_dir.empty()) throw;
-    input_error("--data / --weights (checked as data.path / data.weights): ", e.what());
+  if (!data_dir.empty()) {
+    given.path = data_dir;
+    given.weights = weights_text;
   }
+  // The keys' errors name data.path / data.weights: say which flags they came from.
+  auto as_flags = [&](auto check) {
+    try {
+      return check();
+    } catch (const InputError& e) {
+      if (data_dir.empty()) throw;
+      input_error("--data / --weights (checked as data.path / data.weights): ", e.what());
+    }
+  };
+  const std::vector<std::string> dirs = as_flags([&] { return train::data_paths(given); });
+  if (!weights_text.empty() && dirs.size() == 1)
+    input_error("--weights needs several --data directories");
+  const bool equal = !data_dir.empty() && weights_text.empty();
+  const std::vector<double> weights = as_flags([&] {
+    return data::normalized_weights(equal ? std::vector<double>(dirs.size(), 1.0)
+                                          : train::data_weights(given));
+  });
   std::vector<data::ShardReader> shards;
   for (const auto& dir : dirs) {  // all checked before any evaluation: a typo costs no time
     const std::string shard = dir + "/" + split + ".tok";

@@ -170,10 +170,11 @@ std::string read_corpus_file(const std::string& path, const std::string& kind) {
 
 std::string read_utf8_file(const std::string& path) {
   std::string text = read_file(path);
-  if (text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);
+  const size_t bom = text.starts_with("\xEF\xBB\xBF") ? 3 : 0;
+  text.erase(0, bom);
   if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
     input_error(path, ":", 1 + std::count(text.begin(), text.begin() + int64_t(bad), '\n'),
-                ": not valid UTF-8 text (at byte ", bad, " of the file)");
+                ": not valid UTF-8 text (at byte ", bom + bad, " of the file)");
   return text;
 }
 

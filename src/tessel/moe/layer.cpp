@@ -767,9 +767,9 @@ void MoeLayer::backward(LayerCache& c, float* dx, LayerGrads& g, const float* dy
         // Logits that overflowed (inf - inf): a NaN has no rank among the margins. The step's
         // gradient norm need not show it (sigmoid scores of inf are finite), so stop here.
         if (std::isnan(margin))
-          throw DivergenceError(
+          throw RouterOverflow(
               "the MoE router's logits are not finite (a quantile-balancing margin is NaN): the "
-              "run diverged; a lower optim.lr or a tighter train.grad_clip may avoid it");
+              "run diverged");
         keys[size_t(e * N + n)] = bf16_order_key(margin);
       }
     if (config_.balance == Balance::qb_avg && c.batch_tokens > 0) {

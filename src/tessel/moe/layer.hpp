@@ -49,6 +49,7 @@
 #include <span>
 #include <vector>
 
+#include "tessel/core/error.hpp"
 #include "tessel/moe/config.hpp"
 #include "tessel/moe/expert_comm.hpp"
 
@@ -124,6 +125,14 @@ struct LayerCache {
   // Frees the buffers only backward reads (every [N, *] and [rows, *] one), keeping the
   // statistics: activation recomputation runs the forward again before the backward.
   void release_buffers();
+};
+
+// Router logits that overflowed under quantile balancing (their margins are NaN): a divergence
+// met in one micro-batch's backward, on the rank that saw it. The trainer adds the step and the
+// newest checkpoint, as for a non-finite gradient norm.
+class RouterOverflow : public DivergenceError {
+ public:
+  using DivergenceError::DivergenceError;
 };
 
 // Per-step accumulators of the balancing methods that update beta once per optimizer step;

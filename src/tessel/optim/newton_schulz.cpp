@@ -15,6 +15,10 @@ namespace {
 
 constexpr double kNormEps = 1e-7;
 constexpr double kAolFloor = 1e-12;  // smallest row sum of |X X^T|, relative to the largest
+// Every coefficient set maps singular values in [0, 1] to at most 1.21 (exact arithmetic, any
+// step count), so an output's squared Frobenius norm over its n rows is at most 1.21^2; a Gram
+// result beyond 1.5^2 (or not finite) is a drifted recurrence, not a rounding of the true one.
+constexpr double kMaxMeanSquaredSingular = 1.5 * 1.5;
 
 bool restarts_before(std::span<const int> restarts, int64_t t) {
   return t > 0 && std::find(restarts.begin(), restarts.end(), int(t)) != restarts.end();
@@ -172,10 +176,21 @@ void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& 
     for (float& x : X) x *= inv;
   }
   const float* first_gram = o.aol ? gram.data() : nullptr;
-  if (uses_gram(o, rows, cols))
+  bool standard = !uses_gram(o, rows, cols);
+  if (!standard) {
+    // Too few restarts let the f32 Gram recurrence drift, far enough to blow a weight up
+    // (1e25 in one step with one restart for 12 steps): then standard NS on the same X, whose
+    // result the Gram one only re-associates.
+    std::vector<float> start = X;
     gram_newton_schulz(X.data(), n, m, o.coefficients, o.restarts, first_gram);
-  else
-    newton_schulz(X.data(), n, m, o.coefficients, o.symmetric, first_gram);
+    double ss = 0;
+    for (float x : X) ss += double(x) * double(x);
+    if (!(ss <= kMaxMeanSquaredSingular * double(n))) {
+      X = std::move(start);
+      standard = true;
+    }
+  }
+  if (standard) newton_schulz(X.data(), n, m, o.coefficients, o.symmetric, first_gram);
   if (tall)
     kernels::transpose(X.data(), n, m, out);
   else

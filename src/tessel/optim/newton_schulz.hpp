@@ -32,7 +32,9 @@
 // the condition number).
 //
 // orthogonalize uses Gram NS when `gram` is set and gram_min <= n < m; otherwise standard NS
-// (square matrices gain nothing from the Gram form: spec section 3.2).
+// (square matrices gain nothing from the Gram form: spec section 3.2). A Gram result whose
+// singular values cannot come from the coefficients (mean square over 1.5^2, or not finite:
+// every set keeps them <= 1.21) drifted for lack of restarts; standard NS then redoes it.
 #include <cstdint>
 #include <span>
 #include <string>

@@ -392,7 +392,8 @@ std::vector<ConfigKey> build_schema() {
       float_key("optim.ef_decay", "dion2/dion3: error-feedback decay of the selected rows",
                 FIELD(optim.ef_decay)),
       name_key("optim.selection_scope",
-               "dion2/dion3 row selection: local (per shard) or global (whole matrix)",
+               "dion2/dion3 row selection: local (per shard; muon_mode = sharded only) or global "
+               "(whole matrix)",
                optim::kSelectionScopes, FIELD(optim.selection_scope)),
       float_key("optim.normuon_beta2", "dion3: NorMuon second-moment decay",
                 FIELD(optim.normuon_beta2)),

@@ -10,6 +10,7 @@
 
 #include "tessel/core/error.hpp"
 #include "tessel/core/timer.hpp"
+#include "tessel/moe/layer.hpp"
 #include "tessel/optim/grad_clip.hpp"
 #include "tessel/train/batch_inputs.hpp"
 #include "tessel/train/stage_partition.hpp"
@@ -400,7 +401,15 @@ PipelineStep PipelineTrainer::step(int64_t step, const UpdateHooks& hooks) {
                                     paci ? micro_per_step_ : 1,
                                     work_.chunks()};
   work_.begin_run(step * micro_per_step_);
-  const pipeline::StageStats stats = executor_.run(options, step * micro_per_step_);
+  pipeline::StageStats stats;
+  try {
+    stats = executor_.run(options, step * micro_per_step_);
+  } catch (const moe::RouterOverflow& e) {  // met on this stage alone: no collective
+    // The stage's next update: under PACI a micro-batch may run ahead of it.
+    const int64_t update = step + 1 + int64_t(run_windows_.size());
+    throw DivergenceError("step " + std::to_string(update) + ": stage " + std::to_string(stage_) +
+                          ": " + e.what() + hooks_.diverged(false));
+  }
   hooks_ = {};  // they refer to the caller's step: only this run's updates may call them
   TESSEL_CHECK(int64_t(run_windows_.size()) == windows, "stage ", stage_, " took ",
                run_windows_.size(), " steps in a run of ", windows);

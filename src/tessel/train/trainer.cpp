@@ -27,6 +27,7 @@
 #include "tessel/kernels/cpu/gemm_peak.hpp"
 #include "tessel/model/generate.hpp"
 #include "tessel/model/gpt.hpp"
+#include "tessel/moe/layer.hpp"
 #include "tessel/optim/grad_clip.hpp"
 #include "tessel/optim/lr_schedule.hpp"
 #include "tessel/optim/spike_filter.hpp"
@@ -1334,24 +1335,30 @@ TrainResult Trainer::run_steps() {
       s.model.zero_grads();
       s.moe_step.clear();
       const uint64_t a2a_bytes = s.mesh.group(comm::Axis::ep).traffic().bytes.all_to_all;
-      for (int64_t m = 0; m < c.train.accum; ++m) {
-        data::Batch batch = s.loader.next();
-        const RankBatchInputs rank_in(batch, c, s.mesh.group(comm::Axis::cp));
-        const model::ModelInputs& in = rank_in.inputs();
-        model::Activations& acts = s.activations(in.B, in.T);
-        stats[0] += s.model.forward(acts, in);
-        stats[1] += rank_in.loss_weight_sum();
-        cp_imbalance += rank_in.cp_imbalance() / double(c.train.accum);
-        // The step's last backward finishes each gradient; its buckets' all-reduce starts then.
-        acts.on_grads_final = nullptr;
-        if (m + 1 == c.train.accum && c.parallel.overlap_grad_reduce)
-          acts.on_grads_final = [&](model::GradsFinal f) {
-            Timer start_timer;
-            s.grads.start_from(f);
-            grad_start += start_timer.seconds();
-          };
-        s.model.backward(acts, 1.0f);
-        if (!s.moe_step.empty()) s.moe_step.add(acts);
+      try {
+        for (int64_t m = 0; m < c.train.accum; ++m) {
+          data::Batch batch = s.loader.next();
+          const RankBatchInputs rank_in(batch, c, s.mesh.group(comm::Axis::cp));
+          const model::ModelInputs& in = rank_in.inputs();
+          model::Activations& acts = s.activations(in.B, in.T);
+          stats[0] += s.model.forward(acts, in);
+          stats[1] += rank_in.loss_weight_sum();
+          cp_imbalance += rank_in.cp_imbalance() / double(c.train.accum);
+          // The step's last backward finishes each gradient; its buckets' all-reduce starts
+          // then.
+          acts.on_grads_final = nullptr;
+          if (m + 1 == c.train.accum && c.parallel.overlap_grad_reduce)
+            acts.on_grads_final = [&](model::GradsFinal f) {
+              Timer start_timer;
+              s.grads.start_from(f);
+              grad_start += start_timer.seconds();
+            };
+          s.model.backward(acts, 1.0f);
+          if (!s.moe_step.empty()) s.moe_step.add(acts);
+        }
+      } catch (const moe::RouterOverflow& e) {  // met on this rank alone: no collective
+        throw DivergenceError("step " + std::to_string(step + 1) + ": " + e.what() +
+                              diverged(false));
       }
       Timer reduce_timer;  // the stats' all-reduce below also moves started buckets on
       s.grad_group.all_reduce(std::span<double>(stats, 2));

@@ -641,6 +641,27 @@ TEST_F(CliTest, ADivergedRunStopsWithItsOwnExitStatus) {
   }
 }
 
+// Router logits that overflow under quantile balancing stop the run in a micro-batch's
+// backward, on the rank that met them, before any gradient norm: the error still names the
+// step (and the stage of a pipeline) and the newest checkpoint, with exit status 4. The last
+// stage's backward runs first, so its rank reports.
+TEST_F(CliTest, AnOverflowingMoeRouterStopsNamingTheStep) {
+  const std::string moe =
+      " --set model.layers=2 --set model.moe_layers=all --set model.moe_experts=4"
+      " --set model.moe_top_k=2 --set model.moe_score=sigmoid --set model.moe_balance=eqb"
+      " --set model.init_std=1e38";
+  for (const auto& [ranks, extra, error] :
+       {std::tuple{1, "", "tessel: error: step 1: the MoE router's logits are not finite"},
+        std::tuple{2, " --set parallel.pp=2",
+                   "tessel: error (rank 1): step 1: stage 1: the MoE router's logits"}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " rank(s)" + extra);
+    const Outcome o = run_tessel(train_args(temp_dir("r")) + moe + extra, ranks);
+    EXPECT_EQ(o.exit_code, kExitDiverged);
+    EXPECT_EQ(o.err.rfind(error, 0), 0u) << o.err;
+    EXPECT_NE(o.err.find("(newest checkpoint: none; a lower optim.lr"), std::string::npos) << o.err;
+  }
+}
+
 // A checkpoint whose weights hold NaN (saved here, as no run saves one: its validation stops it
 // first) is refused by generate and eval as a diverged model, naming the checkpoint and step,
 // not sampled as text or evaluated to a loss of nan.
@@ -871,7 +892,7 @@ TEST_F(CliTest, EvalOfAMixtureReportsEachDataSetAndTheRunsValidationLoss) {
       run_tessel("eval --run " + run + " --data " + data + "," + other + " --weights 1"),
       {"--data / --weights", "1 weights for the 2 data sets"});
   expect_one_line_error(run_tessel("eval --run " + run + " --data " + other + " --weights 3"),
-                        {"--weights needs several --data directories"});
+                        {"tessel: error: --weights needs several --data directories"});
   expect_one_line_error(run_tessel("eval --run " + run + " --data " + other + ",nowhere"),
                         {"nowhere/val.tok: no such shard"});
 }

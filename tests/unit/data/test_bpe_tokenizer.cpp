@@ -277,7 +277,11 @@ TEST_F(BpeFiles, MergesDropAByteOrderMarkAndRefuseInvalidUtf8) {
   write("merges.txt", "\xEF\xBB\xBF" + merges);
   EXPECT_EQ(load().encode("the LORD said"), (std::vector<int32_t>{257, ' ', 271, 275}));
   write("merges.txt", "#version: 0.2\nt h\nth\xff e\n");
-  expect_input_error([&] { load(); }, {dir_.file("merges.txt") + ":3: not valid UTF-8"});
+  expect_input_error([&] { load(); },
+                     {dir_.file("merges.txt") + ":3: not valid UTF-8", "(at byte 20 of the file)"});
+  // The offset counts the file's bytes, a byte-order mark's too.
+  write("merges.txt", "\xEF\xBB\xBF#version: 0.2\nt h\nth\xff e\n");
+  expect_input_error([&] { load(); }, {":3: not valid UTF-8", "(at byte 23 of the file)"});
 }
 
 // Every token is byte symbols (GPT-2's map), so that it decodes to bytes of its own: a token

@@ -212,7 +212,7 @@ TEST_F(Loader, Errors) {
   const TestShard tiny = make_shard(dir_, "tiny.tok", 1, 1);
   const int64_t n = int64_t(tiny.tokens.size());
   expect_input_error([&] { DataLoader(tiny.path, options(n)); },
-                     {tiny.path, "too few for one sequence"});
+                     {tiny.path, "too few for one sequence", "a smaller train.seq_len"});
   EXPECT_EQ(DataLoader(tiny.path, options(n - 1)).windows(), 1);
   expect_input_error([&] { DataLoader(shard_.path, options(32, 2, 1, 4, 4)); }, {"dp_rank 4"});
   expect_input_error([&] { DataLoader(shard_.path, options(32, 0)); }, {"micro_batch"});

@@ -196,6 +196,40 @@ TEST(NewtonSchulz, DefaultRestartsKeepManyGramStepsWithStandard) {
   EXPECT_FALSE(once_error < 5e-3) << once_error;  // NaN counts as drift
 }
 
+// A rank-deficient input (a step's gradient over fewer tokens than the short side) has zero
+// singular values that rounding leaves slightly negative in the Gram matrix; each step scales
+// them by about a^2 = 11.9, so 10 steps without a restart blow them up (in training: a weight of
+// 1e25 after one step, one restart for 12 steps). orthogonalize then gives standard NS's result,
+// bitwise. With the default restarts it keeps the Gram result on a full-rank input.
+TEST(NewtonSchulz, DriftedGramResultIsRedoneByStandard) {
+  const int64_t n = 64, m = 256, rank = 16, steps = 12;
+  const std::vector<float> A = gaussian(31, n, rank), B = gaussian(32, rank, m);
+  std::vector<float> low_rank(size_t(n * m), 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t r = 0; r < rank; ++r)
+      for (int64_t j = 0; j < m; ++j)
+        low_rank[size_t(i * m + j)] += A[size_t(i * rank + r)] * B[size_t(r * m + j)];
+  NsOptions once = options("keller", steps, true), standard = options("keller", steps, false);
+  once.restarts = {2};
+  double start_ss = 0;
+  for (float x : low_rank) start_ss += double(x) * x;
+  std::vector<float> drifted = low_rank;  // normalized, as the core expects
+  for (float& x : drifted) x = float(x / std::sqrt(start_ss));
+  gram_newton_schulz(drifted.data(), n, m, once.coefficients, once.restarts);
+  double ss = 0;
+  for (float x : drifted) ss += double(x) * x;
+  EXPECT_FALSE(ss <= 2.25 * double(n)) << ss;  // the raw recurrence leaves every set's band
+  EXPECT_EQ(orth(low_rank, n, m, once), orth(low_rank, n, m, standard));
+
+  const std::vector<float> X = ill_conditioned(n, m);
+  NsOptions chosen_restarts = once;
+  OptimizerConfig config;
+  config.ns_steps = steps;
+  const auto chosen = ns_restart_steps(config);
+  chosen_restarts.restarts.assign(chosen.begin(), chosen.end());
+  EXPECT_NE(orth(X, n, m, chosen_restarts), orth(X, n, m, standard));
+}
+
 // NS(U^T) = NS(U)^T bitwise on both paths (the transpose comes before the normalization).
 TEST(NewtonSchulz, TransposeIsBitwise) {
   const int64_t r = 40, c = 130;
