@@ -661,8 +661,9 @@ int main(int argc, char** argv) {
   runc->add_option("--config", sup_config, "TOML config file, as for train")->check(file);
   double max_ttr = 0;
   const char* max_ttr_help =
-      "recovery-time objective in seconds: exit status 3 if a failure's TTR (wasted steps + "
-      "detection + the next attempt's start-up) exceeded it; 0 = none";
+      "recovery-time objective in seconds: exit status 3 if the job succeeded but a failure's "
+      "TTR (wasted steps + detection + the next attempt's start-up) exceeded it (a job that "
+      "fails for good exits with its own status); 0 = none";
   runc->add_option("--max-ttr", max_ttr, max_ttr_help)->check(finite_range(0.0, 1e9));
   runc->add_option("--set", sup_overrides, "override a config key, as for train")->take_all();
 

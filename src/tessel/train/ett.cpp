@@ -482,6 +482,13 @@ void EttLedger::beat() const {
   if (active()) ::utimensat(AT_FDCWD, path_.c_str(), nullptr, 0);  // a lost beat is no error
 }
 
+std::optional<double> observed_mtbf(const EttReport& report) {
+  const auto stops = report.nof_by_cause.find("stop");
+  const int interruptions = report.nof - (stops == report.nof_by_cause.end() ? 0 : stops->second);
+  if (interruptions <= 0) return std::nullopt;
+  return report.wall / interruptions;
+}
+
 EttReport analyze_ett(const std::string& run_dir) {
   EttReport rep;
   int n = count_attempts(run_dir);
@@ -541,13 +548,14 @@ EttReport analyze_ett(const std::string& run_dir) {
       rep.failed_attempts.push_back(a.index);
     }
   }
-  if (n > 0) {
-    const auto& a = rep.attempts[0];
+  for (int i = 0; i < n; ++i) {
+    if (i > 0 && rep.attempts[i - 1].failed) continue;  // its start-up is in that TTR
+    const auto& a = rep.attempts[i];
     int64_t first = a.first_step_ns >= 0 ? a.first_step_ns : a.t1;
     // One that failed before its first step: its detection is in its failure's TTR.
     const bool detection_in_ttr = a.first_step_ns < 0 && a.failed;
-    rep.tts = sec(first - a.t0) -
-              (detection_in_ttr ? sec(a.leaf_ns[idx(Phase::failure_detection)]) : 0.0);
+    rep.tts += sec(first - a.t0) -
+               (detection_in_ttr ? sec(a.leaf_ns[idx(Phase::failure_detection)]) : 0.0);
     for (const auto& s : a.segments)
       if (s.t0 < first && !(detection_in_ttr && s.phase == Phase::failure_detection))
         rep.tts_by_phase[idx(s.phase)] += sec(std::min(s.t1, first) - s.t0);

@@ -181,8 +181,10 @@ struct EttReport {
   double wall = 0;        // W: sum of attempt durations, seconds
   double productive = 0;  // T_prod
   double ett = 0;         // T_prod / W
-  double tts = 0;  // first attempt: start until its first step (failed before one: to its end
-                   // less its detection, which is in its TTR)
+  // Each attempt that no failure preceded (the first, and one continuing a finished run): its
+  // start until its first step (failed before one: to its end less its detection, which is in
+  // its TTR). After a failure the start-up is in that failure's TTR.
+  double tts = 0;
   std::array<double, kNumPhases> tts_by_phase{};
   int nof = 0;                              // failed attempts
   int injected = 0;                         // of which injected
@@ -210,6 +212,11 @@ struct EttReport {
 // attempt resumed from. A metrics step record whose mfu or step_seconds is no number >= 0 is
 // left out of the MFU with a warning. Only withdrawn logs: no attempt (an empty report).
 EttReport analyze_ett(const std::string& run_dir);
+
+// The mean time between failures seen so far: W over the failed attempts that a stop signal
+// did not end (a user's stop is no interruption of the infrastructure, the spec's NoF);
+// nullopt without such a failure.
+std::optional<double> observed_mtbf(const EttReport& report);
 nlohmann::json ett_json(const EttReport& report);
 // Chrome trace (chrome://tracing, Perfetto): one row per attempt, one slice per segment.
 nlohmann::json ett_chrome_trace(const EttReport& report);

@@ -1232,8 +1232,8 @@ TrainResult Trainer::run_steps() {
   if (adaptive && s.is_root) {
     try {
       EttReport seen = analyze_ett(c.run.dir);
-      if (seen.nof > 0) mtbf = seen.wall / seen.nof;  // observed
-    } catch (const InputError& e) {                   // a damaged ledger must not stop the training
+      mtbf = observed_mtbf(seen).value_or(mtbf);
+    } catch (const InputError& e) {  // a damaged ledger must not stop the training
       warn_on_stderr(detail::concat("no observed MTBF (", e.what(),
                                     "); the checkpoint interval uses train.mtbf_seconds"));
     }

@@ -692,6 +692,49 @@ TEST(EttLedger, AnAttemptThatDiedBeforeItsStartDoesNotDecideTheDurableStep) {
   EXPECT_EQ(analyze_ett(killed_run(false)).attempts[0].resumed_from, 0);
 }
 
+// A run continued after it finished (more train.steps): no failure preceded attempt 1, so its
+// start-up is TTS too, not in any TTR, and W is still partitioned.
+TEST(EttLedger, AContinuationOfAFinishedRunCountsItsStartUpAsTts) {
+  const std::string run = fixture::temp_dir("tessel-ett-continued");
+  fs::create_directories(ett_dir(run));
+  const std::string a0 = attempt_path(run, 0), a1 = attempt_path(run, 1);
+  // A phase line starts its phase; an attempt starts in scheduling.
+  line(a0, {{"event", "attempt"}, {"attempt", 0}, {"t", 0}});
+  phase(a0, "model_build", 100 * ms);
+  for (int64_t step = 1; step <= 3; ++step)
+    phase(a0, "productive", 200 * ms + step * 100 * ms, step);
+  line(a0, {{"event", "exit"}, {"t", 600 * ms}, {"status", 0}});
+  line(a1, {{"event", "attempt"}, {"attempt", 1}, {"t", 1000 * ms}});
+  phase(a1, "checkpoint_load", 1050 * ms);
+  line(a1, {{"event", "resume"}, {"t", 1200 * ms}, {"step", 3}});
+  for (int64_t step = 4; step <= 5; ++step)
+    phase(a1, "productive", 1200 * ms + (step - 4) * 100 * ms, step);
+  line(a1, {{"event", "exit"}, {"t", 1400 * ms}, {"status", 0}});
+  const EttReport r = analyze_ett(run);
+  ASSERT_EQ(r.attempts.size(), 2u);
+  EXPECT_EQ(r.nof, 0);
+  EXPECT_NEAR(r.productive, 0.5, 1e-9);
+  EXPECT_NEAR(r.tts, 0.3 + 0.2, 1e-9);  // each attempt's start until its first step
+  double by_phase = 0;
+  for (double s : r.tts_by_phase) by_phase += s;
+  EXPECT_NEAR(by_phase, r.tts, 1e-9);
+  EXPECT_NEAR(r.tts_by_phase[size_t(Phase::checkpoint_load)], 0.15, 1e-9);
+  EXPECT_NEAR(r.productive + r.tts, r.wall, 1e-9);
+}
+
+// The adaptive checkpoint policies' MTBF: W over the failures that were no user's stop.
+TEST(EttLedger, ObservedMtbfLeavesOutStops) {
+  EttReport r;
+  r.wall = 120;
+  EXPECT_EQ(observed_mtbf(r), std::nullopt);
+  r.nof = 3;
+  r.nof_by_cause = {{"stop", 1}, {"exit_status", 2}};
+  EXPECT_EQ(observed_mtbf(r), 60.0);
+  r.nof = 1;
+  r.nof_by_cause = {{"stop", 1}};
+  EXPECT_EQ(observed_mtbf(r), std::nullopt);
+}
+
 // Attempt 0 dies in its start-up: its start-up up to the failure is the TTS, its detection the
 // TTR of its failure (with attempt 1's start-up), never both; W is partitioned again.
 TEST(EttLedger, AFirstAttemptThatDiedBeforeItsFirstStepCountsItsDetectionOnce) {
