@@ -3,7 +3,7 @@
 # the validation loss at equal steps for each setting given.
 #   bench/optim_quality.sh STEPS LABEL='--set k=v ...' [LABEL='...' ...]
 # e.g. bench/optim_quality.sh 150 adamw='--set optim.name=adamw --set optim.lr=3e-3' \
-#        muon='--set optim.name=muon --set optim.muon_lr=0.04'   (the config's optimizer is Muon)
+#        muon='--set optim.name=muon --set optim.muon_lr=0.06'   (the config's optimizer is Muon)
 # Needs `tessel prepare --corpus bible --out data/bible`. Prints one line per setting:
 # label, validation loss after STEPS (nats/byte), wall seconds. The schedule's total is STEPS;
 # its warmup is the config's 30 steps, or STEPS - 1 for runs of 30 steps or fewer (a label's

@@ -660,18 +660,22 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   runc->add_option("--config", sup_config, "TOML config file, as for train")->check(file);
   double max_ttr = 0;
-  const char* max_ttr_help =
-      "recovery-time objective in seconds: exit status 3 if the job succeeded but a failure's "
-      "TTR (wasted steps + detection + the next attempt's start-up) exceeded it (a job that "
-      "fails for good exits with its own status); 0 = none";
-  runc->add_option("--max-ttr", max_ttr, max_ttr_help)->check(finite_range(0.0, 1e9));
+  const std::string max_ttr_help =
+      "recovery-time objective in seconds: exit status 3 if a failure's TTR (wasted steps + "
+      "detection + the next attempt's start-up) exceeded it";
+  runc->add_option("--max-ttr", max_ttr,
+                   max_ttr_help +
+                       " and the job succeeded (a job that fails for good exits "
+                       "with its own status); 0 = none")
+      ->check(finite_range(0.0, 1e9));
   runc->add_option("--set", sup_overrides, "override a config key, as for train")->take_all();
 
   std::string report_dir;
   auto* report = app.add_subcommand(
       "ett-report", "effective training time of a run: ett.json, ett.html, ett_trace.json");
   report->add_option("RUN_DIR", report_dir, "run directory")->required()->check(directory);
-  report->add_option("--max-ttr", max_ttr, max_ttr_help)->check(finite_range(0.0, 1e9));
+  report->add_option("--max-ttr", max_ttr, max_ttr_help + "; 0 = none")
+      ->check(finite_range(0.0, 1e9));
 
   std::string export_from, export_to;
   auto* exportc = app.add_subcommand(

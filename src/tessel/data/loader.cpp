@@ -17,8 +17,8 @@ int64_t count_windows(const ShardReader& shard, int64_t seq_len) {
   if (w < 1)
     input_error(shard.path(), ": shard holds ", shard.num_tokens(),
                 " tokens, too few for one sequence of seq_len ", seq_len, " (needs ", seq_len + 1,
-                "): use a smaller train.seq_len or prepare more text (for val.tok, a larger "
-                "--val-fraction)");
+                "): train with a smaller train.seq_len, or prepare more text (for val.tok, a "
+                "larger --val-fraction)");
   return w;
 }
 

@@ -20,6 +20,15 @@ constexpr double kAolFloor = 1e-12;  // smallest row sum of |X X^T|, relative to
 // result beyond 1.5^2 (or not finite) is a drifted recurrence, not a rounding of the true one.
 constexpr double kMaxMeanSquaredSingular = 1.5 * 1.5;
 
+// Whether a Gram result X [n, m] drifted (above): its squared Frobenius norm over n is beyond
+// the band, or not a number.
+template <class T>
+bool drifted(const std::vector<T>& X, int64_t n) {
+  double ss = 0;
+  for (T x : X) ss += double(x) * double(x);
+  return !(ss <= kMaxMeanSquaredSingular * double(n));
+}
+
 bool restarts_before(std::span<const int> restarts, int64_t t) {
   return t > 0 && std::find(restarts.begin(), restarts.end(), int(t)) != restarts.end();
 }
@@ -183,9 +192,7 @@ void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& 
     // result the Gram one only re-associates.
     std::vector<float> start = X;
     gram_newton_schulz(X.data(), n, m, o.coefficients, o.restarts, first_gram);
-    double ss = 0;
-    for (float x : X) ss += double(x) * double(x);
-    if (!(ss <= kMaxMeanSquaredSingular * double(n))) {
+    if (drifted(X, n)) {
       X = std::move(start);
       standard = true;
     }
@@ -285,11 +292,17 @@ void orthogonalize(const T* U, int64_t rows, int64_t cols, const NsOptions& o, T
     const T inv = T(1.0 / (std::sqrt(ss) + kNormEps));
     for (int64_t i = 0; i < n * m; ++i) X[size_t(i)] *= inv;
   }
-  // The twin's cores compute the first Gram themselves.
-  if (uses_gram(o, rows, cols))
+  // The twin's cores compute the first Gram themselves; a drifted Gram result is redone too.
+  bool standard = !uses_gram(o, rows, cols);
+  if (!standard) {
+    std::vector<T> start = X;
     gram_newton_schulz<T>(X.data(), n, m, o.coefficients, o.restarts);
-  else
-    newton_schulz<T>(X.data(), n, m, o.coefficients);
+    if (drifted(X, n)) {
+      X = std::move(start);
+      standard = true;
+    }
+  }
+  if (standard) newton_schulz<T>(X.data(), n, m, o.coefficients);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < m; ++j) out[u_index(i, j)] = X[size_t(i * m + j)];
 }

@@ -311,7 +311,8 @@ std::vector<ConfigKey> build_schema() {
           {{"fixed", "fixed"}, {"young", "young"}, {"daly", "daly"}},
           FIELD(train.checkpoint_policy)),
       float_key("train.mtbf_seconds",
-                "mean time between failures for young/daly until the run has seen a failure",
+                "mean time between failures for young/daly until the run has seen a failure "
+                "(other than a stop signal)",
                 FIELD(train.mtbf_seconds)),
       bool_key("train.fast_start",
                "warm up on a synthetic batch while the data loads; reuse the run's GEMM peak",

@@ -220,6 +220,15 @@ TEST(NewtonSchulz, DriftedGramResultIsRedoneByStandard) {
   for (float x : drifted) ss += double(x) * x;
   EXPECT_FALSE(ss <= 2.25 * double(n)) << ss;  // the raw recurrence leaves every set's band
   EXPECT_EQ(orth(low_rank, n, m, once), orth(low_rank, n, m, standard));
+  std::vector<float> naive_f32(low_rank.size());  // the twin redoes it the same way
+  naive::orthogonalize(low_rank.data(), n, m, once, naive_f32.data());
+  std::vector<double> naive_f64(low_rank.size());
+  const std::vector<double> low_rank_f64 = f64(low_rank);
+  naive::orthogonalize(low_rank_f64.data(), n, m, once, naive_f64.data());
+  // Against f64: 5.5 % measured for both, the 48 zero singular values that f32 rounding seeds
+  // and 12 steps amplify (standard NS's own error); a drifted result is off by orders more.
+  EXPECT_LT(rel_frobenius(orth(low_rank, n, m, once), naive_f64), 0.1);
+  EXPECT_LT(rel_frobenius(naive_f32, naive_f64), 0.1);
 
   const std::vector<float> X = ill_conditioned(n, m);
   NsOptions chosen_restarts = once;
@@ -227,7 +236,14 @@ TEST(NewtonSchulz, DriftedGramResultIsRedoneByStandard) {
   config.ns_steps = steps;
   const auto chosen = ns_restart_steps(config);
   chosen_restarts.restarts.assign(chosen.begin(), chosen.end());
-  EXPECT_NE(orth(X, n, m, chosen_restarts), orth(X, n, m, standard));
+  // orthogonalize's normalization, then the Gram core: kept as it is.
+  std::vector<float> gram = X;
+  double gram_ss = 0;
+  for (float x : gram) gram_ss += double(x) * x;
+  const float inv = float(1.0 / (std::sqrt(gram_ss) + 1e-7));
+  for (float& x : gram) x *= inv;
+  gram_newton_schulz(gram.data(), n, m, chosen_restarts.coefficients, chosen_restarts.restarts);
+  EXPECT_EQ(orth(X, n, m, chosen_restarts), gram);
 }
 
 // NS(U^T) = NS(U)^T bitwise on both paths (the transpose comes before the normalization).
