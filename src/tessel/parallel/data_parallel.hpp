@@ -1,5 +1,6 @@
 #pragma once
-// Data parallelism: the gradient all-reduce over the dp group.
+// Data parallelism: the gradient all-reduce over the group the trainer gives (dp x cp for the
+// dense range, edp x cp for the experts').
 //
 // The flat gradient buffer is cut into buckets of about bucket_bytes (bucket_offsets), always
 // at the same offsets, each all-reduced on its own, so the result is deterministic for a given

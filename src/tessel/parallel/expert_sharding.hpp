@@ -5,7 +5,8 @@
 //   - gradients: the dense range of the flat buffer is summed over the dp (x cp) group, the
 //     experts' range over the edp (x cp) group (the ranks holding the same experts);
 //   - clipping: global norm^2 = the sum, in registry order, of each parameter's gradient
-//     squares, an expert parameter's summed over the ep ranks in ep-rank order first, so every
+//     squares, an expert slot's summed over the ep ranks (each holds its own experts in the
+//     slot) in ep-rank order first, so every
 //     rank scales by the same bits, and a pipeline (which adds its stages' sums the same way)
 //     by the bits of the plain loop;
 //   - optimizer: the configured optimizer over the dense parameters and dp, and a second one
@@ -33,8 +34,9 @@ model::ExpertShard expert_shard(const comm::Mesh& mesh);
 std::vector<bool> expert_flags(const model::Gpt& model, const ParameterList& params);
 
 // Each gradient's sum of squares, in the order of `params`; an expert parameter's (is_expert)
-// summed over the ep group in ep-rank order (each ep rank holds its own experts of it; the
-// dense ones are alike on every ep rank). Collective over ep_group when any is an expert.
+// summed over the ep group in ep-rank order: each ep rank holds other experts in that slot, so
+// such an entry is the slot's, no one parameter's (only the total is used; the dense ones are
+// alike on every ep rank). Collective over ep_group when any is an expert.
 std::vector<double> grad_squares(const ParameterList& params, const std::vector<bool>& is_expert,
                                  comm::Communicator& ep_group);
 
