@@ -20,13 +20,19 @@ constexpr double kAolFloor = 1e-12;  // smallest row sum of |X X^T|, relative to
 // result beyond 1.5^2 (or not finite) is a drifted recurrence, not a rounding of the true one.
 constexpr double kMaxMeanSquaredSingular = 1.5 * 1.5;
 
-// Whether a Gram result X [n, m] drifted (above): its squared Frobenius norm over n is beyond
-// the band, or not a number.
-template <class T>
-bool drifted(const std::vector<T>& X, int64_t n) {
+// Runs `gram_core` on the normalized X [n, m]. Too few restarts let the Gram recurrence drift,
+// in f32 far enough to blow a weight up (1e25 in one step with one restart for 12 steps): a
+// result whose squared Frobenius norm over n leaves the band above (or is not a number) puts X
+// back and returns false, for standard NS, whose result the Gram one only re-associates.
+template <class T, class GramCore>
+bool gram_result_kept(std::vector<T>& X, int64_t n, GramCore gram_core) {
+  std::vector<T> start = X;
+  gram_core();
   double ss = 0;
   for (T x : X) ss += double(x) * double(x);
-  return !(ss <= kMaxMeanSquaredSingular * double(n));
+  if (ss <= kMaxMeanSquaredSingular * double(n)) return true;
+  X = std::move(start);
+  return false;
 }
 
 bool restarts_before(std::span<const int> restarts, int64_t t) {
@@ -185,19 +191,11 @@ void orthogonalize(const float* U, int64_t rows, int64_t cols, const NsOptions& 
     for (float& x : X) x *= inv;
   }
   const float* first_gram = o.aol ? gram.data() : nullptr;
-  bool standard = !uses_gram(o, rows, cols);
-  if (!standard) {
-    // Too few restarts let the f32 Gram recurrence drift, far enough to blow a weight up
-    // (1e25 in one step with one restart for 12 steps): then standard NS on the same X, whose
-    // result the Gram one only re-associates.
-    std::vector<float> start = X;
-    gram_newton_schulz(X.data(), n, m, o.coefficients, o.restarts, first_gram);
-    if (drifted(X, n)) {
-      X = std::move(start);
-      standard = true;
-    }
-  }
-  if (standard) newton_schulz(X.data(), n, m, o.coefficients, o.symmetric, first_gram);
+  const bool gram_done =
+      uses_gram(o, rows, cols) && gram_result_kept(X, n, [&] {
+        gram_newton_schulz(X.data(), n, m, o.coefficients, o.restarts, first_gram);
+      });
+  if (!gram_done) newton_schulz(X.data(), n, m, o.coefficients, o.symmetric, first_gram);
   if (tall)
     kernels::transpose(X.data(), n, m, out);
   else
@@ -293,16 +291,10 @@ void orthogonalize(const T* U, int64_t rows, int64_t cols, const NsOptions& o, T
     for (int64_t i = 0; i < n * m; ++i) X[size_t(i)] *= inv;
   }
   // The twin's cores compute the first Gram themselves; a drifted Gram result is redone too.
-  bool standard = !uses_gram(o, rows, cols);
-  if (!standard) {
-    std::vector<T> start = X;
-    gram_newton_schulz<T>(X.data(), n, m, o.coefficients, o.restarts);
-    if (drifted(X, n)) {
-      X = std::move(start);
-      standard = true;
-    }
-  }
-  if (standard) newton_schulz<T>(X.data(), n, m, o.coefficients);
+  const bool gram_done = uses_gram(o, rows, cols) && gram_result_kept(X, n, [&] {
+                           gram_newton_schulz<T>(X.data(), n, m, o.coefficients, o.restarts);
+                         });
+  if (!gram_done) newton_schulz<T>(X.data(), n, m, o.coefficients);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < m; ++j) out[u_index(i, j)] = X[size_t(i * m + j)];
 }
