@@ -22,6 +22,10 @@ namespace tessel::train {
 namespace {
 
 constexpr const char* kManifest = "manifest.json";
+// Phase one's records in `step-N.incomplete/`: rank 0's manifest without its "files", and each
+// rank's list of the files it finished (done_name). With all of them a later start can complete
+// a commit that the job did not live to agree on (CheckpointStore::recover_prepared).
+constexpr const char* kDraft = "manifest.draft.json";
 constexpr int kFormatVersion = 3;  // 3: row shards
 constexpr int kOldestVersion = 2;  // still read
 constexpr int kFiles = 3;          // per rank; the third only with row shards
@@ -37,6 +41,12 @@ std::string step_name(int64_t step) {
 std::string shard_name(const char* kind, int rank, int ranks) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%s-%05d-of-%05d.safetensors", kind, rank, ranks);
+  return buf;
+}
+
+std::string done_name(int rank, int ranks) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d.done.json", rank, ranks);
   return buf;
 }
 
@@ -107,6 +117,119 @@ void remove_checkpoint(const fs::path& dir) {
   fs::rename(dir, doomed);
   fsync_path(dir.parent_path().string());
   fs::remove_all(doomed);
+}
+
+// The manifest less its "files": what rank 0 knows when a save starts, its phase-one draft.
+nlohmann::json manifest_draft(int64_t step, int ranks, const std::vector<std::string> (&names)[2],
+                              const nlohmann::json& shards, const nlohmann::json& state) {
+  nlohmann::json manifest;
+  manifest["format"] = "tessel-checkpoint";
+  manifest["version"] = kFormatVersion;
+  manifest["step"] = step;
+  manifest["ranks"] = ranks;
+  manifest["tensors"] = {{"model", names[0]}, {"optimizer", names[1]}};
+  manifest["shards"] = shards;
+  manifest["state"] = state;
+  return manifest;
+}
+
+// `draft` with its "files": `records` holds kRecord values per rank of the draft's, as the
+// agreement gathers them (ok, then per kind the file's bytes, -1 for none, and CRC). The one
+// assembly of a manifest, for the commit and for a recovered one alike.
+nlohmann::json finish_manifest(nlohmann::json draft, const std::vector<int64_t>& records) {
+  const int ranks = draft.at("ranks").get<int>();
+  TESSEL_CHECK(records.size() == kRecord * size_t(ranks), "checkpoint: ", records.size(),
+               " file records for ", ranks, " ranks");
+  draft["files"] = nlohmann::json::array();
+  for (int r = 0; r < ranks; ++r)
+    for (int k = 0; k < kFiles; ++k) {
+      const int64_t* record = &records[kRecord * size_t(r) + 1 + 2 * size_t(k)];
+      if (record[0] >= 0)
+        draft["files"].push_back({{"name", shard_name(kKinds[k], r, ranks)},
+                                  {"bytes", record[0]},
+                                  {"crc32", record[1]}});
+    }
+  return draft;
+}
+
+// Phase two on disk, once every rank's files are durable: the manifest (atomically) into
+// `step-N.incomplete/`, renamed to `step-N/`, `latest`, retention. The committed directory.
+fs::path commit_checkpoint(const fs::path& root, int64_t keep, const nlohmann::json& manifest) {
+  const std::string step = step_name(manifest.at("step").get<int64_t>());
+  const fs::path final_dir = root / step, tmp = root / (step + ".incomplete");
+  write_file_atomically((tmp / kManifest).string(), manifest.dump(2));
+  if (fs::exists(final_dir)) remove_checkpoint(final_dir);
+  fs::rename(tmp, final_dir);
+  fsync_path(root.string());
+  write_file_atomically((root / "latest").string(), step + "\n");
+  if (keep > 0) {  // 0 keeps every checkpoint
+    auto dirs = complete_checkpoints(root);
+    for (size_t i = 0; i + size_t(keep) < dirs.size(); ++i) remove_checkpoint(dirs[i]);
+  }
+  return final_dir;
+}
+
+// A JSON file, or null when it is missing or does not parse.
+nlohmann::json read_json_or_null(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return nullptr;
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return j.is_discarded() ? nlohmann::json() : j;
+}
+
+// The manifest of the save whose phase one `dir` (`step-N.incomplete/`) holds: its draft
+// finished with every rank's done record, when the draft is this format's, of step `step`, and
+// each of its ranks' done record is there, of that step and rank count, listing that rank's
+// model and optimizer files (and its row-shard file, if it wrote one) and nothing else.
+// nullopt otherwise (a rank died before its files were durable: the save is lost).
+std::optional<nlohmann::json> prepared_manifest(const fs::path& dir, int64_t step) {
+  try {
+    const nlohmann::json draft = read_json_or_null(dir / kDraft);
+    if (!draft.is_object() || draft.value("format", "") != "tessel-checkpoint" ||
+        draft.value("version", 0) != kFormatVersion || draft.value("step", int64_t(-1)) != step)
+      return std::nullopt;
+    const int ranks = draft.at("ranks").get<int>();
+    if (ranks < 1) return std::nullopt;
+    std::vector<int64_t> records(kRecord * size_t(ranks), -1);
+    for (int r = 0; r < ranks; ++r) {
+      const nlohmann::json done = read_json_or_null(dir / done_name(r, ranks));
+      if (!done.is_object() || done.value("step", int64_t(-1)) != step ||
+          done.value("rank", -1) != r || done.value("ranks", -1) != ranks)
+        return std::nullopt;
+      int64_t* record = &records[kRecord * size_t(r)];
+      record[0] = 1;
+      for (const auto& f : done.at("files")) {
+        const std::string name = f.at("name").get<std::string>();
+        int k = 0;
+        while (k < kFiles && name != shard_name(kKinds[k], r, ranks)) ++k;
+        if (k == kFiles || record[1 + 2 * k] >= 0) return std::nullopt;
+        record[1 + 2 * k] = f.at("bytes").get<int64_t>();
+        record[2 + 2 * k] = f.at("crc32").get<uint32_t>();
+        if (record[1 + 2 * k] < 0) return std::nullopt;
+      }
+      if (record[1] < 0 || record[3] < 0) return std::nullopt;  // model, optimizer: always
+    }
+    return finish_manifest(draft, records);
+  } catch (const std::exception&) {  // a field of another type, a file that cannot be read
+    return std::nullopt;
+  }
+}
+
+// The newest save that every rank wrote and none committed: the `step-N.incomplete/` with the
+// highest N above the newest complete checkpoint whose prepared_manifest there is.
+std::optional<std::pair<fs::path, nlohmann::json>> newest_prepared(const fs::path& root) {
+  if (!fs::is_directory(root)) return std::nullopt;
+  const auto complete = complete_checkpoints(root);
+  const int64_t newest = complete.empty() ? -1 : step_of(complete.back());
+  std::vector<std::pair<int64_t, fs::path>> found;
+  for (const auto& e : fs::directory_iterator(root))
+    if (e.path().extension() == ".incomplete" && e.is_directory())
+      if (const int64_t step = step_of(e.path().parent_path() / e.path().stem()); step > newest)
+        found.emplace_back(step, e.path());
+  std::sort(found.rbegin(), found.rend());
+  for (const auto& [step, dir] : found)
+    if (auto manifest = prepared_manifest(dir, step)) return std::pair{dir, std::move(*manifest)};
+  return std::nullopt;
 }
 
 std::vector<std::string> names_of(const std::vector<NamedTensor>& tensors) {
@@ -418,6 +541,26 @@ void CheckpointStore::save(comm::Communicator& group, const CheckpointContent& c
   writer.wait();
 }
 
+std::optional<int64_t> CheckpointStore::prepared() const {
+  const auto found = newest_prepared(fs::path(root_));
+  if (!found) return std::nullopt;
+  return found->second.at("step").get<int64_t>();
+}
+
+std::optional<int64_t> CheckpointStore::recover_prepared() const {
+  const auto found = newest_prepared(fs::path(root_));
+  if (!found) return std::nullopt;
+  const auto& [dir, manifest] = *found;
+  try {
+    remove_temporary_files(dir.string());  // an earlier recovery's, cut short
+    commit_checkpoint(fs::path(root_), keep_, manifest);
+  } catch (const std::filesystem::filesystem_error& e) {
+    input_error(dir.string(),
+                ": cannot commit this save, which every rank finished writing: ", e.what());
+  }
+  return manifest.at("step").get<int64_t>();
+}
+
 void CheckpointStore::sweep_leftovers() const {
   if (!fs::is_directory(root_)) return;
   for (const auto& e : fs::directory_iterator(root_))
@@ -498,55 +641,40 @@ void AsyncCheckpointer::write_files() {
   }
   cv_.notify_all();
   agreement_->record.assign(kRecord, -1);
-  fs::path tmp = fs::path(store_.root()) / (step_name(c.step) + ".incomplete");
+  const fs::path root(store_.root());
+  fs::path tmp = root / (step_name(c.step) + ".incomplete");
   std::error_code ec;
   fs::create_directories(tmp, ec);  // every rank; the others may have made it already
   if (!fs::is_directory(tmp)) input_error(tmp.string(), ": cannot create: ", ec.message());
+  if (rank_ == 0) {  // the draft a later start completes if this job ends before the commit
+    fsync_path(root.string());
+    draft_ = manifest_draft(c.step, ranks_, names_, shards_, c.state);
+    write_file_atomically((tmp / kDraft).string(), draft_.dump(2));
+  }
+  nlohmann::json done = {
+      {"step", c.step}, {"rank", rank_}, {"ranks", ranks_}, {"files", nlohmann::json::array()}};
   for (int k = 0; k < kFiles; ++k) {
     if (k == 2 && staging_[k].empty()) continue;  // no row shards on this rank
-    std::string path = (tmp / shard_name(kKinds[k], rank_, ranks_)).string();
+    const std::string name = shard_name(kKinds[k], rank_, ranks_);
+    std::string path = (tmp / name).string();
     uint32_t crc = 0;
     write_safetensors(path, staging_[k], {}, &crc);
     fsync_path(path);
     agreement_->record[1 + 2 * k] = int64_t(fs::file_size(path));
     agreement_->record[2 + 2 * k] = int64_t(crc);
+    done["files"].push_back(
+        {{"name", name}, {"bytes", agreement_->record[1 + 2 * k]}, {"crc32", crc}});
   }
   if (on_files_written) on_files_written(c.step);
+  // After the hook: a rank killed in the write (fault.kill_in) dies before its files count.
+  write_file_atomically((tmp / done_name(rank_, ranks_)).string(), done.dump());
   agreement_->record[0] = 1;
 }
 
 void AsyncCheckpointer::commit() {
-  const CheckpointContent& c = content_;
-  fs::path root(store_.root());
-  fs::path final_dir = root / step_name(c.step);
-  fs::path tmp = root / (step_name(c.step) + ".incomplete");
-  nlohmann::json manifest;
-  manifest["format"] = "tessel-checkpoint";
-  manifest["version"] = kFormatVersion;
-  manifest["step"] = c.step;
-  manifest["ranks"] = ranks_;
-  manifest["tensors"] = {{"model", names_[0]}, {"optimizer", names_[1]}};
-  manifest["shards"] = shards_;
-  manifest["state"] = c.state;
-  manifest["files"] = nlohmann::json::array();
-  for (int r = 0; r < ranks_; ++r)
-    for (int k = 0; k < kFiles; ++k) {
-      const int64_t* record = &agreement_->gathered[kRecord * size_t(r) + 1 + 2 * size_t(k)];
-      if (record[0] >= 0)
-        manifest["files"].push_back({{"name", shard_name(kKinds[k], r, ranks_)},
-                                     {"bytes", record[0]},
-                                     {"crc32", record[1]}});
-    }
-  write_file_atomically((tmp / kManifest).string(), manifest.dump(2));
-  if (fs::exists(final_dir)) remove_checkpoint(final_dir);
-  fs::rename(tmp, final_dir);
-  fsync_path(root.string());
-  write_file_atomically((root / "latest").string(), step_name(c.step) + "\n");
-  if (store_.keep() > 0) {  // 0 keeps every checkpoint
-    auto dirs = complete_checkpoints(root);
-    for (size_t i = 0; i + size_t(store_.keep()) < dirs.size(); ++i) remove_checkpoint(dirs[i]);
-  }
-  if (on_committed) on_committed(final_dir.string(), c.step);
+  const fs::path dir = commit_checkpoint(fs::path(store_.root()), store_.keep(),
+                                         finish_manifest(draft_, agreement_->gathered));
+  if (on_committed) on_committed(dir.string(), content_.step);
 }
 
 void AsyncCheckpointer::save(const CheckpointContent& content) {

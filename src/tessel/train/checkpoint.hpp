@@ -9,6 +9,10 @@
 //   manifest.json                         step, trainer state (data-loader position, ...),
 //                                         the model config, every file with its size and
 //                                         CRC-32, the tensor order — written LAST.
+//   manifest.draft.json                   the manifest without its files, written by rank 0
+//                                         when the save starts (phase one's record)
+//   rank-RRRRR-of-PPPPP.done.json         rank R's files with their sizes and CRC-32, written
+//                                         once they are durable (phase one's record)
 // The P ranks of the saving job split the (replicated) tensors between them, balanced by
 // bytes, so each writes 1/P of the state; tensors only some ranks hold (sharded experts)
 // are written by the one rank that lists them as its own. A load merges the shares by
@@ -25,9 +29,12 @@
 // checkpointer's own), rank 0's writer then writes the manifest, renames the directory to
 // `step-N/`, fsyncs `checkpoints/`, points `latest` at it and applies retention; a second
 // agreement ends the save. At most one save is in flight. A crash at any moment leaves
-// the previous checkpoint intact. Loading verifies every checksum. `latest` is a pointer for
-// people and scripts only: loads take the newest complete `step-N/` directory, so a stale or
-// edited `latest` can neither hide newer checkpoints nor lead outside `checkpoints/`.
+// the previous checkpoint intact. Only the training threads advance the agreement, so a job
+// that hangs or dies right after a save may never commit files that every rank wrote: the
+// draft and done records let the next start commit it (recover_prepared). Loading verifies every
+// checksum. `latest` is a pointer for people and scripts only: loads take the newest complete
+// `step-N/` directory, so a stale or edited `latest` can neither hide newer checkpoints nor lead
+// outside `checkpoints/`.
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -128,6 +135,17 @@ class CheckpointStore {
   // damaged), so retention never keeps them in place of good ones.
   void discard_newer_than(const std::string& dir) const;
 
+  // The step of the newest save that every rank finished writing but that was never
+  // committed (the job hung or died first): a `step-N.incomplete/` above the newest complete
+  // checkpoint that holds rank 0's draft and a done record of each of the draft's ranks, all
+  // of step N and that rank count. Reads only.
+  std::optional<int64_t> prepared() const;
+  // Commits that save as the writer's commit would have (one manifest assembly) and returns
+  // its step; nullopt when there is none. Rank 0, before sweep_leftovers (which removes every
+  // other `.incomplete/`) and before any rank looks for a checkpoint. The load still verifies
+  // it: a damaged one falls back as any does.
+  std::optional<int64_t> recover_prepared() const;
+
   // Removes what a killed save leaves behind: `step-N.incomplete/` directories, the
   // `step-N.deleted/` of a deletion cut short (remove_checkpoint) and the
   // temporary files of atomic writes (`latest.tmp.<pid>`). Call before the first save.
@@ -156,7 +174,8 @@ class AsyncCheckpointer {
   // uses other communicators); every rank of it saves the same steps.
   AsyncCheckpointer(const CheckpointStore& store, comm::Communicator& group);
   // Joins the writer; a save not yet committed is abandoned (its directory stays
-  // `.incomplete`, swept at the next start).
+  // `.incomplete`: the next start commits it if every rank's files were written, else
+  // removes it).
   ~AsyncCheckpointer();
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
@@ -179,7 +198,8 @@ class AsyncCheckpointer {
   int64_t last_committed() const { return last_committed_; }
 
   // Fault-injection hooks, called on the writer thread: after this rank's files of
-  // `step` are durable (before the agreement), and after rank 0 committed `dir`.
+  // `step` are durable (before its done record and the agreement), and after rank 0
+  // committed `dir`.
   std::function<void(int64_t step)> on_files_written;
   std::function<void(const std::string& dir, int64_t step)> on_committed;
 
@@ -206,6 +226,7 @@ class AsyncCheckpointer {
   CheckpointContent content_;            // views; this rank copies its share
   std::vector<std::string> names_[2];    // model, optimizer: the manifest's
   nlohmann::json shards_;                // the manifest's "shards": every rank's row shards
+  nlohmann::json draft_;                 // rank 0's writer: the manifest less its "files"
   std::vector<NamedTensor> staging_[3];  // model, optimizer, row shards: reusable buffers
   // The agreements' buffers, written by the collective in flight: when it cannot be abandoned
   // (~AsyncCheckpointer, unwinding), they are left to the process exit, not freed under it.

@@ -160,9 +160,12 @@ std::vector<JsonLine> read_log(const std::string& path, int index, bool& cut_lin
   return records;
 }
 
-// The step of the newest complete checkpoint of the run (0 if none).
+// The step of the newest complete checkpoint of the run (0 if none), or of a newer save that
+// every rank wrote but no commit finished: the next start recovers and resumes from it.
 int64_t latest_checkpoint_step(const std::string& run_dir) {
-  auto latest = CheckpointStore(run_dir + "/checkpoints", 2).latest();
+  const CheckpointStore store(run_dir + "/checkpoints", 2);
+  if (const auto prepared = store.prepared()) return *prepared;
+  auto latest = store.latest();
   if (!latest) return 0;
   std::string name = fs::path(*latest).filename().string();
   return std::stoll(name.substr(5));

@@ -5,8 +5,8 @@
 // `fault.hang_steps`:
 //   kill_steps    rank `kill_rank` kills itself with SIGKILL right after its update of
 //                 that step (kill_in = "step"), or inside the checkpoint writer of that
-//                 step after its files are durable and before the manifest
-//                 (kill_in = "checkpoint_write");
+//                 step after its files are durable and before its done record and the
+//                 manifest, so the save is lost (kill_in = "checkpoint_write");
 //   kill_seconds  rank `kill_rank` kills itself that many seconds after the attempt began
 //                 (its process start, before MPI start-up). The timer is armed when the
 //                 trainer is built, so a deadline that passed during start-up fires then;

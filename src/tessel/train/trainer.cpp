@@ -478,17 +478,7 @@ struct Trainer::State {
         faults(config.fault, attempt, w.rank(), attempt_path(config.run.dir, attempt), t0) {
     model.set_expert_comm(&experts);
     const auto dirs = data_paths(config.data);
-    data::check_same_tokenizer(dirs);             // a mixture's ids must mean the same text
-    if (config.train.resume && store.latest()) {  // and a resumed run's, the same as before
-      try {
-        data::check_same_tokenizer({run_tokenizer_dir(config.run.dir), dirs[0]});
-      } catch (const InputError& e) {
-        input_error("the run's checkpoints were trained on the ids of ", config.run.dir,
-                    "/tokenizer, and data.path holds another tokenizer's: use data prepared with "
-                    "it, or a new run.dir (",
-                    e.what(), ")");
-      }
-    }
+    data::check_same_tokenizer(dirs);  // a mixture's ids must mean the same text
     if (loader.packed()) check_packed_samples_mask(dirs[0], config.data.attention_mask);
     for (int64_t d = 0; d < loader.sources(); ++d) {
       const bool sft = loader.packed(d);
@@ -516,6 +506,43 @@ struct Trainer::State {
       }
       faults.after_commit(dir, step);
     };
+  }
+
+  // A resumed run's ids must mean the same text as before. Once rank 0 has recovered or swept
+  // what the last job left (prepare_checkpoints).
+  void check_resumed_tokenizer() const {
+    if (!config.train.resume || !store.latest()) return;
+    try {
+      data::check_same_tokenizer({run_tokenizer_dir(config.run.dir), data_paths(config.data)[0]});
+    } catch (const InputError& e) {
+      input_error("the run's checkpoints were trained on the ids of ", config.run.dir,
+                  "/tokenizer, and data.path holds another tokenizer's: use data prepared with "
+                  "it, or a new run.dir (",
+                  e.what(), ")");
+    }
+  }
+
+  // What a killed run left, before any rank looks for a checkpoint: rank 0 commits a save that
+  // every rank finished writing (the job hung or died before agreeing on it), then removes
+  // half-written checkpoints and temporary files of atomic writes. Collective: the other ranks
+  // wait for it (and stop with its error).
+  void prepare_checkpoints() {
+    std::string failure;
+    if (is_root) {
+      try {
+        if (const auto step = store.recover_prepared())
+          std::fprintf(stderr,
+                       "tessel: the save of step %lld was written by every rank but not "
+                       "committed (the job ended first); recovered it as %s/step-%08lld\n",
+                       static_cast<long long>(*step), store.root().c_str(),
+                       static_cast<long long>(*step));
+        store.sweep_leftovers();
+        remove_temporary_files(config.run.dir);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    }
+    agree(failure, config.run.dir + ": rank 0 could not clean up after the last job");
   }
 
   // The leaves before the trainer existed: MPI start-up and config parsing (CLI).
@@ -983,11 +1010,8 @@ Trainer::Trainer(Config config, comm::Communicator& world, ProcessTimes times) {
   try {
     s_ = std::make_unique<State>(std::move(config), world, shape, times, *attempt_);
     State& s = *s_;
-    // What a killed run left: half-written checkpoints and temporary files of atomic writes.
-    if (s.is_root) {
-      s.store.sweep_leftovers();
-      remove_temporary_files(s.config.run.dir);
-    }
+    s.prepare_checkpoints();
+    s.check_resumed_tokenizer();
     s.ledger.enter(Phase::checkpoint_load);
     if (s.config.train.resume)
       s.resume();

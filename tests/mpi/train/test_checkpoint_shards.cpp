@@ -4,11 +4,14 @@
 // on load for any rank count.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
+#include <thread>
 
 #include "support/expect_input_error.hpp"
 #include "support/param_fixture.hpp"
@@ -286,6 +289,97 @@ TEST(CheckpointShards, Zero1RowShardsResumeBitwiseOnAnyRankCount) {
       world.barrier();
     }
   }
+}
+
+namespace {
+
+// Phase one of a save of `content` on every rank, and no phase two: each rank's writer writes
+// its files and done record, then every checkpointer is destroyed without a poll (the job hung
+// or died before the agreement). False on a rank whose writer did not finish in time.
+bool write_without_commit(comm::Communicator& world, const CheckpointStore& store,
+                          const CheckpointContent& content) {
+  auto group = world.split(0, world.rank());
+  bool written = false;
+  {
+    AsyncCheckpointer writer(store, *group);
+    writer.save(content);
+    char done[96];
+    std::snprintf(done, sizeof done, "/step-%08lld.incomplete/rank-%05d-of-%05d.done.json",
+                  static_cast<long long>(content.step), world.rank(), world.size());
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!(written = fs::exists(store.root() + done)) &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  world.barrier();
+  return written;
+}
+
+}  // namespace
+
+// A save that every rank finished writing but whose commit its job did not live to agree on is
+// committed by rank 0 at the next start, and resumes bitwise as the uninterrupted run (ZeRO-1
+// row shards and each rank's own tensors too), on the saving rank count and on one rank.
+// Without one rank's done record (it died in its write) the save is removed instead.
+TEST(CheckpointShards, ASaveEveryRankWroteIsRecoveredWhenItsJobEndedBeforeTheCommit) {
+  comm::Communicator& world = comm::world();
+  const int P = world.size(), me = world.rank();
+  Zero1 uninterrupted(optim::MuonVariant::muon, &world);
+  uninterrupted.run(10, 2);
+  uninterrupted.run(20, 3);
+  const std::string root = shared_dir(world) + "/checkpoints";
+  CheckpointStore store(root, 2);
+  store.save(world, replicated_state(1));
+  Zero1 saver(optim::MuonVariant::muon, &world);
+  saver.run(10, 2);
+  CheckpointContent content = saver.content(2);
+  auto own = [](int rank) {
+    Tensor t({3});
+    for (int64_t j = 0; j < 3; ++j) t.f32()[j] = float(100 * rank + j);
+    return NamedTensor{"own." + std::to_string(rank), t};
+  };
+  content.own_model = {own(me)};
+  EXPECT_TRUE(write_without_commit(world, store, content));
+  EXPECT_EQ(fs::path(store.latest().value_or("")).filename(), "step-00000001");
+  if (me == 0) {
+    EXPECT_EQ(store.recover_prepared(), std::optional<int64_t>(2));
+    store.sweep_leftovers();
+  }
+  world.barrier();
+  const std::string dir = root + "/step-00000002";
+  EXPECT_EQ(store.latest().value_or(""), dir);
+  const CheckpointContent back = CheckpointStore::load(dir);
+  for (int q = 0; q < P; ++q) {
+    const NamedTensor want = own(q);
+    Tensor got({3});
+    restore_tensor(back.model, want.name, got, dir);
+    EXPECT_EQ(std::memcmp(got.raw(), want.tensor.raw(), want.tensor.bytes()), 0) << want.name;
+  }
+  for (int resume_ranks : std::set<int>{1, P}) {
+    SCOPED_TRACE(testing::Message() << "resumed on " << resume_ranks);
+    auto group = world.split(me < resume_ranks ? 0 : 1, me);
+    if (me < resume_ranks) {
+      Zero1 resumed(optim::MuonVariant::muon, group.get());
+      resumed.restore(back, dir);
+      EXPECT_EQ(resumed.opt.step_count(), 2);
+      resumed.run(20, 3);
+      EXPECT_EQ(resumed.ps.snapshot(), uninterrupted.ps.snapshot());
+    }
+    world.barrier();
+  }
+
+  EXPECT_TRUE(write_without_commit(world, store, saver.content(3)));
+  if (me == 0) {
+    char done[64];
+    std::snprintf(done, sizeof done, "/rank-%05d-of-%05d.done.json", P - 1, P);
+    fs::remove(root + "/step-00000003.incomplete" + done);
+    EXPECT_FALSE(store.recover_prepared().has_value());
+    store.sweep_leftovers();
+    EXPECT_FALSE(fs::exists(root + "/step-00000003.incomplete"));
+  }
+  world.barrier();
+  EXPECT_EQ(store.latest().value_or(""), dir);
+  world.barrier();
 }
 
 // A checkpoint whose row shards do not describe their tensors once is refused with the

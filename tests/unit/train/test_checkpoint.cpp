@@ -1,7 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <sstream>
+#include <thread>
 
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
@@ -71,6 +76,32 @@ CheckpointContent content_at(int64_t step) {
   c.optimizer = {{"adamw.m/x", m}};
   c.state = {{"loader", {{"step", step}}}};
   return c;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+// Phase one of an asynchronous save of `content` on one rank, and no phase two: the writer
+// writes the files and their records, then the checkpointer is destroyed without a poll (its
+// job hung or died before the agreement). False when the writer did not finish in time.
+bool write_without_commit(const CheckpointStore& store, const CheckpointContent& content) {
+  comm::SingleCommunicator group;
+  AsyncCheckpointer writer(store, group);
+  writer.save(content);
+  char done[96];
+  std::snprintf(done, sizeof done, "/step-%08lld.incomplete/rank-00000-of-00001.done.json",
+                static_cast<long long>(content.step));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!fs::exists(store.root() + done))
+    if (std::chrono::steady_clock::now() > deadline)
+      return false;
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  return true;
 }
 
 }  // namespace
@@ -310,6 +341,93 @@ TEST(Checkpoint, SweepRemovesWhatAKilledSaveLeft) {
   EXPECT_FALSE(fs::exists(root + "/latest.tmp.12345"));
   EXPECT_TRUE(fs::exists(root + "/notes.tmp.txt"));
   EXPECT_TRUE(fs::exists(root + "/step-00000004/manifest.json"));
+}
+
+// A save whose files every rank finished (the draft and each rank's done record are there)
+// but that no agreement committed, the job having hung or died, is committed at the next
+// start: the same manifest a commit writes, the tensors bitwise, `latest` and retention.
+TEST(Checkpoint, RecoveryCommitsASaveEveryRankWroteButNoneCommitted) {
+  comm::SingleCommunicator group;
+  const std::string base = fixture::temp_dir("tessel-ckpt-recover");
+  CheckpointStore store(base + "/run/checkpoints", 2);
+  for (int64_t step : {2, 4}) store.save(group, content_at(step));
+  ASSERT_TRUE(write_without_commit(store, content_at(8)));
+  const std::string root = store.root();
+  EXPECT_TRUE(fs::exists(root + "/step-00000008.incomplete/manifest.draft.json"));
+  EXPECT_FALSE(fs::exists(root + "/step-00000008.incomplete/manifest.json"));
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000004");
+  EXPECT_EQ(store.prepared(), std::optional<int64_t>(8));
+
+  EXPECT_EQ(store.recover_prepared(), std::optional<int64_t>(8));
+  store.sweep_leftovers();
+  EXPECT_FALSE(fs::exists(root + "/step-00000008.incomplete"));
+  EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000008");
+  EXPECT_EQ(slurp(root + "/latest"), "step-00000008\n");
+  EXPECT_FALSE(fs::exists(root + "/step-00000002"));  // keep = 2
+  EXPECT_FALSE(store.prepared().has_value());
+  const auto loaded = store.load_newest_valid([](const std::string& why) { FAIL() << why; });
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->content.step, 8);
+  EXPECT_EQ(loaded->content.state, content_at(8).state);
+  expect_same_content(loaded->content, content_at(8));
+  // Exactly the manifest the writer's own commit writes.
+  CheckpointStore committed(base + "/committed/checkpoints", 2);
+  committed.save(group, content_at(8));
+  EXPECT_EQ(nlohmann::json::parse(slurp(root + "/step-00000008/manifest.json")),
+            nlohmann::json::parse(slurp(*committed.latest() + "/manifest.json")));
+  EXPECT_FALSE(store.recover_prepared().has_value());  // nothing left to recover
+}
+
+// Only a save every rank finished is recovered: without a rank's done record (it died in the
+// write), with a record of another step or rank count, one that does not parse, without the
+// draft, or at or below the newest complete checkpoint, the save is left to the sweep.
+TEST(Checkpoint, ASaveWithoutEveryRanksAgreeingRecordsIsNotRecovered) {
+  comm::SingleCommunicator group;
+  const std::string done = "/step-00000008.incomplete/rank-00000-of-00001.done.json";
+  const std::vector<std::pair<std::string, std::function<void(const std::string&)>>> cases = {
+      {"done record missing", [&](const std::string& root) { fs::remove(root + done); }},
+      {"done record of another step",
+       [&](const std::string& root) {
+         auto j = nlohmann::json::parse(slurp(root + done));
+         j["step"] = 12;
+         std::ofstream(root + done) << j.dump();
+       }},
+      {"done record of another rank count",
+       [&](const std::string& root) {
+         auto j = nlohmann::json::parse(slurp(root + done));
+         j["ranks"] = 2;
+         std::ofstream(root + done) << j.dump();
+       }},
+      {"done record cut short",
+       [&](const std::string& root) {
+         fs::resize_file(root + done, fs::file_size(root + done) / 2);
+       }},
+      {"done record naming another rank's file",
+       [&](const std::string& root) {
+         auto j = nlohmann::json::parse(slurp(root + done));
+         j["files"][0]["name"] = "model-00001-of-00002.safetensors";
+         std::ofstream(root + done) << j.dump();
+       }},
+      {"draft missing",
+       [&](const std::string& root) {
+         fs::remove(root + "/step-00000008.incomplete/manifest.draft.json");
+       }},
+      {"not newer than the newest checkpoint",
+       [&](const std::string& root) { CheckpointStore(root, 0).save(group, content_at(9)); }},
+  };
+  for (const auto& [what, damage] : cases) {
+    SCOPED_TRACE(what);
+    CheckpointStore store(fixture::temp_dir("tessel-ckpt-norecover") + "/checkpoints", 0);
+    store.save(group, content_at(4));
+    ASSERT_TRUE(write_without_commit(store, content_at(8)));
+    damage(store.root());
+    EXPECT_FALSE(store.prepared().has_value());
+    EXPECT_FALSE(store.recover_prepared().has_value());
+    store.sweep_leftovers();
+    EXPECT_FALSE(fs::exists(store.root() + "/step-00000008.incomplete"));
+    EXPECT_FALSE(fs::exists(store.root() + "/step-00000008"));
+    EXPECT_NE(fs::path(*store.latest()).filename(), "step-00000008");
+  }
 }
 
 TEST(Checkpoint, WritersSplitTheTensorsByBytes) {

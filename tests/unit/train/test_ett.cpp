@@ -17,6 +17,7 @@
 #include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
+#include "tessel/train/checkpoint.hpp"
 #include "tessel/train/ett.hpp"
 #include "tessel/train/metrics.hpp"
 #include "tessel/train/trainer.hpp"
@@ -283,6 +284,37 @@ TEST(EttLedger, AnEmptyAttemptLogIsRefusedLikeAMissingOne) {
       [&] { analyze_ett(run); },
       {attempt_path(run, 1) + ": empty ETT attempt log (attempt 1 of 2); the report would leave "
                               "its time and failure out"});
+}
+
+// A failed attempt that no later attempt followed: its durable step is the run's newest
+// checkpoint, or a newer save that every rank wrote and no commit finished (its draft and done
+// records, no manifest), which the next start recovers and resumes from.
+TEST(EttLedger, WithoutALaterAttemptTheDurableStepIsWhereTheNextStartResumes) {
+  const std::string run = killed_run(false);
+  const std::string a0 = attempt_path(run, 0);
+  line(a0, {{"event", "fault"}, {"t", 530 * ms}, {"rank", 1}, {"step", 5}, {"kind", "kill"}});
+  line(a0, {{"event", "exit"}, {"t", 600 * ms}, {"status", 137}});
+  comm::SingleCommunicator group;
+  CheckpointStore store(run + "/checkpoints", 0);
+  for (int64_t step : {2, 4}) {
+    CheckpointContent c;
+    c.step = step;
+    c.state = {{"loader", {{"step", step}, {"micro", 0}}}};
+    store.save(group, c);
+  }
+  const std::string four = store.root() + "/step-00000004";
+  auto durable = [&] {
+    const EttAttempt a = analyze_ett(run).attempts.at(0);
+    EXPECT_TRUE(a.failed);
+    EXPECT_EQ(a.wasted_steps, a.failure_step - a.durable_step);
+    return a.durable_step;
+  };
+  EXPECT_EQ(durable(), 4);
+  fs::remove(four + "/manifest.json");  // step 4 as its commit left it when the job died
+  fs::rename(four, four + ".incomplete");
+  EXPECT_EQ(durable(), 4);
+  fs::remove(four + ".incomplete/rank-00000-of-00001.done.json");  // a rank died in its write
+  EXPECT_EQ(durable(), 2);
 }
 
 // Each log begins with its own attempt line, has one exit line, and its times never go back
