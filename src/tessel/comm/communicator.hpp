@@ -79,6 +79,12 @@ template <class R>
 concept OutBuffer =
     InBuffer<R> && !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
 
+// A buffer a non-blocking call may go on using after it returns: an lvalue, or a view such as
+// std::span. A temporary vector would be destroyed while MPI still reads or writes it, so the
+// non-blocking forms refuse it at compile time.
+template <class R>
+concept LastingBuffer = std::ranges::borrowed_range<R>;
+
 template <class R>
 using buffer_elem_t = std::remove_cv_t<std::ranges::range_value_t<R>>;
 template <class A, class B>
@@ -263,7 +269,7 @@ class Communicator {
                op);
   }
   template <OutBuffer R>
-  Request iall_reduce(R&& data, ReduceOp op = ReduceOp::sum) {
+  requires LastingBuffer<R> Request iall_reduce(R&& data, ReduceOp op = ReduceOp::sum) {
     return iall_reduce(std::ranges::data(data), std::ranges::size(data),
                        elem_type_of<buffer_elem_t<R>>(), op);
   }
@@ -277,8 +283,8 @@ class Communicator {
                    elem_type_of<buffer_elem_t<R>>(), op);
   }
   template <InBuffer S, OutBuffer R>
-  requires SameElement<S, R> Request ireduce_scatter(const S& send, R&& recv,
-                                                     ReduceOp op = ReduceOp::sum) {
+  requires SameElement<S, R> && LastingBuffer<S> && LastingBuffer<R> Request
+  ireduce_scatter(S&& send, R&& recv, ReduceOp op = ReduceOp::sum) {
     check_blocks(std::ranges::size(send), std::ranges::size(recv), "ireduce_scatter");
     return ireduce_scatter(std::ranges::data(send), std::ranges::data(recv),
                            std::ranges::size(recv), elem_type_of<buffer_elem_t<R>>(), op);
@@ -293,7 +299,8 @@ class Communicator {
                elem_type_of<buffer_elem_t<R>>());
   }
   template <InBuffer S, OutBuffer R>
-  requires SameElement<S, R> Request iall_gather(const S& send, R&& recv) {
+  requires SameElement<S, R> && LastingBuffer<S> && LastingBuffer<R> Request iall_gather(S&& send,
+                                                                                         R&& recv) {
     check_blocks(std::ranges::size(recv), std::ranges::size(send), "iall_gather");
     return iall_gather(std::ranges::data(send), std::ranges::data(recv), std::ranges::size(send),
                        elem_type_of<buffer_elem_t<R>>());
@@ -308,8 +315,8 @@ class Communicator {
                 elem_type_of<buffer_elem_t<R>>());
   }
   template <InBuffer S, OutBuffer R>
-  requires SameElement<S, R> Request iall_gatherv(const S& send, R&& recv,
-                                                  std::span<const size_t> recv_counts) {
+  requires SameElement<S, R> && LastingBuffer<S> && LastingBuffer<R> Request
+  iall_gatherv(S&& send, R&& recv, std::span<const size_t> recv_counts) {
     check_gatherv(std::ranges::size(send), std::ranges::size(recv), recv_counts, "iall_gatherv");
     return iall_gatherv(std::ranges::data(send), std::ranges::data(recv), recv_counts,
                         elem_type_of<buffer_elem_t<R>>());
@@ -324,7 +331,8 @@ class Communicator {
                elem_type_of<buffer_elem_t<R>>());
   }
   template <InBuffer S, OutBuffer R>
-  requires SameElement<S, R> Request iall_to_all(const S& send, R&& recv) {
+  requires SameElement<S, R> && LastingBuffer<S> && LastingBuffer<R> Request iall_to_all(S&& send,
+                                                                                         R&& recv) {
     return iall_to_all(
         std::ranges::data(send), std::ranges::data(recv),
         check_all_to_all(std::ranges::size(send), std::ranges::size(recv), "iall_to_all"),
@@ -343,11 +351,9 @@ class Communicator {
                 recv_counts, recv_displs, elem_type_of<buffer_elem_t<R>>());
   }
   template <InBuffer S, OutBuffer R>
-  requires SameElement<S, R> Request iall_to_allv(const S& send,
-                                                  std::span<const size_t> send_counts,
-                                                  std::span<const size_t> send_displs, R&& recv,
-                                                  std::span<const size_t> recv_counts,
-                                                  std::span<const size_t> recv_displs) {
+  requires SameElement<S, R> && LastingBuffer<S> && LastingBuffer<R> Request
+  iall_to_allv(S&& send, std::span<const size_t> send_counts, std::span<const size_t> send_displs,
+               R&& recv, std::span<const size_t> recv_counts, std::span<const size_t> recv_displs) {
     check_all_to_allv(std::ranges::size(send), send_counts, send_displs, std::ranges::size(recv),
                       recv_counts, recv_displs, "iall_to_allv");
     return iall_to_allv(std::ranges::data(send), send_counts, send_displs, std::ranges::data(recv),
@@ -360,7 +366,7 @@ class Communicator {
               root);
   }
   template <OutBuffer R>
-  Request ibroadcast(R&& data, int root) {
+  requires LastingBuffer<R> Request ibroadcast(R&& data, int root) {
     return ibroadcast(std::ranges::data(data), std::ranges::size(data),
                       elem_type_of<buffer_elem_t<R>>(), root);
   }
@@ -371,7 +377,7 @@ class Communicator {
          tag);
   }
   template <InBuffer S>
-  Request isend(const S& data, int dest, int tag) {
+  requires LastingBuffer<S> Request isend(S&& data, int dest, int tag) {
     return isend(std::ranges::data(data), std::ranges::size(data), elem_type_of<buffer_elem_t<S>>(),
                  dest, tag);
   }
@@ -381,7 +387,7 @@ class Communicator {
          tag);
   }
   template <OutBuffer R>
-  Request irecv(R&& data, int source, int tag) {
+  requires LastingBuffer<R> Request irecv(R&& data, int source, int tag) {
     return irecv(std::ranges::data(data), std::ranges::size(data), elem_type_of<buffer_elem_t<R>>(),
                  source, tag);
   }

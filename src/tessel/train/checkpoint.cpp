@@ -553,10 +553,13 @@ std::optional<int64_t> CheckpointStore::recover_prepared() const {
   const auto& [dir, manifest] = *found;
   try {
     remove_temporary_files(dir.string());  // an earlier recovery's, cut short
-    commit_checkpoint(fs::path(root_), keep_, manifest);
-  } catch (const std::filesystem::filesystem_error& e) {
-    input_error(dir.string(),
-                ": cannot commit this save, which every rank finished writing: ", e.what());
+    // Without retention: the load has not verified this save yet, and a damaged one must not
+    // cost an older good checkpoint. The next save's commit applies it.
+    commit_checkpoint(fs::path(root_), 0, manifest);
+  } catch (const std::exception& e) {
+    input_error(dir.string(), ": cannot commit this save, which every rank finished writing (",
+                e.what(), "); fix the cause and start again, or remove ", dir.string(),
+                " to resume from the checkpoint before it");
   }
   return manifest.at("step").get<int64_t>();
 }
@@ -847,7 +850,15 @@ CheckpointStore::Loaded load_run_checkpoint(const std::string& path) {
   // keep only matters for saving; 2 is the smallest the store accepts.
   auto loaded = CheckpointStore(path + "/checkpoints", 2)
                     .load_newest_valid(warn_on_stderr, CheckpointParts::model);
-  if (!loaded) input_error(path, ": no complete checkpoint under ", path, "/checkpoints");
+  if (!loaded) {
+    const CheckpointStore store(path + "/checkpoints", 2);
+    const auto prepared = store.prepared();
+    input_error(path, ": no complete checkpoint under ", path, "/checkpoints",
+                prepared ? " (" + step_name(*prepared) +
+                               ".incomplete holds a save that every rank wrote: a training start "
+                               "with train.resume = true commits it)"
+                         : "");
+  }
   return std::move(*loaded);
 }
 

@@ -530,12 +530,17 @@ struct Trainer::State {
     std::string failure;
     if (is_root) {
       try {
-        if (const auto step = store.recover_prepared())
+        if (const auto step = store.recover_prepared()) {
           std::fprintf(stderr,
                        "tessel: the save of step %lld was written by every rank but not "
-                       "committed (the job ended first); recovered it as %s/step-%08lld\n",
+                       "committed (its job ended before the commit); recovered it as "
+                       "%s/step-%08lld\n",
                        static_cast<long long>(*step), store.root().c_str(),
                        static_cast<long long>(*step));
+          // The run has a checkpoint of its own now, as after any commit: the init pin is done.
+          std::error_code ignored;
+          fs::remove(config.run.dir + "/init.json", ignored);
+        }
         store.sweep_leftovers();
         remove_temporary_files(config.run.dir);
       } catch (const std::exception& e) {

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "tessel/comm/single_communicator.hpp"
@@ -151,11 +153,79 @@ TEST(Single, RejectsBadArguments) {
   EXPECT_THROW(comm.recv(a, -1, 0), Error);
 }
 
+// The non-blocking typed forms take lvalues and views, whose memory outlives the call, and
+// refuse temporaries that own their elements (MPI would go on using freed memory); the
+// blocking forms take both. Each kX<B>: whether X takes a buffer of type B (B&& forwarded) in
+// one of its buffer positions. A failing static_assert fails the build.
+using Counts = std::span<const size_t>;
+template <class B>
+constexpr bool kIsend = requires(Communicator& c, B&& b) {
+  c.isend(std::forward<B>(b), 0, 0);
+};
+template <class B>
+constexpr bool kIrecv = requires(Communicator& c, B&& b) {
+  c.irecv(std::forward<B>(b), 0, 0);
+};
+template <class B>
+constexpr bool kIallReduce = requires(Communicator& c, B&& b) {
+  c.iall_reduce(std::forward<B>(b));
+};
+template <class B>
+constexpr bool kIbroadcast = requires(Communicator& c, B&& b) {
+  c.ibroadcast(std::forward<B>(b), 0);
+};
+template <class B>
+constexpr bool kIallGatherSend = requires(Communicator& c, B&& b, std::vector<float>& v) {
+  c.iall_gather(std::forward<B>(b), v);
+};
+template <class B>
+constexpr bool kIallGatherRecv = requires(Communicator& c, B&& b, std::vector<float>& v) {
+  c.iall_gather(v, std::forward<B>(b));
+};
+template <class B>
+constexpr bool kIreduceScatter = requires(Communicator& c, B&& b, std::vector<float>& v) {
+  c.ireduce_scatter(std::forward<B>(b), v);
+};
+template <class B>
+constexpr bool kIallGathervRecv = requires(Communicator& c, B&& b, std::vector<float>& v,
+                                           Counts n) {
+  c.iall_gatherv(v, std::forward<B>(b), n);
+};
+template <class B>
+constexpr bool kIallToAllRecv = requires(Communicator& c, B&& b, std::vector<float>& v) {
+  c.iall_to_all(v, std::forward<B>(b));
+};
+template <class B>
+constexpr bool kIallToAllvSend = requires(Communicator& c, B&& b, std::vector<float>& v, Counts n) {
+  c.iall_to_allv(std::forward<B>(b), n, n, v, n, n);
+};
+template <class B>
+constexpr bool kEveryNonBlockingForm =
+    kIsend<B>&& kIrecv<B>&& kIallReduce<B>&& kIbroadcast<B>&& kIallGatherSend<B>&& kIallGatherRecv<
+        B>&& kIreduceScatter<B>&& kIallGathervRecv<B>&& kIallToAllRecv<B>&& kIallToAllvSend<B>;
+template <class B>
+constexpr bool kAnyNonBlockingForm =
+    kIsend<B> || kIrecv<B> || kIallReduce<B> || kIbroadcast<B> || kIallGatherSend<B> ||
+    kIallGatherRecv<B> || kIreduceScatter<B> || kIallGathervRecv<B> || kIallToAllRecv<B> ||
+    kIallToAllvSend<B>;
+template <class B>
+constexpr bool kBlockingSendAndReduce = requires(Communicator& c, B&& b) {
+  c.send(std::forward<B>(b), 0, 0);
+  c.all_reduce(std::forward<B>(b));
+};
+static_assert(kEveryNonBlockingForm<std::vector<float>&>);
+static_assert(kEveryNonBlockingForm<std::span<float>>);
+static_assert(!kAnyNonBlockingForm<std::vector<float>>);
+static_assert(kBlockingSendAndReduce<std::vector<float>>);
+
 TEST(Single, SendRecvToSelfMatchesByTagInOrder) {
   SingleCommunicator comm;
   comm.send(std::vector<int32_t>{1, 2}, 0, 7);
   comm.send(std::vector<int32_t>{3, 4}, 0, 9);
-  comm.isend(std::vector<int32_t>{5, 6}, 0, 7).wait();  // queued copy: the temporary may go
+  std::vector<int32_t> five_six{5, 6};
+  Request queued = comm.isend(five_six, 0, 7);
+  five_six.assign(2, 0);  // a queued copy: the buffer is free once isend returns
+  queued.wait();
   std::vector<int32_t> got(2);
   comm.recv(got, 0, 9);
   EXPECT_EQ(got, (std::vector<int32_t>{3, 4}));

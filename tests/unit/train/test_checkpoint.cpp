@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "support/expect_input_error.hpp"
 #include "support/train_fixture.hpp"
 #include "tessel/comm/single_communicator.hpp"
 #include "tessel/core/error.hpp"
@@ -363,7 +364,7 @@ TEST(Checkpoint, RecoveryCommitsASaveEveryRankWroteButNoneCommitted) {
   EXPECT_FALSE(fs::exists(root + "/step-00000008.incomplete"));
   EXPECT_EQ(fs::path(*store.latest()).filename(), "step-00000008");
   EXPECT_EQ(slurp(root + "/latest"), "step-00000008\n");
-  EXPECT_FALSE(fs::exists(root + "/step-00000002"));  // keep = 2
+  EXPECT_TRUE(fs::exists(root + "/step-00000002"));  // retention waits for the next commit
   EXPECT_FALSE(store.prepared().has_value());
   const auto loaded = store.load_newest_valid([](const std::string& why) { FAIL() << why; });
   ASSERT_TRUE(loaded.has_value());
@@ -376,6 +377,55 @@ TEST(Checkpoint, RecoveryCommitsASaveEveryRankWroteButNoneCommitted) {
   EXPECT_EQ(nlohmann::json::parse(slurp(root + "/step-00000008/manifest.json")),
             nlohmann::json::parse(slurp(*committed.latest() + "/manifest.json")));
   EXPECT_FALSE(store.recover_prepared().has_value());  // nothing left to recover
+  store.save(group, content_at(12));
+  EXPECT_FALSE(fs::exists(root + "/step-00000002"));  // keep = 2
+  EXPECT_FALSE(fs::exists(root + "/step-00000004"));
+  EXPECT_TRUE(fs::exists(root + "/step-00000008"));
+}
+
+// generate, eval and export only load committed checkpoints; when a run's only save waits for a
+// training start to commit it, their error says so.
+TEST(Checkpoint, AReadOnlyLoadNamesASaveThatOnlyATrainingStartCommits) {
+  const std::string run = fixture::temp_dir("tessel-ckpt-readonly");
+  CheckpointStore store(run + "/checkpoints", 2);
+  ASSERT_TRUE(write_without_commit(store, content_at(4)));
+  fixture::expect_input_error(
+      [&] { load_run_checkpoint(run); },
+      {run + ": no complete checkpoint under " + run + "/checkpoints",
+       "step-00000004.incomplete holds a save that every rank wrote: a training start with "
+       "train.resume = true commits it"});
+  fs::remove(store.root() + "/step-00000004.incomplete/rank-00000-of-00001.done.json");
+  try {
+    load_run_checkpoint(run);
+    ADD_FAILURE() << "no InputError";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()).find("incomplete"), std::string::npos) << e.what();
+  }
+}
+
+// A recovered save whose files the storage damaged fails the load's verification like any
+// checkpoint, and costs nothing else: the resume falls back to the one before, and every older
+// checkpoint is still there (the recovery applied no retention).
+TEST(Checkpoint, ADamagedRecoveredSaveFallsBackAndKeepsTheOlderCheckpoints) {
+  comm::SingleCommunicator group;
+  CheckpointStore store(fixture::temp_dir("tessel-ckpt-recover-damaged") + "/checkpoints", 2);
+  for (int64_t step : {2, 4}) store.save(group, content_at(step));
+  ASSERT_TRUE(write_without_commit(store, content_at(8)));
+  const std::string root = store.root();
+  const std::string model = root + "/step-00000008.incomplete/model-00000-of-00001.safetensors";
+  fs::resize_file(model, fs::file_size(model) / 2);
+  EXPECT_EQ(store.recover_prepared(), std::optional<int64_t>(8));
+  std::vector<std::string> warnings;
+  const auto loaded =
+      store.load_newest_valid([&](const std::string& why) { warnings.push_back(why); });
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->content.step, 4);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("step-00000008"), std::string::npos) << warnings[0];
+  store.discard_newer_than(loaded->dir);
+  EXPECT_FALSE(fs::exists(root + "/step-00000008"));
+  EXPECT_TRUE(fs::exists(root + "/step-00000002"));
+  EXPECT_TRUE(fs::exists(root + "/step-00000004"));
 }
 
 // Only a save every rank finished is recovered: without a rank's done record (it died in the
