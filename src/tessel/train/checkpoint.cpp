@@ -157,6 +157,12 @@ nlohmann::json finish_manifest(nlohmann::json draft, const std::vector<int64_t>&
 fs::path commit_checkpoint(const fs::path& root, int64_t keep, const nlohmann::json& manifest) {
   const std::string step = step_name(manifest.at("step").get<int64_t>());
   const fs::path final_dir = root / step, tmp = root / (step + ".incomplete");
+  // A step-N without a manifest is no checkpoint tessel committed (a hand-made one): left
+  // as it is, never deleted to make room.
+  if (fs::exists(final_dir) && !fs::exists(final_dir / kManifest))
+    input_error(final_dir.string(),
+                " exists without a manifest (not a checkpoint tessel committed): move it away "
+                "to commit the save of that step");
   write_file_atomically((tmp / kManifest).string(), manifest.dump(2));
   if (fs::exists(final_dir)) remove_checkpoint(final_dir);
   fs::rename(tmp, final_dir);
@@ -167,6 +173,13 @@ fs::path commit_checkpoint(const fs::path& root, int64_t keep, const nlohmann::j
     for (size_t i = 0; i + size_t(keep) < dirs.size(); ++i) remove_checkpoint(dirs[i]);
   }
   return final_dir;
+}
+
+// Whether the commit of `step` got as far as its rename: a failure after it (`latest`,
+// retention, an fsync) leaves the save committed, and a restart resumes from it.
+bool renamed_to_final(const fs::path& root, int64_t step) {
+  return !fs::exists(root / (step_name(step) + ".incomplete")) &&
+         fs::exists(root / step_name(step) / kManifest);
 }
 
 // A JSON file, or null when it is missing or does not parse.
@@ -205,7 +218,11 @@ std::optional<nlohmann::json> prepared_manifest(const fs::path& dir, int64_t ste
         if (k == kFiles || record[1 + 2 * k] >= 0) return std::nullopt;
         record[1 + 2 * k] = f.at("bytes").get<int64_t>();
         record[2 + 2 * k] = f.at("crc32").get<uint32_t>();
-        if (record[1 + 2 * k] < 0) return std::nullopt;
+        // The file as its rank recorded it (the CRC is the load's to check): one that the
+        // storage lost or cut short makes the save lost, not a checkpoint that fails to load.
+        if (record[1 + 2 * k] < 0 || !fs::is_regular_file(dir / name) ||
+            int64_t(fs::file_size(dir / name)) != record[1 + 2 * k])
+          return std::nullopt;
       }
       if (record[1] < 0 || record[3] < 0) return std::nullopt;  // model, optimizer: always
     }
@@ -557,6 +574,11 @@ std::optional<int64_t> CheckpointStore::recover_prepared() const {
     // cost an older good checkpoint. The next save's commit applies it.
     commit_checkpoint(fs::path(root_), 0, manifest);
   } catch (const std::exception& e) {
+    const int64_t step = manifest.at("step").get<int64_t>();
+    if (renamed_to_final(fs::path(root_), step))
+      input_error((fs::path(root_) / step_name(step)).string(),
+                  ": committed this save, which every rank finished writing, but then failed (",
+                  e.what(), "); fix the cause and start again: the run resumes from it");
     input_error(dir.string(), ": cannot commit this save, which every rank finished writing (",
                 e.what(), "); fix the cause and start again, or remove ", dir.string(),
                 " to resume from the checkpoint before it");
@@ -777,7 +799,17 @@ void AsyncCheckpointer::advance(bool block) {
         break;
       case Stage::agree_commit:
         if (!request_done()) return;
-        if (agreement_->flag != 1) fail(failure_.empty() ? "rank 0 failed to commit it" : failure_);
+        if (agreement_->flag != 1) {
+          const std::string why = failure_.empty() ? "rank 0 failed to commit it" : failure_;
+          if (renamed_to_final(fs::path(store_.root()), content_.step)) {
+            stage_ = Stage::idle;
+            input_error("checkpoint ",
+                        (fs::path(store_.root()) / step_name(content_.step)).string(),
+                        " is committed, but rank 0 failed after its rename: ", why,
+                        " (a restart resumes from it)");
+          }
+          fail(why);
+        }
         last_committed_ = content_.step;
         stage_ = Stage::idle;
         return;

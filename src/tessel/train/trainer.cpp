@@ -531,15 +531,17 @@ struct Trainer::State {
     if (is_root) {
       try {
         if (const auto step = store.recover_prepared()) {
+          char name[32];
+          std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(*step));
+          const std::string dir = store.root() + "/" + name;
           std::fprintf(stderr,
                        "tessel: the save of step %lld was written by every rank but not "
-                       "committed (its job ended before the commit); recovered it as "
-                       "%s/step-%08lld\n",
-                       static_cast<long long>(*step), store.root().c_str(),
-                       static_cast<long long>(*step));
+                       "committed (its job ended before the commit); recovered it as %s\n",
+                       static_cast<long long>(*step), dir.c_str());
           // The run has a checkpoint of its own now, as after any commit: the init pin is done.
           std::error_code ignored;
           fs::remove(config.run.dir + "/init.json", ignored);
+          faults.after_commit(dir, *step);  // fault.corrupt_step strikes a recovered save too
         }
         store.sweep_leftovers();
         remove_temporary_files(config.run.dir);

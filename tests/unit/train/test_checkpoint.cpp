@@ -383,6 +383,29 @@ TEST(Checkpoint, RecoveryCommitsASaveEveryRankWroteButNoneCommitted) {
   EXPECT_TRUE(fs::exists(root + "/step-00000008"));
 }
 
+// A recovery that cannot commit says where the save stands: a hand-made step-N without a
+// manifest is refused and left as it is (never deleted to make room), and a failure after the
+// rename (here `latest` cannot be written) names the committed directory a restart resumes from.
+TEST(Checkpoint, ARecoveryThatCannotCommitSaysWhereTheSaveStands) {
+  CheckpointStore store(fixture::temp_dir("tessel-ckpt-recover-fails") + "/checkpoints", 2);
+  ASSERT_TRUE(write_without_commit(store, content_at(8)));
+  const std::string root = store.root(), final_dir = root + "/step-00000008";
+  fs::create_directories(final_dir);
+  std::ofstream(final_dir + "/NOTES.txt") << "mine\n";
+  fixture::expect_input_error([&] { store.recover_prepared(); },
+                              {root + "/step-00000008.incomplete: cannot commit this save",
+                               final_dir + " exists without a manifest", "move it away"});
+  EXPECT_TRUE(fs::exists(final_dir + "/NOTES.txt"));
+  EXPECT_TRUE(fs::exists(root + "/step-00000008.incomplete"));
+  fs::remove_all(final_dir);
+  fs::remove(root + "/latest");
+  fs::create_directories(root + "/latest/in-the-way");
+  fixture::expect_input_error([&] { store.recover_prepared(); },
+                              {final_dir + ": committed this save", "the run resumes from it"});
+  EXPECT_TRUE(fs::exists(final_dir + "/manifest.json"));
+  EXPECT_FALSE(fs::exists(root + "/step-00000008.incomplete"));
+}
+
 // generate, eval and export only load committed checkpoints; when a run's only save waits for a
 // training start to commit it, their error says so.
 TEST(Checkpoint, AReadOnlyLoadNamesASaveThatOnlyATrainingStartCommits) {
@@ -413,7 +436,14 @@ TEST(Checkpoint, ADamagedRecoveredSaveFallsBackAndKeepsTheOlderCheckpoints) {
   ASSERT_TRUE(write_without_commit(store, content_at(8)));
   const std::string root = store.root();
   const std::string model = root + "/step-00000008.incomplete/model-00000-of-00001.safetensors";
-  fs::resize_file(model, fs::file_size(model) / 2);
+  {  // one bit of the last byte flipped: the size its rank recorded, another CRC
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    char c = 0;
+    f.get(c);
+    f.seekp(-1, std::ios::end);
+    f.put(char(c ^ 0x01));
+  }
   EXPECT_EQ(store.recover_prepared(), std::optional<int64_t>(8));
   std::vector<std::string> warnings;
   const auto loaded =
@@ -457,6 +487,12 @@ TEST(Checkpoint, ASaveWithoutEveryRanksAgreeingRecordsIsNotRecovered) {
          auto j = nlohmann::json::parse(slurp(root + done));
          j["files"][0]["name"] = "model-00001-of-00002.safetensors";
          std::ofstream(root + done) << j.dump();
+       }},
+      {"a file shorter than its done record says",
+       [&](const std::string& root) {
+         const std::string model =
+             root + "/step-00000008.incomplete/model-00000-of-00001.safetensors";
+         fs::resize_file(model, fs::file_size(model) - 1);
        }},
       {"draft missing",
        [&](const std::string& root) {
