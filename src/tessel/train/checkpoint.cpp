@@ -558,6 +558,10 @@ void CheckpointStore::save(comm::Communicator& group, const CheckpointContent& c
   writer.wait();
 }
 
+std::string CheckpointStore::step_dir(int64_t step) const {
+  return (fs::path(root_) / step_name(step)).string();
+}
+
 std::optional<int64_t> CheckpointStore::prepared() const {
   const auto found = newest_prepared(fs::path(root_));
   if (!found) return std::nullopt;
@@ -576,7 +580,7 @@ std::optional<int64_t> CheckpointStore::recover_prepared() const {
   } catch (const std::exception& e) {
     const int64_t step = manifest.at("step").get<int64_t>();
     if (renamed_to_final(fs::path(root_), step))
-      input_error((fs::path(root_) / step_name(step)).string(),
+      input_error(step_dir(step),
                   ": committed this save, which every rank finished writing, but then failed (",
                   e.what(), "); fix the cause and start again: the run resumes from it");
     input_error(dir.string(), ": cannot commit this save, which every rank finished writing (",
@@ -740,8 +744,7 @@ void AsyncCheckpointer::wait() {
 
 void AsyncCheckpointer::fail(const std::string& why) {
   stage_ = Stage::idle;
-  input_error("checkpoint ", (fs::path(store_.root()) / step_name(content_.step)).string(),
-              " not saved: ", why);
+  input_error("checkpoint ", store_.step_dir(content_.step), " not saved: ", why);
 }
 
 // The commit protocol, run by the training thread: each stage either completes (and the
@@ -803,8 +806,7 @@ void AsyncCheckpointer::advance(bool block) {
           const std::string why = failure_.empty() ? "rank 0 failed to commit it" : failure_;
           if (renamed_to_final(fs::path(store_.root()), content_.step)) {
             stage_ = Stage::idle;
-            input_error("checkpoint ",
-                        (fs::path(store_.root()) / step_name(content_.step)).string(),
+            input_error("checkpoint ", store_.step_dir(content_.step),
                         " is committed, but rank 0 failed after its rename: ", why,
                         " (a restart resumes from it)");
           }
@@ -880,10 +882,9 @@ CheckpointStore::Loaded load_run_checkpoint(const std::string& path) {
     return {path, CheckpointStore::load(path, CheckpointParts::model)};
   }
   // keep only matters for saving; 2 is the smallest the store accepts.
-  auto loaded = CheckpointStore(path + "/checkpoints", 2)
-                    .load_newest_valid(warn_on_stderr, CheckpointParts::model);
+  const CheckpointStore store(path + "/checkpoints", 2);
+  auto loaded = store.load_newest_valid(warn_on_stderr, CheckpointParts::model);
   if (!loaded) {
-    const CheckpointStore store(path + "/checkpoints", 2);
     const auto prepared = store.prepared();
     input_error(path, ": no complete checkpoint under ", path, "/checkpoints",
                 prepared ? " (" + step_name(*prepared) +

@@ -152,6 +152,8 @@ class CheckpointStore {
   void sweep_leftovers() const;
 
   const std::string& root() const { return root_; }
+  // Where the checkpoint of `step` lives (or will): <root>/step-NNNNNNNN.
+  std::string step_dir(int64_t step) const;
   int64_t keep() const { return keep_; }
 
  private:

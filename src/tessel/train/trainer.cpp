@@ -531,9 +531,7 @@ struct Trainer::State {
     if (is_root) {
       try {
         if (const auto step = store.recover_prepared()) {
-          char name[32];
-          std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(*step));
-          const std::string dir = store.root() + "/" + name;
+          const std::string dir = store.step_dir(*step);
           std::fprintf(stderr,
                        "tessel: the save of step %lld was written by every rank but not "
                        "committed (its job ended before the commit); recovered it as %s\n",

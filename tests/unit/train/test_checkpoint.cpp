@@ -1,7 +1,6 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -93,11 +92,10 @@ bool write_without_commit(const CheckpointStore& store, const CheckpointContent&
   comm::SingleCommunicator group;
   AsyncCheckpointer writer(store, group);
   writer.save(content);
-  char done[96];
-  std::snprintf(done, sizeof done, "/step-%08lld.incomplete/rank-00000-of-00001.done.json",
-                static_cast<long long>(content.step));
+  const std::string done =
+      store.step_dir(content.step) + ".incomplete/rank-00000-of-00001.done.json";
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!fs::exists(store.root() + done))
+  while (!fs::exists(done))
     if (std::chrono::steady_clock::now() > deadline)
       return false;
     else
